@@ -1,0 +1,355 @@
+"""The experiment schema: one typed pydantic model for everything a GRPO run needs.
+
+Loaded from YAML files in ``configs/`` with dotted command-line overrides
+(``algorithm.kl_coef=0.001``), in the style of torchtitan's job config and prime-rl's
+pydantic configs. A bad key or value fails at load time with the field's dotted path and,
+where the field is a choice, the allowed values.
+
+This module must never import Prefect, MLflow or torch: it is read by every layer and by
+the CLI before anything heavy starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "ConfigError",
+    "ExperimentConfig",
+    "apply_overrides",
+    "config_digest",
+    "flatten",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration problem a user can fix; the message names the field and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """The policy model to start from."""
+
+    path: str = Field(
+        "embedded:tiny",
+        description="HF hub id, local HF directory, or `embedded:tiny` to build the demo model.",
+    )
+    name: str = Field("grpoflow-tiny", description="Registered model name for the final export.")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+    # Knobs of the embedded tiny model (used only when path is `embedded:tiny`).
+    tiny_hidden_size: int = Field(128, ge=16)
+    tiny_layers: int = Field(4, ge=1)
+    tiny_heads: int = Field(4, ge=1)
+    tiny_kv_heads: int = Field(2, ge=1)
+    tiny_intermediate_size: int = Field(384, ge=16)
+    tiny_vocab_size: int = Field(256, ge=64)
+    tiny_sft_steps: int = Field(600, ge=0, description="Cap on warm-start supervised steps.")
+    tiny_target_accuracy: float = Field(
+        0.3, gt=0.0, le=1.0, description="Warm start stops at this held-out greedy accuracy."
+    )
+    seed: int = 0
+
+
+class DataConfig(_Section):
+    """Where prompts come from and how they are rendered."""
+
+    source: str = Field(
+        "synthetic",
+        description="`synthetic`, an HF dataset name, a local dataset dir, .jsonl or .parquet.",
+    )
+    subset: str | None = None
+    train_split: str = "train"
+    eval_split: str = "test"
+    eval_source: str | None = Field(None, description="Defaults to `source` with `eval_split`.")
+    question_field: str = "question"
+    answer_field: str = "answer"
+    id_field: str | None = "id"
+    max_train_examples: int | None = Field(None, ge=1)
+    max_bad_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    system_prompt: str | None = None
+    use_chat_template: bool | None = None
+    max_prompt_tokens: int = Field(256, ge=1)
+    # Synthetic generator knobs.
+    synthetic_train_size: int = Field(3000, ge=1)
+    synthetic_test_size: int = Field(300, ge=1)
+    synthetic_digits: tuple[int, int] = (1, 1)
+    synthetic_operations: list[Literal["+", "-", "*"]] = ["+", "-"]
+    synthetic_steps: tuple[int, int] = (1, 2)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_ranges(self) -> DataConfig:
+        for name in ("synthetic_digits", "synthetic_steps"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} must be (low, high) with 1 <= low <= high, got {lo, hi}")
+        return self
+
+
+class RolloutConfig(_Section):
+    """The rollout plane: which engine samples and with what sampling parameters."""
+
+    engine: Literal["local", "embedded", "sglang"] = Field(
+        "local",
+        description="`local`: in-process sampler; `embedded`/`sglang`: HTTP engines.",
+    )
+    n_samples: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    max_new_tokens: int = Field(32, ge=1)
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    micro_batch_size: int = Field(256, ge=1, description="Sequences decoded together.")
+    timeout_s: float = Field(600.0, gt=0)
+
+
+class TrainConfig(_Section):
+    """The training plane and the loop around it."""
+
+    backend: Literal["torch", "megatron"] = "torch"
+    steps: int = Field(60, ge=0)
+    prompts_per_step: int = Field(32, ge=1)
+    lr: float = Field(1e-4, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    grad_clip: float = Field(1.0, gt=0.0)
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per GRPO step.")
+    ppo_epochs: int = Field(1, ge=1)
+    micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward.")
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads.")
+    seed: int = 0
+
+
+class AlgorithmConfig(_Section):
+    """The GRPO objective and its variants (Dr.GRPO, DAPO, GSPO, TIS)."""
+
+    advantage: Literal["grpo", "drgrpo"] = "grpo"
+    kl_coef: float = Field(0.0, ge=0.0)
+    kl_kind: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0)
+    clip_high: float = Field(0.2, ge=0.0)
+    dual_clip: float | None = Field(None, gt=1.0)
+    ratio_type: Literal["token", "sequence"] = "token"
+    loss_agg: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    entropy_coef: float = Field(0.0, ge=0.0)
+    tis_cap: float | None = Field(None, gt=0.0, description="Truncated IS cap; None = off.")
+    tis_level: Literal["token", "sequence"] = "token"
+
+
+class RewardConfig(_Section):
+    """How completions are scored."""
+
+    fn: str = Field("gsm8k", description="`gsm8k`, `format`, or `package.module:function`.")
+    format_weight: float = Field(0.0, ge=0.0)
+    timeout_s: float = Field(5.0, gt=0.0)
+
+
+class EvalConfig(_Section):
+    """Held-out evaluation: greedy pass@1 and sampled pass@k."""
+
+    every: int = Field(10, ge=0, description="Evaluate every N steps; 0 = only before/after.")
+    num_examples: int = Field(200, ge=1)
+    pass_k: int = Field(4, ge=1)
+    pass_k_examples: int = Field(64, ge=0)
+    temperature: float = Field(1.0, ge=0.0)
+    max_new_tokens: int | None = Field(None, ge=1)
+
+
+class CheckpointConfig(_Section):
+    """Where checkpoints go and how often."""
+
+    every: int = Field(0, ge=0, description="Save every N steps; 0 = only at the end.")
+    keep_last: int = Field(2, ge=1)
+    uri: str | None = Field(None, description="Defaults to <run_dir>/checkpoints.")
+
+
+class ClusterConfig(_Section):
+    """Where the planes run (Ray arrives in a later issue)."""
+
+    mode: Literal["local"] = "local"
+    address: str | None = None
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+
+
+class StorageConfig(_Section):
+    """Durable storage root for data, models and checkpoints."""
+
+    root: str = Field("runs", description="Local directory (or s3:// once storage lands).")
+    cache_dir: str = Field(".cache/grpoflow", description="Prepared data and built models.")
+
+
+class TrackingConfig(_Section):
+    """Experiment tracking (MLflow lands in a later issue)."""
+
+    backend: Literal["none", "mlflow"] = "none"
+    uri: str | None = None
+    experiment: str | None = None
+
+
+class ExperimentConfig(_Section):
+    """A whole GRPO experiment."""
+
+    name: str = "grpoflow"
+    run_name: str | None = Field(None, description="Defaults to `<name>-<timestamp>`.")
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    train: TrainConfig = TrainConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    reward: RewardConfig = RewardConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    storage: StorageConfig = StorageConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> ExperimentConfig:
+        if self.algorithm.advantage == "grpo" and self.rollout.n_samples < 2:
+            raise ValueError(
+                "rollout.n_samples must be >= 2 for GRPO advantages (a group of one has no "
+                "baseline); set rollout.n_samples=2 or more"
+            )
+        if self.algorithm.clip_low > self.algorithm.clip_high and self.algorithm.clip_high > 0:
+            # DAPO's clip-higher raises clip_high; a lower high bound is almost always a typo.
+            raise ValueError(
+                f"algorithm.clip_low ({self.algorithm.clip_low}) must not exceed "
+                f"algorithm.clip_high ({self.algorithm.clip_high})"
+            )
+        rollouts = self.train.prompts_per_step * self.rollout.n_samples
+        if rollouts % self.train.mini_batches:
+            raise ValueError(
+                f"train.prompts_per_step * rollout.n_samples ({rollouts}) must be divisible by "
+                f"train.mini_batches ({self.train.mini_batches})"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _format_error(err: ValidationError, origin: str) -> str:
+    lines = [f"invalid config ({origin}):"]
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+            parent = _section_for(e["loc"][:-1])
+            if parent is not None:
+                msg += f"; allowed keys: {', '.join(sorted(parent.model_fields))}"
+        elif e["type"] == "literal_error":
+            allowed = e.get("ctx", {}).get("expected")
+            msg = f"got {e.get('input')!r}; allowed values: {allowed}"
+        elif "input" in e and not isinstance(e["input"], dict):
+            msg += f" (got {e['input']!r})"
+        lines.append(f"  {path}: {msg}")
+    return "\n".join(lines)
+
+
+def _section_for(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    cls: type[BaseModel] = ExperimentConfig
+    for part in loc:
+        field = cls.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        cls = ann
+    return cls
+
+
+def _parse_value(raw: str) -> Any:
+    """Parse an override's value as YAML so `0.001`, `true`, `[1, 2]` and `null` work."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides to a nested dict (a copy is returned)."""
+    out = json.loads(json.dumps(data))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(
+                f"override {item!r} is not of the form section.key=value "
+                "(for example algorithm.kl_coef=0.001)"
+            )
+        key, raw = item.split("=", 1)
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise ConfigError(f"override {item!r} has an empty key")
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(
+                    f"override {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section"
+                )
+            node = child
+        node[parts[-1]] = _parse_value(raw)
+    return out
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> ExperimentConfig:
+    """Load a YAML config (or the defaults when ``path`` is None) and apply overrides."""
+    data: dict[str, Any] = {}
+    origin = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist (try configs/tiny-cpu.yaml)")
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+        data = loaded or {}
+        origin = str(p)
+    if overrides:
+        data = apply_overrides(data, overrides)
+        origin += " + overrides " + " ".join(overrides)
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc, origin)) from None
+
+
+def flatten(cfg: BaseModel | dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Flatten a config to dotted keys (for tracking params and run summaries)."""
+    data = cfg.model_dump(mode="json") if isinstance(cfg, BaseModel) else cfg
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def config_digest(cfg: ExperimentConfig) -> str:
+    """A stable short digest of the whole config (names outputs and caches)."""
+    blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

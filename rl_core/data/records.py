@@ -1,0 +1,264 @@
+"""GSM8K-format records: the one in-memory shape every data source is turned into.
+
+A :class:`Record` is ``(id, question, answer)`` where ``answer`` is worked reasoning ending in
+a line ``#### <number>`` (a bare number is accepted too). :func:`validate_records` turns raw
+rows into records and reports every bad row by number, so a user can fix the file rather than
+guess; :func:`records_digest` fingerprints a record list for lineage and resume checks.
+
+This module must never do I/O, touch the network, or import prefect or mlflow: it is pure
+data handling that every plane (rollout, training, evaluation) can import cheaply.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+__all__ = [
+    "BadRow",
+    "DataValidationError",
+    "Record",
+    "extract_final_answer",
+    "parse_number",
+    "records_digest",
+    "validate_numbered_rows",
+    "validate_records",
+]
+
+ANSWER_MARKER = "####"
+MAX_LISTED_PROBLEMS = 10
+
+# Integers with optional thousands separators ("1,234"), decimals ("3.5", ".5"), signed,
+# or a simple fraction of integers ("3/4", "-1,000/3").
+_INT = r"(?:\d{1,3}(?:,\d{3})+|\d+)"
+_NUMBER_RE = re.compile(rf"^[-+]?(?:{_INT}/{_INT}|{_INT}(?:\.\d+)?|\.\d+)$")
+
+
+def extract_final_answer(answer: str) -> str:
+    """Text after the last ``####`` marker, stripped; the whole answer stripped if no marker."""
+    head, marker, tail = answer.rpartition(ANSWER_MARKER)
+    return (tail if marker else head + tail).strip()
+
+
+def parse_number(text: str) -> Fraction | None:
+    """Exact value of a GSM8K-style number ("1,234", "-3.5", "3/4"), or None if not a number."""
+    text = text.strip()
+    if not _NUMBER_RE.match(text):
+        return None
+    try:
+        return Fraction(text.replace(",", ""))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+@dataclass(frozen=True)
+class Record:
+    """One problem: ``answer`` is reasoning text ending in ``#### <number>`` (or a bare number)."""
+
+    id: str
+    question: str
+    answer: str
+
+    @property
+    def final_answer(self) -> str:
+        """Text after the last ``####``, stripped (the whole answer if there is no marker)."""
+        return extract_final_answer(self.answer)
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """Placeholder for a row a reader could not even parse (bad UTF-8, bad JSON): its reason."""
+
+    reason: str
+
+
+class DataValidationError(ValueError):
+    """A data source has too many bad rows, or none good; ``problems`` is [(row number, reason)].
+
+    Row numbers are 1-based data rows (for JSONL files: the line number).
+    """
+
+    def __init__(self, source: str, problems: list[tuple[int, str]], message: str) -> None:
+        super().__init__(message)
+        self.source = source
+        self.problems = problems
+
+    def __reduce__(self):  # keep the exception picklable across process boundaries
+        return (type(self), (self.source, self.problems, str(self)))
+
+
+def _format_problems(problems: list[tuple[int, str]], row_label: str) -> str:
+    lines = [f"  {row_label} {row}: {reason}" for row, reason in problems[:MAX_LISTED_PROBLEMS]]
+    if len(problems) > MAX_LISTED_PROBLEMS:
+        lines.append(f"  ... and {len(problems) - MAX_LISTED_PROBLEMS} more")
+    return "\n".join(lines)
+
+
+def _content_id(question: str, answer: str) -> str:
+    return hashlib.sha1(f"{question}\x1f{answer}".encode()).hexdigest()[:12]
+
+
+def _check_row(
+    row: object,
+    *,
+    question_field: str,
+    answer_field: str,
+    id_field: str | None,
+) -> tuple[Record | None, bool, list[str]]:
+    """(record or None, whether its id was generated, reasons it is bad)."""
+    if isinstance(row, BadRow):
+        return None, False, [row.reason]
+    if not isinstance(row, Mapping):
+        return None, False, [f"expected an object with fields, got {type(row).__name__}"]
+
+    reasons: list[str] = []
+    texts: dict[str, str] = {}
+    for name, arg in ((question_field, "question_field"), (answer_field, "answer_field")):
+        if name not in row:
+            present = ", ".join(sorted(map(str, row.keys()))[:8]) or "none"
+            reasons.append(
+                f"missing field {name!r} (row has: {present}); "
+                f"if the column is named differently pass {arg}=<name>"
+            )
+            continue
+        value = row[name]
+        if not isinstance(value, str):
+            reasons.append(f"field {name!r} must be a string, got {type(value).__name__}")
+        elif not value.strip():
+            reasons.append(f"field {name!r} is empty")
+        else:
+            texts[name] = value
+
+    if answer_field in texts and parse_number(extract_final_answer(texts[answer_field])) is None:
+        final = extract_final_answer(texts[answer_field])
+        shown = final if len(final) <= 40 else final[:37] + "..."
+        reasons.append(
+            f"field {answer_field!r} has no parsable final number: expected a last line "
+            f"'{ANSWER_MARKER} <number>' or a bare number, got {shown!r}"
+        )
+
+    record_id: str | None = None
+    generated = False
+    raw_id = row.get(id_field) if id_field is not None else None
+    if raw_id is None:
+        generated = True
+    elif isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)):
+        reasons.append(
+            f"field {id_field!r} must be a string or integer, got {type(raw_id).__name__}; "
+            "pass id_field=None to use content-hash ids"
+        )
+    elif not str(raw_id).strip():
+        reasons.append(f"field {id_field!r} is empty; pass id_field=None to use content-hash ids")
+    else:
+        record_id = str(raw_id)
+
+    if reasons:
+        return None, False, reasons
+    question, answer = texts[question_field], texts[answer_field]
+    if generated:
+        record_id = _content_id(question, answer)
+    assert record_id is not None
+    return Record(id=record_id, question=question, answer=answer), generated, []
+
+
+def validate_numbered_rows(
+    rows: Iterable[tuple[int, Mapping | BadRow]],
+    source: str,
+    *,
+    question_field: str = "question",
+    answer_field: str = "answer",
+    id_field: str | None = "id",
+    max_bad_fraction: float = 0.0,
+    row_label: str = "row",
+    note: str | None = None,
+) -> tuple[list[Record], list[tuple[int, str]]]:
+    """Like :func:`validate_records` for rows that carry their own numbers (e.g. JSONL lines).
+
+    A :class:`BadRow` item counts as a bad row with its reason. ``row_label`` ("row", "line")
+    names the unit in messages; ``note`` is appended to an error message (e.g. which file a
+    row-number range came from).
+    """
+    if not 0.0 <= max_bad_fraction <= 1.0:
+        raise ValueError(f"max_bad_fraction must be within [0, 1], got {max_bad_fraction}")
+    good: list[Record] = []
+    problems: list[tuple[int, str]] = []
+    seen: dict[str, int] = {}
+    total = 0
+    for number, row in rows:
+        total += 1
+        record, generated, reasons = _check_row(
+            row, question_field=question_field, answer_field=answer_field, id_field=id_field
+        )
+        if record is not None and record.id in seen:
+            first = seen[record.id]
+            if generated:
+                reasons = [f"duplicate row: same question and answer as {row_label} {first}"]
+            else:
+                reasons = [f"duplicate id {record.id!r} (first seen at {row_label} {first})"]
+            record = None
+        if record is None:
+            problems.append((number, "; ".join(reasons)))
+            continue
+        seen[record.id] = number
+        good.append(record)
+
+    suffix = f"\n{note}" if note else ""
+    if not good:
+        if total == 0:
+            detail = "no rows found; check the path, split and file contents"
+        else:
+            detail = f"all {total} rows are invalid:\n{_format_problems(problems, row_label)}"
+        raise DataValidationError(source, problems, f"{source}: empty dataset: {detail}{suffix}")
+    if problems and len(problems) / total > max_bad_fraction:
+        message = (
+            f"{source}: {len(problems)} of {total} rows are invalid "
+            f"({len(problems) / total:.1%}, above max_bad_fraction={max_bad_fraction}):\n"
+            f"{_format_problems(problems, row_label)}\n"
+            "Fix these rows, or raise max_bad_fraction to skip up to that fraction of bad rows."
+            f"{suffix}"
+        )
+        raise DataValidationError(source, problems, message)
+    return good, problems
+
+
+def validate_records(
+    rows: Iterable[Mapping],
+    source: str,
+    question_field: str = "question",
+    answer_field: str = "answer",
+    id_field: str | None = "id",
+    max_bad_fraction: float = 0.0,
+) -> tuple[list[Record], list[tuple[int, str]]]:
+    """Build records from raw rows; return (good records, [(1-based row number, reason)]).
+
+    A row is bad when a field is missing or not a string, the question is blank, the answer
+    has no parsable final number, or its id repeats an earlier row's. Integer ids are accepted
+    and turned into strings. When ``id_field`` is None or a row has no id, the id is the first
+    12 hex digits of sha1(question, answer): stable however the file is reordered; identical
+    rows then report as duplicates.
+
+    Raises :class:`DataValidationError` when the bad fraction exceeds ``max_bad_fraction`` or
+    no row is good ("empty dataset").
+    """
+    return validate_numbered_rows(
+        enumerate(rows, start=1),
+        source,
+        question_field=question_field,
+        answer_field=answer_field,
+        id_field=id_field,
+        max_bad_fraction=max_bad_fraction,
+    )
+
+
+def records_digest(records: Sequence[Record]) -> str:
+    """sha256 hex over a canonical serialisation of (id, question, answer); order-sensitive."""
+    digest = hashlib.sha256(b"grpoflow.records.v1\n")
+    for r in records:
+        line = json.dumps([r.id, r.question, r.answer], ensure_ascii=False, separators=(",", ":"))
+        digest.update(line.encode("utf-8"))
+        digest.update(b"\n")
+    return digest.hexdigest()

@@ -1,0 +1,411 @@
+"""Load GSM8K-format records from wherever they live, and write/read our own Parquet snapshots.
+
+:func:`load_records` accepts a JSONL (or JSON) file, a Parquet file, a local directory (a
+``datasets.save_to_disk`` folder, or a folder of ``{split}.jsonl`` / ``{split}.parquet`` /
+``{split}-*.parquet`` files), or a Hugging Face hub dataset name. URI schemes dispatch through
+``_SCHEME_READERS``; ``s3://`` is reserved for the storage layer.
+
+This module must never import prefect or mlflow, never download anything on its own (only an
+explicit hub dataset name reaches ``datasets.load_dataset``), and never crash on a bad row: bad
+rows are reported by number through :class:`~rl_core.data.records.DataValidationError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rl_core.data.records import (
+    BadRow,
+    DataValidationError,
+    Record,
+    records_digest,
+    validate_numbered_rows,
+)
+
+__all__ = ["load_records", "read_parquet", "write_parquet"]
+
+DIGEST_METADATA_KEY = b"grpoflow.records_digest"
+_JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+_PATH_SUFFIXES = (*_JSON_SUFFIXES, ".parquet", ".arrow", ".csv")
+_SAVE_TO_DISK_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
+_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+
+Row = Mapping[str, Any] | BadRow
+
+
+@dataclass
+class RowSource:
+    """Rows read from one source, before validation."""
+
+    name: str
+    rows: Iterable[tuple[int, Row]]
+    row_label: str = "row"
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class _Request:
+    split: str
+    subset: str | None
+    columns: tuple[str, ...]  # fields we need, id last if any
+    required: tuple[str, ...]  # question and answer fields
+
+
+# --------------------------------------------------------------------------- scheme dispatch
+
+
+def _read_s3(uri: str, request: _Request) -> RowSource:
+    raise ValueError(
+        f"{uri}: s3:// data sources arrive with the storage layer; "
+        "download the file and pass a local path"
+    )
+
+
+def _read_file_uri(uri: str, request: _Request) -> RowSource:
+    return _read_local_or_hub(uri[len("file://") :], request)
+
+
+# scheme -> reader(source, request). Register a new scheme (gs://, https://) here.
+_SCHEME_READERS: dict[str, Callable[[str, _Request], RowSource]] = {
+    "s3": _read_s3,
+    "file": _read_file_uri,
+}
+
+
+def _dispatch(source: str, request: _Request) -> RowSource:
+    match = _SCHEME_RE.match(source)
+    if match is None:
+        return _read_local_or_hub(source, request)
+    scheme = match.group(1).lower()
+    reader = _SCHEME_READERS.get(scheme)
+    if reader is None:
+        known = ", ".join(f"{s}://" for s in sorted(_SCHEME_READERS))
+        raise ValueError(
+            f"{source}: unsupported URI scheme {scheme}:// (supported: {known}, local paths "
+            "and hub dataset names like openai/gsm8k)"
+        )
+    return reader(source, request)
+
+
+# --------------------------------------------------------------------------- local and hub
+
+
+def _looks_like_path(source: str, path: Path) -> bool:
+    return (
+        source.startswith(("/", ".", "~", "\\"))
+        or path.suffix.lower() in _PATH_SUFFIXES
+        or len(path.parts) > 2  # hub names are at most owner/name
+        or (len(path.parts) == 2 and path.parent.is_dir())
+    )
+
+
+def _read_local_or_hub(source: str, request: _Request) -> RowSource:
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return _read_dir(path, request)
+    if path.is_file():
+        return _read_file(path, request)
+    if _looks_like_path(source, path):
+        raise FileNotFoundError(
+            f"data source {source!r} not found: no such file or directory ({path.absolute()})"
+        )
+    return _read_hub(source, request)
+
+
+def _read_file(path: Path, request: _Request) -> RowSource:
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return _parquet_source([path], str(path), request)
+    if suffix in _JSON_SUFFIXES:
+        if suffix == ".json" and _first_non_space_byte(path) == b"[":
+            return _json_array_source(path)
+        return RowSource(name=str(path), rows=_jsonl_rows(path), row_label="line")
+    raise ValueError(
+        f"{path}: unsupported file type {suffix or '(no suffix)'!r}; "
+        "use .jsonl (one JSON object per line) or .parquet"
+    )
+
+
+def _read_dir(path: Path, request: _Request) -> RowSource:
+    if request.subset and (path / request.subset).is_dir():
+        path = path / request.subset
+    if any((path / marker).is_file() for marker in _SAVE_TO_DISK_MARKERS):
+        return _saved_dataset_source(path, request)
+    split = request.split
+    searched: list[str] = []
+    for folder in (path, path / "data"):
+        if not folder.is_dir():
+            continue
+        for name in (f"{split}.jsonl", f"{split}.json", f"{split}.parquet"):
+            candidate = folder / name
+            searched.append(str(candidate))
+            if candidate.is_file():
+                return _read_file(candidate, request)
+        shards = sorted(folder.glob(f"{split}-*.parquet"))
+        searched.append(str(folder / f"{split}-*.parquet"))
+        if shards:
+            return _parquet_source(shards, str(folder / f"{split}-*.parquet"), request)
+    present = ", ".join(sorted(p.name for p in path.iterdir())[:20]) or "(empty)"
+    raise FileNotFoundError(
+        f"{path}: no data for split {split!r}: looked for {', '.join(searched)}; "
+        f"the directory has: {present}"
+    )
+
+
+def _saved_dataset_source(path: Path, request: _Request) -> RowSource:
+    import datasets
+
+    loaded = datasets.load_from_disk(str(path))
+    name = str(path)
+    if isinstance(loaded, datasets.DatasetDict):
+        if request.split not in loaded:
+            raise ValueError(
+                f"{path}: split {request.split!r} not found; available splits: "
+                f"{', '.join(sorted(loaded))} (set the split to one of them)"
+            )
+        loaded = loaded[request.split]
+        name = f"{path} [{request.split}]"
+    else:
+        saved_split = getattr(loaded, "split", None)
+        if saved_split is not None and str(saved_split) != request.split:
+            raise ValueError(
+                f"{path}: this saved dataset holds split {str(saved_split)!r}, "
+                f"not {request.split!r}; set the split to {str(saved_split)!r} or point at "
+                "the right directory"
+            )
+    return RowSource(name=name, rows=_dataset_rows(loaded, name, request))
+
+
+def _read_hub(name: str, request: _Request) -> RowSource:
+    import datasets
+
+    try:
+        loaded = datasets.load_dataset(name, request.subset, split=request.split)
+    except Exception as exc:
+        exc.add_note(
+            f"grpoflow: {name!r} is not a local path, so it was read as a Hugging Face hub "
+            f"dataset (subset={request.subset!r}, split={request.split!r}); if you meant a "
+            f"local file, it does not exist at {Path(name).absolute()}"
+        )
+        raise
+    label = f"{name}" + (f" ({request.subset})" if request.subset else "")
+    label += f" [{request.split}]"
+    return RowSource(name=label, rows=_dataset_rows(loaded, label, request))
+
+
+def _dataset_rows(dataset: Any, name: str, request: _Request) -> Iterator[tuple[int, Row]]:
+    """Rows of a ``datasets`` Dataset (or any iterable of mappings), only the fields we use."""
+    column_names = getattr(dataset, "column_names", None)
+    if isinstance(column_names, list):
+        _check_columns(name, column_names, request)
+        keep = [c for c in request.columns if c in column_names]
+        dataset = dataset.select_columns(keep)
+    return enumerate(dataset, start=1)
+
+
+def _check_columns(name: str, columns: Sequence[str], request: _Request) -> None:
+    missing = [c for c in request.required if c not in columns]
+    if not missing:
+        return
+    args = {request.required[0]: "question_field", request.required[1]: "answer_field"}
+    fixes = ", ".join(f"{args[c]}=<column>" for c in missing)
+    raise DataValidationError(
+        name,
+        [],
+        f"{name}: missing column(s) {', '.join(map(repr, missing))}; the columns are: "
+        f"{', '.join(columns) or '(none)'}. Pass {fixes} to map them.",
+    )
+
+
+# --------------------------------------------------------------------------- file formats
+
+
+def _first_non_space_byte(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        while chunk := f.read(4096):
+            stripped = chunk.lstrip().removeprefix(b"\xef\xbb\xbf").lstrip()
+            if stripped:
+                return stripped[:1]
+    return b""
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, Row]]:
+    """(line number, row) per non-blank line; undecodable or unparsable lines become BadRow."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                reason = (
+                    f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+                    "re-save the file as UTF-8"
+                )
+                yield lineno, BadRow(reason)
+                continue
+            if lineno == 1:
+                text = text.removeprefix("\ufeff")
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as exc:
+                yield lineno, BadRow(f"invalid JSON ({exc.msg} at column {exc.colno})")
+                continue
+            if not isinstance(obj, dict):
+                yield lineno, BadRow(f"expected a JSON object, got {type(obj).__name__}")
+                continue
+            yield lineno, obj
+
+
+def _json_array_source(path: Path) -> RowSource:
+    try:
+        items = json.loads(path.read_bytes().decode("utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(
+            f"{path}: not a valid UTF-8 JSON array ({exc}); fix the file or convert it to "
+            "JSONL (one object per line) so bad rows can be skipped individually"
+        ) from exc
+    if not isinstance(items, list):
+        raise ValueError(f"{path}: expected a JSON array of objects or JSONL lines")
+
+    def rows() -> Iterator[tuple[int, Row]]:
+        for number, item in enumerate(items, start=1):
+            if isinstance(item, dict):
+                yield number, item
+            else:
+                yield number, BadRow(f"expected a JSON object, got {type(item).__name__}")
+
+    return RowSource(name=str(path), rows=rows(), row_label="item")
+
+
+def _parquet_source(paths: Sequence[Path], name: str, request: _Request) -> RowSource:
+    files = [pq.ParquetFile(p) for p in paths]
+    for p, f in zip(paths, files, strict=True):
+        _check_columns(str(p), f.schema_arrow.names, request)
+    note = None
+    if len(paths) > 1:
+        ranges, start = [], 1
+        for p, f in zip(paths, files, strict=True):
+            end = start + f.metadata.num_rows - 1
+            ranges.append(f"{p.name}: rows {start}-{end}")
+            start = end + 1
+        note = "Rows are numbered across files in order: " + "; ".join(ranges)
+
+    def rows() -> Iterator[tuple[int, Row]]:
+        number = 0
+        for f in files:
+            keep = [c for c in request.columns if c in f.schema_arrow.names]
+            for batch in f.iter_batches(columns=keep):
+                for row in batch.to_pylist():
+                    number += 1
+                    yield number, row
+
+    return RowSource(name=name, rows=rows(), note=note)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def load_records(
+    source: str | os.PathLike[str],
+    split: str = "train",
+    *,
+    subset: str | None = None,
+    question_field: str = "question",
+    answer_field: str = "answer",
+    id_field: str | None = "id",
+    limit: int | None = None,
+    max_bad_fraction: float = 0.0,
+) -> list[Record]:
+    """Load and validate GSM8K-format records from a file, directory, URI or hub dataset name.
+
+    ``subset`` names a hub configuration (``openai/gsm8k`` + ``main``); for a local directory
+    it selects the sub-folder of that name when one exists, and single files ignore it. A
+    save_to_disk folder holding a single Dataset must hold ``split`` (when it records one).
+    ``limit`` keeps the first N good records; the bad-row check always covers the whole source,
+    so whether a load passes does not depend on ``limit``.
+
+    Raises FileNotFoundError for a missing local path, DataValidationError (a ValueError) for
+    bad rows beyond ``max_bad_fraction`` or no good rows, ValueError for ``s3://`` (not yet).
+    """
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0 or None, got {limit}")
+    columns = [question_field, answer_field] + ([id_field] if id_field is not None else [])
+    request = _Request(
+        split=split,
+        subset=subset,
+        columns=tuple(dict.fromkeys(columns)),
+        required=(question_field, answer_field),
+    )
+    read = _dispatch(os.fspath(source), request)
+    records, _ = validate_numbered_rows(
+        read.rows,
+        read.name,
+        question_field=question_field,
+        answer_field=answer_field,
+        id_field=id_field,
+        max_bad_fraction=max_bad_fraction,
+        row_label=read.row_label,
+        note=read.note,
+    )
+    return records if limit is None else records[:limit]
+
+
+def write_parquet(records: Sequence[Record], path: str | os.PathLike[str]) -> str:
+    """Write records as Parquet (columns id, question, answer); return their digest.
+
+    The write is atomic (temp file + rename) and the digest is also stored in the file's
+    schema metadata under ``grpoflow.records_digest``.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = records_digest(records)
+    schema = pa.schema(
+        [("id", pa.string()), ("question", pa.string()), ("answer", pa.string())],
+        metadata={DIGEST_METADATA_KEY: digest.encode()},
+    )
+    table = pa.table(
+        {
+            "id": [r.id for r in records],
+            "question": [r.question for r in records],
+            "answer": [r.answer for r in records],
+        },
+        schema=schema,
+    )
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return digest
+
+
+def read_parquet(path: str | os.PathLike[str]) -> list[Record]:
+    """Read records written by :func:`write_parquet` (columns id, question, answer), in order."""
+    target = Path(path)
+    if not target.is_file():
+        raise FileNotFoundError(f"records file not found: {target.absolute()}")
+    table = pq.read_table(target)
+    missing = [c for c in ("id", "question", "answer") if c not in table.column_names]
+    if missing:
+        raise ValueError(
+            f"{target}: missing column(s) {', '.join(missing)} (has: "
+            f"{', '.join(table.column_names)}); use load_records() for arbitrary Parquet files"
+        )
+    records: list[Record] = []
+    for number, row in enumerate(table.select(["id", "question", "answer"]).to_pylist(), 1):
+        values = (row["id"], row["question"], row["answer"])
+        if not all(isinstance(v, str) for v in values):
+            raise ValueError(f"{target}: row {number} has a null or non-string field: {row!r}")
+        records.append(Record(*values))
+    return records

@@ -1,0 +1,176 @@
+"""Seeded arithmetic word problems in GSM8K format, for the embedded demo and for tests.
+
+Each problem chains a few ``+``, ``-`` or ``*`` steps evaluated **left to right**; the worked
+answer shows one line per step (``"12 + 7 = 19"``) and ends with ``"#### <result>"``. The
+question is written so ordinary precedence gives the same left-to-right result: whenever a
+``*`` follows a ``+``/``-``, the expression so far is parenthesised (``"What is (12 + 7) * 3?"``).
+A tiny model can learn this, which is what the demo needs.
+
+This module must never touch global random state (it uses its own ``random.Random``), do I/O,
+or import prefect or mlflow. Output is a pure function of (n, seed, knobs).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from rl_core.data.records import Record
+
+__all__ = ["SUPPORTED_OPERATIONS", "generate_arithmetic", "generate_splits"]
+
+SUPPORTED_OPERATIONS = ("+", "-", "*")
+_MAX_RESTARTS = 1000
+
+
+def _check_knobs(
+    digits: tuple[int, int], operations: Sequence[str], steps: tuple[int, int]
+) -> tuple[str, ...]:
+    lo, hi = digits
+    if not 1 <= lo <= hi:
+        raise ValueError(f"digits must be (min, max) with 1 <= min <= max, got {digits!r}")
+    s_lo, s_hi = steps
+    if not 1 <= s_lo <= s_hi:
+        raise ValueError(f"steps must be (min, max) with 1 <= min <= max, got {steps!r}")
+    ops = tuple(operations)
+    if not ops:
+        raise ValueError(f"operations must not be empty; choose from {SUPPORTED_OPERATIONS}")
+    unknown = [op for op in ops if op not in SUPPORTED_OPERATIONS]
+    if unknown:
+        raise ValueError(f"unsupported operations {unknown!r}; choose from {SUPPORTED_OPERATIONS}")
+    return ops
+
+
+def _bounds(d: int) -> tuple[int, int]:
+    """Smallest and largest integer with exactly ``d`` digits (0 counts as 1 digit)."""
+    return (0 if d == 1 else 10 ** (d - 1)), 10**d - 1
+
+
+def _operand(rng: random.Random, digits: tuple[int, int]) -> int:
+    return rng.randint(*_bounds(rng.randint(*digits)))
+
+
+def _subtrahend(rng: random.Random, current: int, digits: tuple[int, int]) -> int | None:
+    """An operand in the digit range that is <= current, or None when none exists."""
+    feasible = [d for d in range(digits[0], digits[1] + 1) if _bounds(d)[0] <= current]
+    if not feasible:
+        return None
+    lo, hi = _bounds(rng.choice(feasible))
+    return rng.randint(lo, min(hi, current))
+
+
+def _problem(
+    rng: random.Random,
+    digits: tuple[int, int],
+    ops: tuple[str, ...],
+    steps: tuple[int, int],
+    allow_negative: bool,
+) -> tuple[str, str]:
+    """One (question, answer) pair; restarts when "-" cannot stay non-negative."""
+    for _ in range(_MAX_RESTARTS):
+        current = _operand(rng, digits)
+        expression, top_op = str(current), None
+        lines: list[str] = []
+        for step in range(rng.randint(*steps)):
+            op = rng.choice(ops)
+            # The right operand of "*" is one digit (2-9) so products stay small.
+            operand = rng.randint(2, 9) if op == "*" else _operand(rng, digits)
+            if op == "-" and not allow_negative and operand > current:
+                if step == 0:
+                    current, operand = operand, current  # swap the two literals
+                    expression = str(current)
+                else:
+                    resampled = _subtrahend(rng, current, digits)
+                    if resampled is None:
+                        break  # restart: nothing in the digit range fits
+                    operand = resampled
+            if op == "*" and top_op in ("+", "-"):
+                expression = f"({expression})"
+            result = {"+": current + operand, "-": current - operand, "*": current * operand}[op]
+            lines.append(f"{current} {op} {operand} = {result}")
+            expression = f"{expression} {op} {operand}"
+            current, top_op = result, op
+        else:
+            lines.append(f"#### {current}")
+            return f"What is {expression}?", "\n".join(lines)
+    raise ValueError(
+        f"could not build a non-negative problem with digits={digits}, operations={ops}, "
+        f"steps={steps}; allow '+' or set allow_negative=True"
+    )
+
+
+def generate_arithmetic(
+    n: int,
+    seed: int,
+    *,
+    digits: tuple[int, int] = (1, 2),
+    operations: Sequence[str] = ("+", "-"),
+    steps: tuple[int, int] = (1, 2),
+    allow_negative: bool = False,
+) -> list[Record]:
+    """``n`` arithmetic problems in GSM8K format, deterministic for ``seed``; ids ``syn-{seed}-{i}``.
+
+    Each problem has s operations (s uniform in ``steps``) on operands whose digit count is
+    uniform in ``digits`` (0 counts as one digit). The right operand of ``*`` is always a single
+    digit from 2 to 9, whatever ``digits`` says, so products stay small. With
+    ``allow_negative=False`` no intermediate result is negative: a first ``-`` swaps its operands,
+    a later one resamples its operand. Questions are evaluated left to right; see the module
+    docstring for the parenthesisation that makes that agree with ordinary precedence.
+    Duplicate questions are possible in one call (use :func:`generate_splits` for disjoint
+    train/test sets).
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    ops = _check_knobs(digits, operations, steps)
+    rng = random.Random(seed)
+    out: list[Record] = []
+    for i in range(n):
+        question, answer = _problem(rng, digits, ops, steps, allow_negative)
+        out.append(Record(id=f"syn-{seed}-{i}", question=question, answer=answer))
+    return out
+
+
+def generate_splits(
+    n_train: int,
+    n_test: int,
+    seed: int,
+    *,
+    digits: tuple[int, int] = (1, 2),
+    operations: Sequence[str] = ("+", "-"),
+    steps: tuple[int, int] = (1, 2),
+    allow_negative: bool = False,
+) -> tuple[list[Record], list[Record]]:
+    """(train, test): train is ``generate_arithmetic(n_train, seed, ...)``; test questions are
+    unique and never appear in train. Test ids are ``syn-{seed}-test-{i}``.
+
+    Raises ValueError when the knobs allow too few distinct questions to fill the test set.
+    """
+    if n_test < 0:
+        raise ValueError(f"n_test must be >= 0, got {n_test}")
+    knobs = {
+        "digits": digits,
+        "operations": operations,
+        "steps": steps,
+        "allow_negative": allow_negative,
+    }
+    train = generate_arithmetic(n_train, seed, **knobs)
+    ops = _check_knobs(digits, operations, steps)
+    seen = {r.question for r in train}
+    rng = random.Random(f"grpoflow-synthetic-test:{seed}")
+    test: list[Record] = []
+    attempts = 0
+    max_attempts = 50 * n_test + 10_000
+    while len(test) < n_test:
+        if attempts >= max_attempts:
+            raise ValueError(
+                f"only {len(test)} of {n_test} test questions could be made that are not in the "
+                f"training set after {attempts} tries; widen digits/steps/operations or "
+                "lower n_train/n_test"
+            )
+        attempts += 1
+        question, answer = _problem(rng, digits, ops, steps, allow_negative)
+        if question in seen:
+            continue
+        seen.add(question)
+        test.append(Record(id=f"syn-{seed}-test-{len(test)}", question=question, answer=answer))
+    return train, test

@@ -1,0 +1,313 @@
+"""Batched autoregressive sampling with a KV cache over a Hugging Face causal LM.
+
+This is the core of the rollout plane on CPU: the in-process engine calls it today, and the
+embedded HTTP engine (SGLang's protocol) wraps it. It returns token ids and per-token
+log-probs the way SGLang computes them: ``log_softmax(logits / temperature)`` taken *before*
+top-k / top-p / min-p filtering, for every generated token including EOS.
+
+Sampling is seeded per request and batch-invariant: the Gumbel noise for request ``r`` at
+output position ``t`` is a pure function of ``(seed_r, t, token)`` (a counter-based
+splitmix64 hash), so a request samples the same tokens whatever batch it runs in and in
+whatever order requests arrive. That is what makes resumed runs reproducible.
+
+Never imports Prefect or MLflow; never touches the trainer's model.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Completion", "SamplingParams", "generate", "gumbel_noise"]
+
+
+@dataclass
+class SamplingParams:
+    """SGLang's sampling parameters (the subset RL frameworks send)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+
+
+@dataclass
+class Completion:
+    """One generated sequence, in the shape SGLang reports it."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: dict[str, Any]
+    text: str | None = None
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason.get("type") == "length"
+
+
+# ----------------------------------------------------------------------------- noise
+
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(x: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 torch stores."""
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN = _i64(0x9E3779B97F4A7C15)
+_MIX1 = _i64(0xBF58476D1CE4E5B9)
+_MIX2 = _i64(0x94D049BB133111EB)
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    # torch's >> on int64 is arithmetic; mask off the sign extension for a logical shift.
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    z = x + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def gumbel_noise(seeds: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise of shape (B, V), a pure function of (seed, position, token).
+
+    ``u = (splitmix64(splitmix64(seed) + position) + token) -> splitmix64 -> 53 bits``,
+    ``g = -log(-log(u))``. ``argmax(logits / T + g)`` is then an exact sample from
+    ``softmax(logits / T)`` (the Gumbel-max trick) that does not depend on batch layout.
+    """
+    base = _splitmix64(_splitmix64(seeds.long()) + position.long())
+    z = _splitmix64(base[:, None] * 1 + torch.arange(vocab, dtype=torch.long)[None, :])
+    u = (_shr(z, 11).double() + 0.5) / float(1 << 53)
+    return -torch.log(-torch.log(u)).float()
+
+
+# -------------------------------------------------------------------------- filtering
+
+
+def _filter_logits(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Mask logits outside top-k / top-p / min-p with -inf (row-wise parameters)."""
+    vocab = scaled.shape[-1]
+    out = scaled
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        ranks = torch.arange(vocab)[None, :]
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+        drop = ranks >= k[:, None]
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        mass_before = probs.cumsum(-1) - probs
+        drop |= mass_before >= top_p[:, None]
+        drop[:, 0] = False
+        drop_orig = torch.zeros_like(drop).scatter(-1, order, drop)
+        out = out.masked_fill(drop_orig, float("-inf"))
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(scaled, dim=-1)
+        thresh = probs.max(-1, keepdim=True).values * min_p[:, None]
+        out = out.masked_fill(probs < thresh, float("-inf"))
+    return out
+
+
+# --------------------------------------------------------------------------- generate
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+    *,
+    eos_token_ids: Sequence[int] = (),
+    pad_token_id: int = 0,
+    tokenizer: Any = None,
+    micro_batch_size: int = 256,
+) -> list[Completion]:
+    """Sample one completion per prompt; ``params`` is shared or one per prompt.
+
+    Prompts are left-padded into micro-batches of ``micro_batch_size``; rows that finish
+    leave the KV cache so later decode steps only pay for live rows. ``tokenizer`` is needed
+    only for stop strings and to fill ``Completion.text``.
+    """
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+    resolved = [
+        p if p.seed is not None else _with_seed(p, secrets.randbits(62)) for p in params
+    ]
+    out: list[Completion] = []
+    for start in range(0, len(prompts), micro_batch_size):
+        out.extend(
+            _generate_batch(
+                model,
+                prompts[start : start + micro_batch_size],
+                resolved[start : start + micro_batch_size],
+                eos_token_ids=list(eos_token_ids),
+                pad_token_id=pad_token_id,
+                tokenizer=tokenizer,
+            )
+        )
+    return out
+
+
+def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
+    return SamplingParams(**{**p.__dict__, "seed": seed})
+
+
+def _generate_batch(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    *,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    tokenizer: Any,
+) -> list[Completion]:
+    device = next(model.parameters()).device
+    n = len(prompts)
+    lengths = [len(p) for p in prompts]
+    if min(lengths) == 0:
+        raise ValueError("every prompt needs at least one token")
+    width = max(lengths)
+    ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    temperature = torch.tensor([p.temperature for p in params])
+    top_k = torch.tensor([p.top_k for p in params])
+    top_p = torch.tensor([p.top_p for p in params])
+    min_p = torch.tensor([p.min_p for p in params])
+    seeds = torch.tensor([p.seed for p in params], dtype=torch.long)
+    max_new = [p.max_new_tokens for p in params]
+    greedy = temperature == 0
+
+    outputs: list[list[int]] = [[] for _ in range(n)]
+    logprobs: list[list[float]] = [[] for _ in range(n)]
+    finish: list[dict[str, Any] | None] = [None] * n
+    for i in range(n):
+        if max_new[i] == 0:
+            finish[i] = {"type": "length", "length": 0}
+    stop_ids = [
+        set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)) for p in params
+    ]
+
+    live = torch.tensor([f is None for f in finish])
+    rows = torch.nonzero(live).flatten()  # original indices of live rows, in cache order
+    if rows.numel() == 0:
+        return _collect(prompts, outputs, logprobs, finish, tokenizer)
+
+    ids, mask, positions = ids[rows], mask[rows], positions[rows]
+    out = model(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        position_ids=positions.to(device),
+        use_cache=True,
+    )
+    cache = out.past_key_values
+    logits = out.logits[:, -1, :].float().cpu()
+    last_pos = positions[:, -1]
+    step = 0
+    while True:
+        r = rows
+        temp = temperature[r]
+        safe_t = torch.where(greedy[r], torch.ones_like(temp), temp)
+        scaled = logits / safe_t[:, None]
+        logp_all = torch.log_softmax(scaled, dim=-1)
+        filtered = _filter_logits(scaled, top_k[r], top_p[r], min_p[r])
+        noise = gumbel_noise(seeds[r], torch.full_like(r, step), scaled.shape[-1])
+        sampled = torch.argmax(filtered + noise, dim=-1)
+        token = torch.where(greedy[r], torch.argmax(scaled, dim=-1), sampled)
+        token_logp = logp_all.gather(-1, token[:, None]).squeeze(-1)
+
+        keep: list[int] = []
+        for j, i in enumerate(r.tolist()):
+            t = int(token[j])
+            outputs[i].append(t)
+            logprobs[i].append(float(token_logp[j]))
+            matched = (
+                _hit_stop(tokenizer, outputs[i], params[i].stop)
+                if params[i].stop and tokenizer is not None
+                else None
+            )
+            if t in stop_ids[i]:
+                finish[i] = {"type": "stop", "matched": t}
+            elif matched is not None:
+                finish[i] = {"type": "stop", "matched": matched}
+            elif len(outputs[i]) >= max_new[i]:
+                finish[i] = {"type": "length", "length": len(outputs[i])}
+            else:
+                keep.append(j)
+        if not keep:
+            break
+        step += 1
+        if len(keep) < len(r):
+            sel = torch.tensor(keep, dtype=torch.long)
+            cache.batch_select_indices(sel.to(device))
+            mask, last_pos, token, rows = mask[sel], last_pos[sel], token[sel], r[sel]
+        mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype)], dim=1)
+        last_pos = last_pos + 1
+        out = model(
+            input_ids=token[:, None].to(device),
+            attention_mask=mask.to(device),
+            position_ids=last_pos[:, None].to(device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        cache = out.past_key_values
+        logits = out.logits[:, -1, :].float().cpu()
+    return _collect(prompts, outputs, logprobs, finish, tokenizer)
+
+
+def _hit_stop(tokenizer: Any, output_ids: list[int], stops: list[str]) -> str | None:
+    # Decoding only the tail keeps this O(1) per step; a stop string spans few tokens.
+    tail = tokenizer.decode(output_ids[-16:], skip_special_tokens=False)
+    for s in stops:
+        if s and s in tail:
+            return s
+    return None
+
+
+def _collect(
+    prompts: Sequence[Sequence[int]],
+    outputs: list[list[int]],
+    logprobs: list[list[float]],
+    finish: list[dict[str, Any] | None],
+    tokenizer: Any,
+) -> list[Completion]:
+    result = []
+    for i, p in enumerate(prompts):
+        text = None
+        if tokenizer is not None:
+            text = tokenizer.decode(outputs[i], skip_special_tokens=True)
+        reason = finish[i] or {"type": "length", "length": len(outputs[i])}
+        result.append(Completion(list(p), outputs[i], logprobs[i], reason, text))
+    return result

@@ -1,0 +1,237 @@
+"""The torch training backend: a Hugging Face causal LM updated with the GRPO loss.
+
+One trainer object owns the policy, the frozen reference policy (only when the KL term is
+on), the optimizer and the LR schedule. Its interface is what every backend offers:
+``compute_logprobs``, ``train_step``, ``export_weights``, ``save_state``/``load_state``.
+Today it runs in-process on one rank; the Ray issue puts it in actors and wraps the model
+in FSDP2 without changing this interface.
+
+Gradient accumulation is exact: each micro-batch's loss is normalised by the token or
+sequence count of the whole mini-batch, so micro-batching changes speed, not the update.
+
+Never imports Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from rl_core.algorithms import compute_grpo_loss, entropy_from_logits, logprobs_from_logits
+from rl_core.config import AlgorithmConfig, TrainConfig
+from rl_core.training.batch import TrainBatch
+
+__all__ = ["TorchTrainer"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TorchTrainer:
+    """GRPO trainer over a Hugging Face causal LM (single rank)."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        train: TrainConfig,
+        algorithm: AlgorithmConfig,
+        *,
+        temperature: float = 1.0,
+        dtype: str = "float32",
+        trust_remote_code: bool = False,
+        device: str = "cpu",
+    ) -> None:
+        self.train_cfg = train
+        self.algo = algorithm
+        # Log-probs are taken at the rollout temperature, as the engine reports them.
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.device = torch.device(device)
+        torch.manual_seed(train.seed)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code
+        ).to(self.device)
+        self.model.train()
+        self.ref_model = None
+        if algorithm.kl_coef > 0:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=train.lr,
+            betas=tuple(train.betas),
+            weight_decay=train.weight_decay,
+        )
+        total = max(1, train.steps * train.mini_batches * train.ppo_epochs)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, _lr_lambda(train, total)
+        )
+        self.global_step = 0  # optimizer steps applied
+
+    # ------------------------------------------------------------------ log-probs
+
+    def _forward(
+        self, model: torch.nn.Module, batch: TrainBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = batch.input_ids.long().to(self.device)
+        attn = batch.attention_mask.to(self.device)
+        logits = model(input_ids=ids, attention_mask=attn.long()).logits[:, :-1].float()
+        logits = logits / self.temperature
+        return logits, logprobs_from_logits(logits, ids[:, 1:])
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, *, reference: bool = False) -> torch.Tensor:
+        """Per-token log-probs (B, L-1) under the policy or the reference policy."""
+        model = self.ref_model if reference else self.model
+        if model is None:
+            raise ValueError("no reference model: algorithm.kl_coef is 0")
+        was_training = model.training
+        model.eval()
+        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+        mb = self.train_cfg.micro_batch_size
+        for start in range(0, batch.size, mb):
+            index = torch.arange(start, min(start + mb, batch.size))
+            part = batch.select(index)
+            _, logp = self._forward(model, part)
+            out[index, : logp.shape[1]] = torch.where(part.response_mask, logp.cpu(), 0.0)
+        model.train(was_training)
+        return out
+
+    @property
+    def needs_old_logp(self) -> bool:
+        """Whether the update is off the sampling policy within a step.
+
+        With one mini-batch and one epoch the policy being trained *is* the one whose
+        log-probs would be recomputed, so the ratio is exactly 1 at the first (only)
+        gradient and the extra forward pass is skipped (as nanochat and verl do). TIS
+        needs them to compare the trainer with the rollout engine.
+        """
+        return (
+            self.train_cfg.mini_batches > 1
+            or self.train_cfg.ppo_epochs > 1
+            or self.algo.tis_cap is not None
+        )
+
+    # ---------------------------------------------------------------------- train
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """Apply ``ppo_epochs * mini_batches`` optimizer steps on one GRPO batch."""
+        cfg, algo = self.train_cfg, self.algo
+        started = time.perf_counter()
+        self.model.train()
+        sums: dict[str, float] = {}
+        weight = 0.0
+        grad_norms = []
+        tokens = 0
+        chunks = torch.arange(batch.size).chunk(cfg.mini_batches)
+        for _ in range(cfg.ppo_epochs):
+            for mini in chunks:
+                mini_tokens = float(batch.response_mask[mini].sum())
+                self.optimizer.zero_grad(set_to_none=True)
+                for micro in mini.split(cfg.micro_batch_size):
+                    part = batch.select(micro)
+                    logits, logp = self._forward(self.model, part)
+                    mask = part.response_mask.to(self.device)
+                    old = part.old_logp if part.old_logp is not None else logp.detach()
+                    # Entropy is always reported; it carries gradient only when it is a bonus.
+                    with torch.set_grad_enabled(algo.entropy_coef > 0):
+                        ent = entropy_from_logits(logits)
+                    loss, m = compute_grpo_loss(
+                        logp,
+                        old.to(self.device),
+                        part.advantages.to(self.device),
+                        mask,
+                        ref_logp=None if part.ref_logp is None else part.ref_logp.to(self.device),
+                        kl_coef=algo.kl_coef,
+                        kl_kind=algo.kl_kind,
+                        clip_low=algo.clip_low,
+                        clip_high=algo.clip_high,
+                        dual_clip=algo.dual_clip,
+                        ratio_type=algo.ratio_type,
+                        loss_agg=algo.loss_agg,
+                        entropy=ent,
+                        entropy_coef=algo.entropy_coef,
+                        rollout_logp=part.rollout_logp.to(self.device),
+                        tis_cap=algo.tis_cap,
+                        tis_level=algo.tis_level,
+                        global_tokens=mini_tokens,
+                        global_seqs=float(len(mini)),
+                    )
+                    loss.backward()
+                    w = float(mask.sum())
+                    tokens += int(w)
+                    weight += w
+                    for k, v in m.items():
+                        sums[k] = sums.get(k, 0.0) + float(v) * w
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+                grad_norms.append(float(norm))
+                self.optimizer.step()
+                self.scheduler.step()
+                self.global_step += 1
+        elapsed = time.perf_counter() - started
+        metrics = {k: v / max(weight, 1.0) for k, v in sums.items()}
+        metrics.update(
+            grad_norm=sum(grad_norms) / len(grad_norms),
+            lr=self.scheduler.get_last_lr()[0],
+            train_tokens_per_s=tokens / max(elapsed, 1e-9),
+        )
+        return metrics
+
+    # -------------------------------------------------------------------- weights
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's weights by HF parameter name (what the rollout plane loads)."""
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """Write the policy in HF format (safetensors), loadable by transformers and SGLang."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path, safe_serialization=True)
+        return path
+
+    def save_state(self, path: str | Path) -> Path:
+        """Model, optimizer and scheduler state (resume builds on this)."""
+        path = self.save_pretrained(path)
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "global_step": self.global_step,
+            },
+            path / "trainer_state.pt",
+        )
+        return path
+
+    def load_state(self, path: str | Path) -> None:
+        """Restore what :meth:`save_state` wrote."""
+        path = Path(path)
+        from safetensors.torch import load_file
+
+        weights: dict[str, Any] = {}
+        for f in sorted(path.glob("*.safetensors")):
+            weights.update(load_file(f))
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embeddings
+        if missing or unexpected:
+            raise RuntimeError(f"{path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.global_step = state["global_step"]
+
+
+def _lr_lambda(cfg: TrainConfig, total: int):  # noqa: ANN202 - a closure for LambdaLR
+    def factor(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+        cosine = 0.5 * (1 + math.cos(math.pi * progress))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine
+
+    return factor

@@ -1,0 +1,48 @@
+"""Tasks that measure and export the policy: held-out evaluation, final model export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from rl_core.evaluation import evaluate
+from rl_core.planes import PlanesHandle, get_planes
+
+__all__ = ["evaluate_policy", "export_model"]
+
+
+@task(
+    name="evaluate",
+    task_run_name="evaluate-step-{step}",
+    timeout_seconds=1800,
+    retries=1,
+    retry_delay_seconds=5,
+    cache_policy=NO_CACHE,
+)
+def evaluate_policy(planes: PlanesHandle, step: int) -> dict:
+    """Greedy pass@1 and sampled pass@k of the rollout plane's current weights."""
+    p = get_planes(planes)
+    cfg = p.config
+    result = evaluate(
+        p.engine,
+        p.eval_records,
+        p.eval_prompts,
+        max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+        k=cfg.eval.pass_k,
+        k_examples=cfg.eval.pass_k_examples,
+        temperature=cfg.eval.temperature,
+        seed=cfg.seed,
+    )
+    return {"step": step, "weight_version": p.weight_version, **result.to_dict()}
+
+
+@task(name="export-model", timeout_seconds=1800, retries=1, cache_policy=NO_CACHE)
+def export_model(planes: PlanesHandle, out_dir: str) -> str:
+    """Write the trained policy and its tokenizer in Hugging Face format."""
+    p = get_planes(planes)
+    path = p.trainer.save_pretrained(out_dir)
+    p.engine.tokenizer.save_pretrained(path)
+    p.engine.model.generation_config.save_pretrained(path)
+    return str(Path(path))

@@ -1,0 +1,145 @@
+"""Tasks that set a run up: prepare data, fetch the model, bring the planes up.
+
+Data preparation and model fetching are keyed by the digest of their inputs: a second run
+with the same inputs finds the output in the cache directory, skips the work and says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from rl_core.config import DataConfig, ExperimentConfig, ModelConfig
+from rl_core.data import generate_splits, load_records, read_parquet, write_parquet
+from rl_core.models.hub import resolve_model
+from rl_core.planes import PlanesHandle, bring_up_local
+
+__all__ = ["PreparedData", "bring_up", "fetch_model", "prepare_data"]
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """Validated, normalised Parquet snapshots of the train and eval sets."""
+
+    train_path: str
+    eval_path: str
+    train_digest: str
+    eval_digest: str
+    num_train: int
+    num_eval: int
+    source: str
+    cached: bool
+
+
+def _source_fingerprint(source: str) -> str:
+    p = Path(source)
+    if p.is_file():
+        st = p.stat()
+        return f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    if p.is_dir():
+        parts = sorted(
+            f"{f.relative_to(p)}:{f.stat().st_size}:{f.stat().st_mtime_ns}"
+            for f in p.rglob("*")
+            if f.is_file()
+        )
+        return f"{p.resolve()}:" + ",".join(parts)
+    return source
+
+
+def data_key(data: DataConfig) -> str:
+    """The digest of everything that determines the prepared data."""
+    blob = json.dumps(
+        {
+            "config": data.model_dump(mode="json"),
+            "source": _source_fingerprint(data.source),
+            "eval_source": _source_fingerprint(data.eval_source or data.source),
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@task(name="prepare-data", timeout_seconds=1800, retries=2, retry_delay_seconds=5)
+def prepare_data(data: DataConfig, cache_dir: str) -> PreparedData:
+    """Any supported source -> validated Parquet snapshots with content digests."""
+    log = get_run_logger()
+    out = Path(cache_dir) / "data" / data_key(data)
+    meta_path = out / "meta.json"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        log.info("data: cached snapshot %s (inputs unchanged), skipping preparation", out)
+        return PreparedData(**{**meta, "cached": True})
+    started = time.perf_counter()
+    if data.source == "synthetic":
+        train, test = generate_splits(
+            data.synthetic_train_size,
+            data.synthetic_test_size,
+            data.seed,
+            digits=tuple(data.synthetic_digits),
+            operations=tuple(data.synthetic_operations),
+            steps=tuple(data.synthetic_steps),
+        )
+    else:
+        fields = dict(
+            subset=data.subset,
+            question_field=data.question_field,
+            answer_field=data.answer_field,
+            id_field=data.id_field,
+            max_bad_fraction=data.max_bad_fraction,
+        )
+        train = load_records(
+            data.source, data.train_split, limit=data.max_train_examples, **fields
+        )
+        test = load_records(data.eval_source or data.source, data.eval_split, **fields)
+    out.mkdir(parents=True, exist_ok=True)
+    prepared = PreparedData(
+        train_path=str(out / "train.parquet"),
+        eval_path=str(out / "eval.parquet"),
+        train_digest=write_parquet(train, out / "train.parquet"),
+        eval_digest=write_parquet(test, out / "eval.parquet"),
+        num_train=len(train),
+        num_eval=len(test),
+        source=data.source,
+        cached=False,
+    )
+    # meta.json last: a directory without it is an interrupted preparation, redone next time.
+    tmp = meta_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(prepared), indent=2))
+    os.replace(tmp, meta_path)
+    log.info(
+        "data: %d train / %d eval records from %s in %.1fs -> %s",
+        len(train),
+        len(test),
+        data.source,
+        time.perf_counter() - started,
+        out,
+    )
+    return prepared
+
+
+@task(name="fetch-model", timeout_seconds=3600, retries=2, retry_delay_seconds=10)
+def fetch_model(model: ModelConfig, data: DataConfig, cache_dir: str) -> str:
+    """Resolve ``model.path`` to a verified local HF directory (building the tiny model)."""
+    log = get_run_logger()
+    started = time.perf_counter()
+    path, cached = resolve_model(model, data, cache_dir, token=os.environ.get("HF_TOKEN"))
+    if cached:
+        log.info("model: %s (cached, verified)", path)
+    else:
+        log.info("model: %s ready in %.1fs", path, time.perf_counter() - started)
+    return str(path)
+
+
+@task(name="bring-up-planes", timeout_seconds=1800, cache_policy=NO_CACHE)
+def bring_up(cfg: ExperimentConfig, model_path: str, data: PreparedData) -> PlanesHandle:
+    """Start the rollout engine and the trainer on ``model_path``."""
+    train = read_parquet(data.train_path)
+    test = read_parquet(data.eval_path)[: cfg.eval.num_examples]
+    return bring_up_local(cfg, model_path, train, test)

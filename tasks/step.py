@@ -1,0 +1,145 @@
+"""The tasks of one GRPO step: rollout, reward, advantages, log-probs, train, sync.
+
+Each is one phase in the Prefect UI (task run names carry the step number) and returns a
+small value with its own duration. Tasks that reach an engine or user code retry with
+backoff; re-running a step's rollout is safe because sampling seeds depend only on (run
+seed, step, prompt, sample index). ``train`` never retries: an optimizer step must not be
+applied twice.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from rl_core.grpo import (
+    Sample,
+    advantages_for,
+    rollout_groups,
+    score_samples,
+    summarize_samples,
+    to_train_batch,
+)
+from rl_core.planes import PlanesHandle, get_planes
+from rl_core.rollout.sampler import SamplingParams
+from rl_core.training.batch import TrainBatch
+
+__all__ = [
+    "StepSamples",
+    "compute_advantages",
+    "compute_logprobs",
+    "reward",
+    "rollout",
+    "sync_weights",
+    "train",
+]
+
+_RETRY = dict(retries=2, retry_delay_seconds=[2, 10], cache_policy=NO_CACHE)
+
+
+@dataclass
+class StepSamples:
+    """The samples of one step and what has been measured about them so far."""
+
+    step: int
+    samples: list[Sample]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@task(name="rollout", task_run_name="rollout-step-{step}", timeout_seconds=1800, **_RETRY)
+def rollout(planes: PlanesHandle, indices: list[int], step: int) -> StepSamples:
+    """Generate ``rollout.n_samples`` completions for each prompt in ``indices``."""
+    p = get_planes(planes)
+    cfg = p.config
+    started = time.perf_counter()
+    params = SamplingParams(
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        stop=list(cfg.rollout.stop),
+        stop_token_ids=list(cfg.rollout.stop_token_ids),
+    )
+    samples = rollout_groups(
+        p.engine,
+        [p.train_records[i] for i in indices],
+        [p.train_prompts[i] for i in indices],
+        n=cfg.rollout.n_samples,
+        params=params,
+        step=step,
+        seed=cfg.seed,
+    )
+    seconds = time.perf_counter() - started
+    tokens = sum(len(s.output_ids) for s in samples)
+    return StepSamples(
+        step,
+        samples,
+        {"time/rollout": seconds, "rollout_tokens_per_s": tokens / max(seconds, 1e-9)},
+    )
+
+
+@task(name="reward", task_run_name="reward-step-{step}", timeout_seconds=900, **_RETRY)
+def reward(planes: PlanesHandle, batch: StepSamples, step: int) -> StepSamples:
+    """Score every sample; failures of the reward function score 0 and are counted."""
+    p = get_planes(planes)
+    started = time.perf_counter()
+    result = score_samples(batch.samples, p.reward_runner)
+    metrics = dict(batch.metrics)
+    metrics.update(summarize_samples(batch.samples, p.config.rollout.n_samples))
+    metrics.update(
+        {
+            "reward_errors": float(result.num_errors),
+            "reward_timeouts": float(result.num_timeouts),
+            "time/reward": time.perf_counter() - started,
+        }
+    )
+    return StepSamples(step, batch.samples, metrics)
+
+
+@task(
+    name="advantages",
+    task_run_name="advantages-step-{step}",
+    timeout_seconds=300,
+    cache_policy=NO_CACHE,
+)
+def compute_advantages(planes: PlanesHandle, batch: StepSamples, step: int) -> TrainBatch:
+    """Group-relative advantages laid out as a training batch."""
+    p = get_planes(planes)
+    cfg = p.config
+    adv = advantages_for(batch.samples, cfg.rollout.n_samples, cfg.algorithm.advantage)
+    return to_train_batch(batch.samples, adv, p.engine.pad_token_id)
+
+
+@task(name="logprobs", task_run_name="logprobs-step-{step}", timeout_seconds=1800, **_RETRY)
+def compute_logprobs(
+    planes: PlanesHandle, batch: TrainBatch, step: int
+) -> tuple[TrainBatch, dict[str, float]]:
+    """Old-policy and reference log-probs, where the objective needs them."""
+    p = get_planes(planes)
+    started = time.perf_counter()
+    if p.trainer.needs_old_logp:
+        batch.old_logp = p.trainer.compute_logprobs(batch)
+    if p.trainer.ref_model is not None:
+        batch.ref_logp = p.trainer.compute_logprobs(batch, reference=True)
+    return batch, {"time/logprobs": time.perf_counter() - started}
+
+
+@task(name="train", task_run_name="train-step-{step}", timeout_seconds=3600, cache_policy=NO_CACHE)
+def train(planes: PlanesHandle, batch: TrainBatch, step: int) -> dict[str, float]:
+    """One GRPO update (``mini_batches * ppo_epochs`` optimizer steps); never retried."""
+    p = get_planes(planes)
+    started = time.perf_counter()
+    metrics = p.trainer.train_step(batch)
+    metrics["time/train"] = time.perf_counter() - started
+    return metrics
+
+
+@task(name="sync-weights", task_run_name="sync-weights-step-{step}", timeout_seconds=600, **_RETRY)
+def sync_weights(planes: PlanesHandle, step: int) -> dict[str, float]:
+    """Push the trainer's weights to the rollout plane as ``weight_version = step``."""
+    metrics = get_planes(planes).sync_weights(step)
+    metrics["time/sync"] = metrics.pop("sync_seconds")
+    return metrics

@@ -1,0 +1,110 @@
+"""Custom reward functions that tests/test_rewards.py loads by dotted path ("reward_plugins:...").
+
+What this module is for: giving `load_reward_fn` and `RewardRunner` real user-style functions
+to import — well-behaved, raising, hanging, crashing, memory-hungry, badly typed — in-process
+and in worker subprocesses. Tests put this directory on sys.path; it is not a package.
+
+What it must never do: import prefect, mlflow or torch (worker start-up must stay fast), or
+hang forever — every blocking function gives up after at most 60 s so a lost worker cannot
+outlive a test session by much.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+
+from rl_core.rewards import gsm8k_reward
+
+NOT_CALLABLE = 42
+
+# Lets a test free a thread that RewardRunner(isolate=False) abandoned after a timeout.
+RELEASE = threading.Event()
+
+
+def length_reward(completion: str, answer: str) -> float:
+    return min(len(completion), 100) / 100
+
+
+def raising_reward(completion: str, answer: str) -> float:
+    raise RuntimeError(f"boom on {completion!r}")
+
+
+def exit_reward(completion: str, answer: str) -> float:
+    raise SystemExit(3)
+
+
+def nan_reward(completion: str, answer: str) -> float:
+    return float("nan")
+
+
+def str_reward(completion: str, answer: str) -> str:
+    return "1.0"
+
+
+def none_reward(completion: str, answer: str) -> None:
+    return None
+
+
+def list_reward(completion: str, answer: str) -> list[float]:
+    return [1.0, 2.0]
+
+
+def bool_reward(completion: str, answer: str) -> bool:
+    return completion == answer
+
+
+def huge_reward(completion: str, answer: str) -> float:
+    return 1e308
+
+
+def sleep_on_marker(completion: str, answer: str) -> float:
+    """gsm8k_reward, except that a completion containing HANG sleeps for 60 s."""
+    if "HANG" in completion:
+        time.sleep(60)
+    return gsm8k_reward(completion, answer)
+
+
+def wait_on_marker(completion: str, answer: str) -> float:
+    """gsm8k_reward, except that HANG blocks until RELEASE is set (at most 60 s)."""
+    if "HANG" in completion:
+        RELEASE.wait(60)
+    return gsm8k_reward(completion, answer)
+
+
+def die_on_marker(completion: str, answer: str) -> float:
+    """gsm8k_reward, except that DIE kills the whole worker process without cleanup."""
+    if "DIE" in completion:
+        os._exit(7)
+    return gsm8k_reward(completion, answer)
+
+
+def spawn_and_hang(completion: str, answer: str) -> float:
+    """Start a grandchild process, write its pid to the file named by `answer`, then hang."""
+    child = subprocess.Popen(["sleep", "60"])
+    with open(answer, "w") as f:
+        f.write(str(child.pid))
+    time.sleep(60)
+    return 1.0
+
+
+def memory_hog(completion: str, answer: str) -> float:
+    """Allocate `completion` megabytes (as a decimal string) and report success."""
+    block = bytearray(int(completion) * 1024 * 1024)
+    return float(len(block) > 0)
+
+
+def pid_reward(completion: str, answer: str) -> float:
+    return float(os.getpid())
+
+
+def one_arg(completion: str) -> float:
+    return 0.0
+
+
+class Scorer:
+    @staticmethod
+    def score(completion: str, answer: str) -> float:
+        return 0.5
