@@ -48,12 +48,12 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = False
     # Knobs of the embedded tiny model (used only when path is `embedded:tiny`).
-    tiny_hidden_size: int = Field(128, ge=16)
+    tiny_hidden_size: int = Field(192, ge=16)
     tiny_layers: int = Field(4, ge=1)
     tiny_heads: int = Field(4, ge=1)
     tiny_kv_heads: int = Field(2, ge=1)
-    tiny_intermediate_size: int = Field(384, ge=16)
-    tiny_vocab_size: int = Field(256, ge=64)
+    tiny_intermediate_size: int = Field(512, ge=16)
+    tiny_vocab_size: int = Field(384, ge=64)
     tiny_sft_steps: int = Field(600, ge=0, description="Cap on warm-start supervised steps.")
     tiny_target_accuracy: float = Field(
         0.3, gt=0.0, le=1.0, description="Warm start stops at this held-out greedy accuracy."

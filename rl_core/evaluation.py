@@ -51,8 +51,8 @@ class EvalResult:
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k for one problem with ``c`` correct out of ``n`` samples."""
-    if not 0 <= c <= n or k > n:
-        raise ValueError(f"need 0 <= c <= n and k <= n, got n={n} c={c} k={k}")
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)

@@ -108,6 +108,7 @@ def bring_up_local(
         cfg.train,
         cfg.algorithm,
         temperature=cfg.rollout.temperature,
+        max_response_len=cfg.rollout.max_new_tokens,
         dtype=cfg.model.dtype,
         trust_remote_code=cfg.model.trust_remote_code,
     )

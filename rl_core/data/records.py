@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
+
+from rl_core.rewards.math import parse_number
 
 __all__ = [
     "BadRow",
     "DataValidationError",
     "Record",
     "extract_final_answer",
-    "parse_number",
     "records_digest",
     "validate_numbered_rows",
     "validate_records",
@@ -32,27 +31,10 @@ __all__ = [
 ANSWER_MARKER = "####"
 MAX_LISTED_PROBLEMS = 10
 
-# Integers with optional thousands separators ("1,234"), decimals ("3.5", ".5"), signed,
-# or a simple fraction of integers ("3/4", "-1,000/3").
-_INT = r"(?:\d{1,3}(?:,\d{3})+|\d+)"
-_NUMBER_RE = re.compile(rf"^[-+]?(?:{_INT}/{_INT}|{_INT}(?:\.\d+)?|\.\d+)$")
-
-
 def extract_final_answer(answer: str) -> str:
     """Text after the last ``####`` marker, stripped; the whole answer stripped if no marker."""
     head, marker, tail = answer.rpartition(ANSWER_MARKER)
     return (tail if marker else head + tail).strip()
-
-
-def parse_number(text: str) -> Fraction | None:
-    """Exact value of a GSM8K-style number ("1,234", "-3.5", "3/4"), or None if not a number."""
-    text = text.strip()
-    if not _NUMBER_RE.match(text):
-        return None
-    try:
-        return Fraction(text.replace(",", ""))
-    except (ValueError, ZeroDivisionError):
-        return None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import logging
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -75,7 +76,7 @@ class TinyModelSpec:
     sft_batch_size: int = 64
     sft_lr: float = 1e-3
     target_accuracy: float = 0.3
-    eval_every: int = 25
+    eval_every: int = 10
     val_examples: int = 200
     seed: int = 0
 
@@ -218,6 +219,20 @@ def warm_start(
     return spec.sft_max_steps, acc
 
 
+def _split_validation(
+    records: Sequence[Record], n_val: int
+) -> tuple[list[Record], list[Record]]:
+    """Hold out ``n_val`` problems whose question occurs nowhere else in ``records``.
+
+    Synthetic training splits repeat questions; a validation problem that is also a training
+    example would measure memorisation and stop the warm start too early.
+    """
+    counts = Counter(r.question for r in records)
+    val = [r for r in records if counts[r.question] == 1][-n_val:]
+    held = {r.id for r in val}
+    return [r for r in records if r.id not in held], val
+
+
 def bootstrap_tiny_model(
     out_dir: str | Path,
     spec: TinyModelSpec | None = None,
@@ -243,7 +258,7 @@ def bootstrap_tiny_model(
             f"the tiny model's warm start needs more than {2 * spec.val_examples} training "
             f"problems, got {len(train)}; raise data.synthetic_train_size"
         )
-    train, val = train[: -spec.val_examples], train[-spec.val_examples :]
+    train, val = _split_validation(train, spec.val_examples)
     corpus = [f"user\n{r.question}\nassistant\n{r.answer}" for r in train[:2000]]
     tokenizer = build_tokenizer(corpus, spec.vocab_size)
     model = build_model(spec, tokenizer)

@@ -46,6 +46,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            # min_p > 1 masks every token and argmax over all -inf silently yields token 0.
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
 

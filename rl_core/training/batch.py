@@ -69,6 +69,8 @@ def build_train_batch(
     for i, (p, r, lp) in enumerate(zip(prompts, responses, rollout_logprobs, strict=True)):
         if len(lp) != len(r):
             raise ValueError(f"sample {i}: {len(r)} response tokens but {len(lp)} log-probs")
+        if len(p) == 0:
+            raise ValueError(f"sample {i}: empty prompt (nothing would score its first token)")
         seq = list(p) + list(r)
         ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.int32)
         attn[i, : len(seq)] = True

@@ -30,6 +30,10 @@ from rl_core.training.batch import TrainBatch
 __all__ = ["TorchTrainer"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Micro-batch values of these metrics are shares of the mini-batch value (already divided
+# by the mini-batch's token/sequence count): they add up, rather than average.
+_SUMMED_METRICS = ("loss", "pg_loss")
+_MAX_METRICS = ("ratio_max", "tis_max")
 
 
 class TorchTrainer:
@@ -42,6 +46,7 @@ class TorchTrainer:
         algorithm: AlgorithmConfig,
         *,
         temperature: float = 1.0,
+        max_response_len: int | None = None,
         dtype: str = "float32",
         trust_remote_code: bool = False,
         device: str = "cpu",
@@ -50,6 +55,8 @@ class TorchTrainer:
         self.algo = algorithm
         # Log-probs are taken at the rollout temperature, as the engine reports them.
         self.temperature = temperature if temperature > 0 else 1.0
+        # Dr.GRPO's constant normaliser: the generation budget, the same every step.
+        self.max_response_len = max_response_len
         self.device = torch.device(device)
         torch.manual_seed(train.seed)
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -123,13 +130,18 @@ class TorchTrainer:
         started = time.perf_counter()
         self.model.train()
         sums: dict[str, float] = {}
+        maxes: dict[str, float] = {}
         weight = 0.0
         grad_norms = []
         tokens = 0
         chunks = torch.arange(batch.size).chunk(cfg.mini_batches)
+        # Dr.GRPO's constant must be the same on every micro-batch (they are trimmed to
+        # their own longest row), or gradient accumulation is not exact.
+        norm_const = float(self.max_response_len or batch.response_mask.shape[-1])
         for _ in range(cfg.ppo_epochs):
             for mini in chunks:
                 mini_tokens = float(batch.response_mask[mini].sum())
+                mini_sums: dict[str, float] = {}
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro in mini.split(cfg.micro_batch_size):
                     part = batch.select(micro)
@@ -152,6 +164,7 @@ class TorchTrainer:
                         dual_clip=algo.dual_clip,
                         ratio_type=algo.ratio_type,
                         loss_agg=algo.loss_agg,
+                        norm_const=norm_const,
                         entropy=ent,
                         entropy_coef=algo.entropy_coef,
                         rollout_logp=part.rollout_logp.to(self.device),
@@ -165,7 +178,14 @@ class TorchTrainer:
                     tokens += int(w)
                     weight += w
                     for k, v in m.items():
-                        sums[k] = sums.get(k, 0.0) + float(v) * w
+                        if k in _SUMMED_METRICS:
+                            mini_sums[k] = mini_sums.get(k, 0.0) + float(v)
+                        elif k in _MAX_METRICS:
+                            maxes[k] = max(maxes.get(k, float("-inf")), float(v))
+                        else:
+                            sums[k] = sums.get(k, 0.0) + float(v) * w
+                for k, v in mini_sums.items():
+                    sums[k] = sums.get(k, 0.0) + v * mini_tokens
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
                 grad_norms.append(float(norm))
                 self.optimizer.step()
@@ -173,6 +193,7 @@ class TorchTrainer:
                 self.global_step += 1
         elapsed = time.perf_counter() - started
         metrics = {k: v / max(weight, 1.0) for k, v in sums.items()}
+        metrics.update(maxes)
         metrics.update(
             grad_norm=sum(grad_norms) / len(grad_norms),
             lr=self.scheduler.get_last_lr()[0],

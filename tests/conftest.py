@@ -1,0 +1,103 @@
+"""Shared fixtures: a tiny random Qwen2 model and a word-level tokenizer that matches it.
+
+Everything is built locally (no hub access) and small enough to run on one CPU thread.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_VOCAB = 64
+PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
+
+
+def tiny_qwen2(seed: int = 0, *, tie: bool = False, init_std: float = 0.2):
+    """A seeded random ``Qwen2ForCausalLM`` (vocab 64, hidden 32, 2 layers, 4/2 heads).
+
+    ``init_std`` is larger than HF's default so next-token distributions are peaked
+    enough that greedy decoding is not a constant echo of the prompt.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=TINY_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        initializer_range=init_std,
+        bos_token_id=None,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg)
+    return model.eval()
+
+
+def word(i: int) -> str:
+    """The tokenizer's surface form of token ``i`` (3 characters for every normal token)."""
+    return {PAD_ID: "<pad>", EOS_ID: "<eos>", UNK_ID: "<unk>"}.get(i, f"a{i:02d}")
+
+
+def tiny_tokenizer():
+    """A ``PreTrainedTokenizerFast`` over a WordLevel vocab matching :func:`tiny_qwen2`.
+
+    Token ``i`` is the word ``a<i:02d>`` (``<pad>``=0, ``<eos>``=1, ``<unk>``=2); words are
+    whitespace-separated and decode joins them with single spaces.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {word(i): i for i in range(TINY_VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (light on shared machines; opt in with usefixtures)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return tiny_qwen2(0)
+
+
+@pytest.fixture(scope="module")
+def tiny_tok():
+    return tiny_tokenizer()
+
+
+# ---------------------------------------------------------------- session-wide services
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A real Prefect API on a temporary SQLite database, started once per session (~12 s)."""
+    import os
+
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory) -> Path:
+    """A cache directory shared by the flow tests: the demo's tiny model is built once."""
+    return Path(tmp_path_factory.mktemp("grpoflow-cache"))
