@@ -110,7 +110,9 @@ def test_demo_learns(prefect_harness, tiny_cache: Path, tmp_path: Path) -> None:
     """A seeded, shorter demo: held-out greedy accuracy rises by at least 10 points."""
     summary = grpo_train(
         config=DEMO,
-        overrides=_overrides(tmp_path, tiny_cache, "run_name=learns", "eval.every=0"),
+        overrides=_overrides(
+            tmp_path, tiny_cache, "run_name=learns", "train.steps=40", "eval.every=0"
+        ),
         show_progress=False,
     )
     first, last = summary["first_eval"]["pass_at_1"], summary["last_eval"]["pass_at_1"]

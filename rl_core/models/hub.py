@@ -66,6 +66,13 @@ def verify_model_dir(path: str | Path, *, trust_remote_code: bool = False) -> Pa
     weights = list(p.glob("*.safetensors")) + list(p.glob("pytorch_model*.bin"))
     if not weights:
         raise ModelError(f"{p} has no weights (*.safetensors or pytorch_model*.bin)")
+    vocab_files = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+    if not any((p / f).is_file() for f in vocab_files):
+        # transformers would build an empty tokenizer from the model type alone.
+        raise ModelError(
+            f"{p} has no tokenizer ({', '.join(vocab_files)}); copy the tokenizer files "
+            "of the base model into it"
+        )
     try:
         tok = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001
