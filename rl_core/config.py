@@ -88,6 +88,14 @@ class DataConfig(_Section):
     synthetic_steps: tuple[int, int] = (1, 2)
     seed: int = 0
 
+    def synthetic_knobs(self) -> dict[str, Any]:
+        """The generator's knobs, as :func:`rl_core.data.generate_splits` takes them."""
+        return {
+            "digits": tuple(self.synthetic_digits),
+            "operations": tuple(self.synthetic_operations),
+            "steps": tuple(self.synthetic_steps),
+        }
+
     @model_validator(mode="after")
     def _check_ranges(self) -> DataConfig:
         for name in ("synthetic_digits", "synthetic_steps"):

@@ -82,9 +82,7 @@ def prepare_data(data: DataConfig, cache_dir: str) -> PreparedData:
             data.synthetic_train_size,
             data.synthetic_test_size,
             data.seed,
-            digits=tuple(data.synthetic_digits),
-            operations=tuple(data.synthetic_operations),
-            steps=tuple(data.synthetic_steps),
+            **data.synthetic_knobs(),
         )
     else:
         fields = dict(

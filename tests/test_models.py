@@ -53,9 +53,7 @@ def test_demo_model_starts_between_20_and_60_percent(demo_model: Path) -> None:
         d.synthetic_train_size,
         d.synthetic_test_size,
         d.seed,
-        digits=tuple(d.synthetic_digits),
-        operations=tuple(d.synthetic_operations),
-        steps=tuple(d.synthetic_steps),
+        **d.synthetic_knobs(),
     )
     model = AutoModelForCausalLM.from_pretrained(demo_model)
     acc = greedy_accuracy(model, AutoTokenizer.from_pretrained(demo_model), test)

@@ -16,13 +16,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rl_core.models import torch_dtype
 from rl_core.rollout.sampler import Completion, SamplingParams, generate
 from rl_core.weight_sync import weights_checksum
 
 __all__ = ["LocalEngine"]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class LocalEngine:
     """A rollout engine in the calling process."""
@@ -41,7 +39,7 @@ class LocalEngine:
             model_path, trust_remote_code=trust_remote_code
         )
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code
+            model_path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
         ).to(device)
         self.model.eval().requires_grad_(False)
         self.micro_batch_size = micro_batch_size

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from rl_core.algorithms import compute_grpo_loss, entropy_from_logits, logprobs_from_logits
 from rl_core.config import AlgorithmConfig, TrainConfig
+from rl_core.models import torch_dtype
 from rl_core.training.batch import TrainBatch
 
 __all__ = ["TorchTrainer"]
@@ -60,7 +61,7 @@ class TorchTrainer:
         self.device = torch.device(device)
         torch.manual_seed(train.seed)
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code
+            model_path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
         ).to(self.device)
         self.model.train()
         self.ref_model = None
