@@ -1,7 +1,9 @@
 """The ``grpoflow`` command line.
 
-    grpoflow train [CONFIG] [section.key=value ...]     run the GRPO flow
+    grpoflow train [CONFIG] [section.key=value ...]     run the GRPO flow (--resume)
     grpoflow evaluate [CONFIG] [--model PATH] [...]     greedy pass@1 and sampled pass@k
+    grpoflow prepare-data [CONFIG] [...]                validate and snapshot the data
+    grpoflow download-model [CONFIG] [--uri URI]        fetch and verify a model
     grpoflow bootstrap-model [--out DIR] [CONFIG] [...] build the embedded tiny model
 
 Flows run on Prefect's ephemeral API unless ``PREFECT_API_URL`` points at a server:
@@ -55,7 +57,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from flows.grpo_train import grpo_train
 
     config, overrides = _split(args)
-    summary = grpo_train(config=config, overrides=overrides, show_progress=not args.quiet)
+    summary = grpo_train(
+        config=config, overrides=overrides, show_progress=not args.quiet, resume=args.resume
+    )
     if args.json:
         print(json.dumps(summary, indent=2))
     return 0
@@ -71,6 +75,28 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     for row in result["samples"][: args.show]:
         mark = "ok " if row["correct"] == "True" else "bad"
         print(f"  [{mark}] {row['question']!r} -> {row['completion']!r} (answer {row['answer']})")
+    return 0
+
+
+def cmd_prepare_data(args: argparse.Namespace) -> int:
+    from flows.assets import prepare_data_flow
+
+    config, overrides = _split(args)
+    out = prepare_data_flow(config=config, overrides=overrides)
+    status = "cached" if out["cached"] else "prepared"
+    print(
+        f"data {status}: {out['num_train']} train / {out['num_eval']} eval records\n"
+        f"  {out['train_path']} (sha256 {out['train_digest'][:16]})\n"
+        f"  {out['eval_path']} (sha256 {out['eval_digest'][:16]})"
+    )
+    return 0
+
+
+def cmd_download_model(args: argparse.Namespace) -> int:
+    from flows.assets import download_model
+
+    config, overrides = _split(args)
+    print(download_model(config=config, overrides=overrides, uri=args.uri))
     return 0
 
 
@@ -106,6 +132,16 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar or step lines")
     p.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--resume", dest="resume", action="store_const", const="always", default="auto",
+        help="continue from the latest complete checkpoint (of run_name, or of the newest "
+        "run of this config); fail if there is none",
+    )
+    group.add_argument(
+        "--no-resume", dest="resume", action="store_const", const="never",
+        help="start over even if the run directory has a checkpoint",
+    )
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("evaluate", help="evaluate a model on the held-out set")
@@ -113,6 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="HF directory or hub id (default: model.path)")
     p.add_argument("--show", type=int, default=4, help="sample generations to print")
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("prepare-data", help="validate and snapshot the data (flow)")
+    _config_args(p)
+    p.set_defaults(func=cmd_prepare_data)
+
+    p = sub.add_parser("download-model", help="fetch and verify the model (flow)")
+    _config_args(p)
+    p.add_argument("--uri", help="HF hub id or local directory (default: model.path)")
+    p.set_defaults(func=cmd_download_model)
 
     p = sub.add_parser("bootstrap-model", help="build the embedded tiny model")
     _config_args(p)
@@ -123,17 +168,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may come after options too (`evaluate CONFIG --model M eval.k=8`).
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*getattr(args, "overrides", []), *extra]
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     logging.getLogger("rl_core").addHandler(handler)
     logging.getLogger("rl_core").setLevel(logging.INFO)
     _env_defaults()
+    from rl_core.checkpoint import CheckpointError
     from rl_core.config import ConfigError
 
     try:
         return args.func(args)
-    except ConfigError as exc:
+    except (ConfigError, CheckpointError) as exc:
         print(f"grpoflow: {exc}", file=sys.stderr)
         return 2
 

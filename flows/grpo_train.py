@@ -1,9 +1,9 @@
 """The GRPO training flow.
 
-    prepare data -> fetch model -> bring up planes -> evaluate
+    prepare data -> fetch model -> bring up planes -> (resume from checkpoint) -> evaluate
     -> for each step: rollout -> reward -> advantages -> log-probs -> train -> sync weights
-                      (every k steps: evaluate)
-    -> final evaluation -> export model
+                      (every k steps: checkpoint, evaluate)
+    -> final evaluation -> checkpoint -> export model
 
 Every verb is a Prefect task (see ``tasks/``); the details live one call down.
 """
@@ -11,17 +11,20 @@ Every verb is a Prefect task (see ``tasks/``); the details live one call down.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 from prefect import flow, get_run_logger
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from tqdm.auto import tqdm
 
+from rl_core.checkpoint import CheckpointError, latest_checkpoint
 from rl_core.config import load_config
 from rl_core.data import PromptSampler
 from rl_core.planes import get_planes, tear_down
 from rl_core.report import format_eval, format_step, format_summary
 from rl_core.rundir import RunDir
-from tasks.evaluate import evaluate_policy, export_model
+from tasks.checkpoint import restore_checkpoint, save_checkpoint
+from tasks.evaluate import artifact_key, evaluate_policy, export_model
 from tasks.setup import bring_up, fetch_model, prepare_data
 from tasks.step import (
     compute_advantages,
@@ -34,27 +37,54 @@ from tasks.step import (
 
 __all__ = ["grpo_train"]
 
+Resume = Literal["auto", "always", "never"]
+
 
 @flow(name="grpo-train", log_prints=False)
 def grpo_train(
     config: str | None = None,
     overrides: list[str] | None = None,
     show_progress: bool = True,
+    resume: Resume = "auto",
 ) -> dict[str, Any]:
-    """Train a policy with GRPO as configured by ``config`` (YAML) and ``overrides``."""
+    """Train a policy with GRPO as configured by ``config`` (YAML) and ``overrides``.
+
+    ``resume``: ``auto`` continues from the run directory's latest complete checkpoint when
+    there is one; ``always`` requires one (and without ``run_name`` picks the newest run of
+    this config); ``never`` starts over.
+    """
     cfg = load_config(config, overrides or [])
-    run = RunDir(cfg)
+    run = RunDir(cfg, resume_latest=resume == "always")
     say = _console(show_progress)
     started = time.perf_counter()
+    ckpt_root = cfg.checkpoint.uri or str(run.checkpoint_dir)
+    resume_from = latest_checkpoint(ckpt_root) if resume != "never" else None
+    if resume == "always" and resume_from is None:
+        raise CheckpointError(f"--resume: no complete checkpoint under {ckpt_root}")
 
     data = prepare_data(cfg.data, cfg.storage.cache_dir)
     model_path = fetch_model(cfg.model, cfg.data, cfg.storage.cache_dir)
     planes = bring_up(cfg, model_path, data)
     sampler = PromptSampler(len(get_planes(planes).train_records), cfg.train.prompts_per_step,
                             cfg.seed)
-    evals = [_evaluate(planes, 0, run, say)]
+    start = 1
+    if resume_from is not None:
+        state = restore_checkpoint(planes, str(resume_from), data.train_digest)
+        sampler.load_state_dict(state.sampler)
+        start = state.step + 1
+        run.truncate_after(state.step)
+        say(f"resumed from {resume_from} (step {state.step}); continuing at step {start}")
+    else:
+        run.truncate_after(-1)  # a fresh start in an existing directory starts a fresh log
+    evals = run.read_evals() or [_evaluate(planes, 0, run, say)]
 
-    bar = tqdm(range(1, cfg.train.steps + 1), desc="GRPO", unit="step", disable=not show_progress)
+    progress = create_progress_artifact(
+        100.0 * (start - 1) / max(cfg.train.steps, 1),
+        key=artifact_key("progress", run.name),
+        description=f"GRPO steps done of {cfg.train.steps}",
+    )
+    bar = tqdm(range(start, cfg.train.steps + 1), desc="GRPO", unit="step",
+               initial=start - 1, total=cfg.train.steps, disable=not show_progress)
     for step in bar:
         samples = rollout(planes, sampler.next_batch(), step)
         scored = reward(planes, samples, step)
@@ -63,15 +93,23 @@ def grpo_train(
         train_metrics = train(planes, batch, step)
         sync_metrics = sync_weights(planes, step)
         metrics = {**scored.metrics, **logprob_metrics, **train_metrics, **sync_metrics}
+        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+            metrics.update(save_checkpoint(planes, ckpt_root, step, sampler.state_dict(),
+                                           data.train_digest))
         run.log_metrics(step, metrics)
+        run.log_samples(step, scored.ledger())
         say(format_step(step, cfg.train.steps, metrics))
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
+        update_progress_artifact(progress, 100.0 * step / cfg.train.steps)
         if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
             evals.append(_evaluate(planes, step, run, say))
     bar.close()
 
-    if cfg.train.steps > 0:
+    if evals[-1]["step"] != cfg.train.steps:
         evals.append(_evaluate(planes, cfg.train.steps, run, say))
+    if not (cfg.checkpoint.every and cfg.train.steps % cfg.checkpoint.every == 0):
+        save_checkpoint(planes, ckpt_root, cfg.train.steps, sampler.state_dict(),
+                        data.train_digest)
     model_dir = export_model(planes, str(run.model_dir))
     tear_down(planes)
     summary = {
@@ -79,7 +117,9 @@ def grpo_train(
         "run_dir": str(run.path),
         "model_dir": model_dir,
         "metrics_path": str(run.metrics_path),
+        "checkpoint_dir": ckpt_root,
         "steps": cfg.train.steps,
+        "resumed_from_step": start - 1 if resume_from is not None else None,
         "seconds": time.perf_counter() - started,
         "data": {"train_digest": data.train_digest, "eval_digest": data.eval_digest},
         "first_eval": _brief(evals[0]),
@@ -112,4 +152,3 @@ def _console(show: bool):  # noqa: ANN202
             tqdm.write(line)
 
     return say
-

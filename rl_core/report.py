@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["format_eval", "format_step", "format_summary"]
+__all__ = ["eval_markdown", "format_eval", "format_step", "format_summary"]
 
 _PHASES = ("rollout", "reward", "logprobs", "train", "sync")
 
@@ -15,8 +15,11 @@ _PHASES = ("rollout", "reward", "logprobs", "train", "sync")
 def format_step(step: int, total: int, m: Mapping[str, float]) -> str:
     """``step 12/60 | reward 0.41 acc 0.41 kl 0.0012 ent 0.53 len 14.2 | 1830 tok/s | ...``"""
     width = len(str(total))
-    times = " ".join(f"{ph} {m.get(f'time/{ph}', 0.0):.2f}" for ph in _PHASES)
-    total_s = sum(m.get(f"time/{ph}", 0.0) for ph in _PHASES)
+    phases = [ph for ph in _PHASES if f"time/{ph}" in m] + (
+        ["checkpoint"] if "time/checkpoint" in m else []
+    )
+    times = " ".join(f"{ph} {m[f'time/{ph}']:.2f}" for ph in phases)
+    total_s = sum(m[f"time/{ph}"] for ph in phases)
     parts = [
         f"step {step:>{width}}/{total}",
         f"reward {m.get('reward_mean', 0.0):.3f}",
@@ -71,3 +74,31 @@ def format_summary(summary: Mapping) -> str:
         "=" * 72,
     ]
     return "\n".join(lines)
+
+
+def eval_markdown(result: Mapping, title: str) -> str:
+    """An evaluation as a markdown report: the numbers, then a few sample generations."""
+    rows = [
+        ("step", result["step"]),
+        ("weight version", result["weight_version"]),
+        ("greedy pass@1", f"{result['pass_at_1']:.3f}"),
+    ]
+    if result.get("pass_at_k") is not None:
+        rows.append((f"pass@{result['k']} (sampled)", f"{result['pass_at_k']:.3f}"))
+    rows += [
+        ("mean response length", f"{result['response_len_mean']:.1f}"),
+        ("truncation rate", f"{result['truncation_rate']:.3f}"),
+        ("problems", result["num_examples"]),
+    ]
+    lines = [f"# {title}", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    if result.get("samples"):
+        lines += ["", "| question | completion | answer | correct |", "|---|---|---|---|"]
+        for r in result["samples"]:
+            cells = [r["question"], r["completion"], r["answer"], r["correct"]]
+            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", "<br>")

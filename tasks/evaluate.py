@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import task
+from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from rl_core.evaluation import evaluate
 from rl_core.planes import PlanesHandle, get_planes
+from rl_core.report import eval_markdown
 
-__all__ = ["evaluate_policy", "export_model"]
+__all__ = ["artifact_key", "evaluate_policy", "export_model"]
 
 
 @task(
@@ -35,7 +37,19 @@ def evaluate_policy(planes: PlanesHandle, step: int) -> dict:
         temperature=cfg.eval.temperature,
         seed=cfg.seed,
     )
-    return {"step": step, "weight_version": p.weight_version, **result.to_dict()}
+    out = {"step": step, "weight_version": p.weight_version, **result.to_dict()}
+    create_markdown_artifact(
+        markdown=eval_markdown(out, f"{cfg.name}: evaluation at step {step}"),
+        key=artifact_key("eval", cfg.name),
+        description=f"held-out evaluation at step {step}",
+    )
+    return out
+
+
+def artifact_key(kind: str, name: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    slug = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+    return f"{kind}-{slug}"[:64]
 
 
 @task(name="export-model", timeout_seconds=1800, retries=1, cache_policy=NO_CACHE)

@@ -48,6 +48,14 @@ class StepSamples:
     samples: list[Sample]
     metrics: dict[str, float] = field(default_factory=dict)
 
+    def ledger(self) -> list[dict]:
+        """One small row per sample: what was consumed, by which weights, how it scored."""
+        return [
+            {"uid": s.uid, "weight_version": s.weight_version, "reward": s.reward,
+             "tokens": len(s.output_ids)}
+            for s in self.samples
+        ]
+
 
 @task(name="rollout", task_run_name="rollout-step-{step}", timeout_seconds=1800, **_RETRY)
 def rollout(planes: PlanesHandle, indices: list[int], step: int) -> StepSamples:

@@ -102,3 +102,19 @@ def prefect_harness():
 def tiny_cache(tmp_path_factory) -> Path:
     """A cache directory shared by the flow tests: the demo's tiny model is built once."""
     return Path(tmp_path_factory.mktemp("grpoflow-cache"))
+
+
+@pytest.fixture(scope="session")
+def demo_model(tiny_cache: Path) -> Path:
+    """The demo's tiny model (configs/tiny-cpu.yaml), built once per session (~1 min)."""
+    from rl_core.config import load_config
+    from rl_core.models.hub import resolve_model
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        path, _ = resolve_model(cfg.model, cfg.data, tiny_cache)
+    finally:
+        torch.set_num_threads(threads)
+    return path

@@ -117,3 +117,27 @@ def test_demo_learns(prefect_harness, tiny_cache: Path, tmp_path: Path) -> None:
     )
     first, last = summary["first_eval"]["pass_at_1"], summary["last_eval"]["pass_at_1"]
     assert last - first >= 0.10, f"greedy pass@1 {first:.3f} -> {last:.3f}"
+
+
+def test_cli_evaluate_takes_overrides_after_options(
+    prefect_harness, tiny_cache: Path, tmp_path: Path, capsys
+) -> None:
+    argv = ["evaluate", DEMO, "--show", "1", *_overrides(tmp_path, tiny_cache),
+            "eval.num_examples=8", "eval.pass_k_examples=2"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "greedy pass@1" in out and "n=8" in out
+
+
+def test_prepare_data_and_download_model_flows(
+    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, capsys
+) -> None:
+    small = [f"storage.cache_dir={tmp_path}", "data.synthetic_train_size=400",
+             "data.synthetic_test_size=40"]
+    assert cli_main(["prepare-data", DEMO, *small]) == 0
+    assert cli_main(["prepare-data", DEMO, *small]) == 0
+    out = capsys.readouterr().out
+    assert "data prepared: 400 train / 40 eval" in out and "data cached" in out
+    assert cli_main(["download-model", DEMO, f"storage.cache_dir={tiny_cache}",
+                     "--uri", str(demo_model)]) == 0
+    assert capsys.readouterr().out.strip() == str(demo_model)

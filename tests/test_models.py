@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from rl_core.config import load_config
 from rl_core.data import generate_splits
@@ -15,15 +14,6 @@ from rl_core.models.tiny import TinyModelSpec, bootstrap_tiny_model, greedy_accu
 from rl_core.weight_sync import weights_checksum
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def demo_model(tiny_cache: Path) -> Path:
-    """The demo's tiny model, built once per session in the shared cache."""
-    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml")
-    torch.set_num_threads(2)
-    path, _ = resolve_model(cfg.model, cfg.data, tiny_cache)
-    return path
 
 
 def test_demo_model_is_a_hugging_face_model(demo_model: Path) -> None:

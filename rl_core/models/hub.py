@@ -98,7 +98,15 @@ def resolve_model(
         cached = (out / "grpoflow_tiny.json").is_file()
         if not cached:
             log.info("building the embedded tiny model in %s (first run only)", out)
-        bootstrap_tiny_model(out, spec)
+
+        def progress(step: int, loss: float, acc: float | None) -> None:
+            if acc is not None:
+                log.info(
+                    "  warm start step %d: loss %.3f, validation greedy accuracy %.3f "
+                    "(stops at %.2f)", step, loss, acc, spec.target_accuracy,
+                )
+
+        bootstrap_tiny_model(out, spec, progress=progress)
         return verify_model_dir(out), cached
     local = Path(model.path).expanduser()
     if local.exists():

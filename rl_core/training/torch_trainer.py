@@ -216,8 +216,9 @@ class TorchTrainer:
         return path
 
     def save_state(self, path: str | Path) -> Path:
-        """Model, optimizer and scheduler state (resume builds on this)."""
-        path = self.save_pretrained(path)
+        """Model (``path/model``, HF format), optimizer and scheduler (``trainer_state.pt``)."""
+        path = Path(path)
+        self.save_pretrained(path / "model")
         torch.save(
             {
                 "optimizer": self.optimizer.state_dict(),
@@ -230,16 +231,19 @@ class TorchTrainer:
 
     def load_state(self, path: str | Path) -> None:
         """Restore what :meth:`save_state` wrote."""
-        path = Path(path)
         from safetensors.torch import load_file
 
+        path = Path(path)
         weights: dict[str, Any] = {}
-        for f in sorted(path.glob("*.safetensors")):
+        for f in sorted((path / "model").glob("*.safetensors")):
             weights.update(load_file(f))
+        if not weights:
+            raise FileNotFoundError(f"{path / 'model'}: no *.safetensors weights to restore")
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embeddings
         if missing or unexpected:
             raise RuntimeError(f"{path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        # Our own file, written by save_state: it holds optimizer tensors and plain numbers.
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,37 @@
+"""Flows that prepare what a run consumes, usable on their own or ahead of training.
+
+    prepare-data:   any supported source -> validated Parquet snapshots with digests
+    download-model: HF hub id, local directory or the embedded tiny model -> verified cache
+
+Both are keyed by the digest of their inputs: a second run finds the output and says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from prefect import flow
+
+from rl_core.config import load_config
+from tasks.setup import fetch_model, prepare_data
+
+__all__ = ["download_model", "prepare_data_flow"]
+
+
+@flow(name="prepare-data")
+def prepare_data_flow(
+    config: str | None = None, overrides: list[str] | None = None
+) -> dict[str, Any]:
+    """Validate and snapshot the config's train and eval data."""
+    cfg = load_config(config, overrides or [])
+    return asdict(prepare_data(cfg.data, cfg.storage.cache_dir))
+
+
+@flow(name="download-model")
+def download_model(
+    config: str | None = None, overrides: list[str] | None = None, uri: str | None = None
+) -> str:
+    """Fetch and verify ``uri`` (default: the config's ``model.path``); returns the local path."""
+    cfg = load_config(config, [*(overrides or []), *([f"model.path={uri}"] if uri else [])])
+    return fetch_model(cfg.model, cfg.data, cfg.storage.cache_dir)

@@ -1,0 +1,76 @@
+"""Tasks that save and restore a run: periodic checkpoints and resume.
+
+A checkpoint holds everything a resumed run needs to continue as if it had never stopped:
+weights, optimizer, LR schedule, RNG states, data-sampler position, step and weight version.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from rl_core.checkpoint import CheckpointError, CheckpointState, load_checkpoint_state, restore_rng
+from rl_core.checkpoint import write_checkpoint as commit_checkpoint
+from rl_core.config import config_digest
+from rl_core.planes import PlanesHandle, get_planes
+
+__all__ = ["restore_checkpoint", "save_checkpoint"]
+
+
+@task(
+    name="checkpoint",
+    task_run_name="checkpoint-step-{step}",
+    timeout_seconds=1800,
+    retries=2,
+    retry_delay_seconds=[2, 10],
+    cache_policy=NO_CACHE,
+)
+def save_checkpoint(
+    planes: PlanesHandle,
+    root: str,
+    step: int,
+    sampler_state: dict[str, int],
+    train_digest: str,
+) -> dict[str, float]:
+    """Write a complete checkpoint for ``step`` (idempotent: a re-run replaces it)."""
+    p = get_planes(planes)
+    started = time.perf_counter()
+
+    def payload(tmp: Path) -> None:
+        p.trainer.save_state(tmp)
+        p.engine.tokenizer.save_pretrained(tmp / "model")
+        p.engine.model.generation_config.save_pretrained(tmp / "model")
+
+    state = CheckpointState(
+        step=step,
+        weight_version=p.weight_version,
+        sampler=sampler_state,
+        config_digest=config_digest(p.config),
+        train_digest=train_digest,
+    )
+    commit_checkpoint(root, state, payload, keep_last=p.config.checkpoint.keep_last)
+    return {"time/checkpoint": time.perf_counter() - started}
+
+
+@task(name="restore-checkpoint", timeout_seconds=1800, cache_policy=NO_CACHE)
+def restore_checkpoint(planes: PlanesHandle, path: str, train_digest: str) -> CheckpointState:
+    """Load a verified checkpoint into the planes; returns where the run stands."""
+    log = get_run_logger()
+    p = get_planes(planes)
+    state, rng = load_checkpoint_state(path)
+    if state.train_digest and state.train_digest != train_digest:
+        raise CheckpointError(
+            f"{path} was written for training data {state.train_digest[:12]}, but the data "
+            f"prepared now is {train_digest[:12]}; resuming would skip or repeat prompts. "
+            "Restore the original data.source, or start a new run (--no-resume)"
+        )
+    if state.config_digest != config_digest(p.config):
+        log.warning("resuming %s with a config that differs from the one that wrote it", path)
+    p.trainer.load_state(path)
+    p.sync_weights(state.weight_version)
+    restore_rng(rng)
+    log.info("resumed from %s at step %d", path, state.step)
+    return state

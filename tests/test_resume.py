@@ -1,0 +1,120 @@
+"""Exact resume: a run killed with SIGKILL mid-step continues as if it had never stopped.
+
+Run S steps uninterrupted; run the same config again, SIGKILL the flow process in the middle
+of a step after a checkpoint, resume with ``--resume``. The prompts consumed after the
+checkpoint (the sample ledger: uids, rewards, token counts) and the final weights must be
+identical to the uninterrupted run's. Both runs use one torch thread, per-sample sampling
+seeds and batch-invariant decoding, so identity is bit-exact on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import prefect.settings
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = str(ROOT / "configs" / "tiny-cpu.yaml")
+STEPS = 6
+
+
+def _argv(tmp: Path, cache: Path, run_name: str, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "flows.cli", "train", DEMO, "--quiet",
+        f"storage.root={tmp}", f"storage.cache_dir={cache}", f"run_name={run_name}",
+        f"train.steps={STEPS}", "train.prompts_per_step=8", "rollout.n_samples=4",
+        "checkpoint.every=2", "eval.every=0", "eval.num_examples=16", "eval.pass_k_examples=0",
+        "train.num_threads=1", "data.synthetic_train_size=3000", *extra,
+    ]
+
+
+def _env() -> dict[str, str]:
+    # The children talk to the session's Prefect API instead of starting their own.
+    env = dict(os.environ, PREFECT_API_URL=prefect.settings.PREFECT_API_URL.value() or "")
+    env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    return env
+
+
+def _ledger(run_dir: Path) -> dict[int, list]:
+    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    return {r["step"]: r["samples"] for r in rows}
+
+
+def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run exited (rc={proc.returncode}) before step {step}")
+        if metrics.is_file():
+            steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if x]
+            if step in steps:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not logged within {timeout_s}s")
+
+
+def test_sigkill_mid_step_then_resume_is_exact(
+    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path
+) -> None:
+    env = _env()
+    done = subprocess.run(
+        _argv(tmp_path, tiny_cache, "straight"), env=env, cwd=ROOT, timeout=600,
+        capture_output=True, text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        _argv(tmp_path, tiny_cache, "killed"), env=env, cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        # Step 3 is logged after the step-2 checkpoint: step 4 is now in flight.
+        _wait_for_step(killed / "metrics.jsonl", 3, proc, timeout_s=300)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert [p.name for p in sorted((killed / "checkpoints").glob("step-*"))
+            if (p / "MANIFEST.json").is_file()] == ["step-000002"]
+
+    resumed = subprocess.run(
+        [*_argv(tmp_path, tiny_cache, "killed"), "--resume", "--json"], env=env, cwd=ROOT,
+        timeout=600, capture_output=True, text=True,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout[resumed.stdout.index("{"):])
+    assert summary["resumed_from_step"] == 2
+
+    # The same prompts, samples and rewards after the checkpoint, and no step twice.
+    straight, again = _ledger(tmp_path / "straight"), _ledger(killed)
+    assert sorted(again) == list(range(1, STEPS + 1))
+    for step in range(3, STEPS + 1):
+        assert again[step] == straight[step], f"step {step} differs after resume"
+
+    # The same final weights, bit for bit.
+    a = load_file(tmp_path / "straight" / "model" / "model.safetensors")
+    b = load_file(killed / "model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_resume_without_checkpoint_fails_clearly(
+    prefect_harness, tiny_cache: Path, tmp_path: Path
+) -> None:
+    out = subprocess.run(
+        [*_argv(tmp_path, tiny_cache, "nothing-here"), "--resume"], env=_env(), cwd=ROOT,
+        timeout=300, capture_output=True, text=True,
+    )
+    assert out.returncode != 0
+    assert "no complete checkpoint under" in out.stderr
