@@ -20,13 +20,15 @@ from tqdm.auto import tqdm
 from rl_core.checkpoint import CheckpointError, latest_checkpoint
 from rl_core.config import load_config
 from rl_core.data import PromptSampler
-from rl_core.planes import get_planes, tear_down
+from rl_core.planes import PlanesHandle, get_planes, tear_down
 from rl_core.report import format_eval, format_step, format_summary
 from rl_core.rundir import RunDir
 from tasks.checkpoint import restore_checkpoint, save_checkpoint
 from tasks.evaluate import artifact_key, evaluate_policy, export_model
 from tasks.setup import bring_up, fetch_model, prepare_data
 from tasks.step import (
+    StepSamples,
+    StepTaskError,
     compute_advantages,
     compute_logprobs,
     reward,
@@ -69,11 +71,8 @@ def grpo_train(
                             cfg.seed)
     start = 1
     if resume_from is not None:
-        state = restore_checkpoint(planes, str(resume_from), data.train_digest)
-        sampler.load_state_dict(state.sampler)
-        start = state.step + 1
-        run.truncate_after(state.step)
-        say(f"resumed from {resume_from} (step {state.step}); continuing at step {start}")
+        start = _restore(planes, sampler, run, resume_from, data.train_digest)
+        say(f"resumed from {resume_from}; continuing at step {start}")
     else:
         run.truncate_after(-1)  # a fresh start in an existing directory starts a fresh log
     evals = run.read_evals() or [_evaluate(planes, 0, run, say)]
@@ -83,26 +82,43 @@ def grpo_train(
         key=artifact_key("progress", run.name),
         description=f"GRPO steps done of {cfg.train.steps}",
     )
-    bar = tqdm(range(start, cfg.train.steps + 1), desc="GRPO", unit="step",
-               initial=start - 1, total=cfg.train.steps, disable=not show_progress)
-    for step in bar:
-        samples = rollout(planes, sampler.next_batch(), step)
-        scored = reward(planes, samples, step)
-        batch = compute_advantages(planes, scored, step)
-        batch, logprob_metrics = compute_logprobs(planes, batch, step)
-        train_metrics = train(planes, batch, step)
-        sync_metrics = sync_weights(planes, step)
-        metrics = {**scored.metrics, **logprob_metrics, **train_metrics, **sync_metrics}
+    bar = tqdm(desc="GRPO", unit="step", initial=start - 1, total=cfg.train.steps,
+               disable=not show_progress)
+    step, restarts = start, 0
+    while step <= cfg.train.steps:
+        try:
+            scored, metrics = grpo_step(planes, sampler.next_batch(), step)
+        except StepTaskError as exc:
+            # Task retries are spent: rebuild both planes from the latest checkpoint.
+            restarts += 1
+            if restarts > cfg.train.max_plane_restarts:
+                raise RuntimeError(
+                    f"GRPO step {exc.step} failed after its task retries and "
+                    f"{restarts - 1} plane restart(s) (train.max_plane_restarts): {exc}"
+                ) from exc
+            latest = latest_checkpoint(ckpt_root)
+            say(f"{exc}; rebuilding the planes from {latest or 'the base model'} "
+                f"(restart {restarts} of {cfg.train.max_plane_restarts})")
+            tear_down(planes)
+            planes = bring_up(cfg, model_path, data)
+            sampler = PromptSampler(len(get_planes(planes).train_records),
+                                    cfg.train.prompts_per_step, cfg.seed)
+            step = _restore(planes, sampler, run, latest, data.train_digest) if latest else 1
+            evals = run.read_evals()
+            bar.n = step - 1
+            continue
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
             metrics.update(save_checkpoint(planes, ckpt_root, step, sampler.state_dict(),
                                            data.train_digest))
         run.log_metrics(step, metrics)
         run.log_samples(step, scored.ledger())
         say(format_step(step, cfg.train.steps, metrics))
+        bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
         update_progress_artifact(progress, 100.0 * step / cfg.train.steps)
         if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
             evals.append(_evaluate(planes, step, run, say))
+        step += 1
     bar.close()
 
     if evals[-1]["step"] != cfg.train.steps:
@@ -120,6 +136,7 @@ def grpo_train(
         "checkpoint_dir": ckpt_root,
         "steps": cfg.train.steps,
         "resumed_from_step": start - 1 if resume_from is not None else None,
+        "plane_restarts": restarts,
         "seconds": time.perf_counter() - started,
         "data": {"train_digest": data.train_digest, "eval_digest": data.eval_digest},
         "first_eval": _brief(evals[0]),
@@ -129,6 +146,27 @@ def grpo_train(
     run.write_summary(summary)
     say(format_summary(summary))
     return summary
+
+
+def grpo_step(planes: PlanesHandle, indices: list[int], step: int) -> tuple[StepSamples, dict]:
+    """rollout -> reward -> advantages -> log-probs -> train -> sync weights."""
+    samples = rollout(planes, indices, step)
+    scored = reward(planes, samples, step)
+    batch = compute_advantages(planes, scored, step)
+    batch, logprob_metrics = compute_logprobs(planes, batch, step)
+    train_metrics = train(planes, batch, step)
+    sync_metrics = sync_weights(planes, step)
+    return scored, {**scored.metrics, **logprob_metrics, **train_metrics, **sync_metrics}
+
+
+def _restore(
+    planes: PlanesHandle, sampler: PromptSampler, run: RunDir, path, train_digest: str  # noqa: ANN001
+) -> int:
+    """Load a checkpoint into the planes and the sampler; returns the next step to run."""
+    state = restore_checkpoint(planes, str(path), train_digest)
+    sampler.load_state_dict(state.sampler)
+    run.truncate_after(state.step)
+    return state.step + 1
 
 
 def _evaluate(planes, step: int, run: RunDir, say) -> dict[str, Any]:  # noqa: ANN001

@@ -140,6 +140,9 @@ class TrainConfig(_Section):
     ppo_epochs: int = Field(1, ge=1)
     micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads.")
+    max_plane_restarts: int = Field(
+        1, ge=0, description="Rebuilds from the latest checkpoint after a step fails."
+    )
     seed: int = 0
 
 

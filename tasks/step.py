@@ -9,8 +9,11 @@ applied twice.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -29,6 +32,7 @@ from rl_core.training.batch import TrainBatch
 
 __all__ = [
     "StepSamples",
+    "StepTaskError",
     "compute_advantages",
     "compute_logprobs",
     "reward",
@@ -38,6 +42,34 @@ __all__ = [
 ]
 
 _RETRY = dict(retries=2, retry_delay_seconds=[2, 10], cache_policy=NO_CACHE)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class StepTaskError(RuntimeError):
+    """A step's task failed; the message names the task run, the step and the cause."""
+
+    def __init__(self, task: str, step: int, cause: BaseException) -> None:
+        self.task, self.step = task, step
+        super().__init__(f"task {task}-step-{step} failed: {type(cause).__name__}: {cause}")
+
+
+def _named(task: str) -> Callable[[F], F]:
+    """Re-raise failures as StepTaskError so the flow can say which task and step failed."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except StepTaskError:
+                raise
+            except Exception as exc:
+                step = kwargs.get("step", args[-1] if args else -1)
+                raise StepTaskError(task, step, exc) from exc
+
+        return run  # type: ignore[return-value]
+
+    return wrap
 
 
 @dataclass
@@ -58,6 +90,7 @@ class StepSamples:
 
 
 @task(name="rollout", task_run_name="rollout-step-{step}", timeout_seconds=1800, **_RETRY)
+@_named("rollout")
 def rollout(planes: PlanesHandle, indices: list[int], step: int) -> StepSamples:
     """Generate ``rollout.n_samples`` completions for each prompt in ``indices``."""
     p = get_planes(planes)
@@ -90,6 +123,7 @@ def rollout(planes: PlanesHandle, indices: list[int], step: int) -> StepSamples:
 
 
 @task(name="reward", task_run_name="reward-step-{step}", timeout_seconds=900, **_RETRY)
+@_named("reward")
 def reward(planes: PlanesHandle, batch: StepSamples, step: int) -> StepSamples:
     """Score every sample; failures of the reward function score 0 and are counted."""
     p = get_planes(planes)
@@ -113,6 +147,7 @@ def reward(planes: PlanesHandle, batch: StepSamples, step: int) -> StepSamples:
     timeout_seconds=300,
     cache_policy=NO_CACHE,
 )
+@_named("advantages")
 def compute_advantages(planes: PlanesHandle, batch: StepSamples, step: int) -> TrainBatch:
     """Group-relative advantages laid out as a training batch."""
     p = get_planes(planes)
@@ -122,6 +157,7 @@ def compute_advantages(planes: PlanesHandle, batch: StepSamples, step: int) -> T
 
 
 @task(name="logprobs", task_run_name="logprobs-step-{step}", timeout_seconds=1800, **_RETRY)
+@_named("logprobs")
 def compute_logprobs(
     planes: PlanesHandle, batch: TrainBatch, step: int
 ) -> tuple[TrainBatch, dict[str, float]]:
@@ -136,6 +172,7 @@ def compute_logprobs(
 
 
 @task(name="train", task_run_name="train-step-{step}", timeout_seconds=3600, cache_policy=NO_CACHE)
+@_named("train")
 def train(planes: PlanesHandle, batch: TrainBatch, step: int) -> dict[str, float]:
     """One GRPO update (``mini_batches * ppo_epochs`` optimizer steps); never retried."""
     p = get_planes(planes)
@@ -146,6 +183,7 @@ def train(planes: PlanesHandle, batch: TrainBatch, step: int) -> dict[str, float
 
 
 @task(name="sync-weights", task_run_name="sync-weights-step-{step}", timeout_seconds=600, **_RETRY)
+@_named("sync-weights")
 def sync_weights(planes: PlanesHandle, step: int) -> dict[str, float]:
     """Push the trainer's weights to the rollout plane as ``weight_version = step``."""
     metrics = get_planes(planes).sync_weights(step)

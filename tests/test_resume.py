@@ -118,3 +118,55 @@ def test_resume_without_checkpoint_fails_clearly(
     )
     assert out.returncode != 0
     assert "no complete checkpoint under" in out.stderr
+
+
+def _in_process(tmp: Path, cache: Path, run_name: str, *extra: str) -> list[str]:
+    return _argv(tmp, cache, run_name, *extra)[6:]  # the overrides only
+
+
+def test_a_lost_trainer_is_rebuilt_from_the_checkpoint(
+    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """train-step-4 fails (its task never retries): the planes are rebuilt from the step-2
+    checkpoint and the run ends exactly where an uninterrupted run ends."""
+    from flows.grpo_train import grpo_train
+    from rl_core.training.torch_trainer import TorchTrainer
+
+    straight = grpo_train(config=DEMO, overrides=_in_process(tmp_path, tiny_cache, "clean"),
+                          show_progress=False)
+
+    real_step = TorchTrainer.train_step
+    calls = {"n": 0}
+
+    def flaky(self, batch):  # noqa: ANN001
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("trainer rank lost (injected)")
+        return real_step(self, batch)
+
+    monkeypatch.setattr(TorchTrainer, "train_step", flaky)
+    recovered = grpo_train(config=DEMO, overrides=_in_process(tmp_path, tiny_cache, "flaky"),
+                           show_progress=False)
+    assert recovered["plane_restarts"] == 1
+    a = load_file(Path(straight["model_dir"]) / "model.safetensors")
+    b = load_file(Path(recovered["model_dir"]) / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert _ledger(tmp_path / "flaky") == _ledger(tmp_path / "clean")
+
+
+def test_a_step_that_keeps_failing_fails_the_run_naming_task_and_step(
+    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, monkeypatch
+) -> None:
+    import pytest
+
+    from flows.grpo_train import grpo_train
+    from rl_core.training.torch_trainer import TorchTrainer
+
+    def broken(self, batch):  # noqa: ANN001
+        raise RuntimeError("out of memory (injected)")
+
+    monkeypatch.setattr(TorchTrainer, "train_step", broken)
+    with pytest.raises(RuntimeError, match=r"GRPO step 1 failed .* task train-step-1 failed: "
+                       r"RuntimeError: out of memory \(injected\)"):
+        grpo_train(config=DEMO, overrides=_in_process(tmp_path, tiny_cache, "broken"),
+                   show_progress=False)
