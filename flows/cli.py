@@ -5,6 +5,7 @@
     grpoflow prepare-data [CONFIG] [...]                validate and snapshot the data
     grpoflow download-model [CONFIG] [--uri URI]        fetch and verify a model
     grpoflow bootstrap-model [--out DIR] [CONFIG] [...] build the embedded tiny model
+    grpoflow engine serve --model PATH --port P         SGLang-compatible embedded engine
 
 Flows run on Prefect's ephemeral API unless ``PREFECT_API_URL`` points at a server:
 nothing to install or start. This module lives in ``flows/`` because it starts flows;
@@ -159,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--uri", help="HF hub id or local directory (default: model.path)")
     p.set_defaults(func=cmd_download_model)
 
+    sub.add_parser(
+        "engine", help="`engine serve --model PATH --port P`: the embedded SGLang-compatible "
+        "engine (see `grpoflow engine serve --help`)"
+    )
+
     p = sub.add_parser("bootstrap-model", help="build the embedded tiny model")
     _config_args(p)
     p.add_argument("--out", help="output directory (default: the cache entry)")
@@ -168,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["engine", "serve"]:
+        # The embedded engine has its own flags (rl_core.rollout.server.main).
+        from rl_core.rollout.server import main as serve_main
+
+        return serve_main(argv[2:])
     parser = build_parser()
     # Overrides may come after options too (`evaluate CONFIG --model M eval.k=8`).
     args, extra = parser.parse_known_args(argv)

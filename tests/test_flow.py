@@ -141,3 +141,10 @@ def test_prepare_data_and_download_model_flows(
     assert cli_main(["download-model", DEMO, f"storage.cache_dir={tiny_cache}",
                      "--uri", str(demo_model)]) == 0
     assert capsys.readouterr().out.strip() == str(demo_model)
+
+
+def test_cli_engine_serve_has_its_own_flags(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["engine", "serve", "--help"])
+    assert exit_.value.code == 0
+    assert "--model" in capsys.readouterr().out

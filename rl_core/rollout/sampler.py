@@ -137,6 +137,32 @@ def _filter_logits(
     return out
 
 
+def _sample_next(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    position: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sampling step for a batch of rows: (tokens, their log-probs), both shape (B,).
+
+    ``position`` is each row's output index (the Gumbel counter). Temperature 0 is greedy and
+    reports the unscaled ``log_softmax``; otherwise the log-prob is ``log_softmax(logits / T)``
+    before filtering. Shared with the continuous-batching engine so both sample identically.
+    """
+    greedy = temperature == 0
+    safe_t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    scaled = logits / safe_t[:, None]
+    logp_all = torch.log_softmax(scaled, dim=-1)
+    filtered = _filter_logits(scaled, top_k, top_p, min_p)
+    noise = gumbel_noise(seeds, position, scaled.shape[-1])
+    sampled = torch.argmax(filtered + noise, dim=-1)
+    token = torch.where(greedy, torch.argmax(scaled, dim=-1), sampled)
+    return token, logp_all.gather(-1, token[:, None]).squeeze(-1)
+
+
 # --------------------------------------------------------------------------- generate
 
 
@@ -211,7 +237,6 @@ def _generate_batch(
     min_p = torch.tensor([p.min_p for p in params])
     seeds = torch.tensor([p.seed for p in params], dtype=torch.long)
     max_new = [p.max_new_tokens for p in params]
-    greedy = temperature == 0
 
     outputs: list[list[int]] = [[] for _ in range(n)]
     logprobs: list[list[float]] = [[] for _ in range(n)]
@@ -241,15 +266,15 @@ def _generate_batch(
     step = 0
     while True:
         r = rows
-        temp = temperature[r]
-        safe_t = torch.where(greedy[r], torch.ones_like(temp), temp)
-        scaled = logits / safe_t[:, None]
-        logp_all = torch.log_softmax(scaled, dim=-1)
-        filtered = _filter_logits(scaled, top_k[r], top_p[r], min_p[r])
-        noise = gumbel_noise(seeds[r], torch.full_like(r, step), scaled.shape[-1])
-        sampled = torch.argmax(filtered + noise, dim=-1)
-        token = torch.where(greedy[r], torch.argmax(scaled, dim=-1), sampled)
-        token_logp = logp_all.gather(-1, token[:, None]).squeeze(-1)
+        token, token_logp = _sample_next(
+            logits,
+            temperature[r],
+            top_k[r],
+            top_p[r],
+            min_p[r],
+            seeds[r],
+            torch.full_like(r, step),
+        )
 
         keep: list[int] = []
         for j, i in enumerate(r.tolist()):

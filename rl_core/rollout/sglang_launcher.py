@@ -1,0 +1,332 @@
+"""Launching rollout server processes: SGLang's command line, platform env presets, and
+the process helpers the router and the engine pool reuse.
+
+``build_sglang_command`` turns a :class:`SGLangLaunchConfig` into ``python -m
+sglang.launch_server ...``; ``platform_env`` gives the environment a CUDA or ROCm machine
+needs (one table, :data:`PLATFORM_ENV_PRESETS`); ``launch_sglang`` starts the server and
+waits, bounded, for ``/health_generate``. The helpers below (``start_process``,
+``wait_healthy``, ``stop_process``, ``free_port``, ``log_tail``) start every server in its
+own session, so stopping one stops all of its children (SGLang spawns scheduler and
+detokenizer processes).
+
+Never imports sglang (GPU images only; this module must import on a CPU laptop), Prefect or
+MLflow; never binds anything but the configured host (127.0.0.1 by default).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+import httpx
+
+__all__ = [
+    "PLATFORM_ENV_PRESETS",
+    "SGLangLaunchConfig",
+    "build_sglang_command",
+    "free_port",
+    "kill_process",
+    "launch_sglang",
+    "log_tail",
+    "platform_env",
+    "sglang_engine_command",
+    "sglang_env",
+    "start_process",
+    "stop_process",
+    "wait_healthy",
+]
+
+log = logging.getLogger(__name__)
+
+Platform = Literal["cuda", "rocm"]
+
+# One table of per-platform environment presets (a later change moves it next to the
+# platform detection; keep it a plain dict). Values are what slime / SGLang's images set.
+PLATFORM_ENV_PRESETS: dict[str, dict[str, str]] = {
+    "cuda": {
+        # Ray must not rewrite CUDA_VISIBLE_DEVICES: engines address physical GPU ids.
+        "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+        # cuMem allocations break NCCL weight broadcast with torch_memory_saver (slime).
+        "NCCL_CUMEM_ENABLE": "0",
+        "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "true",
+        "SGLANG_DISABLE_TP_MEMORY_INBALANCE_CHECK": "true",
+        "SGLANG_JIT_DEEPGEMM_PRECOMPILE": "false",
+    },
+    "rocm": {
+        "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1",
+        "RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES": "1",
+        "HSA_NO_SCRATCH_RECLAIM": "1",
+        "HIP_FORCE_DEV_KERNARG": "1",
+        "NCCL_MIN_NCHANNELS": "112",
+        "TORCH_NCCL_HIGH_PRIORITY": "1",
+        "SGLANG_USE_AITER": "1",
+        "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "true",
+        "SGLANG_DISABLE_TP_MEMORY_INBALANCE_CHECK": "true",
+        "SGLANG_JIT_DEEPGEMM_PRECOMPILE": "false",
+    },
+}
+
+# Which variables select devices on each platform. On ROCm the HIP runtime honours both
+# HIP_VISIBLE_DEVICES and CUDA_VISIBLE_DEVICES; they must agree, so both are set.
+_VISIBLE_DEVICE_VARS: dict[str, tuple[str, ...]] = {
+    "cuda": ("CUDA_VISIBLE_DEVICES",),
+    "rocm": ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"),
+}
+
+
+def platform_env(
+    platform: Platform, visible_devices: Sequence[int] | str | None = None
+) -> dict[str, str]:
+    """The environment variables a server on ``platform`` needs (a new dict).
+
+    ``visible_devices`` (ids or a comma-separated string) sets the platform's
+    device-selection variables; ``None`` leaves device selection to the caller.
+    """
+    if platform not in PLATFORM_ENV_PRESETS:
+        raise ValueError(f"platform={platform!r}; allowed values: {sorted(PLATFORM_ENV_PRESETS)}")
+    env = dict(PLATFORM_ENV_PRESETS[platform])
+    if visible_devices is not None:
+        devices = (
+            visible_devices
+            if isinstance(visible_devices, str)
+            else ",".join(str(int(d)) for d in visible_devices)
+        )
+        for var in _VISIBLE_DEVICE_VARS[platform]:
+            env[var] = devices
+    return env
+
+
+@dataclass
+class SGLangLaunchConfig:
+    """What one SGLang server runs: model, parallelism, memory, address, platform."""
+
+    model_path: str
+    tp: int = 1
+    dp: int = 1
+    mem_fraction_static: float | None = None
+    enable_memory_saver: bool = False
+    base_gpu_id: int = 0
+    host: str = "127.0.0.1"
+    port: int = 30000
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    enable_deterministic_inference: bool = False
+    skip_server_warmup: bool = False
+    extra_args: list[str] = field(default_factory=list)
+    platform: Platform = "cuda"
+    visible_devices: Sequence[int] | str | None = None
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.dp < 1:
+            raise ValueError(f"tp and dp must be >= 1, got tp={self.tp}, dp={self.dp}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(
+                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
+            )
+        if self.platform not in PLATFORM_ENV_PRESETS:
+            raise ValueError(
+                f"platform={self.platform!r}; allowed values: {sorted(PLATFORM_ENV_PRESETS)}"
+            )
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def build_sglang_command(cfg: SGLangLaunchConfig) -> list[str]:
+    """``python -m sglang.launch_server ...`` for ``cfg`` (flag spellings of SGLang's CLI)."""
+    cmd = [
+        cfg.python, "-m", "sglang.launch_server",
+        "--model-path", str(cfg.model_path),
+        "--tp-size", str(cfg.tp),
+        "--dp-size", str(cfg.dp),
+    ]  # fmt: skip
+    if cfg.mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+    if cfg.enable_memory_saver:
+        cmd.append("--enable-memory-saver")
+    cmd += [
+        "--base-gpu-id", str(cfg.base_gpu_id),
+        "--host", cfg.host,
+        "--port", str(cfg.port),
+        "--dtype", cfg.dtype,
+    ]  # fmt: skip
+    if cfg.trust_remote_code:
+        cmd.append("--trust-remote-code")
+    if cfg.enable_deterministic_inference:
+        cmd.append("--enable-deterministic-inference")
+    if cfg.skip_server_warmup:
+        cmd.append("--skip-server-warmup")
+    cmd += [str(a) for a in cfg.extra_args]
+    return cmd
+
+
+def sglang_engine_command(cfg: SGLangLaunchConfig) -> Callable[[int, int], list[str]]:
+    """A command factory for :class:`~rl_core.rollout.pool.EnginePool`: engine ``i`` on
+    ``port`` runs ``cfg`` on GPUs ``base_gpu_id + i * tp * dp`` onwards."""
+
+    def command(index: int, port: int) -> list[str]:
+        gpus = cfg.tp * cfg.dp
+        return build_sglang_command(
+            replace(cfg, port=port, base_gpu_id=cfg.base_gpu_id + index * gpus)
+        )
+
+    return command
+
+
+def sglang_env(cfg: SGLangLaunchConfig, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The full environment for ``cfg``'s server: ``base`` (default ``os.environ``) + presets."""
+    env = dict(os.environ if base is None else base)
+    # torch_memory_saver installs its own allocator; a user allocator config fights it.
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    env.update(platform_env(cfg.platform, cfg.visible_devices))
+    return env
+
+
+def launch_sglang(
+    cfg: SGLangLaunchConfig,
+    log_path: str | Path,
+    *,
+    timeout_s: float = 900.0,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.Popen:
+    """Start SGLang for ``cfg`` and wait (at most ``timeout_s``) for ``/health_generate``.
+
+    On failure the server is stopped and ``RuntimeError`` carries the tail of its log.
+    """
+    proc = start_process(build_sglang_command(cfg), log_path, env=sglang_env(cfg, env))
+    try:
+        wait_healthy(cfg.url, timeout_s=timeout_s, proc=proc, log_path=log_path)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc
+
+
+# ---------------------------------------------------------------------- process helpers
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks; another process may race us)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def start_process(
+    cmd: Sequence[str], log_path: str | Path, *, env: Mapping[str, str] | None = None
+) -> subprocess.Popen:
+    """Start ``cmd`` in its own session, stdout and stderr appended to ``log_path``."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as out:
+        out.write(f"$ {' '.join(cmd)}\n".encode())
+        out.flush()
+        proc = subprocess.Popen(
+            list(cmd),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=None if env is None else dict(env),
+            start_new_session=True,
+        )
+    log.info("started pid %d: %s (log %s)", proc.pid, " ".join(cmd[:4]), log_path)
+    return proc
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> int | None:
+    """SIGTERM the process's session, SIGKILL it after ``timeout_s``; returns the exit code."""
+    if proc.poll() is None:
+        _signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("pid %d ignored SIGTERM for %.0fs; killing it", proc.pid, timeout_s)
+    # Children may outlive a leader that exited on SIGTERM: kill the whole session.
+    _signal_group(proc, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout_s)
+    return proc.returncode
+
+
+def kill_process(proc: subprocess.Popen) -> None:
+    """SIGKILL the process's session now (simulates a crash)."""
+    _signal_group(proc, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # start_new_session: pgid == pid
+    except (ProcessLookupError, PermissionError):
+        with contextlib.suppress(ProcessLookupError):
+            if proc.poll() is None:
+                proc.send_signal(sig)
+
+
+def log_tail(log_path: str | Path | None, lines: int = 40) -> str:
+    """The last ``lines`` lines of a log file ('' when there is none)."""
+    if log_path is None:
+        return ""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_healthy(
+    url: str,
+    *,
+    timeout_s: float,
+    path: str = "/health_generate",
+    proc: subprocess.Popen | None = None,
+    log_path: str | Path | None = None,
+    interval_s: float = 0.5,
+    request_timeout_s: float = 30.0,
+) -> float:
+    """Poll ``url + path`` until it answers 200; returns the seconds waited.
+
+    Raises ``RuntimeError`` (with the log's tail) if ``proc`` exits or ``timeout_s`` passes.
+    """
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    last = "no answer yet"
+    with httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=2.0)) as http:
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(
+                    f"server for {url} exited with code {proc.returncode} before {path} "
+                    f"answered; log {log_path}:\n{log_tail(log_path)}"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeError(
+                    f"{url}{path} not healthy within {timeout_s:.0f}s (last: {last}); "
+                    f"log {log_path}:\n{log_tail(log_path)}"
+                )
+            try:
+                resp = http.get(url + path, timeout=min(request_timeout_s, max(remaining, 0.1)))
+                if resp.status_code == 200:
+                    waited = time.monotonic() - t0
+                    log.info("%s%s healthy after %.1fs", url, path, waited)
+                    return waited
+                last = f"HTTP {resp.status_code}"
+            except httpx.HTTPError as e:
+                last = type(e).__name__
+            time.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))

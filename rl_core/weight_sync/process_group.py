@@ -1,0 +1,148 @@
+"""A weight-update process group beside (never instead of) the default one, SGLang's way.
+
+SGLang, slime, verl and OpenRLHF create the trainer → engine broadcast group with the same
+recipe: a TCP rendezvous on ``tcp://master_address:master_port`` hosted by the trainer's
+rank 0, a ``PrefixStore`` named after the group, and ``_new_process_group_helper`` so the
+group registers in ``torch.distributed``'s world without creating or touching a default
+group. Both sides must build the group the same way for the stores to meet, so the trainer
+side (:func:`broadcast_named_tensors`) and the engine side (:func:`receive_named_tensors`)
+live here together.
+
+Wire order: one ``broadcast`` from group rank 0 per tensor, in the order of the names the
+trainer also POSTs to the engine (SGLang's non-bucketed ``load_format: null`` layout).
+Every collective is bounded: the group's timeout applies to the rendezvous and each
+broadcast, and each broadcast is waited on with the same bound.
+
+Uses a private torch helper (``_new_process_group_helper``) exactly as SGLang does; the
+signature is checked at call time. Never imports Prefect or MLflow; never pickles.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+__all__ = [
+    "broadcast_named_tensors",
+    "destroy_process_group",
+    "init_custom_process_group",
+    "parse_dtype",
+    "receive_named_tensors",
+]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` or ``"torch.bfloat16"`` (the spellings trainers send) as a torch dtype."""
+    key = name.removeprefix("torch.")
+    try:
+        return _DTYPES[key]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; known: {sorted(_DTYPES)}") from None
+
+
+def init_custom_process_group(
+    *,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "gloo",
+    timeout_s: float = 60.0,
+) -> dist.ProcessGroup:
+    """Join (rank > 0) or host (rank 0) a named process group; blocks until all ranks join.
+
+    Works whether or not the process already has a default group; the returned group is used
+    with ``group=`` / ``group_src=`` arguments only.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    timeout = timedelta(seconds=timeout_s)
+    url = f"tcp://{master_address}:{int(master_port)}"
+    store, rank, world_size = next(
+        c10d.rendezvous(url, rank=rank, world_size=world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(group_name, store)
+    options = (
+        "backend_options"
+        if "backend_options" in inspect.signature(c10d._new_process_group_helper).parameters
+        else "pg_options"
+    )
+    pg, _ = c10d._new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        c10d.Backend(backend),
+        store,
+        group_name=group_name,
+        timeout=timeout,
+        **{options: None},
+    )
+    # Group ranks are global ranks in this group's own world (SGLang's convention).
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_process_group(group: dist.ProcessGroup) -> None:
+    """Tear down a group made by :func:`init_custom_process_group`."""
+    dist.destroy_process_group(group)
+
+
+def _broadcast(tensor: torch.Tensor, group: dist.ProcessGroup, timeout_s: float) -> None:
+    work = dist.broadcast(tensor, group=group, group_src=0, async_op=True)
+    if work is not None and not work.wait(timeout=timedelta(seconds=timeout_s)):
+        raise TimeoutError(f"broadcast did not complete within {timeout_s:.0f} s")
+
+
+def broadcast_named_tensors(
+    named: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
+    group: dist.ProcessGroup,
+    *,
+    timeout_s: float = 60.0,
+) -> None:
+    """Trainer side (group rank 0): one broadcast per tensor, in the given order."""
+    items = list(named.items()) if isinstance(named, Mapping) else list(named)
+    for _, tensor in items:
+        _broadcast(tensor.detach().contiguous(), group, timeout_s)
+
+
+def receive_named_tensors(
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    group: dist.ProcessGroup,
+    *,
+    device: str | torch.device = "cpu",
+    timeout_s: float = 60.0,
+) -> dict[str, torch.Tensor]:
+    """Engine side: receive the tensors rank 0 broadcasts for ``names``, in order."""
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(
+            f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}"
+        )
+    out: dict[str, torch.Tensor] = {}
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        buf = torch.empty(tuple(int(s) for s in shape), dtype=parse_dtype(dtype), device=device)
+        _broadcast(buf, group, timeout_s)
+        out[name] = buf
+    return out

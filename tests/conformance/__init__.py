@@ -1,0 +1,1 @@
+"""SGLang protocol conformance suite (a package, so its conftest does not shadow tests/conftest)."""
