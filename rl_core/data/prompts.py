@@ -4,7 +4,7 @@ Rollout and evaluation must render prompts the same way, so both go through
 :func:`render_prompt` / :func:`encode_prompts`.
 
 This module must never load a tokenizer itself (callers pass one in), download anything, or
-import prefect or mlflow. It adds no special tokens beyond what the chat template writes.
+depend on Prefect or MLflow. It adds no special tokens beyond what the chat template writes.
 """
 
 from __future__ import annotations
