@@ -75,7 +75,9 @@ class DataConfig(_Section):
     question_field: str = "question"
     answer_field: str = "answer"
     id_field: str | None = "id"
-    max_train_examples: int | None = Field(None, ge=1)
+    max_train_examples: int | None = Field(
+        None, ge=1, description="Use only the first N training records (any source)."
+    )
     max_bad_fraction: float = Field(0.0, ge=0.0, le=1.0)
     system_prompt: str | None = None
     use_chat_template: bool | None = None

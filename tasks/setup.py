@@ -84,6 +84,7 @@ def prepare_data(data: DataConfig, cache_dir: str) -> PreparedData:
             data.seed,
             **data.synthetic_knobs(),
         )
+        train = train[: data.max_train_examples]  # the warm start still saw the whole split
     else:
         fields = dict(
             subset=data.subset,

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import prefect.settings
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -61,19 +62,28 @@ def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout_s: 
     raise AssertionError(f"step {step} not logged within {timeout_s}s")
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param([], id="mid-epoch"),
+        # 16 prompts, 8 per step: the step-2 checkpoint falls exactly on the end of epoch 0,
+        # where a resume must start epoch 1, neither repeating epoch 0 nor skipping 1.
+        pytest.param(["data.max_train_examples=16"], id="epoch-boundary"),
+    ],
+)
 def test_sigkill_mid_step_then_resume_is_exact(
-    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path
+    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, extra: list[str]
 ) -> None:
     env = _env()
     done = subprocess.run(
-        _argv(tmp_path, tiny_cache, "straight"), env=env, cwd=ROOT, timeout=600,
+        _argv(tmp_path, tiny_cache, "straight", *extra), env=env, cwd=ROOT, timeout=600,
         capture_output=True, text=True,
     )
     assert done.returncode == 0, done.stderr[-3000:]
 
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
-        _argv(tmp_path, tiny_cache, "killed"), env=env, cwd=ROOT,
+        _argv(tmp_path, tiny_cache, "killed", *extra), env=env, cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
@@ -88,7 +98,7 @@ def test_sigkill_mid_step_then_resume_is_exact(
             if (p / "MANIFEST.json").is_file()] == ["step-000002"]
 
     resumed = subprocess.run(
-        [*_argv(tmp_path, tiny_cache, "killed"), "--resume", "--json"], env=env, cwd=ROOT,
+        [*_argv(tmp_path, tiny_cache, "killed", *extra), "--resume", "--json"], env=env, cwd=ROOT,
         timeout=600, capture_output=True, text=True,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -100,6 +110,13 @@ def test_sigkill_mid_step_then_resume_is_exact(
     assert sorted(again) == list(range(1, STEPS + 1))
     for step in range(3, STEPS + 1):
         assert again[step] == straight[step], f"step {step} differs after resume"
+
+    if extra:  # epochs 0 and 1 each visit all 16 prompts exactly once
+        def prompts(steps: range) -> list[str]:
+            return sorted({s["uid"].split(":")[1] for t in steps for s in again[t]})
+
+        assert len(prompts(range(1, 3))) == len(prompts(range(3, 5))) == 16
+        assert prompts(range(1, 3)) == prompts(range(3, 5))
 
     # The same final weights, bit for bit.
     a = load_file(tmp_path / "straight" / "model" / "model.safetensors")
@@ -157,8 +174,6 @@ def test_a_lost_trainer_is_rebuilt_from_the_checkpoint(
 def test_a_step_that_keeps_failing_fails_the_run_naming_task_and_step(
     prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    import pytest
-
     from flows.grpo_train import grpo_train
     from rl_core.training.torch_trainer import TorchTrainer
 
