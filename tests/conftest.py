@@ -41,6 +41,20 @@ def tiny_qwen2(seed: int = 0, *, tie: bool = False, init_std: float = 0.2):
     return model.eval()
 
 
+def hf_greedy(model, prompt, max_new_tokens: int, eos: int | None) -> list[int]:
+    """``transformers`` greedy ``generate`` for one prompt: the reference decoders match."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=PAD_ID,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
 def word(i: int) -> str:
     """The tokenizer's surface form of token ``i`` (3 characters for every normal token)."""
     return {PAD_ID: "<pad>", EOS_ID: "<eos>", UNK_ID: "<unk>"}.get(i, f"a{i:02d}")

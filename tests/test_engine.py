@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import EOS_ID, PAD_ID
+from conftest import EOS_ID, PAD_ID, hf_greedy
 from engine_helpers import (
     bucket_meta,
     free_port,
@@ -109,19 +109,6 @@ def _wait_for(cond: Callable[[], bool], what: str, timeout: float = WAIT) -> Non
         time.sleep(0.005)
 
 
-def _hf_greedy(model, prompt, max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
 def _full_logprobs(model, tokens: list[int], start: int, temperature: float = 1.0) -> torch.Tensor:
     """log p(tokens[i] | tokens[:i]) for i >= start, from one unpadded forward pass."""
     with torch.no_grad():
@@ -180,7 +167,7 @@ def test_greedy_equals_hf_generate(make_engine, ref_model):
         for i, p in enumerate(PROMPTS)
     ]
     for p, out in zip(PROMPTS, eng.generate_sync(reqs), strict=True):
-        assert out.output_ids == _hf_greedy(ref_model, p, 12)
+        assert out.output_ids == hf_greedy(ref_model, p, 12, eos=EOS_ID)
 
 
 def test_logprobs_equal_a_full_forward_pass(make_engine, ref_model):

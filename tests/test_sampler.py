@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PAD_ID, word
+from conftest import PAD_ID, hf_greedy, word
 
 from rl_core.rollout.sampler import Completion, SamplingParams, generate, gumbel_noise
 
@@ -39,19 +39,6 @@ def _first_step_probs(model, prompt) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
-def _hf_greedy(model, prompt, max_new_tokens: int, eos: int | None) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=eos,
-        pad_token_id=PAD_ID,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
 def _pick_stop_token(outputs: list[list[int]], min_pos: int = 2) -> tuple[int, int]:
     """(row, token) such that ``token`` first appears in ``outputs[row]`` at >= min_pos."""
     for row, out in enumerate(outputs):
@@ -68,7 +55,7 @@ def test_greedy_matches_hf_generate_with_left_padding_and_eos(tiny_model):
     n = 10
     free = generate(tiny_model, PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=n))
     for p, c in zip(PROMPTS, free, strict=True):
-        assert c.output_ids == _hf_greedy(tiny_model, p, n, eos=None)
+        assert c.output_ids == hf_greedy(tiny_model, p, n, eos=None)
         assert c.finish_reason == {"type": "length", "length": n}
 
     # An EOS id that stops one row early (it then leaves the KV cache) but not the others.
@@ -82,7 +69,7 @@ def test_greedy_matches_hf_generate_with_left_padding_and_eos(tiny_model):
     )
     stopped = 0
     for p, c in zip(PROMPTS, outs, strict=True):
-        expected = _hf_greedy(tiny_model, p, n, eos=eos)
+        expected = hf_greedy(tiny_model, p, n, eos=eos)
         assert c.output_ids == expected
         if eos in expected:
             stopped += 1

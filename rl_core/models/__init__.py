@@ -5,9 +5,11 @@ Never imports Prefect or MLflow.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["torch_dtype"]
+__all__ = ["eos_token_ids", "torch_dtype"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -18,3 +20,20 @@ def torch_dtype(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"model.dtype={name!r}; allowed values: {sorted(_DTYPES)}") from None
+
+
+def eos_token_ids(tokenizer: Any, model: Any, source: object) -> list[int]:
+    """Every id that ends generation: the tokenizer's EOS and generation_config's."""
+    ids: set[int] = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = getattr(model.generation_config, "eos_token_id", None)
+    for e in gen if isinstance(gen, list) else [gen]:
+        if e is not None:
+            ids.add(int(e))
+    if not ids:
+        raise ValueError(
+            f"{source}: the tokenizer has no eos_token and generation_config.json "
+            "no eos_token_id; generation could never stop"
+        )
+    return sorted(ids)

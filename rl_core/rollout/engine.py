@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from rl_core.models import torch_dtype
+from rl_core.models import eos_token_ids, torch_dtype
 from rl_core.rollout.sampler import SamplingParams, _hit_stop, _sample_next
 from rl_core.weight_sync import process_group as pgroup
 from rl_core.weight_sync import weights_checksum
@@ -203,7 +203,7 @@ class EmbeddedEngine:
         self.max_total_tokens = int(max_total_tokens or max(65536, self.context_length))
         if self.max_running_requests < 1 or self.max_total_tokens < 2:
             raise ValueError("max_running_requests must be >= 1 and max_total_tokens >= 2")
-        self.eos_token_ids = self._eos_ids(model_path)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.model, model_path)
         pad = self.tokenizer.pad_token_id if self.tokenizer is not None else None
         self.pad_token_id = pad if pad is not None else self.eos_token_ids[0]
         self.sampling_defaults = self._generation_defaults(model_path)
@@ -255,21 +255,6 @@ class EmbeddedEngine:
                 "%s: no usable tokenizer (%s); text and stop strings disabled", model_path, e
             )
             return None
-
-    def _eos_ids(self, model_path: str | Path) -> list[int]:
-        ids: set[int] = set()
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        gen = getattr(self.model.generation_config, "eos_token_id", None)
-        for e in gen if isinstance(gen, list) else [gen]:
-            if e is not None:
-                ids.add(int(e))
-        if not ids:
-            raise ValueError(
-                f"{model_path}: the tokenizer has no eos_token and generation_config.json "
-                "no eos_token_id; generation could never stop"
-            )
-        return sorted(ids)
 
     @staticmethod
     def _generation_defaults(model_path: str | Path) -> dict[str, Any]:

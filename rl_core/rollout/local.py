@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rl_core.models import torch_dtype
+from rl_core.models import eos_token_ids, torch_dtype
 from rl_core.rollout.sampler import Completion, SamplingParams, generate
 from rl_core.weight_sync import weights_checksum
 
@@ -44,16 +44,7 @@ class LocalEngine:
         self.model.eval().requires_grad_(False)
         self.micro_batch_size = micro_batch_size
         self.weight_version = 0
-        eos = self.tokenizer.eos_token_id
-        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
-        ids = {eos} if eos is not None else set()
-        ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos else [])
-        if not ids:
-            raise ValueError(
-                f"{model_path}: the tokenizer has no eos_token and generation_config.json "
-                "no eos_token_id; generation could never stop"
-            )
-        self.eos_token_ids = sorted(ids)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.model, model_path)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else self.eos_token_ids[0]
 
