@@ -6,6 +6,8 @@
     grpoflow download-model [CONFIG] [--uri URI]        fetch and verify a model
     grpoflow bootstrap-model [--out DIR] [CONFIG] [...] build the embedded tiny model
     grpoflow engine serve --model PATH --port P         SGLang-compatible embedded engine
+    grpoflow doctor [CONFIG] [...] [--json]             what is here, what is missing, fixes
+    grpoflow plan --model M --device D --devices N      TP/PP/DP recommendation per plane
 
 Flows run on Prefect's ephemeral API unless ``PREFECT_API_URL`` points at a server:
 nothing to install or start. This module lives in ``flows/`` because it starts flows;
@@ -164,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
         "engine", help="`engine serve --model PATH --port P`: the embedded SGLang-compatible "
         "engine (see `grpoflow engine serve --help`)"
     )
+    sub.add_parser(
+        "doctor", help="what this machine has and what the config needs (see `doctor --help`)"
+    )
+    sub.add_parser(
+        "plan", help="recommend TP/PP/DP for both planes (see `grpoflow plan --help`)"
+    )
 
     p = sub.add_parser("bootstrap-model", help="build the embedded tiny model")
     _config_args(p)
@@ -180,6 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         from rl_core.rollout.server import main as serve_main
 
         return serve_main(argv[2:])
+    if argv[:1] == ["doctor"]:
+        from flows.doctor import main as doctor_main
+
+        return doctor_main(argv[1:])
+    if argv[:1] == ["plan"]:
+        from rl_core.cluster.planner import main as plan_main
+
+        return plan_main(argv[1:])
     parser = build_parser()
     # Overrides may come after options too (`evaluate CONFIG --model M eval.k=8`).
     args, extra = parser.parse_known_args(argv)

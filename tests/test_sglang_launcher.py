@@ -106,7 +106,7 @@ def test_bad_config_names_the_field():
 
 
 def test_rocm_env_preset():
-    env = platform_env("rocm", [0, 1, 2, 3])
+    env = platform_env("rocm", visible_devices=[0, 1, 2, 3])
     for key, value in {
         "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1",
         "HSA_NO_SCRATCH_RECLAIM": "1",
@@ -122,7 +122,7 @@ def test_rocm_env_preset():
 
 
 def test_cuda_env_preset():
-    env = platform_env("cuda", "2,3")
+    env = platform_env("cuda", visible_devices="2,3")
     assert env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] == "1"
     assert env["NCCL_CUMEM_ENABLE"] == "0"
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
@@ -132,7 +132,7 @@ def test_cuda_env_preset():
 
 def test_presets_are_one_table_and_not_mutated():
     assert set(PLATFORM_ENV_PRESETS) == {"cuda", "rocm"}
-    platform_env("rocm", [0])["SGLANG_USE_AITER"] = "0"
+    platform_env("rocm", visible_devices=[0])["SGLANG_USE_AITER"] = "0"
     assert PLATFORM_ENV_PRESETS["rocm"]["SGLANG_USE_AITER"] == "1"
     assert "HIP_VISIBLE_DEVICES" not in PLATFORM_ENV_PRESETS["rocm"]
     with pytest.raises(ValueError, match="platform"):

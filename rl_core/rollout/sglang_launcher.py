@@ -3,11 +3,11 @@ the process helpers the router and the engine pool reuse.
 
 ``build_sglang_command`` turns a :class:`SGLangLaunchConfig` into ``python -m
 sglang.launch_server ...``; ``platform_env`` gives the environment a CUDA or ROCm machine
-needs (one table, :data:`PLATFORM_ENV_PRESETS`); ``launch_sglang`` starts the server and
-waits, bounded, for ``/health_generate``. The helpers below (``start_process``,
-``wait_healthy``, ``stop_process``, ``free_port``, ``log_tail``) start every server in its
-own session, so stopping one stops all of its children (SGLang spawns scheduler and
-detokenizer processes).
+needs (one table, :data:`PLATFORM_ENV_PRESETS`; both live in :mod:`rl_core.cluster.platform`
+and are re-exported here); ``launch_sglang`` starts the server and waits, bounded, for
+``/health_generate``. The helpers below (``start_process``, ``wait_healthy``,
+``stop_process``, ``free_port``, ``log_tail``) start every server in its own session, so
+stopping one stops all of its children (SGLang spawns scheduler and detokenizer processes).
 
 Never imports sglang (GPU images only; this module must import on a CPU laptop), Prefect or
 MLflow; never binds anything but the configured host (127.0.0.1 by default).
@@ -30,6 +30,8 @@ from typing import Literal
 
 import httpx
 
+from rl_core.cluster.platform import PLATFORM_ENV_PRESETS, platform_env
+
 __all__ = [
     "PLATFORM_ENV_PRESETS",
     "SGLangLaunchConfig",
@@ -49,61 +51,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Platform = Literal["cuda", "rocm"]
-
-# One table of per-platform environment presets (a later change moves it next to the
-# platform detection; keep it a plain dict). Values are what slime / SGLang's images set.
-PLATFORM_ENV_PRESETS: dict[str, dict[str, str]] = {
-    "cuda": {
-        # Ray must not rewrite CUDA_VISIBLE_DEVICES: engines address physical GPU ids.
-        "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
-        # cuMem allocations break NCCL weight broadcast with torch_memory_saver (slime).
-        "NCCL_CUMEM_ENABLE": "0",
-        "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "true",
-        "SGLANG_DISABLE_TP_MEMORY_INBALANCE_CHECK": "true",
-        "SGLANG_JIT_DEEPGEMM_PRECOMPILE": "false",
-    },
-    "rocm": {
-        "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1",
-        "RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES": "1",
-        "HSA_NO_SCRATCH_RECLAIM": "1",
-        "HIP_FORCE_DEV_KERNARG": "1",
-        "NCCL_MIN_NCHANNELS": "112",
-        "TORCH_NCCL_HIGH_PRIORITY": "1",
-        "SGLANG_USE_AITER": "1",
-        "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "true",
-        "SGLANG_DISABLE_TP_MEMORY_INBALANCE_CHECK": "true",
-        "SGLANG_JIT_DEEPGEMM_PRECOMPILE": "false",
-    },
-}
-
-# Which variables select devices on each platform. On ROCm the HIP runtime honours both
-# HIP_VISIBLE_DEVICES and CUDA_VISIBLE_DEVICES; they must agree, so both are set.
-_VISIBLE_DEVICE_VARS: dict[str, tuple[str, ...]] = {
-    "cuda": ("CUDA_VISIBLE_DEVICES",),
-    "rocm": ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"),
-}
-
-
-def platform_env(
-    platform: Platform, visible_devices: Sequence[int] | str | None = None
-) -> dict[str, str]:
-    """The environment variables a server on ``platform`` needs (a new dict).
-
-    ``visible_devices`` (ids or a comma-separated string) sets the platform's
-    device-selection variables; ``None`` leaves device selection to the caller.
-    """
-    if platform not in PLATFORM_ENV_PRESETS:
-        raise ValueError(f"platform={platform!r}; allowed values: {sorted(PLATFORM_ENV_PRESETS)}")
-    env = dict(PLATFORM_ENV_PRESETS[platform])
-    if visible_devices is not None:
-        devices = (
-            visible_devices
-            if isinstance(visible_devices, str)
-            else ",".join(str(int(d)) for d in visible_devices)
-        )
-        for var in _VISIBLE_DEVICE_VARS[platform]:
-            env[var] = devices
-    return env
 
 
 @dataclass
@@ -185,12 +132,20 @@ def sglang_engine_command(cfg: SGLangLaunchConfig) -> Callable[[int, int], list[
     return command
 
 
-def sglang_env(cfg: SGLangLaunchConfig, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The full environment for ``cfg``'s server: ``base`` (default ``os.environ``) + presets."""
+def sglang_env(
+    cfg: SGLangLaunchConfig,
+    base: Mapping[str, str] | None = None,
+    overrides: Mapping[str, str | None] | None = None,
+) -> dict[str, str]:
+    """The full environment for ``cfg``'s server: ``base`` (default ``os.environ``) +
+    presets + ``overrides`` (``cluster.env``; ``None`` removes a variable)."""
     env = dict(os.environ if base is None else base)
     # torch_memory_saver installs its own allocator; a user allocator config fights it.
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    env.update(platform_env(cfg.platform, cfg.visible_devices))
+    env.update(platform_env(cfg.platform, overrides, visible_devices=cfg.visible_devices))
+    for name, value in (overrides or {}).items():
+        if value is None:
+            env.pop(name, None)
     return env
 
 
