@@ -283,8 +283,6 @@ def test_missing_paths_and_unsupported_schemes(
         load_records(missing)
     with pytest.raises(FileNotFoundError):
         load_records("./data/train.jsonl")
-    with pytest.raises(ValueError, match="s3:// data sources arrive with the storage layer"):
-        load_records("s3://bucket/train.jsonl")
     with pytest.raises(ValueError, match="unsupported URI scheme gs://"):
         load_records("gs://bucket/train.jsonl")
     path = _write_jsonl(tmp_path / "ok.jsonl", ROWS)

@@ -3,26 +3,33 @@
 :func:`load_records` accepts a JSONL (or JSON) file, a Parquet file, a local directory (a
 ``datasets.save_to_disk`` folder, or a folder of ``{split}.jsonl`` / ``{split}.parquet`` /
 ``{split}-*.parquet`` files), or a Hugging Face hub dataset name. URI schemes dispatch through
-``_SCHEME_READERS``; ``s3://`` is reserved for the storage layer.
+``_SCHEME_READERS``. ``s3://bucket/train.jsonl`` (or ``.parquet``) and ``s3://bucket/prefix``
+(laid out like a local directory) go through :mod:`rl_core.storage`: the object or the prefix's
+data files are downloaded once into ``<cache_dir>/s3-data/``, keyed by their ETags and sizes, and
+read with the local readers.
 
 This module must never import prefect or mlflow, never download anything on its own (only an
-explicit hub dataset name reaches ``datasets.load_dataset``), and never crash on a bad row: bad
-rows are reported by number through :class:`~rl_core.data.records.DataValidationError`.
+explicit hub dataset name reaches ``datasets.load_dataset``, only an explicit ``s3://`` URI
+reaches S3), and never crash on a bad row: bad rows are reported by number through
+:class:`~rl_core.data.records.DataValidationError`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rl_core import storage
 from rl_core.data.records import (
     BadRow,
     DataValidationError,
@@ -58,16 +65,67 @@ class _Request:
     subset: str | None
     columns: tuple[str, ...]  # fields we need, id last if any
     required: tuple[str, ...]  # question and answer fields
+    cache_dir: Path | None = None  # where remote sources are downloaded
 
 
 # --------------------------------------------------------------------------- scheme dispatch
 
 
+_S3_DATA_FILES = (*_JSON_SUFFIXES, ".parquet", ".arrow")
+
+
 def _read_s3(uri: str, request: _Request) -> RowSource:
-    raise ValueError(
-        f"{uri}: s3:// data sources arrive with the storage layer; "
-        "download the file and pass a local path"
+    """An object (``.jsonl``/``.json``/``.parquet``) or a prefix, read through a local copy.
+
+    The copy lives in ``<cache_dir>/s3-data/<digest of the URI, ETags and sizes>/``, so a
+    changed object is downloaded again and an unchanged one is not.
+    """
+    cache = (request.cache_dir or storage.default_cache_dir()) / "s3-data"
+    try:
+        try:
+            obj = storage.stat(uri)
+        except storage.NotFound:
+            obj = None
+        if obj is not None:
+            suffix = Path(obj.name).suffix.lower()
+            if suffix not in _S3_DATA_FILES:
+                raise ValueError(
+                    f"{uri}: unsupported file type {suffix or '(no suffix)'!r}; "
+                    "use .jsonl (one JSON object per line) or .parquet"
+                )
+            local = cache / _cache_key(uri, [(obj.name, obj.size, obj.etag)]) / obj.name
+            if not (local.is_file() and local.stat().st_size == obj.size):
+                storage.download_file(uri, local)
+            return dataclasses.replace(_read_file(local, request), name=uri)
+        listing = [f for f in storage.list_files(uri) if _is_data_file(f.name)]
+        if not listing:
+            raise FileNotFoundError(
+                f"data source {uri!r} not found: no such object, and no data files "
+                f"({', '.join(_S3_DATA_FILES)}) under that prefix"
+            )
+        local = cache / _cache_key(uri, [(f.name, f.size, f.etag) for f in listing])
+        if not local.is_dir():
+            storage.download_dir(uri, local, require_manifest=False, include=_is_data_file)
+    except storage.StorageError as exc:
+        raise type(exc)(storage.redact(f"data source {uri}: {exc}")) from None
+    try:
+        read = _read_dir(local, request)
+    except (FileNotFoundError, ValueError) as exc:
+        if type(exc) not in (FileNotFoundError, ValueError):
+            raise
+        raise type(exc)(str(exc).replace(str(local), uri)) from None  # name the S3 URI
+    return dataclasses.replace(read, name=read.name.replace(str(local), uri))
+
+
+def _is_data_file(name: str) -> bool:
+    return name.lower().endswith(_S3_DATA_FILES) or PurePosixPath(name).name in (
+        _SAVE_TO_DISK_MARKERS
     )
+
+
+def _cache_key(uri: str, files: Sequence[tuple[str, int, str]]) -> str:
+    blob = json.dumps([uri, sorted(files)], separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _read_file_uri(uri: str, request: _Request) -> RowSource:
@@ -325,6 +383,7 @@ def load_records(
     id_field: str | None = "id",
     limit: int | None = None,
     max_bad_fraction: float = 0.0,
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> list[Record]:
     """Load and validate GSM8K-format records from a file, directory, URI or hub dataset name.
 
@@ -334,8 +393,12 @@ def load_records(
     ``limit`` keeps the first N good records; the bad-row check always covers the whole source,
     so whether a load passes does not depend on ``limit``.
 
-    Raises FileNotFoundError for a missing local path, DataValidationError (a ValueError) for
-    bad rows beyond ``max_bad_fraction`` or no good rows, ValueError for ``s3://`` (not yet).
+    ``s3://`` sources are downloaded into ``cache_dir`` (default
+    :func:`rl_core.storage.default_cache_dir`), keyed by their ETags and sizes.
+
+    Raises FileNotFoundError for a missing local path or S3 object, DataValidationError (a
+    ValueError) for bad rows beyond ``max_bad_fraction`` or no good rows,
+    :class:`rl_core.storage.StorageError` when S3 cannot be read (the message says why).
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
@@ -345,6 +408,7 @@ def load_records(
         subset=subset,
         columns=tuple(dict.fromkeys(columns)),
         required=(question_field, answer_field),
+        cache_dir=Path(cache_dir) if cache_dir is not None else None,
     )
     read = _dispatch(os.fspath(source), request)
     records, _ = validate_numbered_rows(
