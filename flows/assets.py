@@ -1,7 +1,8 @@
 """Flows that prepare what a run consumes, usable on their own or ahead of training.
 
     prepare-data:   any supported source -> validated Parquet snapshots with digests
-    download-model: HF hub id, local directory or the embedded tiny model -> verified cache
+    download-model: HF hub id (at a revision), local directory or the embedded tiny model
+                    -> verified directory; hub snapshots cached by (repo id, commit sha)
 
 Both are keyed by the digest of their inputs: a second run finds the output and says so.
 """
@@ -30,8 +31,15 @@ def prepare_data_flow(
 
 @flow(name="download-model")
 def download_model(
-    config: str | None = None, overrides: list[str] | None = None, uri: str | None = None
+    config: str | None = None,
+    overrides: list[str] | None = None,
+    uri: str | None = None,
+    revision: str | None = None,
 ) -> str:
-    """Fetch and verify ``uri`` (default: the config's ``model.path``); returns the local path."""
+    """Fetch and verify ``uri`` (default: the config's ``model.path``); returns the local path.
+
+    ``revision``: a hub branch, tag or commit (default: the config's, else ``main``). Run it
+    where the hub is reachable to fill ``storage.cache_dir`` for offline machines.
+    """
     cfg = load_config(config, [*(overrides or []), *([f"model.path={uri}"] if uri else [])])
-    return fetch_model(cfg.model, cfg.data, cfg.storage.cache_dir)
+    return fetch_model(cfg.model, cfg.data, cfg.storage.cache_dir, revision)

@@ -26,9 +26,10 @@ def test_demo_model_is_a_hugging_face_model(demo_model: Path) -> None:
     assert model.config.model_type == "qwen2"
     n_params = sum(p.numel() for p in model.parameters())
     assert 1_000_000 <= n_params <= 5_000_000, n_params
-    assert tok.chat_template and tok.eos_token_id == GenerationConfig.from_pretrained(
-        demo_model
-    ).eos_token_id
+    assert (
+        tok.chat_template
+        and tok.eos_token_id == GenerationConfig.from_pretrained(demo_model).eos_token_id
+    )
     # Digits are single tokens, so arithmetic is learnable.
     assert [tok.decode([t]) for t in tok.encode("1234", add_special_tokens=False)] == list("1234")
 
@@ -54,8 +55,16 @@ def test_demo_model_starts_between_20_and_60_percent(demo_model: Path) -> None:
 
 def test_bootstrap_is_deterministic_and_cached(tmp_path: Path) -> None:
     spec = TinyModelSpec(
-        hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate_size=64,
-        train_size=600, test_size=50, val_examples=50, sft_max_steps=3, eval_every=100,
+        hidden_size=32,
+        layers=1,
+        heads=2,
+        kv_heads=1,
+        intermediate_size=64,
+        train_size=600,
+        test_size=50,
+        val_examples=50,
+        sft_max_steps=3,
+        eval_every=100,
         sft_batch_size=8,
     )
     a = bootstrap_tiny_model(tmp_path / "a", spec)
@@ -88,28 +97,9 @@ def test_verify_model_dir_names_what_is_missing(tmp_path: Path, demo_model: Path
         verify_model_dir(partial)
 
 
-def test_hub_ids_download_through_huggingface_hub(
-    monkeypatch, tmp_path: Path, demo_model: Path
-) -> None:
-    """The real loader is called with the repo id; the hub itself is replaced by a copy."""
-    import shutil
-
-    import huggingface_hub
-
-    calls = []
-
-    def fake_snapshot_download(repo_id, local_dir, allow_patterns, token):  # noqa: ANN001
-        calls.append((repo_id, token))
-        shutil.copytree(demo_model, local_dir, dirs_exist_ok=True)
-        return str(local_dir)
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    cfg = load_config(None, ["model.path=someorg/some-model"])
-    path, cached = resolve_model(cfg.model, cfg.data, tmp_path, token="hf_x")
-    assert not cached and calls == [("someorg/some-model", "hf_x")]
-    path2, cached2 = resolve_model(cfg.model, cfg.data, tmp_path)
-    assert cached2 and path2 == path and len(calls) == 1
-
-    bad = load_config(None, ["model.path=./missing/dir"])
-    with pytest.raises(ModelError, match="neither an existing directory nor a hub id"):
-        resolve_model(bad.model, bad.data, tmp_path)
+def test_model_references_that_are_neither_dirs_nor_hub_ids(tmp_path: Path) -> None:
+    """Hub downloads and the content-keyed cache are tested in test_model_cache.py."""
+    for path in ("./missing/dir", "/abs/missing", "just-a-name", "a/b/c", "gs://bucket/m"):
+        bad = load_config(None, [f"model.path={path}"])
+        with pytest.raises(ModelError, match="neither an existing directory nor a hub id"):
+            resolve_model(bad.model, bad.data, tmp_path)
