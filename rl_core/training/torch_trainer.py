@@ -3,20 +3,27 @@
 One trainer object owns the policy, the frozen reference policy (only when the KL term is
 on), the optimizer and the LR schedule. Its interface is what every backend offers:
 ``compute_logprobs``, ``train_step``, ``export_weights``, ``save_state``/``load_state``.
-Today it runs in-process on one rank; the Ray issue puts it in actors and wraps the model
-in FSDP2 without changing this interface.
+It runs in-process as one rank; ``rl_core.training.distributed`` runs it on several ranks
+(Ray actors, DDP or FSDP2) through the same interface and a few hooks here (``_train_module``,
+``_grad_sync``, ``_across_ranks``) whose single-rank bodies do nothing.
 
 Gradient accumulation is exact: each micro-batch's loss is normalised by the token or
 sequence count of the whole mini-batch, so micro-batching changes speed, not the update.
+Data parallelism is the same rule: ``train_step(batch, minis=...)`` takes each mini-batch's
+*global* counts, so a rank holding part of a mini-batch contributes its exact share.
 
 Never imports Prefect or MLflow.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +35,28 @@ from rl_core.config import AlgorithmConfig, TrainConfig
 from rl_core.models import torch_dtype
 from rl_core.training.batch import TrainBatch
 
-__all__ = ["TorchTrainer"]
+__all__ = ["MiniBatch", "TorchTrainer", "check_loaded", "read_weights"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Micro-batch values of these metrics are shares of the mini-batch value (already divided
 # by the mini-batch's token/sequence count): they add up, rather than average.
 _SUMMED_METRICS = ("loss", "pg_loss")
 _MAX_METRICS = ("ratio_max", "tis_max")
+_TOKENS = "_tokens"  # response tokens trained on, carried with the metric sums
+
+
+@dataclass(frozen=True)
+class MiniBatch:
+    """One optimizer step's rows of a batch and the counts its loss is normalised by.
+
+    ``rows`` index the batch given to :meth:`TorchTrainer.train_step`. ``tokens`` and
+    ``seqs`` are the response-token and sequence counts of the *whole* mini-batch, which on
+    a data-parallel rank includes the rows other ranks hold.
+    """
+
+    rows: torch.Tensor
+    tokens: float
+    seqs: float
 
 
 class TorchTrainer:
@@ -67,6 +89,12 @@ class TorchTrainer:
         self.ref_model = None
         if algorithm.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self._build_optimizer()
+        self.global_step = 0  # optimizer steps applied
+
+    def _build_optimizer(self) -> None:
+        """AdamW and the LR schedule over the current parameters (FSDP2 rebuilds them)."""
+        train = self.train_cfg
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=train.lr,
@@ -74,10 +102,24 @@ class TorchTrainer:
             weight_decay=train.weight_decay,
         )
         total = max(1, train.steps * train.mini_batches * train.ppo_epochs)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, _lr_lambda(train, total)
-        )
-        self.global_step = 0  # optimizer steps applied
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(train, total))
+
+    # ------------------------------------------------- data-parallel hooks (one rank: no-ops)
+
+    @property
+    def _train_module(self) -> torch.nn.Module:
+        """The module the training forward goes through (a DDP wrapper on ranks)."""
+        return self.model
+
+    def _grad_sync(self, sync: bool) -> AbstractContextManager:
+        """Around one micro-batch's forward/backward; ``sync``: the mini-batch's last."""
+        return contextlib.nullcontext()
+
+    def _across_ranks(
+        self, sums: dict[str, float], maxes: dict[str, float]
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """Metric sums and maxima of every rank (one rank: its own)."""
+        return sums, maxes
 
     # ------------------------------------------------------------------ log-probs
 
@@ -109,6 +151,11 @@ class TorchTrainer:
         return out
 
     @property
+    def has_ref_model(self) -> bool:
+        """Whether reference log-probs exist (``algorithm.kl_coef > 0``)."""
+        return self.ref_model is not None
+
+    @property
     def needs_old_logp(self) -> bool:
         """Whether the update is off the sampling policy within a step.
 
@@ -125,59 +172,48 @@ class TorchTrainer:
 
     # ---------------------------------------------------------------------- train
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """Apply ``ppo_epochs * mini_batches`` optimizer steps on one GRPO batch."""
-        cfg, algo = self.train_cfg, self.algo
+    def train_step(
+        self,
+        batch: TrainBatch,
+        *,
+        minis: Sequence[MiniBatch] | None = None,
+        norm_const: float | None = None,
+    ) -> dict[str, float]:
+        """Apply ``ppo_epochs * mini_batches`` optimizer steps on one GRPO batch.
+
+        ``minis`` (data-parallel ranks) says which rows form each optimizer step and the
+        global counts to normalise by; by default the batch is cut into ``mini_batches``
+        chunks normalised by their own counts. ``norm_const`` is Dr.GRPO's constant; by
+        default ``max_response_len``, else the batch's width.
+        """
+        cfg = self.train_cfg
         started = time.perf_counter()
         self.model.train()
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
-        weight = 0.0
         grad_norms = []
-        tokens = 0
-        chunks = torch.arange(batch.size).chunk(cfg.mini_batches)
+        tokens = 0.0
+        if minis is None:
+            minis = [
+                MiniBatch(rows, float(batch.response_mask[rows].sum()), float(len(rows)))
+                for rows in torch.arange(batch.size).chunk(cfg.mini_batches)
+            ]
         # Dr.GRPO's constant must be the same on every micro-batch (they are trimmed to
         # their own longest row), or gradient accumulation is not exact.
-        norm_const = float(self.max_response_len or batch.response_mask.shape[-1])
+        if norm_const is None:
+            norm_const = float(self.max_response_len or batch.response_mask.shape[-1])
         for _ in range(cfg.ppo_epochs):
-            for mini in chunks:
-                mini_tokens = float(batch.response_mask[mini].sum())
+            for mini in minis:
                 mini_sums: dict[str, float] = {}
                 self.optimizer.zero_grad(set_to_none=True)
-                for micro in mini.split(cfg.micro_batch_size):
+                micros = mini.rows.split(cfg.micro_batch_size)
+                for i, micro in enumerate(micros):
                     part = batch.select(micro)
-                    logits, logp = self._forward(self.model, part)
-                    mask = part.response_mask.to(self.device)
-                    old = part.old_logp if part.old_logp is not None else logp.detach()
-                    # Entropy is always reported; it carries gradient only when it is a bonus.
-                    with torch.set_grad_enabled(algo.entropy_coef > 0):
-                        ent = entropy_from_logits(logits)
-                    loss, m = compute_grpo_loss(
-                        logp,
-                        old.to(self.device),
-                        part.advantages.to(self.device),
-                        mask,
-                        ref_logp=None if part.ref_logp is None else part.ref_logp.to(self.device),
-                        kl_coef=algo.kl_coef,
-                        kl_kind=algo.kl_kind,
-                        clip_low=algo.clip_low,
-                        clip_high=algo.clip_high,
-                        dual_clip=algo.dual_clip,
-                        ratio_type=algo.ratio_type,
-                        loss_agg=algo.loss_agg,
-                        norm_const=norm_const,
-                        entropy=ent,
-                        entropy_coef=algo.entropy_coef,
-                        rollout_logp=part.rollout_logp.to(self.device),
-                        tis_cap=algo.tis_cap,
-                        tis_level=algo.tis_level,
-                        global_tokens=mini_tokens,
-                        global_seqs=float(len(mini)),
-                    )
-                    loss.backward()
-                    w = float(mask.sum())
-                    tokens += int(w)
-                    weight += w
+                    with self._grad_sync(i == len(micros) - 1):
+                        loss, m = self._micro_loss(part, norm_const, mini)
+                        loss.backward()
+                    w = float(part.response_mask.sum())
+                    tokens += w
                     for k, v in m.items():
                         if k in _SUMMED_METRICS:
                             mini_sums[k] = mini_sums.get(k, 0.0) + float(v)
@@ -186,14 +222,19 @@ class TorchTrainer:
                         else:
                             sums[k] = sums.get(k, 0.0) + float(v) * w
                 for k, v in mini_sums.items():
-                    sums[k] = sums.get(k, 0.0) + v * mini_tokens
+                    sums[k] = sums.get(k, 0.0) + v * mini.tokens
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+                if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
+                    norm = norm.full_tensor()
                 grad_norms.append(float(norm))
                 self.optimizer.step()
                 self.scheduler.step()
                 self.global_step += 1
+        sums[_TOKENS] = tokens
+        sums, maxes = self._across_ranks(sums, maxes)
+        tokens = sums.pop(_TOKENS)
         elapsed = time.perf_counter() - started
-        metrics = {k: v / max(weight, 1.0) for k, v in sums.items()}
+        metrics = {k: v / max(tokens, 1.0) for k, v in sums.items()}
         metrics.update(maxes)
         metrics.update(
             grad_norm=sum(grad_norms) / len(grad_norms),
@@ -201,6 +242,40 @@ class TorchTrainer:
             train_tokens_per_s=tokens / max(elapsed, 1e-9),
         )
         return metrics
+
+    def _micro_loss(
+        self, part: TrainBatch, norm_const: float, mini: MiniBatch
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """One micro-batch's share of its mini-batch's GRPO loss, and its metrics."""
+        algo = self.algo
+        logits, logp = self._forward(self._train_module, part)
+        mask = part.response_mask.to(self.device)
+        old = part.old_logp if part.old_logp is not None else logp.detach()
+        # Entropy is always reported; it carries gradient only when it is a bonus.
+        with torch.set_grad_enabled(algo.entropy_coef > 0):
+            ent = entropy_from_logits(logits)
+        return compute_grpo_loss(
+            logp,
+            old.to(self.device),
+            part.advantages.to(self.device),
+            mask,
+            ref_logp=None if part.ref_logp is None else part.ref_logp.to(self.device),
+            kl_coef=algo.kl_coef,
+            kl_kind=algo.kl_kind,
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            dual_clip=algo.dual_clip,
+            ratio_type=algo.ratio_type,
+            loss_agg=algo.loss_agg,
+            norm_const=norm_const,
+            entropy=ent,
+            entropy_coef=algo.entropy_coef,
+            rollout_logp=part.rollout_logp.to(self.device),
+            tis_cap=algo.tis_cap,
+            tis_level=algo.tis_level,
+            global_tokens=mini.tokens,
+            global_seqs=mini.seqs,
+        )
 
     # -------------------------------------------------------------------- weights
 
@@ -231,23 +306,33 @@ class TorchTrainer:
 
     def load_state(self, path: str | Path) -> None:
         """Restore what :meth:`save_state` wrote."""
-        from safetensors.torch import load_file
-
         path = Path(path)
-        weights: dict[str, Any] = {}
-        for f in sorted((path / "model").glob("*.safetensors")):
-            weights.update(load_file(f))
-        if not weights:
-            raise FileNotFoundError(f"{path / 'model'}: no *.safetensors weights to restore")
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embeddings
-        if missing or unexpected:
-            raise RuntimeError(f"{path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        missing, unexpected = self.model.load_state_dict(read_weights(path / "model"), strict=False)
+        check_loaded(path, missing, unexpected)
         # Our own file, written by save_state: it holds optimizer tensors and plain numbers.
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.global_step = state["global_step"]
+
+
+def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files in ``model_dir`` (HF names)."""
+    from safetensors.torch import load_file
+
+    weights: dict[str, Any] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        weights.update(load_file(f))
+    if not weights:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights to restore")
+    return weights
+
+
+def check_loaded(path: Path, missing: Sequence[str], unexpected: Sequence[str]) -> None:
+    """Fail on keys a restore missed or did not expect (a tied ``lm_head`` may be absent)."""
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embeddings
+    if missing or unexpected:
+        raise RuntimeError(f"{path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
 def _lr_lambda(cfg: TrainConfig, total: int):  # noqa: ANN202 - a closure for LambdaLR

@@ -1,0 +1,639 @@
+"""Trainer ranks: torch trainers in Ray actors that form one ``torch.distributed`` group.
+
+:class:`TrainerGroup` (driver side) starts ``num_ranks`` :class:`TrainerRank` actors, joins
+them into one process group (gloo on CPU; NCCL on CUDA, which is RCCL on ROCm: torch calls
+both "nccl") and offers the single-rank :class:`~rl_core.training.torch_trainer.TorchTrainer`
+interface, so the loop does not change: ``compute_logprobs``, ``train_step``,
+``export_weights``, ``save_pretrained``, ``save_state``/``load_state``, ``needs_old_logp``,
+``has_ref_model``, ``global_step``.
+
+Data parallel, exactly: the driver cuts the batch into the mini-batches one rank would use
+and gives every rank an equal slice of each (short slices padded with zero-weight rows, so
+every rank runs the same number of forward passes, which FSDP2's collectives require). Each
+rank normalises its loss by the mini-batch's *global* token and sequence counts, and the
+gradients are summed across ranks (DDP and FSDP2 would average them), so one optimizer
+step on N ranks equals one on a single rank holding the whole mini-batch. Metrics are
+reduced across ranks the same way. ``data_parallel="ddp"`` (the CPU default) replicates
+the model; ``"fsdp2"`` (``fully_shard``, the GPU default) shards it. Both run on gloo too,
+so the CPU tests cover both code paths.
+
+Every wait is bounded: the process group's timeout bounds each collective, and every
+``ray.get`` is bounded by ``timeout_s``; a failure names the rank. A failed call leaves the
+group unusable (a peer may be stuck in a collective): shut it down and start a new one from
+the latest checkpoint.
+
+Checkpoints have the single-rank layout (``model/`` in HF format, ``trainer_state.pt`` with
+the optimizer state keyed by parameter index), whatever the world size or sharding, so a
+run can resume on a different number of ranks.
+
+Never imports Prefect or MLflow; never touches the rollout plane.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from rl_core.config import AlgorithmConfig, TrainConfig
+from rl_core.training.batch import TrainBatch
+from rl_core.training.torch_trainer import MiniBatch, TorchTrainer, check_loaded, read_weights
+
+__all__ = [
+    "DataParallel",
+    "TrainerGroup",
+    "TrainerRank",
+    "TrainerRankError",
+    "shard_for_logprobs",
+    "shard_for_training",
+]
+
+DataParallel = Literal["ddp", "fsdp2"]
+
+# How long a failed call waits for the other ranks' outcomes, so the message names the rank
+# that died rather than the peer whose collective broke because of it.
+_FAILURE_GRACE_S = 2.0
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class TrainerRankError(RuntimeError):
+    """A trainer rank died or failed; ``ranks`` lists which."""
+
+    def __init__(self, message: str, ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+# ------------------------------------------------------------------------- sharding
+
+
+def _pad_split(rows: torch.Tensor, world: int) -> list[tuple[torch.Tensor, int]]:
+    """``rows`` cut into ``world`` contiguous slices of equal length, short ones padded by
+    repeating ``rows[0]``; each with how many of its rows are real."""
+    parts = rows.tensor_split(world)
+    width = len(parts[0])  # tensor_split puts the longer slices first
+    return [(torch.cat([p, rows[:1].repeat(width - len(p))]), len(p)) for p in parts]
+
+
+def shard_for_logprobs(batch: TrainBatch, world: int) -> list[tuple[TrainBatch, torch.Tensor]]:
+    """Each rank's rows (equal counts; padding rows at the end) and the global rows its
+    first ``len(rows)`` results belong to."""
+    if batch.size == 0:
+        raise ValueError("empty batch")
+    return [
+        (batch.select(padded), padded[:n_real])
+        for padded, n_real in _pad_split(torch.arange(batch.size), world)
+    ]
+
+
+def shard_for_training(
+    batch: TrainBatch, world: int, mini_batches: int
+) -> list[tuple[TrainBatch, list[MiniBatch]]]:
+    """Each rank's rows and its :class:`MiniBatch` plan for one ``train_step``.
+
+    Mini-batches are the single-rank ones (``arange(B).chunk(mini_batches)``); each is split
+    across ranks, with the global counts attached. Padding rows have an empty response mask:
+    they add nothing to the loss, the gradient or the metrics.
+    """
+    if batch.size == 0:
+        raise ValueError("empty batch")
+    rows: list[list[int]] = [[] for _ in range(world)]
+    real: list[list[bool]] = [[] for _ in range(world)]
+    plans: list[list[MiniBatch]] = [[] for _ in range(world)]
+    for mini in torch.arange(batch.size).chunk(mini_batches):
+        tokens, seqs = float(batch.response_mask[mini].sum()), float(len(mini))
+        for r, (part, n_real) in enumerate(_pad_split(mini, world)):
+            start = len(rows[r])
+            rows[r] += part.tolist()
+            real[r] += [True] * n_real + [False] * (len(part) - n_real)
+            plans[r].append(MiniBatch(torch.arange(start, len(rows[r])), tokens, seqs))
+    shards = []
+    for r in range(world):
+        local = batch.select(torch.tensor(rows[r]))
+        local.response_mask &= torch.tensor(real[r]).unsqueeze(-1)
+        shards.append((local, plans[r]))
+    return shards
+
+
+# ---------------------------------------------------------------------- one rank
+
+
+def _sum_gradients(group, bucket):  # noqa: ANN001, ANN202 - DDP rejects string annotations
+    """DDP comm hook: sum, not average; every rank's loss already is its share of the whole."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _fully_shard(model: torch.nn.Module) -> None:
+    """FSDP2: one unit per decoder layer, then the root (embeddings, norm, head)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for layer in getattr(getattr(model, "model", model), "layers", []):
+        fully_shard(layer)
+    fully_shard(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # Sum gradients (see _sum_gradients); SUM ops only, which gloo supports too.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+class _RankTrainer(TorchTrainer):
+    """A :class:`TorchTrainer` whose model is data-parallel over the default process group.
+
+    Every method here is collective: all ranks call it; rank 0 writes the files.
+    """
+
+    def __init__(self, *args: Any, data_parallel: DataParallel, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.data_parallel = data_parallel
+        self.rank = dist.get_rank()
+        self._ddp = None
+        if data_parallel == "fsdp2":
+            _fully_shard(self.model)
+            if self.ref_model is not None:
+                _fully_shard(self.ref_model)
+            self._build_optimizer()  # over the sharded (DTensor) parameters
+        else:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            # Buffers (rotary tables) are equal on every rank and never change: no per-forward
+            # broadcast (newer torch names the flag forward_sync_buffers).
+            quiet = "forward_sync_buffers" in inspect.signature(DDP).parameters
+            buffers = {"forward_sync_buffers" if quiet else "broadcast_buffers": False}
+            self._ddp = DDP(self.model, device_ids=ids, **buffers)
+            self._ddp.register_comm_hook(None, _sum_gradients)
+
+    @property
+    def _train_module(self) -> torch.nn.Module:
+        return self._ddp if self._ddp is not None else self.model
+
+    def _grad_sync(self, sync: bool) -> AbstractContextManager:
+        # Gradients are reduced once per optimizer step, after the mini-batch's last backward.
+        if self._ddp is not None:
+            return contextlib.nullcontext() if sync else self._ddp.no_sync()
+        self.model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def _across_ranks(
+        self, sums: dict[str, float], maxes: dict[str, float]
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        out = []
+        for values, op in ((sums, dist.ReduceOp.SUM), (maxes, dist.ReduceOp.MAX)):
+            keys = sorted(values)
+            t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=op)
+            out.append(dict(zip(keys, t.tolist(), strict=True)))
+        return out[0], out[1]
+
+    # Weights and state: gathered whole on rank 0 (a collective under FSDP2).
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The full weights on rank 0; ``{}`` on the others."""
+        return {k: v.detach() for k, v in get_model_state_dict(self.model, options=_FULL).items()}
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        return self._write_model(Path(path), self.export_weights())
+
+    def _write_model(self, path: Path, weights: dict[str, torch.Tensor]) -> Path:
+        if self.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(path, state_dict=weights, safe_serialization=True)
+        dist.barrier()
+        return path
+
+    def save_state(self, path: str | Path) -> Path:
+        path = Path(path)
+        weights = self.export_weights()
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)
+        self._write_model(path / "model", weights)
+        if self.rank == 0:
+            torch.save(
+                {
+                    "optimizer": _by_index(optimizer),
+                    "scheduler": self.scheduler.state_dict(),
+                    "global_step": self.global_step,
+                },
+                path / "trainer_state.pt",
+            )
+        dist.barrier()
+        return path
+
+    def load_state(self, path: str | Path) -> None:
+        path = Path(path)
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        result = set_model_state_dict(self.model, read_weights(path / "model"), options=options)
+        check_loaded(path, result.missing_keys, result.unexpected_keys)
+        # Our own file, written by save_state: it holds optimizer tensors and plain numbers.
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        order = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+        set_optimizer_state_dict(
+            self.model,
+            self.optimizer,
+            _by_name(state["optimizer"], order),
+            options=StateDictOptions(full_state_dict=True),
+        )
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.global_step = state["global_step"]
+
+
+def _by_index(osd: dict[str, Any]) -> dict[str, Any]:
+    """A name-keyed optimizer state (``get_optimizer_state_dict``) keyed by parameter index,
+    as ``torch.optim.Optimizer.state_dict`` writes it (the single-rank checkpoint layout)."""
+    index: dict[str, int] = {}
+    groups = []
+    for group in osd["param_groups"]:
+        ids = [index.setdefault(name, len(index)) for name in group["params"]]
+        groups.append({**group, "params": ids})
+    return {"state": {index[k]: v for k, v in osd["state"].items()}, "param_groups": groups}
+
+
+def _by_name(osd: dict[str, Any], order: Sequence[str]) -> dict[str, Any]:
+    """The inverse of :func:`_by_index`; ``order``: parameter names in optimizer order."""
+    groups = [{**g, "params": [order[i] for i in g["params"]]} for g in osd["param_groups"]]
+    return {"state": {order[i]: v for i, v in osd["state"].items()}, "param_groups": groups}
+
+
+def _rank_device(device: str) -> str:
+    """``"cuda"``: the GPU Ray gave this rank, by its index among the visible ones."""
+    if device != "cuda":
+        return device
+    ids = ray.get_gpu_ids()
+    if not ids:
+        raise RuntimeError("device 'cuda' but Ray gave this trainer rank no GPU (num_gpus=1)")
+    # With the platform presets (RAY_EXPERIMENTAL_NOSET_*_VISIBLE_DEVICES=1) Ray leaves the
+    # visible-devices variable alone, so the assigned id is looked up in it; without them
+    # Ray sets it to the one assigned GPU and the lookup gives index 0.
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get("HIP_VISIBLE_DEVICES")
+    gpu = str(ids[0])
+    return f"cuda:{visible.split(',').index(gpu) if visible else int(gpu)}"
+
+
+def _to_numpy(t: torch.Tensor) -> tuple[np.ndarray, str]:
+    """A tensor as numpy (zero-copy out of Ray's object store) and its torch dtype name."""
+    dtype = str(t.dtype).removeprefix("torch.")
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the bits
+        t = t.view(torch.int16)
+    return t.numpy(), dtype
+
+
+def _from_numpy(a: np.ndarray, dtype: str) -> torch.Tensor:
+    with warnings.catch_warnings():  # object-store arrays are read-only; nothing writes them
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+class TrainerRank:
+    """One trainer rank: a :class:`TorchTrainer` in this process, data-parallel with its peers.
+
+    Run as a Ray actor by :class:`TrainerGroup`; the methods are its remote protocol.
+    """
+
+    def __init__(self, rank: int, world_size: int, num_threads: int) -> None:
+        torch.set_num_threads(num_threads)
+        self.rank, self.world_size = rank, world_size
+        self.trainer: _RankTrainer | None = None
+        self._store: dist.TCPStore | None = None
+
+    def host_store(self, timeout_s: float) -> tuple[str, int]:
+        """Rank 0: start the group's TCP store on a free port of this node."""
+        address = ray.util.get_node_ip_address()
+        self._store = dist.TCPStore(
+            address,
+            0,
+            self.world_size,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+        return address, self._store.port
+
+    def setup(
+        self,
+        address: str,
+        port: int,
+        timeout_s: float,
+        trainer_args: tuple[Any, ...],
+        trainer_kwargs: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Join the process group, then load the model (every rank from ``model_path``)."""
+        device = _rank_device(trainer_kwargs.pop("device"))
+        timeout = timedelta(seconds=timeout_s)
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        store = self._store or dist.TCPStore(
+            address, port, self.world_size, is_master=False, timeout=timeout
+        )
+        dist.init_process_group(
+            "nccl" if device.startswith("cuda") else "gloo",
+            store=store,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timeout,
+        )
+        self.trainer = _RankTrainer(*trainer_args, device=device, **trainer_kwargs)
+        return {
+            "device": device,
+            "needs_old_logp": self.trainer.needs_old_logp,
+            "has_ref_model": self.trainer.has_ref_model,
+        }
+
+    def compute_logprobs(self, batch: TrainBatch, reference: bool) -> torch.Tensor:
+        return self.trainer.compute_logprobs(batch, reference=reference)
+
+    def train_step(
+        self, batch: TrainBatch, minis: list[MiniBatch], norm_const: float
+    ) -> tuple[dict[str, float], int]:
+        metrics = self.trainer.train_step(batch, minis=minis, norm_const=norm_const)
+        return metrics, self.trainer.global_step
+
+    def export_weights(self) -> dict[str, tuple[np.ndarray, str]] | None:
+        weights = self.trainer.export_weights()
+        return {k: _to_numpy(v) for k, v in weights.items()} if self.rank == 0 else None
+
+    def save_pretrained(self, path: str) -> str:
+        return str(self.trainer.save_pretrained(path))
+
+    def save_state(self, path: str) -> str:
+        return str(self.trainer.save_state(path))
+
+    def load_state(self, path: str) -> int:
+        self.trainer.load_state(path)
+        return self.trainer.global_step
+
+    def apply(self, fn: Callable[[TorchTrainer], Any]) -> Any:
+        """``fn(trainer)`` on this rank (inspection, tests)."""
+        return fn(self.trainer)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------ the group
+
+
+class TrainerGroup:
+    """Data-parallel trainer ranks behind the single-rank trainer's interface."""
+
+    def __init__(
+        self, actors: list[Any], *, timeout_s: float, max_response_len: int | None
+    ) -> None:
+        self._actors = actors
+        self.timeout_s = timeout_s
+        self.max_response_len = max_response_len
+        self.global_step = 0
+        self.needs_old_logp = False
+        self.has_ref_model = False
+        self.device = "cpu"
+        self._mini_batches = 1
+        self._broken: str | None = None
+
+    @classmethod
+    def start(
+        cls,
+        model_path: str | Path,
+        train_cfg: TrainConfig,
+        algo_cfg: AlgorithmConfig,
+        *,
+        num_ranks: int,
+        temperature: float = 1.0,
+        max_response_len: int | None = None,
+        dtype: str = "float32",
+        num_threads_per_rank: int = 1,
+        scheduling_strategies: Sequence[Any] | None = None,
+        timeout_s: float = 300.0,
+        device: str = "cpu",
+        data_parallel: DataParallel | None = None,
+        trust_remote_code: bool = False,
+        env: Mapping[str, str] | None = None,
+        num_cpus_per_rank: float | None = None,
+        num_gpus_per_rank: float | None = None,
+    ) -> TrainerGroup:
+        """Start ``num_ranks`` rank actors, form their process group, load the model.
+
+        ``scheduling_strategies``: one Ray scheduling strategy per rank (placement-group
+        bundles), or None to let Ray place them. ``device``: ``cpu`` or ``cuda`` (each rank
+        takes one GPU; ROCm too). ``data_parallel``: ``ddp`` or ``fsdp2``; by default DDP on
+        CPU, FSDP2 on GPUs. ``env``: extra environment for the rank processes (e.g. the
+        platform presets). ``timeout_s`` bounds every call and every collective.
+        ``num_cpus_per_rank`` / ``num_gpus_per_rank``: what each rank reserves from Ray
+        (default: its threads, and one GPU on GPUs), e.g. a placement slot's share.
+        """
+        if num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        if scheduling_strategies is not None and len(scheduling_strategies) != num_ranks:
+            raise ValueError(
+                f"{len(scheduling_strategies)} scheduling strategies for {num_ranks} ranks"
+            )
+        gpu = device.startswith("cuda")
+        mode: DataParallel = data_parallel or ("fsdp2" if gpu else "ddp")
+        if mode not in ("ddp", "fsdp2"):
+            raise ValueError(f"data_parallel must be 'ddp' or 'fsdp2', got {mode!r}")
+        remote = ray.remote(TrainerRank)
+        actors = []
+        for r in range(num_ranks):
+            options: dict[str, Any] = {
+                # What the rank reserves (a placement slot may hold half a device when the
+                # planes are colocated); its thread budget is num_threads_per_rank either way.
+                "num_cpus": num_threads_per_rank if num_cpus_per_rank is None else num_cpus_per_rank,
+                "num_gpus": (1 if gpu else 0) if num_gpus_per_rank is None else num_gpus_per_rank,
+                "max_restarts": 0,
+            }
+            if scheduling_strategies is not None:
+                options["scheduling_strategy"] = scheduling_strategies[r]
+            if env:
+                options["runtime_env"] = {"env_vars": dict(env)}
+            actors.append(remote.options(**options).remote(r, num_ranks, num_threads_per_rank))
+        group = cls(actors, timeout_s=timeout_s, max_response_len=max_response_len)
+        group._mini_batches = train_cfg.mini_batches
+        trainer_kwargs = {
+            "temperature": temperature,
+            "max_response_len": max_response_len,
+            "dtype": dtype,
+            "trust_remote_code": trust_remote_code,
+            "device": device,
+            "data_parallel": mode,
+        }
+        try:
+            ((address, port),) = group._call(
+                "start the process group's store", [actors[0].host_store.remote(timeout_s)]
+            )
+            infos = group._call(
+                "join the process group and load the model",
+                [
+                    a.setup.remote(
+                        address, port, timeout_s, (str(model_path), train_cfg, algo_cfg),
+                        trainer_kwargs,
+                    )
+                    for a in actors
+                ],
+            )  # fmt: skip
+        except BaseException:
+            group.shutdown()
+            raise
+        group.needs_old_logp = infos[0]["needs_old_logp"]
+        group.has_ref_model = infos[0]["has_ref_model"]
+        group.device = infos[0]["device"]
+        return group
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self._actors)
+
+    @property
+    def actors(self) -> list[Any]:
+        """The rank actors' handles, in rank order."""
+        return list(self._actors)
+
+    @property
+    def ref_model(self) -> str | None:
+        """Truthy when reference log-probs exist (the loop's ``ref_model is not None`` test);
+        prefer :attr:`has_ref_model`. The reference policy itself stays on the ranks."""
+        return "reference policy (on the trainer ranks)" if self.has_ref_model else None
+
+    # ------------------------------------------------------------------ the interface
+
+    def compute_logprobs(self, batch: TrainBatch, *, reference: bool = False) -> torch.Tensor:
+        """Per-token log-probs (B, L-1), each rank scoring a slice of the batch."""
+        if reference and not self.has_ref_model:
+            raise ValueError("no reference model: algorithm.kl_coef is 0")
+        shards = shard_for_logprobs(batch, self.num_ranks)
+        refs = [
+            a.compute_logprobs.remote(local, reference)
+            for a, (local, _) in zip(self._actors, shards, strict=True)
+        ]
+        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+        for (_, rows), got in zip(shards, self._call("compute_logprobs", refs), strict=True):
+            out[rows, : got.shape[1]] = got[: len(rows)]
+        return out
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One GRPO update over all ranks; the same update one rank makes on ``batch``."""
+        shards = shard_for_training(batch, self.num_ranks, self._mini_batches)
+        # Dr.GRPO's constant, as one rank would take it from the whole batch.
+        norm_const = float(self.max_response_len or batch.response_mask.shape[-1])
+        refs = [
+            a.train_step.remote(local, minis, norm_const)
+            for a, (local, minis) in zip(self._actors, shards, strict=True)
+        ]
+        metrics, self.global_step = self._call("train_step", refs)[0]
+        return metrics
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's weights by HF name, as CPU tensors (from rank 0)."""
+        weights = self._call("export_weights", [a.export_weights.remote() for a in self._actors])
+        return {k: _from_numpy(a, dtype) for k, (a, dtype) in weights[0].items()}
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """Rank 0 writes the policy in HF format (safetensors)."""
+        refs = [a.save_pretrained.remote(str(path)) for a in self._actors]
+        return Path(self._call("save_pretrained", refs)[0])
+
+    def save_state(self, path: str | Path) -> Path:
+        """Rank 0 writes model, optimizer and scheduler in the single-rank layout."""
+        refs = [a.save_state.remote(str(path)) for a in self._actors]
+        return Path(self._call("save_state", refs)[0])
+
+    def load_state(self, path: str | Path) -> None:
+        """Every rank restores what :meth:`save_state` (of any world size) wrote."""
+        refs = [a.load_state.remote(str(path)) for a in self._actors]
+        self.global_step = self._call("load_state", refs)[0]
+
+    def apply(self, fn: Callable[[TorchTrainer], Any]) -> list[Any]:
+        """``fn(trainer)`` on every rank, results in rank order (inspection, tests)."""
+        return self._call("apply", [a.apply.remote(fn) for a in self._actors])
+
+    def shutdown(self) -> None:
+        """Leave the process group where ranks still answer, then kill every rank."""
+        if self._actors and self._broken is None:
+            with contextlib.suppress(Exception):
+                self._call("shutdown", [a.shutdown.remote() for a in self._actors], timeout_s=10.0)
+        for actor in self._actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        self._actors = []
+        self._broken = "shut down"
+
+    # ------------------------------------------------------------------- bounded calls
+
+    def _call(self, what: str, refs: list[Any], *, timeout_s: float | None = None) -> list[Any]:
+        """Results of one remote call per rank (ref ``i`` is rank ``i``), in rank order.
+
+        Bounded by ``timeout_s``; a rank that dies or raises fails the call at once, naming
+        it, and marks the group broken.
+        """
+        if self._broken is not None:
+            raise TrainerRankError(
+                f"{what}: the trainer group is unusable ({self._broken}); shut it down and "
+                "start a new one",
+                [],
+            )
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        errors: dict[int, BaseException] = {}
+        pending = list(refs)
+        while pending:
+            left = deadline - time.monotonic()
+            if errors:  # a short grace for the others, to name the rank that died
+                left = min(left, _FAILURE_GRACE_S)
+            if left <= 0:
+                break
+            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            for ref in done:
+                try:
+                    results[rank_of[ref]] = ray.get(ref, timeout=0)
+                except Exception as e:  # noqa: BLE001 - reported below, naming the rank
+                    errors[rank_of[ref]] = e
+        if errors:
+            dead = {r: e for r, e in errors.items() if isinstance(e, ray.exceptions.RayActorError)}
+            first = dead or errors
+            parts = [
+                f"trainer rank {r} {'died' if r in dead else 'raised'}: {_cause(e)}"
+                for r, e in sorted(first.items())
+            ]
+            self._broken = f"{what} failed on rank(s) {sorted(first)}"
+            raise TrainerRankError(
+                f"{what} failed: {'; '.join(parts)}. The group is unusable: shut it down and "
+                "start a new one (from the latest checkpoint).",
+                sorted(first),
+            ) from next(iter(first.values()))
+        if pending:
+            late = sorted(rank_of[ref] for ref in pending)
+            self._broken = f"{what} timed out on rank(s) {late}"
+            raise TimeoutError(
+                f"{what}: trainer rank(s) {late} did not answer within {timeout_s:.0f} s"
+            )
+        return results
+
+
+def _cause(e: BaseException) -> str:
+    """The first line of a Ray error's cause (not Ray's whole wrapped traceback)."""
+    cause = getattr(e, "cause", None) or e
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[-1].rstrip('.') if text else ''}"
