@@ -1,0 +1,896 @@
+"""Ray for the two planes: start a local Ray or join a cluster, check that it holds what the
+config asks for, and reserve devices for the planes with placement groups.
+
+    need = need_for(PlaneResources(1, 1, 0, 2, 1, 0), "colocated")
+    with RayCluster.start(cfg.cluster, run_dir, need=need) as cluster:
+        with place_planes(need.resources, "colocated", timeout_s=60) as placed:
+            Trainer.options(**placed.trainer[0].actor_options()).remote(...)
+
+**Local (``cluster.address`` unset).** ``ray.init`` on 127.0.0.1 (GCS, raylet, workers and
+agents all listen on loopback), no dashboard, token authentication left as Ray sets it (on),
+temp dir ``<run_dir>/ray``; :meth:`RayCluster.shutdown` stops it. On Linux Ray rewrites
+``_node_ip_address="127.0.0.1"`` into the machine's routable address
+(``services.resolve_ip_for_localhost``); this module turns that rewrite off for the length
+of ``ray.init`` (``ray_constants.ENABLE_RAY_CLUSTER``, a private flag of Ray 2.60) and then
+checks that the node really registered as 127.0.0.1, stopping Ray and failing otherwise.
+Ray puts unix sockets under its temp dir and a socket path may hold 107 bytes, which leaves
+:data:`MAX_TEMP_DIR_LEN` characters for the dir: when ``<run_dir>/ray`` is longer, Ray's temp
+dir is a fresh ``/tmp/grpoflow-ray-*`` and ``<run_dir>/ray`` is a symlink to it (logs are
+kept there after the run; the OS's /tmp cleaning removes them).
+
+**Existing cluster (``cluster.address``: ``auto``, ``host:port`` or ``ray://host:port``).**
+``auto`` follows Ray's own lookup (``RAY_ADDRESS``, then the last ``ray start`` on this
+machine). :meth:`RayCluster.shutdown` only disconnects this process; a process that was
+already connected to Ray before :meth:`RayCluster.start` is left connected. With token
+authentication the cluster's token must reach this process (``RAY_AUTH_MODE=token`` and
+``~/.ray/auth_token`` or ``RAY_AUTH_TOKEN``): Ray never sends the local token to an explicit
+address on its own.
+
+**One thread owns Ray.** Ray starts its GCS and raylet with ``PR_SET_PDEATHSIG``, so Linux
+kills them when the *thread* that called ``ray.init`` ends. ``ray.init`` and ``ray.shutdown``
+therefore run in a dedicated daemon thread that lives until :meth:`RayCluster.shutdown`
+(a Prefect worker thread that starts Ray may end; Ray lives on).
+
+**Bounds.** ``ray.init`` has no timeout: :meth:`RayCluster.start` waits for that thread at
+most ``init_timeout_s`` (a start that finishes later is shut down by it). An address is
+first probed with a plain TCP connect (``ray.init`` retries an unreachable GCS for many
+minutes). Placement groups are waited for with ``timeout_s``. Nothing here calls
+``ray.get`` without a timeout.
+
+**Placement.** :func:`place_planes` realises ``cluster.placement`` (see :func:`plan_bundles`
+for the exact bundles and which actor sits in which):
+
+- ``disaggregated``: two placement groups, one per plane, one bundle per actor sized as the
+  actor (a 1-GPU rank or engine is one device; a ``gpus_per_engine=4`` engine is one 4-GPU
+  bundle, so Ray keeps its devices on one node; fractional GPUs let two actors share one).
+- ``colocated``: one placement group with one bundle per device; trainer rank ``i`` and
+  engine ``i`` share bundle ``i`` and each asks for *half* of it (half its CPUs, half a GPU).
+  The halves are Ray bookkeeping only: both processes see and time-share the whole device
+  (the engine releases its memory while the trainer runs). On CPU a device is a bundle of
+  ``max(cpus_per_trainer, cpus_per_engine)`` CPUs.
+
+Process-wide effects, all Ray's own: a local start sets ``RAY_AUTH_MODE=token`` in
+``os.environ`` (unless it is set) and writes ``~/.ray/auth_token`` if missing (a warning
+says when that file is readable by others); from the main thread, Ray's SIGTERM handler
+(``sys.exit``, so that atexit stops Ray) is installed when no handler is set.
+
+Ray is imported inside the functions that need it, so :class:`PlaneResources`,
+:func:`plan_bundles` and :func:`need_for` work without Ray installed. Never imports Prefect
+or MLflow; never stops a Ray it did not start; never reads or changes the config files.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+__all__ = [
+    "MAX_TEMP_DIR_LEN",
+    "BundlePlan",
+    "ClusterError",
+    "PlaneResources",
+    "PlanePlacement",
+    "RayCluster",
+    "ResourceNeed",
+    "Slot",
+    "need_for",
+    "place_planes",
+    "plan_bundles",
+    "ray_temp_dir",
+]
+
+log = logging.getLogger(__name__)
+
+Placement = Literal["colocated", "disaggregated"]
+PLACEMENTS: tuple[str, ...] = ("colocated", "disaggregated")
+LOOPBACK = "127.0.0.1"
+_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+# The longest path Ray puts under its temp dir is a unix socket:
+# <temp>/session_<date>_<microseconds>_<pid>/sockets/plasma_store[.N]; pids go to 7 digits.
+_SOCKET_SUFFIX = "/session_2000-01-01_00-00-00_000000_4194304/sockets/plasma_store.99"
+_SOCKET_PATH_MAX = 107  # sun_path is 108 bytes on Linux, with the terminating NUL
+MAX_TEMP_DIR_LEN = _SOCKET_PATH_MAX - len(_SOCKET_SUFFIX)
+"""The longest Ray temp dir (in bytes) whose socket paths stay within the unix limit."""
+
+_FIELDS_HINT = (
+    "the config fields: cluster.trainer_ranks, cluster.cpus_per_trainer, "
+    "cluster.gpus_per_trainer, rollout.num_engines, cluster.cpus_per_engine, "
+    "cluster.gpus_per_engine, cluster.placement"
+)
+
+
+class ClusterError(RuntimeError):
+    """Ray could not be started or joined, or lacks what the config asks for."""
+
+
+class _HasAddress(Protocol):
+    address: str | None
+
+
+# ---------------------------------------------------------------- what the planes ask for
+
+
+@dataclass(frozen=True)
+class PlaneResources:
+    """What each plane's actors ask for: ranks/engines and CPUs/GPUs per actor.
+
+    Mirrors ``cluster.trainer_ranks``, ``cluster.cpus_per_trainer``,
+    ``cluster.gpus_per_trainer``, ``rollout.num_engines``, ``cluster.cpus_per_engine``,
+    ``cluster.gpus_per_engine``. A GPU count above 1 is a multi-device actor (an engine with
+    TP=4 is ``gpus_per_engine=4``); below 1 a share of one device.
+    """
+
+    trainer_ranks: int = 1
+    cpus_per_trainer: float = 1.0
+    gpus_per_trainer: float = 0.0
+    engines: int = 1
+    cpus_per_engine: float = 1.0
+    gpus_per_engine: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("trainer_ranks", "engines"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"PlaneResources.{name} must be an int >= 1, got {value!r}")
+        for name in ("cpus_per_trainer", "gpus_per_trainer", "cpus_per_engine", "gpus_per_engine"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"PlaneResources.{name} must be >= 0, got {value!r}")
+        for plane in ("trainer", "engine"):
+            if getattr(self, f"cpus_per_{plane}") + getattr(self, f"gpus_per_{plane}") <= 0:
+                raise ValueError(f"each {plane} must ask for some CPU or GPU (both are 0)")
+        for plane in ("trainer", "engine"):
+            gpus = getattr(self, f"gpus_per_{plane}")
+            if gpus > 1 and gpus != int(gpus):
+                raise ValueError(f"gpus_per_{plane} above 1 must be a whole number, got {gpus}")
+
+    @property
+    def uses_gpus(self) -> bool:
+        return self.gpus_per_trainer > 0 or self.gpus_per_engine > 0
+
+
+@dataclass(frozen=True)
+class BundlePlan:
+    """The placement groups to create and where each actor goes.
+
+    ``groups`` is one list of bundles per placement group (named by ``group_names``).
+    ``trainer[i]`` and ``engines[j]`` are ``(group, bundle, num_cpus, num_gpus, devices)``:
+    the group and bundle the actor is scheduled into, what it asks Ray for there, and every
+    bundle index it covers (more than one for a multi-device actor in colocated mode).
+    """
+
+    placement: Placement
+    group_names: tuple[str, ...]
+    groups: tuple[tuple[dict[str, float], ...], ...]
+    trainer: tuple[tuple[int, int, float, float, tuple[int, ...]], ...]
+    engines: tuple[tuple[int, int, float, float, tuple[int, ...]], ...]
+
+
+def _shape(cpus: float, gpus: float) -> dict[str, float]:
+    """A bundle without zero entries (Ray rejects a bundle of zeros)."""
+    return {k: float(v) for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0}
+
+
+def plan_bundles(resources: PlaneResources, placement: str) -> BundlePlan:
+    """The bundles ``placement`` needs for ``resources`` and the actor -> bundle mapping.
+
+    disaggregated: group ``trainer`` has ``trainer_ranks`` bundles
+    ``{CPU: cpus_per_trainer, GPU: gpus_per_trainer}``, rank ``i`` in bundle ``i``;
+    group ``rollout`` likewise for the engines. Each actor asks for its whole bundle.
+
+    colocated: group ``colocated`` has ``N = max(trainer_ranks * dt, engines * de)`` device
+    bundles ``{CPU: max(cpus_per_trainer, cpus_per_engine), GPU: 1}`` (no GPU key on CPU),
+    where ``dt``/``de`` are the devices per trainer rank/engine (``ceil(gpus)``, at least 1).
+    Trainer rank ``i`` sits in bundle ``i * dt`` and engine ``j`` in bundle ``j * de``; each
+    asks for half of its first bundle (``cpus / 2`` and ``min(gpus, 1) / 2``). When the
+    counts differ (say 4 ranks, 2 engines) the extra bundles hold one plane only; with
+    ``gpus_per_engine=2`` and 4 ranks, engine 0 spans bundles 0-1 and engine 1 bundles 2-3,
+    each bundle shared with the rank of the same index.
+    """
+    if placement not in PLACEMENTS:
+        raise ValueError(f"cluster.placement must be one of {PLACEMENTS}, got {placement!r}")
+    r = resources
+    if placement == "disaggregated":
+        t_shape = _shape(r.cpus_per_trainer, r.gpus_per_trainer)
+        e_shape = _shape(r.cpus_per_engine, r.gpus_per_engine)
+        return BundlePlan(
+            placement="disaggregated",
+            group_names=("trainer", "rollout"),
+            groups=((t_shape,) * r.trainer_ranks, (e_shape,) * r.engines),
+            trainer=tuple(
+                (0, i, r.cpus_per_trainer, r.gpus_per_trainer, (i,)) for i in range(r.trainer_ranks)
+            ),
+            engines=tuple(
+                (1, j, r.cpus_per_engine, r.gpus_per_engine, (j,)) for j in range(r.engines)
+            ),
+        )
+    dt = max(1, math.ceil(r.gpus_per_trainer))
+    de = max(1, math.ceil(r.gpus_per_engine))
+    n_devices = max(r.trainer_ranks * dt, r.engines * de)
+    device = _shape(max(r.cpus_per_trainer, r.cpus_per_engine), 1.0 if r.uses_gpus else 0.0)
+
+    def half(gpus: float) -> float:
+        return min(gpus, 1.0) / 2
+
+    return BundlePlan(
+        placement="colocated",
+        group_names=("colocated",),
+        groups=((device,) * n_devices,),
+        trainer=tuple(
+            (
+                0,
+                i * dt,
+                r.cpus_per_trainer / 2,
+                half(r.gpus_per_trainer),
+                tuple(range(i * dt, i * dt + dt)),
+            )
+            for i in range(r.trainer_ranks)
+        ),
+        engines=tuple(
+            (
+                0,
+                j * de,
+                r.cpus_per_engine / 2,
+                half(r.gpus_per_engine),
+                tuple(range(j * de, j * de + de)),
+            )
+            for j in range(r.engines)
+        ),
+    )
+
+
+def _fmt(res: Mapping[str, float]) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in sorted(res.items())) or "nothing"
+
+
+@dataclass(frozen=True)
+class ResourceNeed:
+    """What a placement of the planes needs from the cluster, in total and per bundle."""
+
+    resources: PlaneResources
+    placement: Placement
+    totals: dict[str, float]
+    bundles: tuple[dict[str, float], ...]
+
+    def describe(self) -> str:
+        """One line a person can check against ``ray status``."""
+        r = self.resources
+        return (
+            f"{_fmt(self.totals)} for {self.placement} planes: trainer {r.trainer_ranks} "
+            f"rank(s) x (CPU {r.cpus_per_trainer:g}, GPU {r.gpus_per_trainer:g}), rollout "
+            f"{r.engines} engine(s) x (CPU {r.cpus_per_engine:g}, GPU {r.gpus_per_engine:g})"
+        )
+
+
+def need_for(resources: PlaneResources, placement: str) -> ResourceNeed:
+    """The CPUs and GPUs ``placement`` reserves for ``resources`` (sum over its bundles).
+
+    disaggregated: ``trainer_ranks x per-rank + engines x per-engine``; colocated: one set of
+    devices both planes share (see :func:`plan_bundles`).
+    """
+    plan = plan_bundles(resources, placement)
+    bundles = tuple(b for group in plan.groups for b in group)
+    totals: dict[str, float] = {}
+    for bundle in bundles:
+        for key, value in bundle.items():
+            totals[key] = totals.get(key, 0.0) + value
+    return ResourceNeed(resources, plan.placement, totals, bundles)
+
+
+def _missing(need: Mapping[str, float], have: Mapping[str, float]) -> dict[str, float]:
+    return {k: v for k, v in need.items() if have.get(k, 0.0) + 1e-9 < v}
+
+
+def _check_fits(
+    need: ResourceNeed, totals: Mapping[str, float], nodes: Sequence[Mapping[str, float]]
+) -> None:
+    """Fail when the cluster's totals, or every single node, are short of ``need``."""
+    short = _missing(need.totals, totals)
+    if short:
+        lacking = "; ".join(
+            f"{k}: asks {v:g}, cluster has {totals.get(k, 0.0):g}" for k, v in sorted(short.items())
+        )
+        raise ClusterError(
+            f"the Ray cluster lacks {', '.join(sorted(short))} ({lacking}). The config asks for "
+            f"{need.describe()}. Give Ray more (ray start --num-cpus/--num-gpus, or a bigger "
+            f"cluster via cluster.address) or ask for less: {_FIELDS_HINT}."
+        )
+    for bundle in {tuple(sorted(b.items())) for b in need.bundles}:
+        if not any(not _missing(dict(bundle), node) for node in nodes):
+            raise ClusterError(
+                f"no single Ray node holds one bundle of {_fmt(dict(bundle))} (a bundle, and "
+                f"so an actor, cannot span nodes); nodes have: "
+                + "; ".join(
+                    _fmt({k: v for k, v in n.items() if k in ("CPU", "GPU")}) for n in nodes
+                )
+                + f". The config asks for {need.describe()}; adjust {_FIELDS_HINT}."
+            )
+
+
+# ---------------------------------------------------------------- Ray start / connect
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:  # pragma: no cover - ray is a dev dependency here
+        raise ClusterError(
+            "Ray is not installed: pip install 'grpoflow[ray]' (cluster.mode: ray)"
+        ) from exc
+    return ray
+
+
+def ray_temp_dir(run_dir: str | os.PathLike[str]) -> tuple[Path, Path | None]:
+    """Ray's temp dir for a run: ``<run_dir>/ray``, or a short dir under /tmp linked from it.
+
+    Returns ``(temp_dir, link)``: ``link`` is ``<run_dir>/ray`` when it is a symlink to a
+    fallback dir (because ``<run_dir>/ray`` is longer than :data:`MAX_TEMP_DIR_LEN` bytes),
+    else ``None``. Creates the directories.
+    """
+    run_dir = Path(os.path.abspath(run_dir))
+    wanted = run_dir / "ray"
+    if wanted.is_symlink():
+        wanted.unlink()  # a previous attempt's fallback: make a fresh one
+    if len(os.fsencode(wanted)) <= MAX_TEMP_DIR_LEN:
+        wanted.mkdir(parents=True, exist_ok=True)
+        return wanted, None
+    base = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
+    short = Path(tempfile.mkdtemp(prefix="grpoflow-ray-", dir=base))
+    if len(os.fsencode(short)) > MAX_TEMP_DIR_LEN:
+        raise ClusterError(f"no short enough temp dir for Ray (tried {short}); set TMPDIR=/tmp")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        wanted.symlink_to(short, target_is_directory=True)
+    except OSError as exc:
+        log.warning("Ray temp dir is %s (could not link it from %s: %s)", short, wanted, exc)
+        return short, None
+    return short, wanted
+
+
+@contextmanager
+def _ray_keeps_loopback(enabled: bool) -> Iterator[None]:
+    """Stop Ray replacing 127.0.0.1 by the machine's address while it starts or connects.
+
+    Ray 2.60 resolves a loopback node address to the routable one unless its (private)
+    ``ENABLE_RAY_CLUSTER`` flag is off; the caller verifies the result afterwards.
+    """
+    if not enabled:
+        yield
+        return
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+
+
+class _DropSigtermWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+
+_abandoned: threading.Thread | None = None
+
+
+class _RayThread:
+    """The one thread that calls ``ray.init`` and, at the end, ``ray.shutdown``.
+
+    Ray starts its GCS and raylet with ``PR_SET_PDEATHSIG``: Linux kills them when the
+    *thread* that started them exits. So ``ray.init`` runs in this thread, which then waits
+    for :meth:`stop` - the caller's thread (a Prefect worker thread, say) may end while Ray
+    lives on. It also bounds ``ray.init``, which has no timeout: :meth:`start` waits at most
+    ``timeout_s``; a start that finishes after that is shut down here, and until this thread
+    ends later starts in the process are refused (two ``ray.init`` at once would share Ray's
+    process-wide state). Ray installs its SIGTERM handler (exit, so that atexit stops Ray)
+    only from the main thread; when the caller is the main thread the same one is installed.
+    """
+
+    def __init__(self, ray: Any, kwargs: dict[str, Any], what: str) -> None:
+        self._ray, self._kwargs, self._what = ray, kwargs, what
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._abandoned = False
+        self._ctx: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="grpoflow-ray", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            ctx = self._ray.init(**self._kwargs)
+        except BaseException as exc:  # handed to the caller by start()
+            self._error = exc
+            self._ready.set()
+            return
+        with self._lock:
+            if self._abandoned:
+                self._ray.shutdown()
+                return
+            self._ctx = ctx
+            self._ready.set()
+        self._stop.wait()
+        self._ray.shutdown()
+
+    def start(self, timeout_s: float) -> Any:
+        """Run ``ray.init`` in the thread; its context, or :class:`ClusterError`."""
+        global _abandoned
+        if _abandoned is not None and _abandoned.is_alive():
+            raise ClusterError(
+                f"{self._what}: an earlier ray.init in this process timed out and is still "
+                "running; wait for it to give up or start a new process"
+            )
+        worker_log = logging.getLogger("ray._private.worker")
+        drop = _DropSigtermWarning()
+        worker_log.addFilter(drop)
+        try:
+            self._thread.start()
+            self._ready.wait(timeout_s)
+            with self._lock:
+                if not self._ready.is_set():
+                    self._abandoned = True
+                    _abandoned = self._thread
+                    raise ClusterError(
+                        f"{self._what} did not finish within {timeout_s:g} s (init_timeout_s); "
+                        "see the Ray logs under its temp dir (session_latest/logs)"
+                    )
+        finally:
+            worker_log.removeFilter(drop)
+        if self._error is not None:
+            raise ClusterError(f"{self._what} failed: {self._error}") from self._error
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+        return self._ctx
+
+    def stop(self, timeout_s: float) -> bool:
+        """``ray.shutdown`` in the thread; False if it did not end within ``timeout_s``."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+
+def _warn_if_token_readable_by_others() -> None:
+    """Ray writes ``~/.ray/auth_token`` with the umask's mode (often 0644): say so."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if mode & 0o077:
+        log.warning(
+            "Ray's token file %s is readable by other users (mode %o): chmod 600 %s",
+            path,
+            mode & 0o777,
+            path,
+        )
+
+
+def _resolve_address(address: str) -> str:
+    """``auto`` -> the address ``ray.init(address="auto")`` would use; others unchanged."""
+    if address != "auto":
+        return address
+    from ray._private import services
+
+    try:
+        found = services.get_ray_address_from_environment("auto", None)
+    except ConnectionError as exc:
+        raise ClusterError(
+            "cluster.address=auto found no running Ray on this machine: set RAY_ADDRESS, "
+            "give cluster.address=host:port, or start one with `ray start --head`"
+        ) from exc
+    return found
+
+
+def _host_port(address: str) -> tuple[str, int | None]:
+    hostport = address.split("://", 1)[-1].split("/", 1)[0]
+    if hostport.startswith("["):
+        host, _, rest = hostport[1:].partition("]")
+        port = rest.lstrip(":")
+    else:
+        host, _, port = hostport.rpartition(":") if ":" in hostport else (hostport, "", "")
+    return host, int(port) if port.isdigit() else None
+
+
+def _host(address: str) -> str:
+    return _host_port(address)[0]
+
+
+def _probe(address: str, timeout_s: float) -> None:
+    """A plain TCP connect to ``address`` so a wrong address fails in seconds, not minutes
+    (``ray.init`` retries an unreachable GCS for a long time)."""
+    host, port = _host_port(address)
+    if port is None:
+        return
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ClusterError(f"nothing answers at {host}:{port} ({exc})") from exc
+
+
+class RayCluster:
+    """A Ray this process started (``owns``) or joined, and the checks made on it.
+
+    Use :meth:`start`; as a context manager it shuts down on exit.
+    """
+
+    def __init__(
+        self,
+        *,
+        address: str,
+        owns: bool,
+        thread: _RayThread | None,
+        temp_dir: Path | None,
+        startup_s: float,
+    ) -> None:
+        self.address = address
+        """The GCS address (``host:port``) or the ``ray://`` address joined."""
+        self.owns = owns
+        """True when this process started Ray: :meth:`shutdown` stops it."""
+        self.connected_here = thread is not None
+        """True when :meth:`start` called ``ray.init`` (local start or connect)."""
+        self.temp_dir = temp_dir
+        """Ray's temp dir (sessions, logs, sockets) for a local start; else ``None``."""
+        self.startup_s = startup_s
+        """Seconds ``ray.init`` took (0 when an existing connection was reused)."""
+        self._thread = thread
+        self._closed = False
+
+    @classmethod
+    def start(
+        cls,
+        cluster_cfg: _HasAddress,
+        run_dir: str | os.PathLike[str],
+        *,
+        need: ResourceNeed | None = None,
+        num_cpus: int | None = None,
+        num_gpus: int | None = None,
+        init_timeout_s: float = 120.0,
+    ) -> RayCluster:
+        """Start a local Ray (``cluster_cfg.address`` is ``None``) or join one, then check it.
+
+        ``num_cpus``/``num_gpus`` size a local Ray (default: what Ray detects) and must be
+        ``None`` when joining. ``need`` (from :func:`need_for`) is checked before returning:
+        a cluster short of it raises :class:`ClusterError` naming what is missing (and a
+        Ray started here is stopped first).
+        """
+        ray = _import_ray()
+        address = getattr(cluster_cfg, "address", None)
+        if ray.is_initialized():
+            cluster = cls._reuse(ray, address)
+        elif address is None:
+            cluster = cls._start_local(ray, run_dir, num_cpus, num_gpus, init_timeout_s)
+        else:
+            if num_cpus is not None or num_gpus is not None:
+                raise ClusterError(
+                    f"num_cpus/num_gpus size a local Ray only; cluster.address={address!r} "
+                    "joins an existing cluster (size it where it is started)"
+                )
+            cluster = cls._connect(ray, address, init_timeout_s)
+        if need is not None:
+            try:
+                cluster.check_resources(need)
+            except BaseException:
+                cluster.shutdown()
+                raise
+        return cluster
+
+    @classmethod
+    def _reuse(cls, ray: Any, address: str | None) -> RayCluster:
+        current = ray.get_runtime_context().gcs_address
+        if address not in (None, "auto") and address != current:
+            raise ClusterError(
+                f"this process is already connected to Ray at {current}, not "
+                f"cluster.address={address!r}: call ray.shutdown() first or set "
+                f"cluster.address to {current!r}"
+            )
+        log.info("using the Ray this process is already connected to (%s)", current)
+        return cls(address=current, owns=False, thread=None, temp_dir=None, startup_s=0)
+
+    @classmethod
+    def _start_local(
+        cls,
+        ray: Any,
+        run_dir: str | os.PathLike[str],
+        num_cpus: int | None,
+        num_gpus: int | None,
+        timeout_s: float,
+    ) -> RayCluster:
+        temp_dir, link = ray_temp_dir(run_dir)
+        if link is not None:
+            log.info(
+                "Ray temp dir %s (linked from %s: the run dir path is too long)", temp_dir, link
+            )
+        if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+            log.warning(
+                "RAY_AUTH_MODE=disabled: Ray runs without token authentication; any local "
+                "user who finds its ports can run code in it"
+            )
+        kwargs: dict[str, Any] = dict(
+            _node_ip_address=LOOPBACK,
+            include_dashboard=False,
+            _temp_dir=str(temp_dir),
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+        )
+        t0 = time.monotonic()
+        thread = _RayThread(ray, kwargs, "starting a local Ray")
+        with _ray_keeps_loopback(True):
+            thread.start(timeout_s)
+        took = time.monotonic() - t0
+        address = ray.get_runtime_context().gcs_address
+        cluster = cls(address=address, owns=True, thread=thread, temp_dir=temp_dir, startup_s=took)
+        ips = sorted({n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")})
+        if _host(address) != LOOPBACK or ips != [LOOPBACK]:
+            cluster.shutdown()
+            raise ClusterError(
+                f"the local Ray did not bind {LOOPBACK} (GCS {address}, nodes {ips}); "
+                "this Ray version resolves loopback differently: run it in a loopback-only "
+                "network namespace (docs/architecture.md, 'Ray on a shared host')"
+            )
+        _warn_if_token_readable_by_others()
+        res = ray.cluster_resources()
+        log.info(
+            "started a local Ray at %s in %.1f s (%s; temp dir %s)",
+            address,
+            took,
+            _fmt({k: v for k, v in res.items() if k in ("CPU", "GPU")}),
+            temp_dir,
+        )
+        return cluster
+
+    @classmethod
+    def _connect(cls, ray: Any, address: str, timeout_s: float) -> RayCluster:
+        resolved = _resolve_address(address)
+        client = resolved.startswith("ray://")
+        loopback = not client and _host(resolved) in _LOOPBACK_HOSTS
+        kwargs: dict[str, Any] = {"address": resolved}
+        if loopback:  # a Ray bound to loopback: this driver must register as 127.0.0.1 too
+            kwargs["_node_ip_address"] = LOOPBACK
+        t0 = time.monotonic()
+        thread = _RayThread(ray, kwargs, f"connecting to Ray at {resolved}")
+        try:
+            _probe(resolved, min(timeout_s, 10.0))
+            with _ray_keeps_loopback(loopback):
+                thread.start(timeout_s)
+        except ClusterError as exc:
+            raise ClusterError(
+                f"could not join the Ray cluster at cluster.address={address!r} ({resolved}): "
+                f"{exc}. Check it is up (`ray status --address {resolved}`); with token "
+                "authentication set RAY_AUTH_MODE=token and the cluster's token "
+                "(~/.ray/auth_token or RAY_AUTH_TOKEN)"
+            ) from (exc.__cause__ or exc)
+        took = time.monotonic() - t0
+        gcs = resolved if client else ray.get_runtime_context().gcs_address
+        log.info("joined the Ray cluster at %s in %.1f s", gcs, took)
+        return cls(address=gcs, owns=False, thread=thread, temp_dir=None, startup_s=took)
+
+    # ------------------------------------------------------------ checks
+
+    def resources(self) -> dict[str, float]:
+        """The cluster's total resources (``ray.cluster_resources()``)."""
+        return dict(_import_ray().cluster_resources())
+
+    def check_resources(self, need: ResourceNeed) -> None:
+        """Fail with :class:`ClusterError` unless the cluster can hold ``need``.
+
+        Checks the totals (CPU, GPU, ... the config asks for against the whole cluster) and
+        that every bundle shape fits on at least one node. Resources other jobs hold now are
+        not subtracted: :func:`place_planes` waits for them, within its bound.
+        """
+        ray = _import_ray()
+        nodes = [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
+        _check_fits(need, ray.cluster_resources(), nodes)
+        log.info("Ray has what the config asks for: %s", need.describe())
+
+    # ------------------------------------------------------------ teardown
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Stop Ray if this process started it; disconnect if it joined; else do nothing."""
+        if self._closed or self._thread is None:
+            self._closed = True
+            return
+        self._closed = True
+        t0 = time.monotonic()
+        verb = "stopped the local Ray" if self.owns else "disconnected from Ray"
+        if self._thread.stop(timeout_s):
+            log.info("%s at %s in %.1f s", verb, self.address, time.monotonic() - t0)
+        else:
+            log.warning("ray.shutdown at %s did not finish within %g s", self.address, timeout_s)
+
+    def __enter__(self) -> RayCluster:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"RayCluster(address={self.address!r}, owns={self.owns})"
+
+
+# ---------------------------------------------------------------- placement
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one trainer rank or engine runs: its bundle, node, and what it asks Ray for."""
+
+    plane: Literal["trainer", "rollout"]
+    index: int
+    group: PlacementGroup = field(repr=False)
+    bundle_index: int
+    devices: tuple[int, ...]
+    node_id: str
+    node_ip: str
+    num_cpus: float
+    num_gpus: float
+
+    @property
+    def scheduling_strategy(self) -> PlacementGroupSchedulingStrategy:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.group, placement_group_bundle_index=self.bundle_index
+        )
+
+    def actor_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``ActorClass.options(...)`` that put the actor here."""
+        return {
+            "num_cpus": self.num_cpus,
+            "num_gpus": self.num_gpus,
+            "scheduling_strategy": self.scheduling_strategy,
+        }
+
+
+@dataclass
+class PlanePlacement:
+    """Placement groups holding the planes' devices; :meth:`remove` releases them."""
+
+    placement: Placement
+    groups: tuple[PlacementGroup, ...] = field(repr=False)
+    trainer: tuple[Slot, ...]
+    engines: tuple[Slot, ...]
+
+    def remove(self) -> None:
+        """Release the reservations (actors placed in them are killed by Ray)."""
+        ray = _import_ray()
+        if not ray.is_initialized():
+            return
+        from ray.util import remove_placement_group
+
+        for pg in self.groups:
+            try:
+                remove_placement_group(pg)
+            except Exception as exc:  # already gone with its cluster
+                log.debug("placement group %s not removed: %s", pg.id, exc)
+
+    def describe(self) -> list[str]:
+        """One line per actor: plane, index, bundle, node."""
+        return [
+            f"{s.plane} {s.index}: bundle {s.bundle_index} on {s.node_ip} "
+            f"(node {s.node_id[:8]}; CPU {s.num_cpus:g}, GPU {s.num_gpus:g})"
+            for s in (*self.trainer, *self.engines)
+        ]
+
+    def __enter__(self) -> PlanePlacement:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+
+def place_planes(
+    resources: PlaneResources,
+    placement: str,
+    *,
+    timeout_s: float = 120.0,
+    strategy: str = "PACK",
+    name: str = "grpoflow",
+) -> PlanePlacement:
+    """Reserve the planes' devices with placement groups and say where each actor goes.
+
+    Needs a connected Ray (:meth:`RayCluster.start`). ``strategy`` is the placement-group
+    strategy (``PACK``: as few nodes as possible; ``SPREAD``/``STRICT_SPREAD``/``STRICT_PACK``
+    as in Ray). Waits at most ``timeout_s`` for all groups; on timeout removes them and raises
+    :class:`ClusterError` naming the missing resources and the placement. A colocated
+    multi-device actor whose devices landed on different nodes is an error too.
+    """
+    ray = _import_ray()
+    if not ray.is_initialized():
+        raise ClusterError("place_planes needs a connected Ray: call RayCluster.start first")
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    plan = plan_bundles(resources, placement)
+    need = need_for(resources, placement)
+    before = dict(ray.available_resources())
+    groups = tuple(
+        placement_group(list(bundles), strategy=strategy, name=f"{name}-{group_name}")
+        for group_name, bundles in zip(plan.group_names, plan.groups, strict=True)
+    )
+    try:
+        # pg.wait() takes whole seconds; ray.wait on the ready refs honours a float bound
+        refs = [pg.ready() for pg in groups]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if len(done) < len(refs):
+            late = next(n for n, ref in zip(plan.group_names, refs, strict=True) if ref not in done)
+            raise ClusterError(_placement_timeout_message(ray, need, before, late, timeout_s))
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        tables = [placement_group_table(pg)["bundles_to_node_id"] for pg in groups]
+
+        def slot(plane: Literal["trainer", "rollout"], index: int, spec: tuple) -> Slot:
+            g, b, cpus, gpus, devices = spec
+            node_ids = {tables[g][d] for d in devices}
+            if len(node_ids) > 1:
+                raise ClusterError(
+                    f"{plane} {index} needs devices {devices[0]}-{devices[-1]} on one node but "
+                    f"Ray placed them on {len(node_ids)} nodes; make the GPUs per node a "
+                    "multiple of cluster.gpus_per_engine / cluster.gpus_per_trainer"
+                )
+            node = tables[g][b]
+            return Slot(plane, index, groups[g], b, devices, node, ips.get(node, ""), cpus, gpus)
+
+        placed = PlanePlacement(
+            placement=plan.placement,
+            groups=groups,
+            trainer=tuple(slot("trainer", i, s) for i, s in enumerate(plan.trainer)),
+            engines=tuple(slot("rollout", j, s) for j, s in enumerate(plan.engines)),
+        )
+    except BaseException:
+        PlanePlacement(plan.placement, groups, (), ()).remove()
+        raise
+    for line in placed.describe():
+        log.info("placed %s", line)
+    return placed
+
+
+def _placement_timeout_message(
+    ray: Any, need: ResourceNeed, before: Mapping[str, float], group: str, timeout_s: float
+) -> str:
+    """What is missing, against what was available when the placement began."""
+    available = {k: v for k, v in before.items() if k in need.totals}
+    total = {k: v for k, v in ray.cluster_resources().items() if k in need.totals}
+    short = {k: v - available.get(k, 0.0) for k, v in _missing(need.totals, available).items()}
+    lacking = (
+        "missing " + ", ".join(f"{k} {v:g}" for k, v in sorted(short.items()))
+        if short
+        else "enough in total but not in the bundle shapes the nodes can hold"
+    )
+    return (
+        f"placement {need.placement!r} could not reserve its '{group}' group within "
+        f"{timeout_s:g} s: it needs {need.describe()}; when it began the cluster had "
+        f"{_fmt(available)} available of {_fmt(total)} ({lacking}). Free them (other jobs' "
+        f"actors or placement groups), add nodes, or ask for less: {_FIELDS_HINT}."
+    )
