@@ -1,0 +1,97 @@
+"""A real ``mlflow server`` process for tests: SQLite backend, proxied local artifacts.
+
+Started with ``--workers 1`` and ``MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false`` (otherwise it
+spawns ~10 processes and ~3 GB), in its own process group so that stopping it stops the
+uvicorn worker too. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine_helpers import free_port
+
+
+@dataclass
+class MlflowServer:
+    url: str
+    db_path: Path
+    artifacts: Path
+    log_path: Path
+    proc: subprocess.Popen
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        """Block until ``/health`` answers; raise with the server's log if it exits or the
+        bound passes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited early:\n{self._log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"mlflow server not healthy after {timeout}s:\n{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL it if it has not exited."""
+        if self.proc.poll() is not None:
+            return
+        pgid = os.getpgid(self.proc.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.proc.wait(timeout=timeout)
+        deadline = time.monotonic() + timeout  # the worker may outlive the CLI by a moment
+        with contextlib.suppress(ProcessLookupError):
+            while time.monotonic() < deadline:
+                os.killpg(pgid, 0)
+                time.sleep(0.2)
+            os.killpg(pgid, signal.SIGKILL)
+
+
+def start_mlflow_server(root: Path, timeout: float = 180.0, wait: bool = True) -> MlflowServer:
+    """Start ``mlflow server`` on a free 127.0.0.1 port with its store under ``root``;
+    with ``wait``, returns once ``/health`` answers (else call :meth:`MlflowServer.wait_ready`
+    later, so that other setup overlaps the server's ~10-30 s start)."""
+    root.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    db, artifacts, log_path = root / "mlflow.db", root / "artifacts", root / "server.log"
+    env = {
+        **os.environ,
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+    }
+    cmd = [
+        str(Path(sys.executable).with_name("mlflow")),
+        "server",
+        "--backend-store-uri", f"sqlite:///{db}",
+        "--artifacts-destination", str(artifacts),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--workers", "1",
+    ]  # fmt: skip
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    server = MlflowServer(f"http://127.0.0.1:{port}", db, artifacts, log_path, proc)
+    if wait:
+        server.wait_ready(timeout)
+    return server
