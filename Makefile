@@ -9,6 +9,9 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 TORCH  ?= torch==2.13.0
 CONFIG ?= configs/tiny-cpu.yaml
 PYTEST_ARGS ?=
+# Tests run in a loopback-only network namespace where the machine allows it (Ray opens
+# ports on every interface; see scripts/loopback.sh).
+LOOPBACK ?= scripts/loopback.sh
 
 .PHONY: setup run test test-fast lint clean
 
@@ -32,10 +35,10 @@ run: setup
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	AWS_EC2_METADATA_DISABLED=true $(LOOPBACK) $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	AWS_EC2_METADATA_DISABLED=true $(LOOPBACK) $(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

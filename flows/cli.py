@@ -3,7 +3,7 @@
     grpoflow train [CONFIG] [section.key=value ...]     run the GRPO flow (--resume)
     grpoflow evaluate [CONFIG] [--model PATH] [...]     greedy pass@1 and sampled pass@k
     grpoflow prepare-data [CONFIG] [...]                validate and snapshot the data
-    grpoflow download-model [CONFIG] [--uri URI]        fetch and verify a model
+    grpoflow download-model [CONFIG] [--uri URI]        fetch and verify a model (--revision)
     grpoflow bootstrap-model [--out DIR] [CONFIG] [...] build the embedded tiny model
     grpoflow engine serve --model PATH --port P         SGLang-compatible embedded engine
     grpoflow doctor [CONFIG] [...] [--json]             what is here, what is missing, fixes
@@ -99,7 +99,7 @@ def cmd_download_model(args: argparse.Namespace) -> int:
     from flows.assets import download_model
 
     config, overrides = _split(args)
-    print(download_model(config=config, overrides=overrides, uri=args.uri))
+    print(download_model(config=config, overrides=overrides, uri=args.uri, revision=args.revision))
     return 0
 
 
@@ -160,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("download-model", help="fetch and verify the model (flow)")
     _config_args(p)
     p.add_argument("--uri", help="HF hub id or local directory (default: model.path)")
+    p.add_argument("--revision", help="hub branch, tag or commit (default: model.revision)")
     p.set_defaults(func=cmd_download_model)
 
     sub.add_parser(
@@ -204,8 +205,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = [*getattr(args, "overrides", []), *extra]
+    from rl_core.storage import RedactFilter, StorageError
+
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.addFilter(RedactFilter())  # credentials never reach the terminal
     logging.getLogger("rl_core").addHandler(handler)
     logging.getLogger("rl_core").setLevel(logging.INFO)
     _env_defaults()
@@ -214,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (ConfigError, CheckpointError) as exc:
+    except (ConfigError, CheckpointError, StorageError) as exc:
         print(f"grpoflow: {exc}", file=sys.stderr)
         return 2
 

@@ -7,6 +7,8 @@ Usable on its own (``grpoflow evaluate``) and as a subflow.
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -25,13 +27,19 @@ def evaluate(
     config: str | None = None,
     overrides: list[str] | None = None,
     model: str | None = None,
+    work_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Evaluate ``model`` (default: the config's ``model.path``) on the config's eval set."""
+    """Evaluate ``model`` (default: the config's ``model.path``) on the config's eval set.
+
+    ``work_dir`` holds the engines' logs (default: ``<storage.root>/evaluations/<name>-<time>``).
+    """
     extra = [f"model.path={model}"] if model else []
     cfg = load_config(config, [*(overrides or []), *extra])
     data = prepare_data(cfg.data, cfg.storage.cache_dir)
     model_path = fetch_model(cfg.model, cfg.data, cfg.storage.cache_dir)
-    planes = bring_up(cfg, model_path, data)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    work_dir = work_dir or str(Path(cfg.storage.root) / "evaluations" / f"{cfg.name}-{stamp}")
+    planes = bring_up(cfg, model_path, data, work_dir, with_trainer=False)
     try:
         result = evaluate_policy(planes, 0)
     finally:

@@ -3,13 +3,14 @@
     prepare data -> fetch model -> bring up planes -> (resume from checkpoint) -> evaluate
     -> for each step: rollout -> reward -> advantages -> log-probs -> train -> sync weights
                       (every k steps: checkpoint, evaluate)
-    -> final evaluation -> checkpoint -> export model
+    -> checkpoint -> export model -> final evaluation of the exported model (a subflow)
 
 Every verb is a Prefect task (see ``tasks/``); the details live one call down.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Literal
 
@@ -17,6 +18,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from tqdm.auto import tqdm
 
+from flows.evaluate import evaluate as evaluate_model
+from rl_core import storage
 from rl_core.checkpoint import CheckpointError, latest_checkpoint
 from rl_core.config import load_config
 from rl_core.data import PromptSampler
@@ -36,13 +39,24 @@ from tasks.step import (
     sync_weights,
     train,
 )
+from tasks.tracking import (
+    TrackingHandle,
+    finish_tracking,
+    log_checkpoint,
+    log_evaluation,
+    log_step,
+    sample_rows,
+    start_tracking,
+    tracking_failed,
+)
 
 __all__ = ["grpo_train"]
 
 Resume = Literal["auto", "always", "never"]
 
 
-@flow(name="grpo-train", log_prints=False)
+@flow(name="grpo-train", log_prints=False, on_failure=[tracking_failed],
+      on_crashed=[tracking_failed])
 def grpo_train(
     config: str | None = None,
     overrides: list[str] | None = None,
@@ -56,17 +70,24 @@ def grpo_train(
     this config); ``never`` starts over.
     """
     cfg = load_config(config, overrides or [])
+    if cfg.storage.s3_endpoint_url:  # for boto3, MLflow's artifact store and every child
+        os.environ.update(storage.s3_env(cfg.storage.s3_endpoint_url))
     run = RunDir(cfg, resume_latest=resume == "always")
     say = _console(show_progress)
     started = time.perf_counter()
-    ckpt_root = cfg.checkpoint.uri or str(run.checkpoint_dir)
+    # Under checkpoint.uri each run has its own prefix: keep-last-K and resume stay per run.
+    ckpt_root = storage.join(cfg.checkpoint.uri, run.name) if cfg.checkpoint.uri else str(
+        run.checkpoint_dir
+    )
     resume_from = latest_checkpoint(ckpt_root) if resume != "never" else None
     if resume == "always" and resume_from is None:
         raise CheckpointError(f"--resume: no complete checkpoint under {ckpt_root}")
 
     data = prepare_data(cfg.data, cfg.storage.cache_dir)
+    tracking = start_tracking(cfg, str(run.path), data,
+                              resume_from=str(resume_from) if resume_from else None)
     model_path = fetch_model(cfg.model, cfg.data, cfg.storage.cache_dir)
-    planes = bring_up(cfg, model_path, data)
+    planes = bring_up(cfg, model_path, data, str(run.path))
     sampler = PromptSampler(len(get_planes(planes).train_records), cfg.train.prompts_per_step,
                             cfg.seed)
     start = 1
@@ -75,7 +96,7 @@ def grpo_train(
         say(f"resumed from {resume_from}; continuing at step {start}")
     else:
         run.truncate_after(-1)  # a fresh start in an existing directory starts a fresh log
-    evals = run.read_evals() or [_evaluate(planes, 0, run, say)]
+    evals = run.read_evals() or [_evaluate(planes, 0, run, say, tracking)]
 
     progress = create_progress_artifact(
         100.0 * (start - 1) / max(cfg.train.steps, 1),
@@ -100,7 +121,7 @@ def grpo_train(
             say(f"{exc}; rebuilding the planes from {latest or 'the base model'} "
                 f"(restart {restarts} of {cfg.train.max_plane_restarts})")
             tear_down(planes)
-            planes = bring_up(cfg, model_path, data)
+            planes = bring_up(cfg, model_path, data, str(run.path))
             sampler = PromptSampler(len(get_planes(planes).train_records),
                                     cfg.train.prompts_per_step, cfg.seed)
             step = _restore(planes, sampler, run, latest, data.train_digest) if latest else 1
@@ -109,25 +130,30 @@ def grpo_train(
             continue
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
             metrics.update(save_checkpoint(planes, ckpt_root, step, sampler.state_dict(),
-                                           data.train_digest))
+                                           data.train_digest, _run_id(tracking)))
+            log_checkpoint(tracking, step, ckpt_root)
         run.log_metrics(step, metrics)
+        log_step(tracking, step, metrics, sample_rows(scored.samples, get_planes(planes).tokenizer))
         run.log_samples(step, scored.ledger())
         say(format_step(step, cfg.train.steps, metrics))
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
         update_progress_artifact(progress, 100.0 * step / cfg.train.steps)
         if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
-            evals.append(_evaluate(planes, step, run, say))
+            evals.append(_evaluate(planes, step, run, say, tracking))
         step += 1
     bar.close()
 
-    if evals[-1]["step"] != cfg.train.steps:
-        evals.append(_evaluate(planes, cfg.train.steps, run, say))
     if not (cfg.checkpoint.every and cfg.train.steps % cfg.checkpoint.every == 0):
         save_checkpoint(planes, ckpt_root, cfg.train.steps, sampler.state_dict(),
-                        data.train_digest)
+                        data.train_digest, _run_id(tracking))
+        log_checkpoint(tracking, cfg.train.steps, ckpt_root)
     model_dir = export_model(planes, str(run.model_dir))
     tear_down(planes)
+    if evals[-1]["step"] != cfg.train.steps:
+        evals.append(_final_evaluation(config, overrides, model_dir, cfg.train.steps, run, say))
+        log_evaluation(tracking, cfg.train.steps, evals[-1])
+    registered = finish_tracking(tracking, model_dir=model_dir, eval_result=_brief(evals[-1]))
     summary = {
         "run_name": run.name,
         "run_dir": str(run.path),
@@ -142,6 +168,7 @@ def grpo_train(
         "first_eval": _brief(evals[0]),
         "last_eval": _brief(evals[-1]),
         "evals": [_brief(e) for e in evals],
+        "tracking": registered,
     }
     run.write_summary(summary)
     say(format_summary(summary))
@@ -169,11 +196,30 @@ def _restore(
     return state.step + 1
 
 
-def _evaluate(planes, step: int, run: RunDir, say) -> dict[str, Any]:  # noqa: ANN001
+def _evaluate(planes, step: int, run: RunDir, say, tracking) -> dict[str, Any]:  # noqa: ANN001
     result = evaluate_policy(planes, step)
+    run.log_eval(result)
+    log_evaluation(tracking, step, result)
+    say(format_eval(result))
+    return result
+
+
+def _final_evaluation(
+    config: str | None, overrides: list[str] | None, model_dir: str, step: int, run: RunDir, say
+) -> dict[str, Any]:  # noqa: ANN001
+    """The `evaluate` flow, as a subflow, on the exported model: what users take away is
+    what gets measured, loaded by a fresh engine from its Hugging Face files."""
+    result = evaluate_model(
+        config=config, overrides=overrides, model=model_dir, work_dir=str(run.path / "final-eval")
+    )
+    result.update(step=step, weight_version=step)
     run.log_eval(result)
     say(format_eval(result))
     return result
+
+
+def _run_id(tracking: TrackingHandle | None) -> str | None:
+    return tracking.run_id if tracking else None
 
 
 def _brief(result: dict[str, Any]) -> dict[str, Any]:

@@ -44,6 +44,9 @@ class ModelConfig(_Section):
         "embedded:tiny",
         description="HF hub id, local HF directory, or `embedded:tiny` to build the demo model.",
     )
+    revision: str | None = Field(
+        None, description="Hub branch, tag or commit (default: main); cached by commit sha."
+    )
     name: str = Field("grpoflow-tiny", description="Registered model name for the final export.")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = False
@@ -108,11 +111,12 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    """The rollout plane: which engine samples and with what sampling parameters."""
+    """The rollout plane: which engines sample, how many, and with what sampling parameters."""
 
-    engine: Literal["local", "embedded", "sglang"] = Field(
-        "local",
-        description="`local`: in-process sampler; `embedded`/`sglang`: HTTP engines.",
+    engine: Literal["embedded", "sglang", "local"] = Field(
+        "embedded",
+        description="`embedded`: grpoflow's engine processes behind SGLang's HTTP API (CPU); "
+        "`sglang`: real SGLang servers (GPU); `local`: in-process sampler, no HTTP (debugging).",
     )
     n_samples: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
     temperature: float = Field(1.0, ge=0.0)
@@ -121,8 +125,31 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(32, ge=1)
     stop: list[str] = []
     stop_token_ids: list[int] = []
-    micro_batch_size: int = Field(256, ge=1, description="Sequences decoded together.")
-    timeout_s: float = Field(600.0, gt=0)
+    micro_batch_size: int = Field(256, ge=1, description="Sequences decoded together (local).")
+    timeout_s: float = Field(600.0, gt=0, description="Bound on one step's generation.")
+    # HTTP engines (embedded / sglang)
+    num_engines: int = Field(1, ge=1, description="Engine processes (each a full model copy).")
+    router: bool | None = Field(
+        None, description="Put sglang-router in front; default: on when num_engines > 1."
+    )
+    engine_threads: int | None = Field(
+        None, ge=1, description="torch threads per embedded engine; default: cores / engines."
+    )
+    max_running_requests: int = Field(256, ge=1, description="Per engine (embedded).")
+    request_batch_size: int = Field(
+        16, ge=1, description="Samples per /generate request; 1 = one request per sample."
+    )
+    weight_sync: Literal["disk", "object_store"] = Field(
+        "disk",
+        description="`disk`: trainer writes safetensors, engines reload them (one node or a "
+        "shared filesystem); `object_store`: through Ray's object store (cluster.mode ray).",
+    )
+    startup_timeout_s: float = Field(300.0, gt=0)
+    health_interval_s: float = Field(5.0, gt=0)
+    sglang_tp: int = Field(1, ge=1, description="Tensor parallelism of each SGLang server.")
+    sglang_mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
+    sglang_platform: Literal["cuda", "rocm"] = "cuda"
+    sglang_extra_args: list[str] = []
 
 
 class TrainConfig(_Section):
@@ -194,11 +221,34 @@ class CheckpointConfig(_Section):
 
 
 class ClusterConfig(_Section):
-    """Where the planes run (Ray arrives in a later issue)."""
+    """Where the planes run: this process and local engines, or Ray actors."""
 
-    mode: Literal["local"] = "local"
-    address: str | None = None
-    placement: Literal["colocated", "disaggregated"] = "colocated"
+    mode: Literal["local", "ray"] = Field(
+        "local",
+        description="`local`: trainer in the flow process, engines as local processes; "
+        "`ray`: both planes as Ray actors (docs/architecture.md).",
+    )
+    address: str | None = Field(
+        None,
+        description="Ray to join (`auto`, `host:port`, `ray://host:port`); None starts a local "
+        "Ray bound to 127.0.0.1 for the run.",
+    )
+    placement: Literal["colocated", "disaggregated"] = Field(
+        "colocated",
+        description="Planes share devices (time-sliced) or get separate device pools.",
+    )
+    trainer_ranks: int = Field(1, ge=1, description="Data-parallel trainer actors (Ray).")
+    cpus_per_trainer: float = Field(1.0, ge=0)
+    gpus_per_trainer: float = Field(0.0, ge=0)
+    cpus_per_engine: float = Field(1.0, ge=0)
+    gpus_per_engine: float = Field(0.0, ge=0)
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of a local Ray (default: all).")
+    timeout_s: float = Field(300.0, gt=0, description="Bound on Ray start, placement, calls.")
+    env: dict[str, str | None] = Field(
+        default_factory=dict,
+        description="Environment for every engine and trainer process, over the platform "
+        "presets (docs/platforms.md); a null value removes a preset.",
+    )
 
 
 class StorageConfig(_Section):
@@ -206,14 +256,29 @@ class StorageConfig(_Section):
 
     root: str = Field("runs", description="Local directory (or s3:// once storage lands).")
     cache_dir: str = Field(".cache/grpoflow", description="Prepared data and built models.")
+    s3_endpoint_url: str | None = Field(
+        None,
+        description="S3-compatible endpoint (MinIO, Ceph, R2); default: AWS_ENDPOINT_URL or AWS.",
+    )
 
 
 class TrackingConfig(_Section):
-    """Experiment tracking (MLflow lands in a later issue)."""
+    """MLflow, the system of record: params, per-step metrics, checkpoints, the registry."""
 
-    backend: Literal["none", "mlflow"] = "none"
-    uri: str | None = None
-    experiment: str | None = None
+    backend: Literal["none", "mlflow"] = Field(
+        "mlflow", description="`mlflow`: a SQLite store in the run directory unless `uri` is set."
+    )
+    uri: str | None = Field(None, description="Tracking URI; default: MLFLOW_TRACKING_URI.")
+    experiment: str | None = Field(None, description="Default: the config's `name`.")
+    samples_every: int = Field(10, ge=0, description="Sample-generation table every K steps.")
+    samples_rows: int = Field(16, ge=1)
+    system_metrics: bool = True
+    system_metrics_interval_s: float = Field(10.0, gt=0)
+    register_model: bool = Field(True, description="Register the final model as `model.name`.")
+    alias: str = Field("candidate", description="Alias given to each new registered version.")
+    checkpoint_artifacts: bool = Field(
+        True, description="Log local checkpoints as artifacts (s3:// ones by reference only)."
+    )
 
 
 class ExperimentConfig(_Section):

@@ -1,30 +1,49 @@
-"""The two planes of a run (rollout engine + trainer) and the verified sync between them.
+"""The two planes of a run (rollout engines + trainer) and the verified sync between them.
 
 Prefect tasks never carry models in their results: the flow brings the planes up once and
-passes a small :class:`PlanesHandle` around; tasks resolve it here. In local mode the planes
-live in this process's registry; the Ray issue makes the handle hold actor handles instead,
-with the same methods.
+passes a small :class:`PlanesHandle` around; tasks resolve it here. The rollout plane is a
+pool of engine processes behind SGLang's HTTP API (``rollout.engine: embedded`` on CPU,
+``sglang`` on GPUs) or, for debugging, an in-process engine (``local``). In local cluster
+mode the planes live in this process's registry; on Ray the handle holds actor handles
+instead, with the same methods.
 
 Never imports Prefect or MLflow.
 """
 
 from __future__ import annotations
 
-import time
+import logging
+import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
+from rl_core.cluster.platform import platform_env
 from rl_core.config import ExperimentConfig
 from rl_core.data import Record, encode_prompts
+from rl_core.models import eos_token_ids
 from rl_core.rewards import RewardRunner
 from rl_core.rollout.local import LocalEngine
+from rl_core.rollout.pool import EnginePool
+from rl_core.rollout.remote import HttpRollout, embedded_engine_command
+from rl_core.rollout.sglang_launcher import SGLangLaunchConfig, sglang_engine_command, sglang_env
 from rl_core.training.torch_trainer import TorchTrainer
-from rl_core.weight_sync import WeightSyncError, weights_checksum
 
-__all__ = ["LocalPlanes", "PlanesHandle", "bring_up_local", "get_planes", "tear_down"]
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "LocalPlanes",
+    "PlanesHandle",
+    "bring_up_local",
+    "bring_up_planes",
+    "get_planes",
+    "start_rollout",
+    "tear_down",
+]
 
 
 @dataclass(frozen=True)
@@ -36,50 +55,50 @@ class PlanesHandle:
 
 @dataclass
 class LocalPlanes:
-    """Rollout engine and trainer in this process, plus the tokenized prompt sets."""
+    """The rollout plane, the trainer and the tokenized prompt sets of one run.
+
+    ``rollout`` is an :class:`~rl_core.rollout.remote.HttpRollout` (engines behind SGLang's
+    HTTP API, the default) or a :class:`~rl_core.rollout.local.LocalEngine` (in-process).
+    """
 
     config: ExperimentConfig
-    engine: LocalEngine
-    trainer: TorchTrainer
+    rollout: HttpRollout | LocalEngine
+    trainer: TorchTrainer | Any | None  # a TrainerGroup on Ray; None: evaluation only
+    tokenizer: Any
+    pad_token_id: int
     train_records: list[Record]
     train_prompts: list[list[int]]
     eval_records: list[Record]
     eval_prompts: list[list[int]]
     reward_runner: RewardRunner
     skipped_long_prompts: int = 0
+    cluster: Any = None  # a RayCluster in cluster.mode ray
+    placement: Any = None  # its PlanePlacement
 
     @property
     def weight_version(self) -> int:
-        return self.engine.weight_version
+        return self.rollout.weight_version
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        """Push the trainer's weights to the engine as ``version`` and verify the checksum."""
-        started = time.perf_counter()
-        weights = self.trainer.export_weights()
-        expected = weights_checksum(weights)
-        got = self.engine.update_weights(weights, version)
-        if got != expected:
-            raise WeightSyncError(
-                f"weight sync to version {version}: the engine serves checksum {got[:12]} but "
-                f"the trainer exported {expected[:12]}; refusing to sample from stale weights"
-            )
-        if self.engine.weight_version != version:
-            raise WeightSyncError(
-                f"weight sync: engine reports version {self.engine.weight_version}, "
-                f"expected {version}"
-            )
-        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-        return {"sync_seconds": time.perf_counter() - started, "sync_bytes": float(nbytes)}
+        """Push the trainer's weights to the rollout plane as ``version``; verify checksums."""
+        if self.trainer is None:
+            raise RuntimeError("these planes were brought up without a trainer")
+        return self.rollout.sync_from(self.trainer, version)
+
+    def close(self) -> None:
+        self.reward_runner.close()
+        rollout = self.rollout if isinstance(self.rollout, HttpRollout) else None
+        _close_all(rollout, self.trainer, self.placement, self.cluster)
 
 
 _REGISTRY: dict[str, LocalPlanes] = {}
 
 
 def _encode_within_limit(
-    engine: LocalEngine, records: list[Record], cfg: ExperimentConfig
+    tokenizer: Any, records: list[Record], cfg: ExperimentConfig
 ) -> tuple[list[Record], list[list[int]], int]:
     ids = encode_prompts(
-        engine.tokenizer,
+        tokenizer,
         [r.question for r in records],
         system_prompt=cfg.data.system_prompt,
         use_chat_template=cfg.data.use_chat_template,
@@ -88,42 +107,129 @@ def _encode_within_limit(
     return [records[i] for i in keep], [ids[i] for i in keep], len(records) - len(keep)
 
 
-def bring_up_local(
+def start_rollout(
+    cfg: ExperimentConfig, model_path: str | Path, work_dir: str | Path, placement: Any = None
+) -> HttpRollout | LocalEngine:
+    """The rollout plane ``rollout.engine`` asks for, started and serving ``model_path``.
+
+    With a Ray ``placement`` (:class:`~rl_core.cluster.ray_cluster.PlanePlacement`) every
+    engine is a Ray actor in its slot; otherwise a local process.
+    """
+    r = cfg.rollout
+    if r.engine == "local":
+        return LocalEngine(
+            model_path,
+            dtype=cfg.model.dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+            micro_batch_size=r.micro_batch_size,
+        )
+    work_dir = Path(work_dir)
+    if r.engine == "embedded":
+        threads = r.engine_threads or max(1, (os.cpu_count() or 1) // r.num_engines)
+        command = embedded_engine_command(
+            model_path,
+            dtype=cfg.model.dtype,
+            num_threads=threads,
+            max_running_requests=r.max_running_requests,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+        env = {"OMP_NUM_THREADS": str(threads), **platform_env("cpu", cfg.cluster.env)}
+    else:
+        launch = SGLangLaunchConfig(
+            model_path=str(model_path),
+            tp=r.sglang_tp,
+            mem_fraction_static=r.sglang_mem_fraction_static,
+            enable_memory_saver=cfg.cluster.placement == "colocated",
+            dtype="auto" if cfg.model.dtype == "float32" else cfg.model.dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+            extra_args=list(r.sglang_extra_args),
+            platform=r.sglang_platform,
+        )
+        command = sglang_engine_command(launch)
+        env = sglang_env(launch, overrides=cfg.cluster.env)
+    launcher = None
+    if placement is not None:
+        from rl_core.rollout.ray_engines import RayActorLauncher
+
+        launcher = RayActorLauncher(
+            command,
+            [slot.actor_options() for slot in placement.engines],
+            env=env,
+            start_timeout_s=r.startup_timeout_s,
+        )
+    pool = EnginePool(
+        None if launcher else command,
+        r.num_engines,
+        launcher=launcher,
+        log_dir=work_dir / "engines",
+        env=env,
+        router=r.num_engines > 1 if r.router is None else r.router,
+        health_interval_s=r.health_interval_s,
+        startup_timeout_s=r.startup_timeout_s,
+        client_kwargs={"read_timeout_s": r.timeout_s, "total_timeout_s": r.timeout_s},
+    )
+    return HttpRollout(
+        pool,
+        model_path,
+        staging_dir=work_dir / "weight_sync",
+        request_batch_size=r.request_batch_size,
+        timeout_s=r.timeout_s,
+        trust_remote_code=cfg.model.trust_remote_code,
+        weight_sync=r.weight_sync,
+    ).start()
+
+
+def bring_up_planes(
     cfg: ExperimentConfig,
     model_path: str | Path,
     train_records: list[Record],
     eval_records: list[Record],
+    work_dir: str | Path,
+    *,
+    with_trainer: bool = True,
 ) -> PlanesHandle:
-    """Load the engine and the trainer from ``model_path``; tokenize the prompt sets."""
+    """Start the rollout plane and the trainer on ``model_path``; tokenize the prompt sets.
+
+    ``cluster.mode: local``: the trainer in this process, engines as local processes.
+    ``cluster.mode: ray``: a Ray cluster (started here, or joined at ``cluster.address``),
+    the planes placed by ``cluster.placement``, ``cluster.trainer_ranks`` trainer actors in
+    one process group and one actor per engine. ``work_dir`` (the run directory) holds the
+    engines' logs, the weight-sync staging and a local Ray's temp dir. ``with_trainer=False``
+    brings up the rollout plane alone (evaluation).
+    """
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
-    engine = LocalEngine(
-        model_path,
-        dtype=cfg.model.dtype,
-        trust_remote_code=cfg.model.trust_remote_code,
-        micro_batch_size=cfg.rollout.micro_batch_size,
-    )
-    trainer = TorchTrainer(
-        model_path,
-        cfg.train,
-        cfg.algorithm,
-        temperature=cfg.rollout.temperature,
-        max_response_len=cfg.rollout.max_new_tokens,
-        dtype=cfg.model.dtype,
-        trust_remote_code=cfg.model.trust_remote_code,
-    )
-    train_records, train_prompts, skipped = _encode_within_limit(engine, train_records, cfg)
-    if not train_records:
-        raise ValueError(
-            f"every training prompt is longer than data.max_prompt_tokens="
-            f"{cfg.data.max_prompt_tokens}; raise it or shorten the prompts"
+    cluster = placement = trainer = rollout = None
+    try:
+        if cfg.cluster.mode == "ray":
+            cluster, placement = _ray_cluster(cfg, work_dir, with_trainer)
+        if with_trainer:
+            trainer = _start_trainer(cfg, model_path, placement)
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_path, trust_remote_code=cfg.model.trust_remote_code
         )
-    eval_records, eval_prompts, skipped_eval = _encode_within_limit(engine, eval_records, cfg)
+        pad_token_id = tokenizer.pad_token_id
+        if pad_token_id is None:  # padding is masked out; any end-of-sequence id will do
+            model = getattr(trainer, "model", None)
+            pad_token_id = eos_token_ids(tokenizer, model, model_path)[0]
+        train_records, train_prompts, skipped = _encode_within_limit(tokenizer, train_records, cfg)
+        if not train_records:
+            raise ValueError(
+                f"every training prompt is longer than data.max_prompt_tokens="
+                f"{cfg.data.max_prompt_tokens}; raise it or shorten the prompts"
+            )
+        eval_records, eval_prompts, skip_eval = _encode_within_limit(tokenizer, eval_records, cfg)
+        rollout = start_rollout(cfg, model_path, work_dir, placement)
+    except BaseException:
+        _close_all(rollout, trainer, placement, cluster)
+        raise
     key = uuid.uuid4().hex
     _REGISTRY[key] = LocalPlanes(
         cfg,
-        engine,
+        rollout,
         trainer,
+        tokenizer,
+        pad_token_id,
         train_records,
         train_prompts,
         eval_records,
@@ -131,9 +237,87 @@ def bring_up_local(
         RewardRunner(
             cfg.reward.fn, timeout_s=cfg.reward.timeout_s, format_weight=cfg.reward.format_weight
         ),
-        skipped_long_prompts=skipped + skipped_eval,
+        skipped_long_prompts=skipped + skip_eval,
+        cluster=cluster,
+        placement=placement,
     )
     return PlanesHandle(key)
+
+
+def _start_trainer(cfg: ExperimentConfig, model_path: str | Path, placement: Any) -> Any:
+    """One trainer in this process, or ``cluster.trainer_ranks`` rank actors on Ray."""
+    kw = dict(
+        temperature=cfg.rollout.temperature,
+        max_response_len=cfg.rollout.max_new_tokens,
+        dtype=cfg.model.dtype,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
+    if placement is None:
+        return TorchTrainer(model_path, cfg.train, cfg.algorithm, **kw)
+    from rl_core.cluster.platform import detect_platform
+    from rl_core.training.distributed import TrainerGroup
+
+    gpu = cfg.cluster.gpus_per_trainer > 0
+    kind = detect_platform().kind if gpu else "cpu"
+    return TrainerGroup.start(
+        model_path,
+        cfg.train,
+        cfg.algorithm,
+        num_ranks=cfg.cluster.trainer_ranks,
+        num_threads_per_rank=cfg.train.num_threads or 1,
+        scheduling_strategies=[slot.scheduling_strategy for slot in placement.trainer],
+        num_cpus_per_rank=placement.trainer[0].num_cpus,
+        num_gpus_per_rank=placement.trainer[0].num_gpus,
+        device="cuda" if gpu else "cpu",
+        env=platform_env(kind, cfg.cluster.env),
+        timeout_s=cfg.cluster.timeout_s,
+        **kw,
+    )
+
+
+def _ray_cluster(cfg: ExperimentConfig, work_dir: str | Path, with_trainer: bool) -> tuple:
+    """Start or join Ray, check it has what the config asks for, reserve the planes."""
+    from rl_core.cluster.ray_cluster import PlaneResources, RayCluster, need_for, place_planes
+
+    c = cfg.cluster
+    resources = PlaneResources(
+        trainer_ranks=c.trainer_ranks,
+        cpus_per_trainer=c.cpus_per_trainer if with_trainer else 0.001,
+        gpus_per_trainer=c.gpus_per_trainer if with_trainer else 0.0,
+        engines=cfg.rollout.num_engines,
+        cpus_per_engine=c.cpus_per_engine,
+        gpus_per_engine=c.gpus_per_engine,
+    )
+    need = need_for(resources, c.placement)
+    cluster = RayCluster.start(c, work_dir, need=need, num_cpus=c.num_cpus if not c.address else None)
+    try:
+        placement = place_planes(resources, c.placement, timeout_s=c.timeout_s)
+    except BaseException:
+        cluster.shutdown()
+        raise
+    for line in placement.describe():
+        log.info("placement (%s): %s", c.placement, line)
+    return cluster, placement
+
+
+def _close_all(rollout: Any, trainer: Any, placement: Any, cluster: Any) -> None:
+    """Stop whatever was started, newest first; never raises (logs instead)."""
+    for what, thing, method in (
+        ("rollout plane", rollout, "close"),
+        ("trainer", trainer, "shutdown"),
+        ("placement", placement, "remove"),
+        ("ray", cluster, "shutdown"),
+    ):
+        fn = getattr(thing, method, None) if thing is not None else None
+        if fn is None:
+            continue
+        try:
+            fn()
+        except Exception:
+            log.exception("tear-down of the %s failed", what)
+
+
+bring_up_local = bring_up_planes  # the name the local-only version had
 
 
 def get_planes(handle: PlanesHandle) -> LocalPlanes:
@@ -149,4 +333,4 @@ def get_planes(handle: PlanesHandle) -> LocalPlanes:
 def tear_down(handle: PlanesHandle) -> None:
     planes = _REGISTRY.pop(handle.key, None)
     if planes is not None:
-        planes.reward_runner.close()
+        planes.close()

@@ -12,7 +12,13 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from rl_core.checkpoint import CheckpointError, CheckpointState, load_checkpoint_state, restore_rng
+from rl_core.checkpoint import (
+    CheckpointError,
+    CheckpointState,
+    fetch_checkpoint,
+    load_checkpoint_state,
+    restore_rng,
+)
 from rl_core.checkpoint import write_checkpoint as commit_checkpoint
 from rl_core.config import config_digest
 from rl_core.planes import PlanesHandle, get_planes
@@ -34,6 +40,7 @@ def save_checkpoint(
     step: int,
     sampler_state: dict[str, int],
     train_digest: str,
+    tracking_run_id: str | None = None,
 ) -> dict[str, float]:
     """Write a complete checkpoint for ``step`` (idempotent: a re-run replaces it)."""
     p = get_planes(planes)
@@ -41,8 +48,7 @@ def save_checkpoint(
 
     def payload(tmp: Path) -> None:
         p.trainer.save_state(tmp)
-        p.engine.tokenizer.save_pretrained(tmp / "model")
-        p.engine.model.generation_config.save_pretrained(tmp / "model")
+        p.tokenizer.save_pretrained(tmp / "model")
 
     state = CheckpointState(
         step=step,
@@ -50,8 +56,15 @@ def save_checkpoint(
         sampler=sampler_state,
         config_digest=config_digest(p.config),
         train_digest=train_digest,
+        tracking_run_id=tracking_run_id,
     )
-    commit_checkpoint(root, state, payload, keep_last=p.config.checkpoint.keep_last)
+    commit_checkpoint(
+        root,
+        state,
+        payload,
+        keep_last=p.config.checkpoint.keep_last,
+        cache_dir=p.config.storage.cache_dir,
+    )
     return {"time/checkpoint": time.perf_counter() - started}
 
 
@@ -60,7 +73,8 @@ def restore_checkpoint(planes: PlanesHandle, path: str, train_digest: str) -> Ch
     """Load a verified checkpoint into the planes; returns where the run stands."""
     log = get_run_logger()
     p = get_planes(planes)
-    state, rng = load_checkpoint_state(path)
+    local = fetch_checkpoint(path, p.config.storage.cache_dir)  # s3://: download, verified
+    state, rng = load_checkpoint_state(local)
     if state.train_digest and state.train_digest != train_digest:
         raise CheckpointError(
             f"{path} was written for training data {state.train_digest[:12]}, but the data "
@@ -69,7 +83,7 @@ def restore_checkpoint(planes: PlanesHandle, path: str, train_digest: str) -> Ch
         )
     if state.config_digest != config_digest(p.config):
         log.warning("resuming %s with a config that differs from the one that wrote it", path)
-    p.trainer.load_state(path)
+    p.trainer.load_state(local)
     p.sync_weights(state.weight_version)
     restore_rng(rng)
     log.info("resumed from %s at step %d", path, state.step)

@@ -28,7 +28,7 @@ def evaluate_policy(planes: PlanesHandle, step: int) -> dict:
     p = get_planes(planes)
     cfg = p.config
     result = evaluate(
-        p.engine,
+        p.rollout,
         p.eval_records,
         p.eval_prompts,
         max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
@@ -57,6 +57,5 @@ def export_model(planes: PlanesHandle, out_dir: str) -> str:
     """Write the trained policy and its tokenizer in Hugging Face format."""
     p = get_planes(planes)
     path = p.trainer.save_pretrained(out_dir)
-    p.engine.tokenizer.save_pretrained(path)
-    p.engine.model.generation_config.save_pretrained(path)
+    p.tokenizer.save_pretrained(path)
     return str(Path(path))

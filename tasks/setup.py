@@ -16,10 +16,11 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from rl_core import storage
 from rl_core.config import DataConfig, ExperimentConfig, ModelConfig
 from rl_core.data import generate_splits, load_records, read_parquet, write_parquet
-from rl_core.models.hub import resolve_model
-from rl_core.planes import PlanesHandle, bring_up_local
+from rl_core.models.hub import snapshot_model
+from rl_core.planes import PlanesHandle, bring_up_planes
 
 __all__ = ["PreparedData", "bring_up", "fetch_model", "prepare_data"]
 
@@ -39,6 +40,8 @@ class PreparedData:
 
 
 def _source_fingerprint(source: str) -> str:
+    if storage.is_remote(source):
+        return storage.fingerprint(source)  # ETags and sizes: a changed object is new data
     p = Path(source)
     if p.is_file():
         st = p.stat()
@@ -92,6 +95,7 @@ def prepare_data(data: DataConfig, cache_dir: str) -> PreparedData:
             answer_field=data.answer_field,
             id_field=data.id_field,
             max_bad_fraction=data.max_bad_fraction,
+            cache_dir=cache_dir,
         )
         train = load_records(
             data.source, data.train_split, limit=data.max_train_examples, **fields
@@ -124,21 +128,44 @@ def prepare_data(data: DataConfig, cache_dir: str) -> PreparedData:
 
 
 @task(name="fetch-model", timeout_seconds=3600, retries=2, retry_delay_seconds=10)
-def fetch_model(model: ModelConfig, data: DataConfig, cache_dir: str) -> str:
-    """Resolve ``model.path`` to a verified local HF directory (building the tiny model)."""
+def fetch_model(
+    model: ModelConfig, data: DataConfig, cache_dir: str, revision: str | None = None
+) -> str:
+    """Resolve ``model.path`` to a verified local HF directory, cached by its content.
+
+    Hub snapshots are keyed by (repo id, commit sha) and checked against their manifest when
+    reused: a second run skips the download and says so. ``revision`` (branch, tag or commit)
+    defaults to ``model.revision``, else ``main``. HF_TOKEN is passed on, never logged.
+    """
     log = get_run_logger()
     started = time.perf_counter()
-    path, cached = resolve_model(model, data, cache_dir, token=os.environ.get("HF_TOKEN"))
-    if cached:
-        log.info("model: %s (cached, verified)", path)
+    snap = snapshot_model(
+        model, data, cache_dir, revision=revision, token=os.environ.get("HF_TOKEN")
+    )
+    what = f"{snap.source}@{snap.revision[:12]}" if snap.revision else snap.source
+    where = f"{snap.path} (content key {snap.key}, verified)"
+    if snap.offline:
+        log.warning("model: the hub cannot be reached; using the cached %s in %s", what, where)
+    elif snap.kind == "local":
+        log.info("model: local directory %s", where)
+    elif snap.cached:
+        skipped = "build" if snap.kind == "tiny" else "download"
+        log.info("model: cached %s in %s, skipping the %s", what, where, skipped)
     else:
-        log.info("model: %s ready in %.1fs", path, time.perf_counter() - started)
-    return str(path)
+        elapsed = time.perf_counter() - started
+        log.info("model: %s ready in %.1fs in %s", what, elapsed, where)
+    return str(snap.path)
 
 
 @task(name="bring-up-planes", timeout_seconds=1800, cache_policy=NO_CACHE)
-def bring_up(cfg: ExperimentConfig, model_path: str, data: PreparedData) -> PlanesHandle:
-    """Start the rollout engine and the trainer on ``model_path``."""
+def bring_up(
+    cfg: ExperimentConfig,
+    model_path: str,
+    data: PreparedData,
+    work_dir: str,
+    with_trainer: bool = True,
+) -> PlanesHandle:
+    """Start the rollout engines and the trainer on ``model_path`` (logs under ``work_dir``)."""
     train = read_parquet(data.train_path)
     test = read_parquet(data.eval_path)[: cfg.eval.num_examples]
-    return bring_up_local(cfg, model_path, train, test)
+    return bring_up_planes(cfg, model_path, train, test, work_dir, with_trainer=with_trainer)

@@ -105,7 +105,7 @@ def rollout(planes: PlanesHandle, indices: list[int], step: int) -> StepSamples:
         stop_token_ids=list(cfg.rollout.stop_token_ids),
     )
     samples = rollout_groups(
-        p.engine,
+        p.rollout,
         [p.train_records[i] for i in indices],
         [p.train_prompts[i] for i in indices],
         n=cfg.rollout.n_samples,
@@ -153,7 +153,7 @@ def compute_advantages(planes: PlanesHandle, batch: StepSamples, step: int) -> T
     p = get_planes(planes)
     cfg = p.config
     adv = advantages_for(batch.samples, cfg.rollout.n_samples, cfg.algorithm.advantage)
-    return to_train_batch(batch.samples, adv, p.engine.pad_token_id)
+    return to_train_batch(batch.samples, adv, p.pad_token_id)
 
 
 @task(name="logprobs", task_run_name="logprobs-step-{step}", timeout_seconds=1800, **_RETRY)
@@ -166,7 +166,7 @@ def compute_logprobs(
     started = time.perf_counter()
     if p.trainer.needs_old_logp:
         batch.old_logp = p.trainer.compute_logprobs(batch)
-    if p.trainer.ref_model is not None:
+    if p.trainer.has_ref_model:
         batch.ref_logp = p.trainer.compute_logprobs(batch, reference=True)
     return batch, {"time/logprobs": time.perf_counter() - started}
 

@@ -163,7 +163,7 @@ def test_reachable_mlflow_is_ok_and_env_uri_wins(capsys, monkeypatch, http_serve
     assert [p["ok"] for p in report["probes"]] == [True]
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", http_server)
-    _, report, _ = _run_json(capsys, TINY)  # tracking.backend=none: optional, still probed
+    _, report, _ = _run_json(capsys, TINY, "tracking.backend=none")  # optional, still probed
     row = _row(report, "mlflow server")
     assert row["status"] == "ok" and "MLFLOW_TRACKING_URI" in row["detail"]
     assert not _row(report, "mlflow")["needed"]

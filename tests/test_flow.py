@@ -25,7 +25,8 @@ DEMO = str(ROOT / "configs" / "tiny-cpu.yaml")
 
 
 def _overrides(tmp: Path, cache: Path, *extra: str) -> list[str]:
-    return [f"storage.root={tmp}", f"storage.cache_dir={cache}", *extra]
+    # MLflow is on by default; the plumbing test below keeps it, the others skip its cost.
+    return [f"storage.root={tmp}", f"storage.cache_dir={cache}", "tracking.backend=none", *extra]
 
 
 def test_grpo_flow_two_steps(prefect_harness, tiny_cache: Path, tmp_path: Path) -> None:
@@ -39,6 +40,8 @@ def test_grpo_flow_two_steps(prefect_harness, tiny_cache: Path, tmp_path: Path) 
         "eval.every=1",
         "eval.num_examples=24",
         "eval.pass_k_examples=4",
+        "tracking.backend=mlflow",  # the embedded default: SQLite in the run directory
+        "tracking.samples_every=1",
     )
     state = grpo_train(config=DEMO, overrides=overrides, show_progress=False, return_state=True)
     assert state.is_completed(), state
@@ -56,6 +59,8 @@ def test_grpo_flow_two_steps(prefect_harness, tiny_cache: Path, tmp_path: Path) 
     evals = [json.loads(line) for line in (run_dir / "evals.jsonl").read_text().splitlines()]
     assert [(e["step"], e["weight_version"]) for e in evals] == [(0, 0), (1, 1), (2, 2)]
     assert evals[0]["samples"], "evaluations keep sample generations"
+    # the final evaluation is the `evaluate` flow, run as a subflow on the exported model
+    assert evals[-1]["model"] == summary["model_dir"]
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -74,8 +79,19 @@ def test_grpo_flow_two_steps(prefect_harness, tiny_cache: Path, tmp_path: Path) 
     for step in (1, 2):
         for phase in ("rollout", "reward", "advantages", "logprobs", "train", "sync-weights"):
             assert f"{phase}-step-{step}" in names, (phase, step, sorted(names))
-    assert {"evaluate-step-0", "evaluate-step-2"} <= names
+    assert {"evaluate-step-0", "evaluate-step-1"} <= names
     assert all(r.state.is_completed() for r in runs)
+
+    # MLflow, the system of record: one run with per-step metrics, the model registered
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    tracked = client.get_run(summary["tracking"]["run_id"])
+    assert tracked.data.params["train.steps"] == "2"
+    history = client.get_metric_history(tracked.info.run_id, "reward_mean")
+    assert [m.step for m in history] == [1, 2]
+    version = client.get_model_version_by_alias("grpoflow-tiny", "candidate")
+    assert version.run_id == tracked.info.run_id
 
 
 def test_prepare_data_is_cached(prefect_harness, tmp_path: Path) -> None:

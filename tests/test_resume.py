@@ -33,7 +33,7 @@ def _argv(tmp: Path, cache: Path, run_name: str, *extra: str) -> list[str]:
         f"storage.root={tmp}", f"storage.cache_dir={cache}", f"run_name={run_name}",
         f"train.steps={STEPS}", "train.prompts_per_step=8", "rollout.n_samples=4",
         "checkpoint.every=2", "eval.every=0", "eval.num_examples=16", "eval.pass_k_examples=0",
-        "train.num_threads=1", "data.synthetic_train_size=3000", *extra,
+        "train.num_threads=1", "data.synthetic_train_size=3000", "tracking.backend=none", *extra,
     ]
 
 

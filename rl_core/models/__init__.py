@@ -27,7 +27,7 @@ def eos_token_ids(tokenizer: Any, model: Any, source: object) -> list[int]:
     ids: set[int] = set()
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    gen = getattr(model.generation_config, "eos_token_id", None)
+    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     for e in gen if isinstance(gen, list) else [gen]:
         if e is not None:
             ids.add(int(e))

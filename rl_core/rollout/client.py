@@ -523,6 +523,17 @@ class SGLangClient:
         body = await self._control("GET", "/get_weight_version", url=url)
         return str(body["weight_version"])
 
+    async def weights_checksum(self, *, url: str | None = None) -> str | None:
+        """SHA-256 of the served weights (the embedded engine's ``/weights_checksum``);
+        ``None`` from a server without that endpoint (real SGLang answers 404)."""
+        try:
+            body = await self._control("GET", "/weights_checksum", url=url)
+        except RolloutRequestError as e:
+            if e.status == 404:
+                return None
+            raise
+        return str(body["checksum"])
+
     # ------------------------------------------------------------------ control
 
     async def pause(self, mode: str = "abort", *, url: str | None = None) -> None:

@@ -1,4 +1,4 @@
-"""The in-process rollout engine: a model copy of its own plus the batched sampler.
+"""The in-process rollout engine (``rollout.engine: local``): a model copy plus the sampler.
 
 It is the rollout plane in its smallest form and offers the calls the HTTP engines offer
 (generate with per-sample seeds, versioned weight updates that report a checksum, weight
@@ -10,17 +10,20 @@ Never imports Prefect or MLflow; never touches the trainer's model object.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rl_core.models import eos_token_ids, torch_dtype
 from rl_core.rollout.sampler import Completion, SamplingParams, generate
-from rl_core.weight_sync import weights_checksum
+from rl_core.weight_sync import WeightSyncError, weights_checksum
 
 __all__ = ["LocalEngine"]
+
 
 class LocalEngine:
     """A rollout engine in the calling process."""
@@ -69,6 +72,20 @@ class LocalEngine:
             raise ValueError(f"weight update: missing {missing[:5]}, unexpected {unexpected[:5]}")
         self.weight_version = version
         return self.checksum()
+
+    def sync_from(self, trainer: Any, version: int) -> dict[str, float]:
+        """Load ``trainer.export_weights()`` as ``version``; the checksums must agree."""
+        started = time.perf_counter()
+        weights = trainer.export_weights()
+        expected = weights_checksum(weights)
+        got = self.update_weights(weights, version)
+        if got != expected:
+            raise WeightSyncError(
+                f"weight sync to version {version}: the engine serves checksum {got[:12]} but "
+                f"the trainer exported {expected[:12]}; refusing to sample from stale weights"
+            )
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        return {"sync_seconds": time.perf_counter() - started, "sync_bytes": float(nbytes)}
 
     def checksum(self) -> str:
         return weights_checksum(self.model.state_dict())

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -40,12 +39,35 @@ from rl_core.rollout.sglang_launcher import (
 )
 from rl_core.weight_sync import WeightSyncError
 
-__all__ = ["EngineCommand", "EngineHandle", "EnginePool"]
+__all__ = ["EngineCommand", "EngineHandle", "EnginePool", "ProcessLauncher"]
 
 log = logging.getLogger(__name__)
 
 EngineCommand = Callable[[int, int], Sequence[str]]
 """``command(index, port)``: the argv that serves engine ``index`` on 127.0.0.1:``port``."""
+
+
+class ProcessLauncher:
+    """Starts engines as local processes (each in its own session) from ``command``.
+
+    A launcher is what the pool needs to own an engine: ``spawn(index, port, log_path) ->
+    (proc, host, port)`` where ``proc`` answers ``poll()``, ``pid`` and ``returncode`` like a
+    :class:`subprocess.Popen`; ``stop(proc, timeout_s)``; ``kill(proc)``.
+    :class:`~rl_core.rollout.ray_engines.RayActorLauncher` is the other one (Ray actors).
+    """
+
+    def __init__(self, command: EngineCommand, env: Mapping[str, str] | None = None) -> None:
+        self.command = command
+        self.env = None if env is None else {**os.environ, **env}
+
+    def spawn(self, index: int, port: int, log_path: Path) -> tuple[Any, str, int]:
+        return start_process(self.command(index, port), log_path, env=self.env), "127.0.0.1", port
+
+    def stop(self, proc: Any, timeout_s: float) -> None:
+        stop_process(proc, timeout_s)
+
+    def kill(self, proc: Any) -> None:
+        kill_process(proc)
 
 
 @dataclass
@@ -55,7 +77,8 @@ class EngineHandle:
     index: int
     port: int
     log_path: Path
-    proc: subprocess.Popen | None = None
+    proc: Any = None  # a subprocess.Popen, or what the launcher gives (poll/pid/returncode)
+    host: str = "127.0.0.1"
     in_service: bool = False
     failures: int = 0  # consecutive failed health checks
     restarts: int = 0  # restarts so far
@@ -63,7 +86,7 @@ class EngineHandle:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def alive(self) -> bool:
@@ -81,10 +104,11 @@ class EnginePool:
 
     def __init__(
         self,
-        command: EngineCommand,
+        command: EngineCommand | None,
         num_engines: int,
         *,
         log_dir: str | Path,
+        launcher: Any = None,
         env: Mapping[str, str] | None = None,
         ports: Sequence[int] | None = None,
         router: bool = False,
@@ -104,9 +128,10 @@ class EnginePool:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         if ports is not None and len(ports) != num_engines:
             raise ValueError(f"{len(ports)} ports for {num_engines} engines")
-        self.command = command
+        if (command is None) == (launcher is None):
+            raise ValueError("EnginePool: pass exactly one of command or launcher=")
+        self.launcher = launcher if launcher is not None else ProcessLauncher(command, env)
         self.log_dir = Path(log_dir)
-        self.env = None if env is None else {**os.environ, **env}
         ports = list(ports) if ports is not None else [free_port() for _ in range(num_engines)]
         self.engines = [
             EngineHandle(i, p, self.log_dir / f"engine-{i}.log") for i, p in enumerate(ports)
@@ -190,7 +215,7 @@ class EnginePool:
         for e in self.engines:
             e.in_service = False
             if e.proc is not None:
-                stop_process(e.proc, self.stop_timeout_s)
+                self.launcher.stop(e.proc, self.stop_timeout_s)
         if self._monitor is not None:
             self._monitor.join(self.health_timeout_s + self.stop_timeout_s + 30.0)
             if self._monitor.is_alive():
@@ -204,7 +229,7 @@ class EnginePool:
             self.router = None
         for e in self.engines:  # again: the monitor may have spawned one meanwhile
             if e.proc is not None:
-                stop_process(e.proc, self.stop_timeout_s)
+                self.launcher.stop(e.proc, self.stop_timeout_s)
                 e.proc = None
 
     def __enter__(self) -> EnginePool:
@@ -214,13 +239,13 @@ class EnginePool:
         self.stop()
 
     def _spawn(self, e: EngineHandle) -> None:
-        e.proc = start_process(self.command(e.index, e.port), e.log_path, env=self.env)
+        e.proc, e.host, e.port = self.launcher.spawn(e.index, e.port, e.log_path)
 
     def kill(self, index: int) -> None:
         """SIGKILL engine ``index`` (its whole process session): a crash, for tests and drills."""
         e = self.engines[index]
         if e.proc is not None:
-            kill_process(e.proc)
+            self.launcher.kill(e.proc)
 
     # ------------------------------------------------------------------ health
 
@@ -327,7 +352,7 @@ class EnginePool:
         log.warning("engine %d (%s): restarting (restart %d)", e.index, e.url, e.restarts)
         try:
             if e.proc is not None:
-                stop_process(e.proc, self.stop_timeout_s)
+                self.launcher.stop(e.proc, self.stop_timeout_s)
             if self._stop.is_set():
                 return False
             self._spawn(e)
@@ -345,7 +370,7 @@ class EnginePool:
                 "; left out of service until restart() is called" if gave_up else "", err,
             )  # fmt: skip
             if e.proc is not None:  # never leave a half-synced engine answering
-                stop_process(e.proc, self.stop_timeout_s)
+                self.launcher.stop(e.proc, self.stop_timeout_s)
             return False
         e.failures = 0
         e.failed_recoveries = 0
@@ -427,7 +452,7 @@ class EnginePool:
             self._disk_source = str(model_path) if model_path is not None else None
         finally:
             self._sync_lock.release()
-        log.info(
+        log.debug(
             "weight_update: %d engine(s) at weight_version %s in %.2fs",
             len(urls),
             version,

@@ -14,6 +14,9 @@ Where the embedded engine differs, it says so instead of pretending:
 - ``/init_weights_update_group`` defaults ``backend`` to ``gloo`` on a CPU engine (SGLang's
   default, ``nccl``, needs a GPU); distributed updates are one broadcast per tensor.
 - ``stream``, ``input_embeds``, top-k log-probs, penalties and grammars are refused with 400.
+- ``GET /weights_checksum`` (ours; SGLang has no equivalent) answers ``{"checksum",
+  "weight_version"}``: the SHA-256 of the served weights, which the training plane compares
+  with its own after every weight update.
 - ``/health`` is cheap (what slime configures SGLang to do); ``/health_generate`` runs a
   one-token generation unless requests are making progress, and answers 200 while
   generation is paused or memory released on purpose.
@@ -34,6 +37,7 @@ import base64
 import json
 import logging
 import math
+import os
 import threading
 import time
 import uuid
@@ -544,6 +548,13 @@ def create_app(engine: EmbeddedEngine | None = None, *, health_timeout_s: float 
     async def get_weight_version() -> dict[str, Any]:
         return {"weight_version": get_engine().weight_version}
 
+    @app.get("/weights_checksum")
+    async def weights_checksum_endpoint() -> dict[str, Any]:
+        eng = get_engine()
+        version = eng.weight_version
+        checksum = await asyncio.to_thread(eng.checksum)
+        return {"checksum": checksum, "weight_version": version}
+
     @app.get("/v1/loads")
     async def v1_loads(include: str | None = None) -> Any:
         if include is not None:
@@ -897,6 +908,25 @@ def serve(
     return 1 if app.state.load_error is not None else 0
 
 
+def _exit_with_parent(pid: int, interval_s: float = 1.0) -> None:
+    """Exit (at once, no cleanup) within ``interval_s`` of process ``pid`` going away.
+
+    An engine that a training flow started must not outlive it: a flow killed with SIGKILL
+    cannot stop its children, and an orphaned engine would hold its port and memory.
+    """
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != pid:
+                log.warning("parent process %d is gone; exiting", pid)
+                os._exit(3)
+
+    if os.getppid() != pid:
+        log.warning("--parent-pid %d is not this process's parent", pid)
+    threading.Thread(target=watch, name="grpoflow-parent-watch", daemon=True).start()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``grpoflow engine serve --model PATH --port P [--host 127.0.0.1] ...``."""
     ap = argparse.ArgumentParser(
@@ -914,8 +944,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--context-length", type=int, default=None)
     ap.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--log-level", default="info")
+    ap.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="exit when this process is gone (engines started by a training flow die with it)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.parent_pid:
+        _exit_with_parent(args.parent_pid)
     return serve(
         args.model,
         args.host,
@@ -928,3 +966,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         context_length=args.context_length,
         num_threads=args.num_threads,
     )
+
+
+if __name__ == "__main__":  # ``python -m rl_core.rollout.server``: what EnginePool starts
+    raise SystemExit(main())
