@@ -381,7 +381,7 @@ def check_mlflow(cfg: Any) -> tuple[list[Check], list[Probe]]:
     probes: list[Probe] = []
     ok, version = import_probe("mlflow", "mlflow")
     if ok:
-        rows.append(Check("mlflow", "ok", f"mlflow {version}"))
+        rows.append(Check("mlflow", "ok", f"mlflow {version}", needed=needed))
     else:
         why = "tracking.backend=mlflow" if needed else "not needed: tracking.backend=none"
         rows.append(Check("mlflow", "missing", f"{version} ({why})", FIX_MLFLOW, needed=needed))

@@ -420,8 +420,10 @@ def flatten(cfg: BaseModel | dict[str, Any], prefix: str = "") -> dict[str, Any]
     out: dict[str, Any] = {}
     for key, value in data.items():
         name = f"{prefix}{key}"
-        if isinstance(value, dict):
+        if isinstance(value, dict) and value:
             out.update(flatten(value, name + "."))
+        elif isinstance(value, dict):  # an empty mapping field (cluster.env) stays visible
+            out[name] = "{}"
         else:
             out[name] = value
     return out

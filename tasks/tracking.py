@@ -553,6 +553,28 @@ _TASK = dict(cache_policy=NO_CACHE, log_prints=False)
 
 
 @task(name="start-tracking", timeout_seconds=300, retries=2, retry_delay_seconds=[5, 20], **_TASK)
+def _link_artifact(handle: TrackingHandle, where: str) -> None:
+    """The Prefect flow run links to its MLflow run (a link artifact for a server; a
+    markdown note with the `mlflow ui` command for a local store)."""
+    from prefect.artifacts import create_link_artifact, create_markdown_artifact
+
+    from tasks.evaluate import artifact_key
+
+    key = artifact_key("mlflow", handle.run_name or handle.run_id)
+    desc = f"MLflow run {handle.run_id}"
+    try:
+        if handle.run_url():
+            create_link_artifact(link=where, link_text=desc, key=key, description=desc)
+        else:
+            create_markdown_artifact(
+                markdown=f"**{desc}** (experiment {handle.experiment_id}): `{where}`",
+                key=key,
+                description=desc,
+            )
+    except Exception as exc:  # the link is a convenience; tracking itself worked
+        _warn(f"tracking: no Prefect link artifact ({type(exc).__name__}: {exc})")
+
+
 def start_tracking(
     cfg: ExperimentConfig,
     run_dir: str,
@@ -666,6 +688,7 @@ def start_tracking(
     if _setting(cfg, "system_metrics"):
         tracker.start_system_metrics(float(_setting(cfg, "system_metrics_interval_s")), resumed)
     where = handle.run_url() or f"{redact(uri)} (mlflow ui --backend-store-uri {redact(uri)})"
+    _link_artifact(handle, where)
     _info(
         f"tracking: {'re-attached to' if resumed else 'started'} MLflow run {run_id} in "
         f"experiment {exp_name!r}: {where}"

@@ -92,6 +92,14 @@ def test_grpo_flow_two_steps(prefect_harness, tiny_cache: Path, tmp_path: Path) 
     assert [m.step for m in history] == [1, 2]
     version = client.get_model_version_by_alias("grpoflow-tiny", "candidate")
     assert version.run_id == tracked.info.run_id
+    # ... and the Prefect flow run points at it
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as prefect_client:
+        links = prefect_client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["mlflow-plumbing"]))
+        )
+    assert links and tracked.info.run_id in str(links[0].data)
 
 
 def test_prepare_data_is_cached(prefect_harness, tmp_path: Path) -> None:
