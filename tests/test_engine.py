@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import EOS_ID, PAD_ID, hf_greedy
+from conftest import EOS_ID, PAD_ID, TINY_VOCAB, hf_greedy
 from engine_helpers import (
     bucket_meta,
     free_port,
@@ -120,7 +120,8 @@ def _full_logprobs(model, tokens: list[int], start: int, temperature: float = 1.
 # --------------------------------------------------------------- continuous batching
 
 
-def test_requests_joining_mid_decode_match_the_sampler(make_engine, ref_model):
+@pytest.mark.parametrize("kv_layout", ["slots", "padded"])
+def test_requests_joining_mid_decode_match_the_sampler(make_engine, ref_model, kv_layout):
     prompts = [*PROMPTS, [3, 4], [50, 51, 52, 53, 54, 55, 56, 57], [8]]
     params = [
         SamplingParams(temperature=1.0, max_new_tokens=30, ignore_eos=True, seed=11),
@@ -144,7 +145,8 @@ def test_requests_joining_mid_decode_match_the_sampler(make_engine, ref_model):
             running_at_join.append(eng.load()["num_running_reqs"])
             futures[i] = eng.submit(req(i))
 
-    eng = make_engine(on_step=on_step)
+    eng = make_engine(on_step=on_step, kv_layout=kv_layout)
+    assert eng.kv_layout == kv_layout
     for i in (0, 1, 2):
         futures[i] = eng.submit(req(i))
     _wait_for(lambda: len(futures) == len(prompts), "the last wave")
@@ -160,8 +162,9 @@ def test_requests_joining_mid_decode_match_the_sampler(make_engine, ref_model):
     assert eng.load()["num_running_reqs"] == 0 and eng.load()["num_used_tokens"] == 0
 
 
-def test_greedy_equals_hf_generate(make_engine, ref_model):
-    eng = make_engine()
+@pytest.mark.parametrize("kv_layout", ["slots", "padded"])
+def test_greedy_equals_hf_generate(make_engine, ref_model, kv_layout):
+    eng = make_engine(kv_layout=kv_layout)
     reqs = [
         GenerateRequest(f"g{i}", p, SamplingParams(temperature=0.0, max_new_tokens=12))
         for i, p in enumerate(PROMPTS)
@@ -170,8 +173,9 @@ def test_greedy_equals_hf_generate(make_engine, ref_model):
         assert out.output_ids == hf_greedy(ref_model, p, 12, eos=EOS_ID)
 
 
-def test_logprobs_equal_a_full_forward_pass(make_engine, ref_model):
-    eng = make_engine()
+@pytest.mark.parametrize("kv_layout", ["slots", "padded"])
+def test_logprobs_equal_a_full_forward_pass(make_engine, ref_model, kv_layout):
+    eng = make_engine(kv_layout=kv_layout)
     reqs = [
         GenerateRequest(
             f"lp{i}",
@@ -284,6 +288,114 @@ def test_kv_budget_and_running_cap_are_respected(make_engine, ref_model):
             [GenerateRequest(f"again{i}", r.input_ids, r.params) for i, r in enumerate(reqs)]
         )
     ]
+
+
+# ---------------------------------------------------------------------- KV layouts
+
+
+def _save_arch(path: Path, arch: str) -> Path:
+    """A seeded random tiny ``arch`` model (conftest's vocab and special ids) in ``path``."""
+    from transformers import (
+        GenerationConfig,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        bos_token_id=None,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        initializer_range=0.2,
+    )
+    decoder = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**decoder, **common))
+    elif arch == "qwen3":  # q/k norms, and a head_dim that is not hidden / heads
+        model = Qwen3ForCausalLM(Qwen3Config(**decoder, head_dim=16, **common))
+    else:
+        model = GPT2LMHeadModel(
+            GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=256, **common)
+        )
+    model.save_pretrained(path)
+    GenerationConfig(eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_slot_layout_matches_transformers_on_other_llama_family_models(make_engine, tmp_path, arch):
+    path = _save_arch(tmp_path / arch, arch)
+    ref = _load(path)
+    eng = make_engine(path)
+    assert eng.kv_layout == "slots"
+    greedy = [
+        GenerateRequest(f"g{i}", p, SamplingParams(temperature=0.0, max_new_tokens=12))
+        for i, p in enumerate(PROMPTS)
+    ]
+    for p, out in zip(PROMPTS, eng.generate_sync(greedy), strict=True):
+        assert out.output_ids == hf_greedy(ref, p, 12, eos=EOS_ID)
+    sampled = [
+        GenerateRequest(f"s{i}", p, SamplingParams(max_new_tokens=10, seed=i, ignore_eos=True))
+        for i, p in enumerate(PROMPTS)
+    ]
+    for r, out in zip(sampled, eng.generate_sync(sampled), strict=True):
+        expected = _full_logprobs(ref, r.input_ids + out.output_ids, len(r.input_ids))
+        torch.testing.assert_close(torch.tensor(out.output_logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_other_architectures_fall_back_to_the_padded_layout(make_engine, tmp_path):
+    path = _save_arch(tmp_path / "gpt2", "gpt2")
+    with pytest.raises(ValueError, match="kv_layout='slots' is not possible.*'gpt2'"):
+        make_engine(path, kv_layout="slots")
+    with pytest.raises(ValueError, match="kv_layout must be one of"):
+        make_engine(path, kv_layout="paged")
+    eng = make_engine(path)
+    assert eng.kv_layout == "padded"
+    ref = _load(path)
+    reqs = [
+        GenerateRequest(f"g{i}", p, SamplingParams(temperature=0.0, max_new_tokens=8))
+        for i, p in enumerate(PROMPTS)
+    ]
+    for p, out in zip(PROMPTS, eng.generate_sync(reqs), strict=True):
+        assert out.output_ids == hf_greedy(ref, p, 8, eos=EOS_ID)
+
+
+def test_slot_layout_reuses_freed_slots_and_grows_in_place(make_engine, ref_model):
+    """Rows finish at different steps and newcomers take their slots; the buffers grow as
+    rows get longer, stay within the running cap and the longest reserve, are kept between
+    batches and are freed by flush_cache."""
+    eng = make_engine(max_running_requests=4)
+    prompts = [PROMPTS[i % len(PROMPTS)] + [30 + i] * (i % 3) for i in range(10)]
+    # Two finish at prefill (1 token, so staged rows are compacted) and the columns outgrow
+    # their first allocation (16 for an 8-token prefill).
+    lengths = [1, 12, 5, 30, 1, 9, 4, 14, 2, 7]
+    params = [
+        SamplingParams(max_new_tokens=n, seed=70 + i, ignore_eos=i % 2 == 0)
+        for i, n in enumerate(lengths)
+    ]
+    reqs = [GenerateRequest(f"f{i}", p, params[i]) for i, p in enumerate(prompts)]
+    for p, prm, out in zip(prompts, params, eng.generate_sync(reqs), strict=True):
+        _same(out, _ref(ref_model, p, prm))
+    slots, _, columns, _ = eng._kv.k[0].shape
+    assert slots == 4
+    assert columns <= max(len(r.input_ids) + r.params.max_new_tokens for r in reqs)
+    again = [GenerateRequest(f"a{i}", r.input_ids, r.params) for i, r in enumerate(reqs)]
+    assert [o.output_ids for o in eng.generate_sync(again)] == [
+        _ref(ref_model, r.input_ids, r.params).output_ids for r in reqs
+    ]
+    assert eng.flush_cache() and eng._kv.k == []
 
 
 # ------------------------------------------------------------------- abort and pause

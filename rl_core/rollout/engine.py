@@ -7,11 +7,17 @@ the loop SGLang's scheduler runs, in miniature:
    the *safe point*: nothing is mid-forward, so weights and the KV cache may change;
 2. admit waiting requests first-come-first-served while the KV budget
    (``max_total_tokens``, counted as prompt + ``max_new_tokens`` per request) and
-   ``max_running_requests`` allow, and prefill them in one left-padded batch;
-3. merge them into the running batch: the KV tensors of both are left-padded along the
-   sequence axis to a common length, with a per-row attention mask and per-row positions;
-4. run one decode step for the whole running batch, retire finished rows
-   (``batch_select_indices``) and resolve their futures.
+   ``max_running_requests`` allow, and prefill them in one batch;
+3. add them to the running batch's KV cache;
+4. run one decode step for the whole running batch, retire finished rows and resolve their
+   futures.
+
+The KV cache has two layouts (``kv_layout``). ``slots`` (the default wherever it applies:
+Llama, Qwen2, Qwen3) preallocates one slot per running row and writes each step's keys and
+values in place, running the decoder layer by layer on the model's own modules; nothing is
+copied per step. ``padded`` (any other full-attention model) calls the model's forward with
+a ``DynamicCache`` left-padded to a common length, which copies the whole cache every step
+(``torch.cat``), as ``transformers`` ``generate`` does. See ``docs/benchmarks.md``.
 
 Requests join and leave between decode steps; when nothing can run the thread waits on a
 condition with a bounded timeout. Sampling is :mod:`rl_core.rollout.sampler`'s, step for step
@@ -66,6 +72,7 @@ log = logging.getLogger(__name__)
 INITIAL_WEIGHT_VERSION = "default"
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+KV_LAYOUTS = ("auto", "slots", "padded")
 # SGLang's messages: clients (AReaL, slime) branch on the first one.
 ABORT_BEFORE_PREFILL = "Abort before prefill"
 ABORTED = "Aborted"
@@ -161,7 +168,9 @@ class EmbeddedEngine:
     bounds how long a control call waits for the scheduler's next safe point, and
     ``weight_sync_timeout_s`` bounds each collective of a distributed weight update.
     ``on_step(n)`` is called on the scheduler thread after decode step ``n`` (tests and
-    instrumentation use it to act at exact points of a run).
+    instrumentation use it to act at exact points of a run). ``kv_layout`` is "auto" (slots
+    where the model supports them, else padded), "slots" or "padded"; the layout chosen is
+    ``kv_layout`` on the engine.
     """
 
     def __init__(
@@ -178,6 +187,7 @@ class EmbeddedEngine:
         control_timeout_s: float = 60.0,
         weight_sync_timeout_s: float = 120.0,
         on_step: Callable[[int], None] | None = None,
+        kv_layout: str = "auto",
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -231,9 +241,7 @@ class EmbeddedEngine:
         self._controls: list[tuple[Callable[[], Any], cf.Future]] = []
         self._running: list[_Seq] = []
         self._admitting: list[_Seq] = []
-        self._cache: DynamicCache | None = None
-        self._mask: torch.Tensor | None = None  # (B, L) long: 1 where the cache holds a token
-        self._next_pos: torch.Tensor | None = None  # (B,) position of the pending token
+        self._kv = self._kv_batch(kv_layout)  # the running batch's KV cache, row i = _running[i]
         self._pending: torch.Tensor | None = None  # (B,) sampled, not yet fed to the model
         self._paused = False
         self._kv_released = False
@@ -245,6 +253,22 @@ class EmbeddedEngine:
         self._thread.start()
 
     # ------------------------------------------------------------------ loading helpers
+
+    def _kv_batch(self, layout: str) -> _SlotBatch | _PaddedBatch:
+        """The KV cache for ``layout``: "slots" (fast, Llama-family models), "padded" (any
+        full-attention model, through its own forward) or "auto" (slots when supported)."""
+        if layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {layout!r}")
+        why_not = _SlotBatch.unsupported(self.model)
+        if layout == "slots" and why_not:
+            raise ValueError(f"{self.model_path}: kv_layout='slots' is not possible: {why_not}")
+        if layout == "padded" or why_not:
+            if layout == "auto":
+                log.info("%s: padded KV cache (%s)", self.model_path, why_not)
+            self.kv_layout = "padded"
+            return _PaddedBatch(self.model, self.device, self.pad_token_id)
+        self.kv_layout = "slots"
+        return _SlotBatch(self.model, self.device, self.pad_token_id, self.max_running_requests)
 
     @staticmethod
     def _load_tokenizer(model_path: str | Path, trust_remote_code: bool) -> Any:
@@ -429,7 +453,7 @@ class EmbeddedEngine:
                 busy = bool(self._running or self._waiting)
             if busy:
                 return False
-            self._reset_batch()
+            self._reset_batch(free=True)
             self._empty_device_cache()
             return True
 
@@ -445,6 +469,7 @@ class EmbeddedEngine:
         def do() -> None:
             if "kv_cache" in wanted:
                 self._retract_all()
+                self._kv.free()
                 self._kv_released = True
             if "weights" in wanted and self._offloaded is None:
                 backup = {}
@@ -452,6 +477,7 @@ class EmbeddedEngine:
                     backup[canon] = t.data if t.device.type == "cpu" else t.data.to("cpu")
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)
                 self._offloaded = backup
+                self._kv.weights_changed()
             self._empty_device_cache()
 
         self._call(do, "release_memory")
@@ -465,6 +491,7 @@ class EmbeddedEngine:
                 for canon, t in self._tensors.items():
                     t.data = self._offloaded[canon].to(self.device)
                 self._offloaded = None
+                self._kv.weights_changed()
             if "kv_cache" in wanted:
                 self._kv_released = False
 
@@ -659,6 +686,7 @@ class EmbeddedEngine:
                 self._offloaded[canon] if self._offloaded is not None else self._tensors[canon].data
             )
             target.copy_(t)
+        self._kv.weights_changed()
         if version is not None:
             self.weight_version = str(version)
 
@@ -826,58 +854,41 @@ class EmbeddedEngine:
 
     def _prefill(self, new: list[_Seq]) -> None:
         seqs = [s.req.input_ids + s.output_ids for s in new]
-        width = max(len(q) for q in seqs)
-        ids = torch.full((len(new), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(new), width), dtype=torch.long)
-        for i, q in enumerate(seqs):
-            ids[i, width - len(q) :] = torch.tensor(q, dtype=torch.long)
-            mask[i, width - len(q) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         # Logits only where needed: the last position, or (a request scoring its prompt,
         # always prefilled alone, see _admit) every position from logprob_start_len on.
-        keep = 1
+        keep_logits = 0
         if new[0].needs_input_logprobs:
-            keep = max(1, width - new[0].req.logprob_start_len)
-        out = self.model(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=positions.to(self.device),
-            use_cache=True,
-            logits_to_keep=keep,
-        )
+            keep_logits = max(1, len(seqs[0]) - new[0].req.logprob_start_len)
+        last, prompt_logits = self._kv.prefill(seqs, [s.reserve for s in new], keep_logits)
         self.stats["prefill_batches"] += 1
-        if new[0].needs_input_logprobs:
-            new[0].input_logprobs = self._prompt_logprobs(out.logits[0], ids[0], new[0])
-        cache = out.past_key_values
-        last = out.logits[:, -1, :].float().cpu()
-        del out
+        if prompt_logits is not None:
+            ids = torch.tensor(seqs[0], dtype=torch.long)
+            new[0].input_logprobs = self._prompt_logprobs(prompt_logits, ids, new[0])
+        last = last.float().cpu()
 
         rows = [i for i, s in enumerate(new) if s.req.params.max_new_tokens > len(s.output_ids)]
         for i, s in enumerate(new):
             if i not in rows:  # max_new_tokens == 0: a scoring request, done after prefill
                 self._finish(s, {"type": "length", "length": 0})
         keep: list[int] = []
+        token_of: dict[int, int] = {}
         if rows:
             sel = [new[i] for i in rows]
             tokens, logps = self._sample(last[rows], sel)
-            for j, s in enumerate(sel):
-                if not self._accept(s, int(tokens[j]), float(logps[j])):
+            picks = zip(sel, tokens.tolist(), logps.tolist(), strict=True)
+            for j, (s, token, logp) in enumerate(picks):
+                token_of[rows[j]] = token
+                if not self._accept(s, token, logp):
                     keep.append(rows[j])
         with self._cond:
             self._admitting = []
+        self._kv.admit(keep)
         if not keep:
             return
-        idx = torch.tensor(keep, dtype=torch.long)
-        if len(keep) < len(new):
-            cache.batch_select_indices(idx.to(self.device))
-        token_of = {r: int(tokens[j]) for j, r in enumerate(rows)}
-        self._merge(
-            [new[i] for i in keep],
-            cache,
-            mask[idx],
-            positions[idx, -1] + 1,
-            torch.tensor([token_of[i] for i in keep], dtype=torch.long),
-        )
+        pending = torch.tensor([token_of[i] for i in keep], dtype=torch.long)
+        self._pending = pending if self._pending is None else torch.cat([self._pending, pending])
+        self._running.extend(new[i] for i in keep)
+        self.stats["max_batch"] = max(self.stats["max_batch"], len(self._running))
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor, s: _Seq) -> list[float | None]:
@@ -928,86 +939,39 @@ class EmbeddedEngine:
         self._finish(s, reason)
         return True
 
-    def _merge(
-        self,
-        seqs: list[_Seq],
-        cache: DynamicCache,
-        mask: torch.Tensor,
-        next_pos: torch.Tensor,
-        pending: torch.Tensor,
-    ) -> None:
-        if self._cache is None:
-            self._cache, self._mask = cache, mask
-            self._next_pos, self._pending, self._running = next_pos, pending, list(seqs)
-        else:
-            old_len, new_len = self._mask.shape[1], mask.shape[1]
-            width = max(old_len, new_len)
-            for a, b in zip(self._cache.layers, cache.layers, strict=True):
-                a.keys = torch.cat(
-                    [_left_pad_seq(a.keys, width - old_len), _left_pad_seq(b.keys, width - new_len)]
-                )
-                a.values = torch.cat(
-                    [
-                        _left_pad_seq(a.values, width - old_len),
-                        _left_pad_seq(b.values, width - new_len),
-                    ]
-                )
-            self._mask = torch.cat(
-                [F.pad(self._mask, (width - old_len, 0)), F.pad(mask, (width - new_len, 0))]
-            )
-            self._next_pos = torch.cat([self._next_pos, next_pos])
-            self._pending = torch.cat([self._pending, pending])
-            self._running.extend(seqs)
-        self.stats["max_batch"] = max(self.stats["max_batch"], len(self._running))
-
     def _decode(self) -> None:
-        assert self._mask is not None and self._next_pos is not None and self._pending is not None
-        self._mask = torch.cat(
-            [self._mask, torch.ones((self._mask.shape[0], 1), dtype=self._mask.dtype)], dim=1
-        )
-        out = self.model(
-            input_ids=self._pending[:, None].to(self.device),
-            attention_mask=self._mask.to(self.device),
-            position_ids=self._next_pos[:, None].to(self.device),
-            past_key_values=self._cache,
-            use_cache=True,
-        )
-        self._cache = out.past_key_values
-        logits = out.logits[:, -1, :].float().cpu()
-        del out
-        self._next_pos = self._next_pos + 1
+        assert self._pending is not None
+        logits = self._kv.step(self._pending).float().cpu()
         tokens, logps = self._sample(logits, self._running)
         self._pending = tokens
         keep = [
             j
-            for j, s in enumerate(self._running)
-            if not self._accept(s, int(tokens[j]), float(logps[j]))
+            for j, (s, token, logp) in enumerate(
+                zip(self._running, tokens.tolist(), logps.tolist(), strict=True)
+            )
+            if not self._accept(s, token, logp)
         ]
         if len(keep) < len(self._running):
             self._select(keep)
 
     def _select(self, keep: list[int]) -> None:
-        """Keep rows ``keep`` of the running batch; trim columns no row needs any more."""
+        """Keep rows ``keep`` of the running batch (the KV batch may reorder them)."""
         if not keep:
             self._reset_batch()
             return
-        assert self._cache is not None and self._mask is not None
-        idx = torch.tensor(keep, dtype=torch.long)
-        self._cache.batch_select_indices(idx.to(self.device))
-        self._mask = self._mask[idx]
-        self._next_pos = self._next_pos[idx]
-        self._pending = self._pending[idx]
-        self._running = [self._running[j] for j in keep]
-        lead = int((self._mask.cumsum(-1) == 0).sum(-1).min())
-        if lead:
-            for layer in self._cache.layers:
-                layer.keys = layer.keys[:, :, lead:]
-                layer.values = layer.values[:, :, lead:]
-            self._mask = self._mask[:, lead:]
+        assert self._pending is not None
+        order = self._kv.select(keep)
+        self._running = [self._running[j] for j in order]
+        self._pending = self._pending[torch.tensor(order, dtype=torch.long)]
 
-    def _reset_batch(self) -> None:
+    def _reset_batch(self, *, free: bool = False) -> None:
+        """Empty the running batch; ``free`` also drops the KV buffers kept for reuse."""
         self._running = []
-        self._cache = self._mask = self._next_pos = self._pending = None
+        self._pending = None
+        if free:
+            self._kv.free()
+        else:
+            self._kv.clear()
 
     def _retract_all(self) -> None:
         """Move the running batch back to the front of the queue (recomputed when admitted)."""
@@ -1017,7 +981,7 @@ class EmbeddedEngine:
             s.retractions += 1
         with self._cond:
             self._waiting.extendleft(reversed(self._running))
-        self._reset_batch()
+        self._reset_batch(free=True)
 
     def _abort_where(self, match: Callable[[_Seq], bool]) -> int:
         with self._cond:
@@ -1040,7 +1004,7 @@ class EmbeddedEngine:
                 self._finish(s, dict(reason))
         with self._cond:
             self._admitting = []
-        self._reset_batch()
+        self._reset_batch(free=True)
 
     def _finish(self, s: _Seq, reason: dict[str, Any]) -> None:
         with self._cond:
@@ -1083,3 +1047,448 @@ def _load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
     for f in files:
         named.update(load_file(str(f)))
     return named
+
+
+# ------------------------------------------------------------------------- KV batches
+#
+# The running batch's KV cache behind one small interface, used only by the scheduler thread:
+# ``prefill`` computes new rows into staging and returns their logits, ``admit`` moves the
+# staged rows the scheduler keeps into the batch, ``step`` runs one decode step for every
+# row, ``select`` keeps some rows (returning the rows' new order), ``clear`` empties the batch
+# and ``free`` also drops the buffers.
+
+# Llama-family decoders _SlotBatch runs on the model's own modules (checked in ``unsupported``).
+_SLOT_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _SlotBatch:
+    """Preallocated per-row KV slots, written in place; the decoder runs on the model's modules.
+
+    Every layer has K and V buffers of shape (slots, kv_heads, columns, head_dim). Row ``r``
+    of the running batch lives in slot ``r`` and keeps its token at position ``p`` in column
+    ``p`` (no padding in front), so a decode step writes one column per row in place and
+    attends to columns ``[0, max length]`` under a per-row length mask; nothing is copied per
+    step. Buffers grow geometrically (columns capped at the longest row's prompt +
+    ``max_new_tokens``, slots at ``max_running_requests``) and are kept between batches.
+    Retiring rows fills their slots with rows from the end of the batch, so only moved rows
+    are copied, and ``select`` returns the new order.
+
+    Prefill right-pads the new rows (positions ``0..n-1``), so plain causal attention is
+    exact for every real token. Embedding, norms, MLPs, rotary tables and the LM head are
+    the model's own modules, called at run time: weight updates and offloading apply as they
+    do to the model. Attention follows Hugging Face's Llama/Qwen2/Qwen3 attention (scaled dot
+    product with GQA, rotary embedding, optional q/k norms) without ``repeat_kv`` copies.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device, pad_token_id: int, max_rows: int
+    ) -> None:
+        self.model = model
+        self.inner = model.model
+        attn = self.inner.layers[0].self_attn
+        self.head_dim = int(attn.head_dim)
+        self.kv_heads = int(attn.k_proj.out_features) // self.head_dim
+        self.scaling = float(attn.scaling)
+        self.qk_norm = hasattr(attn, "q_norm")
+        self.q_size = int(attn.q_proj.out_features)
+        self.kv_size = int(attn.k_proj.out_features)
+        self.mlp_size = int(self.inner.layers[0].mlp.gate_proj.out_features)
+        self._packed: list[Any] | None = None
+        self.device = device
+        self.pad = pad_token_id
+        self.max_rows = max_rows
+        self.k: list[torch.Tensor] = []  # per layer: (slots, kv_heads, columns, head_dim)
+        self.v: list[torch.Tensor] = []
+        self.clear()
+
+    @staticmethod
+    def unsupported(model: torch.nn.Module) -> str | None:
+        """Why this class cannot run ``model`` (None: it can)."""
+        cfg = model.config
+        kind = getattr(cfg, "model_type", None)
+        if kind not in _SLOT_MODEL_TYPES:
+            return f"model_type {kind!r} is not one of {sorted(_SLOT_MODEL_TYPES)}"
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            return f"hidden_act {cfg.hidden_act!r} (expected silu)"
+        inner = getattr(model, "model", None)
+        parts = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if inner is None or not all(hasattr(inner, p) for p in parts):
+            return "not a Llama-style decoder (model.model.{embed_tokens,layers,norm,rotary_emb})"
+        if not isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
+            return "no linear lm_head"
+        for layer in inner.layers:
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            projs = [getattr(attn, p, None) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            if not all(isinstance(p, torch.nn.Linear) for p in projs):
+                return "a decoder layer without Llama-style attention (q/k/v/o_proj linears)"
+            if not all(hasattr(attn, p) for p in ("head_dim", "scaling")):
+                return "a decoder layer without Llama-style attention (head_dim, scaling)"
+            if getattr(attn, "sliding_window", None):
+                return "sliding-window attention"
+            projs = [getattr(mlp, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
+            if not all(isinstance(p, torch.nn.Linear) for p in projs) or not hasattr(mlp, "act_fn"):
+                return "a decoder layer without a gated MLP (gate/up/down_proj, act_fn)"
+            if not all(hasattr(layer, p) for p in ("input_layernorm", "post_attention_layernorm")):
+                return "a decoder layer without Llama-style norms"
+        return None
+
+    # -------------------------------------------------------------- batch interface
+
+    def prefill(
+        self, seqs: list[list[int]], reserves: list[int], keep_logits: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Compute ``seqs`` into the slots after the batch; (last logits, prompt logits).
+
+        ``keep_logits`` > 0 (one sequence only) also returns the logits of its last
+        ``keep_logits`` positions.
+        """
+        n, b = len(seqs), self.rows
+        lengths = [len(q) for q in seqs]
+        width = max(lengths)
+        self._reserve(b + n, width, max([*self.limits, *reserves]))
+        ids = torch.full((n, width), self.pad, dtype=torch.long)
+        for i, q in enumerate(seqs):
+            ids[i, : len(q)] = torch.tensor(q, dtype=torch.long)
+        positions = torch.arange(width, device=self.device).expand(n, width)
+        h = self._forward(ids.to(self.device), positions, prefill_at=b)
+        prompt_logits = None
+        if keep_logits:
+            prompt_logits = self.logits(h[0, width - keep_logits :])
+            last = prompt_logits[-1:]
+        else:
+            last_pos = torch.tensor(lengths, device=self.device) - 1
+            last = self.logits(h[torch.arange(n, device=self.device), last_pos])
+        self._staged = (lengths, list(reserves))
+        return last, prompt_logits
+
+    def admit(self, keep: list[int]) -> None:
+        """Append staged rows ``keep`` (indices into the last prefill) to the batch."""
+        assert self._staged is not None
+        lengths, reserves = self._staged
+        self._staged = None
+        b = self.rows
+        for j, i in enumerate(keep):  # i >= j: compact the kept rows towards slot b
+            if i != j:
+                for buf in (*self.k, *self.v):
+                    buf[b + j, :, : lengths[i]] = buf[b + i, :, : lengths[i]]
+        if not keep:
+            return
+        new_pos = torch.tensor([lengths[i] for i in keep], dtype=torch.long, device=self.device)
+        self.pos = torch.cat([self.pos, new_pos])
+        self.limits += [reserves[i] for i in keep]
+        self.rows += len(keep)
+        self.max_len = max(self.max_len, *(lengths[i] for i in keep))
+        self._rows_index = torch.arange(self.rows, device=self.device)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed each row's pending token (at its position ``pos``); the next logits (B, V)."""
+        self._reserve(self.rows, self.max_len + 1, max(self.limits))
+        width = self.max_len + 1
+        cols = torch.arange(width, device=self.device)
+        mask = cols[None, :] <= self.pos[:, None]  # (B, width): columns each row may see
+        h = self._forward(tokens[:, None].to(self.device), self.pos[:, None], decode_mask=mask)
+        self.pos = self.pos + 1
+        self.max_len += 1
+        return self.logits(h[:, 0])
+
+    def select(self, keep: list[int]) -> list[int]:
+        """Keep rows ``keep``; rows past the new end fill the freed slots. The new order."""
+        if not keep:
+            self.clear()
+            return []
+        size = len(keep)
+        kept = set(keep)
+        holes = [r for r in range(size) if r not in kept]
+        movers = [r for r in keep if r >= size]
+        order = list(range(size))
+        for hole, mover in zip(holes, movers, strict=True):
+            order[hole] = mover
+        if holes:
+            dst = torch.tensor(holes, dtype=torch.long, device=self.device)
+            src = torch.tensor(movers, dtype=torch.long, device=self.device)
+            for buf in (*self.k, *self.v):
+                buf[dst, :, : self.max_len] = buf[src, :, : self.max_len]
+        idx = torch.tensor(order, dtype=torch.long, device=self.device)
+        self.pos = self.pos[idx]
+        self.limits = [self.limits[o] for o in order]
+        self.rows = size
+        self.max_len = int(self.pos.max())
+        self._rows_index = torch.arange(size, device=self.device)
+        return order
+
+    def clear(self) -> None:
+        """Empty the batch; the buffers stay allocated for the next one."""
+        self.rows = 0
+        self.pos = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.max_len = 0
+        self.limits: list[int] = []
+        self._staged: tuple[list[int], list[int]] | None = None
+        self._rows_index = self.pos
+
+    def free(self) -> None:
+        """Empty the batch and drop the KV buffers."""
+        self.clear()
+        self.k, self.v = [], []
+
+    # -------------------------------------------------------------------- internals
+
+    def _reserve(self, rows: int, columns: int, column_cap: int) -> None:
+        """Grow the buffers to hold ``rows`` slots of ``columns`` (geometrically, capped)."""
+        have_rows = self.k[0].shape[0] if self.k else 0
+        have_cols = self.k[0].shape[2] if self.k else 0
+        if rows <= have_rows and columns <= have_cols:
+            return
+        new_rows = have_rows
+        if rows > have_rows:
+            new_rows = max(rows, min(self.max_rows, 2 * have_rows))
+        new_cols = have_cols
+        if columns > have_cols:
+            new_cols = max(columns, min(column_cap, max(2 * have_cols, 2 * columns)))
+        weight = self.inner.embed_tokens.weight
+        shape = (new_rows, self.kv_heads, new_cols, self.head_dim)
+        live, used = self.rows, self.max_len
+        for bufs in (self.k, self.v):
+            for i in range(len(self.inner.layers)):
+                # Zeros, not empty: masked columns still meet V in a matmul (0 * NaN = NaN).
+                grown = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+                if i < len(bufs):
+                    grown[:live, :, :used] = bufs[i][:live, :, :used]
+                    bufs[i] = grown
+                else:
+                    bufs.append(grown)
+
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        prefill_at: int | None = None,
+        decode_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The decoder's final hidden states for ``ids`` (n, T).
+
+        Prefill (``prefill_at=b``): rows are new, attention is causal over their own keys,
+        which are written to slots ``b..b+n-1``. Decode (``decode_mask``): rows are the
+        batch, T = 1, keys are written at column ``pos`` of each row's slot and attention
+        reads columns ``[0, width)`` of every slot under ``decode_mask`` (B, width).
+        """
+        n, t = ids.shape
+        hd = self.head_dim
+        packed = self._weights()
+        h = self.inner.embed_tokens(ids)
+        cos, sin = self.inner.rotary_emb(h, positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (n, 1, T, hd)
+        if decode_mask is not None:
+            width = decode_mask.shape[1]
+            # Additive mask (0 / -inf) for every (row, KV head, query head of the group).
+            bias = torch.zeros(decode_mask.shape, dtype=h.dtype, device=h.device)
+            bias = bias.masked_fill_(~decode_mask, float("-inf"))[:, None, None, :]
+            groups = self.q_size // self.kv_size
+            bias = bias.expand(n, self.kv_heads, groups, width).reshape(-1, groups, width)
+            rows = self._rows_index
+        for i, layer in enumerate(self.inner.layers):
+            attn = layer.self_attn
+            qkv_w, o_w, gate_up_w, down_w = packed[i]
+            qkv = _matmul(layer.input_layernorm(h), qkv_w)
+            q = qkv[..., : self.q_size].view(n, t, -1, hd)
+            k = qkv[..., self.q_size : self.q_size + self.kv_size].view(n, t, -1, hd)
+            v = qkv[..., self.q_size + self.kv_size :].view(n, t, -1, hd)
+            if self.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            if decode_mask is None:
+                assert prefill_at is not None
+                self.k[i][prefill_at : prefill_at + n, :, :t] = k
+                self.v[i][prefill_at : prefill_at + n, :, :t] = v
+                o = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True
+                )
+            else:
+                self.k[i][rows, :, self.pos] = k[:, :, 0]
+                self.v[i][rows, :, self.pos] = v[:, :, 0]
+                # (row, KV head) pairs as one batch, without repeat_kv: the query heads of a
+                # KV head form the rows of one small matrix. Slot views, no copies.
+                keys = self.k[i][:n, :, :width].reshape(-1, width, hd)
+                values = self.v[i][:n, :, :width].reshape(-1, width, hd)
+                qg = q.reshape(-1, groups, hd)
+                scores = torch.baddbmm(bias, qg, keys.transpose(1, 2), alpha=self.scaling)
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+                o = torch.bmm(probs, values).view(n, -1, 1, hd)
+            h = h.add_(_matmul(o.transpose(1, 2).reshape(n, t, -1), o_w))
+            gate_up = _matmul(layer.post_attention_layernorm(h), gate_up_w)
+            act = layer.mlp.act_fn(gate_up[..., : self.mlp_size]).mul_(
+                gate_up[..., self.mlp_size :]
+            )
+            h = h.add_(_matmul(act, down_w))
+        return self.inner.norm(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head on final hidden states (..., hidden)."""
+        return _matmul(h, self._weights()[-1])
+
+    def weights_changed(self) -> None:
+        """Drop the packed weights (rebuilt from the model at the next forward)."""
+        self._packed = None
+
+    def _weights(self) -> list[Any]:
+        """Per layer (qkv, o, gate_up, down), then the LM head, as ``_pack``ed matrices."""
+        if self._packed is None:
+            packed: list[Any] = []
+            for layer in self.inner.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                packed.append(
+                    (
+                        _pack(attn.q_proj, attn.k_proj, attn.v_proj),
+                        _pack(attn.o_proj),
+                        _pack(mlp.gate_proj, mlp.up_proj),
+                        _pack(mlp.down_proj),
+                    )
+                )
+            packed.append(_pack(self.model.lm_head))
+            self._packed = packed
+        return self._packed
+
+
+def _pack(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``linears`` side by side as one (in, sum of out) matrix, and their joint bias.
+
+    ``x @ W`` with W stored (in, out) runs ~1.5x faster on CPU than ``F.linear``'s
+    ``x @ W.T`` for decode-sized batches, and one wide product replaces two or three.
+    """
+    weight = torch.cat([m.weight for m in linears]).t().contiguous()
+    if all(m.bias is None for m in linears):
+        return weight, None
+    bias = [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]
+    return weight, torch.cat(bias)
+
+
+def _matmul(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    """``x @ weight + bias`` for a :func:`_pack`ed linear (any leading dims)."""
+    weight, bias = packed
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.mm(flat, weight) if bias is None else torch.addmm(bias, flat, weight)
+    return out.view(*x.shape[:-1], weight.shape[1])
+
+
+class _PaddedBatch:
+    """The running batch through the model's own forward: any full-attention HF causal LM.
+
+    Rows are left-padded to a common length in a ``DynamicCache`` with a per-row attention
+    mask and positions; joining rows are padded to the batch's length and concatenated, and
+    leading columns no row needs are trimmed when rows leave. Every decode step grows each
+    layer's K and V by concatenation (a copy of the whole cache per step): the general
+    fallback where :class:`_SlotBatch` cannot run the model.
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, pad_token_id: int) -> None:
+        self.model = model
+        self.device = device
+        self.pad = pad_token_id
+        self.clear()
+
+    def prefill(
+        self, seqs: list[list[int]], reserves: list[int], keep_logits: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        width = max(len(q) for q in seqs)
+        ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, q in enumerate(seqs):
+            ids[i, width - len(q) :] = torch.tensor(q, dtype=torch.long)
+            mask[i, width - len(q) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            use_cache=True,
+            logits_to_keep=max(1, keep_logits),
+        )
+        self._staged = (out.past_key_values, mask, positions[:, -1] + 1)
+        return out.logits[:, -1, :], (out.logits[0] if keep_logits else None)
+
+    def admit(self, keep: list[int]) -> None:
+        assert self._staged is not None
+        cache, mask, next_pos = self._staged
+        self._staged = None
+        if not keep:
+            return
+        idx = torch.tensor(keep, dtype=torch.long)
+        if len(keep) < mask.shape[0]:
+            cache.batch_select_indices(idx.to(self.device))
+        mask, next_pos = mask[idx], next_pos[idx]
+        if self.cache is None:
+            self.cache, self.mask, self.next_pos = cache, mask, next_pos
+        else:
+            assert self.mask is not None and self.next_pos is not None
+            old_len, new_len = self.mask.shape[1], mask.shape[1]
+            width = max(old_len, new_len)
+            for a, b in zip(self.cache.layers, cache.layers, strict=True):
+                a.keys = torch.cat(
+                    [_left_pad_seq(a.keys, width - old_len), _left_pad_seq(b.keys, width - new_len)]
+                )
+                a.values = torch.cat(
+                    [
+                        _left_pad_seq(a.values, width - old_len),
+                        _left_pad_seq(b.values, width - new_len),
+                    ]
+                )
+            self.mask = torch.cat(
+                [F.pad(self.mask, (width - old_len, 0)), F.pad(mask, (width - new_len, 0))]
+            )
+            self.next_pos = torch.cat([self.next_pos, next_pos])
+        self.rows += len(keep)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.mask is not None and self.next_pos is not None
+        self.mask = torch.cat(
+            [self.mask, torch.ones((self.mask.shape[0], 1), dtype=self.mask.dtype)], dim=1
+        )
+        out = self.model(
+            input_ids=tokens[:, None].to(self.device),
+            attention_mask=self.mask.to(self.device),
+            position_ids=self.next_pos[:, None].to(self.device),
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.cache = out.past_key_values
+        self.next_pos = self.next_pos + 1
+        return out.logits[:, -1, :]
+
+    def select(self, keep: list[int]) -> list[int]:
+        """Keep rows ``keep`` in order; trim columns no row needs any more."""
+        if not keep:
+            self.clear()
+            return []
+        assert self.cache is not None and self.mask is not None and self.next_pos is not None
+        idx = torch.tensor(keep, dtype=torch.long)
+        self.cache.batch_select_indices(idx.to(self.device))
+        self.mask = self.mask[idx]
+        self.next_pos = self.next_pos[idx]
+        self.rows = len(keep)
+        lead = int((self.mask.cumsum(-1) == 0).sum(-1).min())
+        if lead:
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[:, :, lead:]
+                layer.values = layer.values[:, :, lead:]
+            self.mask = self.mask[:, lead:]
+        return keep
+
+    def clear(self) -> None:
+        self.rows = 0
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None  # (B, L) long: 1 where the cache holds a token
+        self.next_pos: torch.Tensor | None = None  # (B,) position of the pending token
+        self._staged: tuple[DynamicCache, torch.Tensor, torch.Tensor] | None = None
+
+    def free(self) -> None:
+        self.clear()
+
+    def weights_changed(self) -> None:
+        """Nothing to do: the model's forward reads its weights directly."""

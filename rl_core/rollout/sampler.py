@@ -102,11 +102,27 @@ def gumbel_noise(seeds: torch.Tensor, position: torch.Tensor, vocab: int) -> tor
     ``u = (splitmix64(splitmix64(seed) + position) + token) -> splitmix64 -> 53 bits``,
     ``g = -log(-log(u))``. ``argmax(logits / T + g)`` is then an exact sample from
     ``softmax(logits / T)`` (the Gumbel-max trick) that does not depend on batch layout.
+
+    The (B, V) part runs in place on two buffers: it is every sampling step's largest cost
+    after the forward pass, and a fresh tensor per operation costs more than the arithmetic.
     """
     base = _splitmix64(_splitmix64(seeds.long()) + position.long())
-    z = _splitmix64(base[:, None] * 1 + torch.arange(vocab, dtype=torch.long)[None, :])
-    u = (_shr(z, 11).double() + 0.5) / float(1 << 53)
-    return -torch.log(-torch.log(u)).float()
+    z = base[:, None] + torch.arange(vocab, dtype=torch.long, device=base.device)
+    _splitmix64_(z, torch.empty_like(z))
+    z.bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1)  # the top 53 bits, unsigned
+    u = z.to(torch.float64).add_(0.5).div_(float(1 << 53))
+    return u.log_().neg_().log_().neg_().float()
+
+
+def _splitmix64_(z: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """:func:`_splitmix64` in place on ``z`` (same values; ``scratch``: same shape)."""
+    z.add_(_GOLDEN)
+    for shift, mult in ((30, _MIX1), (27, _MIX2), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=scratch)
+        z.bitwise_xor_(scratch.bitwise_and_((1 << (64 - shift)) - 1))
+        if mult is not None:
+            z.mul_(mult)
+    return z
 
 
 # -------------------------------------------------------------------------- filtering
@@ -125,8 +141,10 @@ def _filter_logits(
         drop = ranks >= k[:, None]
         probs = torch.softmax(sorted_logits, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        # Rows with top_p = 1 keep everything even where the float32 cumsum reaches 1.0
+        # early, so a row samples the same whatever other rows share its batch.
         mass_before = probs.cumsum(-1) - probs
-        drop |= mass_before >= top_p[:, None]
+        drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
         drop[:, 0] = False
         drop_orig = torch.zeros_like(drop).scatter(-1, order, drop)
         out = out.masked_fill(drop_orig, float("-inf"))
@@ -135,6 +153,13 @@ def _filter_logits(
         thresh = probs.max(-1, keepdim=True).values * min_p[:, None]
         out = out.masked_fill(probs < thresh, float("-inf"))
     return out
+
+
+# Rows per sampling block keep every (rows, vocab) tensor under torch's parallel grain
+# (32768 elements), so each operation runs inline on the calling thread and stays in cache.
+# With two or more threads on a loaded machine an OpenMP fork/join can wait milliseconds
+# for a descheduled worker; sampling is ~25 elementwise passes, so it must not pay that.
+_BLOCK_ELEMENTS = 16384
 
 
 def _sample_next(
@@ -151,15 +176,40 @@ def _sample_next(
     ``position`` is each row's output index (the Gumbel counter). Temperature 0 is greedy and
     reports the unscaled ``log_softmax``; otherwise the log-prob is ``log_softmax(logits / T)``
     before filtering. Shared with the continuous-batching engine so both sample identically.
+    Rows are independent: they are processed in blocks of ``_BLOCK_ELEMENTS`` values.
     """
+    rows = max(1, _BLOCK_ELEMENTS // logits.shape[-1])
+    args = (logits, temperature, top_k, top_p, min_p, seeds, position)
+    if logits.shape[0] <= rows:
+        return _sample_block(*args)
+    blocks = [
+        _sample_block(*(a[start : start + rows] for a in args))
+        for start in range(0, logits.shape[0], rows)
+    ]
+    return torch.cat([b[0] for b in blocks]), torch.cat([b[1] for b in blocks])
+
+
+def _sample_block(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    position: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     greedy = temperature == 0
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits / safe_t[:, None]
     logp_all = torch.log_softmax(scaled, dim=-1)
-    filtered = _filter_logits(scaled, top_k, top_p, min_p)
-    noise = gumbel_noise(seeds, position, scaled.shape[-1])
-    sampled = torch.argmax(filtered + noise, dim=-1)
-    token = torch.where(greedy, torch.argmax(scaled, dim=-1), sampled)
+    if bool(greedy.all()):
+        token = torch.argmax(scaled, dim=-1)
+    else:
+        filtered = _filter_logits(scaled, top_k, top_p, min_p)
+        noise = gumbel_noise(seeds, position, scaled.shape[-1])
+        token = torch.argmax(noise.add_(filtered), dim=-1)  # filtered + noise, in place
+        if bool(greedy.any()):
+            token = torch.where(greedy, torch.argmax(scaled, dim=-1), token)
     return token, logp_all.gather(-1, token[:, None]).squeeze(-1)
 
 
@@ -187,9 +237,7 @@ def generate(
         params = [params] * len(prompts)
     if len(params) != len(prompts):
         raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-    resolved = [
-        p if p.seed is not None else _with_seed(p, secrets.randbits(62)) for p in params
-    ]
+    resolved = [p if p.seed is not None else _with_seed(p, secrets.randbits(62)) for p in params]
     out: list[Completion] = []
     for start in range(0, len(prompts), micro_batch_size):
         out.extend(
