@@ -228,6 +228,41 @@ def test_gumbel_noise_is_a_pure_function_of_seed_position_token():
     assert len(set(a[0].tolist())) == 16
 
 
+def test_gumbel_noise_is_its_documented_formula_bit_for_bit():
+    """The in-place implementation computes exactly the out-of-place formula."""
+    from rl_core.rollout.sampler import _shr, _splitmix64
+
+    seeds = torch.tensor([0, 1, -5, 2**62 - 1, 123456789, -(2**63)])
+    pos = torch.tensor([0, 7, 3, 999, 2**20, 1])
+    vocab = 1000
+    base = _splitmix64(_splitmix64(seeds) + pos)
+    z = _splitmix64(base[:, None] + torch.arange(vocab)[None, :])
+    u = (_shr(z, 11).double() + 0.5) / float(1 << 53)
+    expected = -torch.log(-torch.log(u)).float()
+    torch.testing.assert_close(gumbel_noise(seeds, pos, vocab), expected, atol=0, rtol=0)
+
+
+def test_sampling_step_is_gumbel_max_per_row_greedy_or_not():
+    from rl_core.rollout.sampler import _sample_next
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+    seeds, pos = torch.arange(6) * 31 + 7, torch.tensor([0, 3, 1, 9, 4, 2])
+    no_k, no_p, no_min = torch.full((6,), -1), torch.ones(6), torch.zeros(6)
+    for temperature in (
+        torch.tensor([0.0, 1.0, 0.7, 0.0, 1.3, 1.0]),  # mixed
+        torch.zeros(6),  # all greedy: no noise is drawn
+        torch.ones(6),
+    ):
+        token, logp = _sample_next(logits, temperature, no_k, no_p, no_min, seeds, pos)
+        scaled = logits / torch.where(temperature == 0, 1.0, temperature)[:, None]
+        sampled = torch.argmax(scaled + gumbel_noise(seeds, pos, 50), dim=-1)
+        expected = torch.where(temperature == 0, torch.argmax(scaled, dim=-1), sampled)
+        assert torch.equal(token, expected)
+        want = torch.log_softmax(scaled, dim=-1).gather(-1, expected[:, None]).squeeze(-1)
+        torch.testing.assert_close(logp, want, atol=0, rtol=0)
+
+
 def test_gumbel_max_samples_follow_softmax():
     torch.manual_seed(0)
     n = 4000
@@ -281,6 +316,40 @@ def test_min_p_restricts_to_tokens_near_the_mode(tiny_model):
     got = _first_tokens(tiny_model, prompt, 300, min_p=min_p)
     assert got <= allowed
     assert len(got) >= min(len(allowed), 2)
+
+
+def test_top_p_one_keeps_every_token_whatever_the_batch():
+    """float32 cumsum of a peaked distribution reaches 1.0 after its first token; a row
+    with top_p=1 must still keep its tail when a top_p<1 row shares the batch."""
+    from rl_core.rollout.sampler import _filter_logits
+
+    peaked = torch.tensor([[30.0] + [0.0] * 63])
+    batch = torch.cat([peaked, torch.randn(1, 64)])
+    out = _filter_logits(batch, torch.tensor([-1, -1]), torch.tensor([1.0, 0.5]), torch.zeros(2))
+    assert torch.equal(out[0], peaked[0])
+    assert bool(torch.isinf(out[1]).any())  # the other row is filtered
+
+
+def test_sampling_in_blocks_equals_one_block(monkeypatch):
+    """Rows are sampled in blocks that stay under torch's parallel grain; any split gives
+    the same tokens and log-probs."""
+    from rl_core.rollout import sampler
+
+    torch.manual_seed(1)
+    n, vocab = 13, 64
+    args = (
+        torch.randn(n, vocab) * 2,
+        torch.tensor([0.0, 1.0, 0.7] * 4 + [1.0]),
+        torch.tensor([-1, 5] * 6 + [3]),
+        torch.tensor([1.0, 0.9, 1.0] * 4 + [0.8]),
+        torch.tensor([0.0, 0.0, 0.1] * 4 + [0.0]),
+        torch.arange(n) * 101 + 3,
+        torch.arange(n) % 5,
+    )
+    whole = sampler._sample_next(*args)
+    monkeypatch.setattr(sampler, "_BLOCK_ELEMENTS", 3 * vocab)  # blocks of 3 rows
+    blocked = sampler._sample_next(*args)
+    assert torch.equal(whole[0], blocked[0]) and torch.equal(whole[1], blocked[1])
 
 
 def test_filtering_applies_at_the_sampling_temperature(tiny_model):
