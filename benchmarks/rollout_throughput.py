@@ -10,11 +10,18 @@ per prompt (EOS is ignored on both sides), so tokens/s compare like for like:
   with ``cache_implementation="static"``;
 - ``engine``: :class:`rl_core.rollout.engine.EmbeddedEngine` in-process, every prompt
   submitted at once with ``max_running_requests = --batch``;
-- ``engine_http`` (``--http``): the same engine behind the SGLang-protocol HTTP server, driven
-  by :class:`rl_core.rollout.client.SyncSGLangClient` ``generate_groups``.
+- ``engine_http`` (``--http``): the same engine behind the SGLang-protocol HTTP server
+  (``python -m rl_core.rollout.server``, a process of its own, as a training run starts it;
+  with ``--in-process`` a server thread), driven by
+  :class:`rl_core.rollout.client.SyncSGLangClient` ``generate_groups``.
 
-Warm-up runs are excluded; each figure is the median of ``--repeats`` timed runs. Prints a
-table and writes JSON (default ``benchmarks/results/rollout_throughput.json``). Numbers are
+Every measurement runs in a fresh process of its own (``--in-process`` runs all backends in
+this one): torch's OpenMP pool belongs to the thread that first runs a parallel op, so two
+backends in one process (``generate`` on the main thread, the engine on its scheduler
+thread) leave two pools competing for the cores and slow both by a third on 2 cores, which
+an engine in its own server process never sees. Each round runs every backend once, in
+turn; each run loads the model, runs ``--warmup`` untimed passes and one timed pass. Each
+figure is the median of ``--repeats`` rounds. Prints a table and writes JSON (default ``benchmarks/results/rollout_throughput.json``). Numbers are
 only comparable on the same machine at the same load: the load average is recorded at the
 start and around every measurement. A benchmark, never a test: it asserts nothing about time.
 
@@ -91,31 +98,36 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[i
     return [torch.randint(2, vocab, (k,), generator=g).tolist() for k in lengths]
 
 
-def measure(runners: dict[str, Callable[[], int]], warmup: int, repeats: int) -> dict[str, Any]:
-    """Time every runner (returns tokens generated) ``repeats`` times, round-robin.
+def timed(fn: Callable[[], int]) -> dict[str, float]:
+    """One timed call of a runner (it returns the tokens it generated)."""
+    load = os.getloadavg()[0]
+    c0, t0 = time.process_time(), time.perf_counter()
+    tokens = fn()
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {
+        "seconds": dt,
+        "cpu_seconds": cpu,  # all threads of this process; wall >> cpu: starved
+        "tokens": tokens,
+        "tokens_per_s": tokens / dt,
+        "load1": load,
+    }
 
-    Each round runs every backend once, so a change in machine load hits all of them alike;
-    ``warmup`` untimed runs of each come first.
-    """
+
+def measure(runners: dict[str, Callable[[], int]], warmup: int, repeats: int) -> dict[str, Any]:
+    """In this process: time every runner ``repeats`` times, round-robin, after ``warmup``
+    untimed runs of each."""
     for fn in runners.values():
         for _ in range(warmup):
             fn()
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in runners}
     for _ in range(repeats):
         for name, fn in runners.items():
-            load = os.getloadavg()[0]
-            c0, t0 = time.process_time(), time.perf_counter()
-            tokens = fn()
-            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-            runs[name].append(
-                {
-                    "seconds": dt,
-                    "cpu_seconds": cpu,  # all threads of this process; wall >> cpu: starved
-                    "tokens": tokens,
-                    "tokens_per_s": tokens / dt,
-                    "load1": load,
-                }
-            )
+            runs[name].append(timed(fn))
+    return summarize(runs)
+
+
+def summarize(runs: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    """Median, min and max tokens/s of each backend's runs (and the runs themselves)."""
     out = {}
     for name, rs in runs.items():
         tps = [r["tokens_per_s"] for r in rs]
@@ -232,9 +244,15 @@ def http_runner(url: str, prompts: list[list[int]], args: argparse.Namespace) ->
     return run
 
 
-def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    from rl_core.rollout.engine import EmbeddedEngine
+BACKEND_NAMES = {
+    "hf": "hf_generate",
+    "hf_static": "hf_generate_static",
+    "engine": "engine",
+    "http": "engine_http",
+}
 
+
+def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     model_dir, n_params = build_model_dir(size, workdir / size, seed=args.seed)
     vocab = MODEL_SIZES[size]["vocab_size"]
     prompts = make_prompts(args.prompts, args.min_prompt_len, args.max_prompt_len, vocab, args.seed)
@@ -243,38 +261,22 @@ def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
         "parameters": n_params,
         "config": MODEL_SIZES[size],
         "prompt_tokens": sum(len(p) for p in prompts),
+        "isolation": "in-process" if args.in_process else "a process per run",
     }
     log = print if not args.quiet else (lambda *a, **k: None)
     log(f"[{size}] {n_params / 1e6:.2f}M parameters; load1 {os.getloadavg()[0]:.2f}")
-
-    runners: dict[str, Callable[[], int]] = {}
-    if "hf" in args.backends:
-        runners["hf_generate"] = hf_runner(model_dir, prompts, args)
-    if "hf_static" in args.backends:
-        runners["hf_generate_static"] = hf_runner(model_dir, prompts, args, cache="static")
-    engine = server = client = None
-    try:
-        if {"engine", "http"} & set(args.backends):
-            layout = {} if args.kv_layout == "auto" else {"kv_layout": args.kv_layout}
-            engine = EmbeddedEngine(
-                model_dir, max_running_requests=args.batch, num_threads=args.threads, **layout
-            )
-            result["engine_kv_layout"] = getattr(engine, "kv_layout", "padded (no kv_layout)")
-        if "engine" in args.backends:
-            runners["engine"] = engine_runner(engine, prompts, args)
-        if "http" in args.backends:
-            from rl_core.rollout.server import serve_in_thread
-
-            server = serve_in_thread(engine)
-            client = runners["engine_http"] = http_runner(server.url, prompts, args)
-        result.update(measure(runners, args.warmup, args.repeats))
-    finally:
-        if client is not None:
-            client.close()
-        if server is not None:
-            server.stop()
-        if engine is not None:
-            engine.close()
+    if args.in_process:
+        result.update(_measure_in_process(model_dir, prompts, args, result))
+    else:
+        runs: dict[str, list[dict[str, float]]] = {BACKEND_NAMES[b]: [] for b in args.backends}
+        for _ in range(args.repeats):
+            for backend in args.backends:
+                record = _run_worker(backend, model_dir, size, args, workdir)
+                result.setdefault("engine_kv_layout", record.get("engine_kv_layout"))
+                runs[BACKEND_NAMES[backend]].append(record["run"])
+        if result.get("engine_kv_layout") is None:
+            result.pop("engine_kv_layout", None)
+        result.update(summarize(runs))
     base = result.get("hf_generate")
     for key in ("hf_generate_static", "engine", "engine_http"):
         if base and key in result:
@@ -285,9 +287,137 @@ def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
                 for r, h in zip(m["runs"], base["runs"], strict=True)
             ]
             m["ratio_vs_hf_paired_median"] = statistics.median(paired)
-    for key in runners:
-        log(f"[{size}] {key} {result[key]['tokens_per_s']:.0f} tok/s")
+    for key in BACKEND_NAMES.values():
+        if key in result:
+            log(f"[{size}] {key} {result[key]['tokens_per_s']:.0f} tok/s")
     return result
+
+
+def _run_worker(
+    backend: str, model_dir: Path, size: str, args: argparse.Namespace, workdir: Path
+) -> dict[str, Any]:
+    """One timed run of ``backend`` in a fresh interpreter (after its warm-up runs)."""
+    import subprocess
+
+    out = workdir / f"worker-{size}-{backend}.json"
+    argv = [
+        sys.executable, "-m", "benchmarks.rollout_throughput", "--worker", backend,
+        "--model-dir", str(model_dir), "--model", size, "--out", str(out),
+        "--batch", str(args.batch), "--prompts", str(args.prompts),
+        "--max-new-tokens", str(args.max_new_tokens),
+        "--min-prompt-len", str(args.min_prompt_len), "--max-prompt-len", str(args.max_prompt_len),
+        "--temperature", str(args.temperature), "--threads", str(args.threads),
+        "--warmup", str(args.warmup), "--seed", str(args.seed), "--kv-layout", args.kv_layout,
+    ]  # fmt: skip
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{backend} worker failed (rc={done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    """``--worker BACKEND``: warm up, time one run, write ``{"run": ..., ...}`` to --out."""
+    size = args.model
+    vocab = MODEL_SIZES[size]["vocab_size"]
+    prompts = make_prompts(args.prompts, args.min_prompt_len, args.max_prompt_len, vocab, args.seed)
+    info: dict[str, Any] = {}
+    if args.worker == "http":  # the server in a process of its own, as in a training run
+        runners = {"engine_http": _server_process_runner(Path(args.model_dir), prompts, args, info)}
+    else:
+        runners = _runners(Path(args.model_dir), prompts, args, [args.worker], info)
+    try:
+        fn = runners[BACKEND_NAMES[args.worker]]
+        for _ in range(args.warmup):
+            fn()
+        info["run"] = timed(fn)
+    finally:
+        _close_runners(info)
+    info.pop("_closers", None)
+    args.out.write_text(json.dumps(info) + "\n")
+
+
+def _measure_in_process(
+    model_dir: Path, prompts: list[list[int]], args: argparse.Namespace, result: dict[str, Any]
+) -> dict[str, Any]:
+    info: dict[str, Any] = {}
+    try:
+        runners = _runners(model_dir, prompts, args, args.backends, info)
+        out = measure(runners, args.warmup, args.repeats)
+    finally:
+        _close_runners(info)
+    if "engine_kv_layout" in info:
+        out["engine_kv_layout"] = info["engine_kv_layout"]
+    return out
+
+
+def _close_runners(info: dict[str, Any]) -> None:
+    for close in reversed(info.get("_closers", [])):
+        close()
+
+
+def _runners(
+    model_dir: Path,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    backends: list[str],
+    info: dict[str, Any],
+) -> dict[str, Callable[[], int]]:
+    """The runners of ``backends``; what must be closed goes to ``info["_closers"]``."""
+    from rl_core.rollout.engine import EmbeddedEngine
+
+    closers = info.setdefault("_closers", [])
+    runners: dict[str, Callable[[], int]] = {}
+    if "hf" in backends:
+        runners["hf_generate"] = hf_runner(model_dir, prompts, args)
+    if "hf_static" in backends:
+        runners["hf_generate_static"] = hf_runner(model_dir, prompts, args, cache="static")
+    if {"engine", "http"} & set(backends):
+        layout = {} if args.kv_layout == "auto" else {"kv_layout": args.kv_layout}
+        engine = EmbeddedEngine(
+            model_dir, max_running_requests=args.batch, num_threads=args.threads, **layout
+        )
+        closers.append(engine.close)
+        info["engine_kv_layout"] = getattr(engine, "kv_layout", "padded (no kv_layout)")
+        if "engine" in backends:
+            runners["engine"] = engine_runner(engine, prompts, args)
+        if "http" in backends:
+            from rl_core.rollout.server import serve_in_thread
+
+            server = serve_in_thread(engine)
+            closers.append(server.stop)
+            client = runners["engine_http"] = http_runner(server.url, prompts, args)
+            closers.append(client.close)  # type: ignore[attr-defined]
+    return runners
+
+
+def _server_process_runner(
+    model_dir: Path, prompts: list[list[int]], args: argparse.Namespace, info: dict[str, Any]
+) -> Callable[[], int]:
+    """``engine_http`` as the flow runs it: the engine server in its own process
+    (``python -m rl_core.rollout.server``), this process only the HTTP client."""
+    from rl_core.rollout.sglang_launcher import (
+        free_port,
+        start_process,
+        stop_process,
+        wait_healthy,
+    )
+
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "rl_core.rollout.server", "--model", str(model_dir),
+        "--port", str(port), "--max-running-requests", str(args.batch),
+        "--num-threads", str(args.threads), "--kv-layout", args.kv_layout,
+        "--log-level", "warning", "--parent-pid", str(os.getpid()),
+    ]  # fmt: skip
+    log_path = Path(args.out).with_suffix(".server.log")
+    proc = start_process(cmd, log_path)
+    info.setdefault("_closers", []).append(lambda: stop_process(proc, 10.0))
+    wait_healthy(f"http://127.0.0.1:{port}", timeout_s=300, proc=proc, log_path=log_path)
+    info["engine_kv_layout"] = args.kv_layout
+    client = http_runner(f"http://127.0.0.1:{port}", prompts, args)
+    info["_closers"].append(client.close)  # type: ignore[attr-defined]
+    return client
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
@@ -338,7 +468,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the engine's KV cache layout (padded: the model's own forward, as before)",
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run every backend in this process (their OpenMP pools then compete: slower)",
+    )
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--worker", choices=sorted(BACKEND_NAMES), help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.http and "http" not in args.backends:
         args.backends.append("http")
@@ -361,6 +498,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(args.threads)
+    if args.worker:
+        worker_main(args)
+        return {}
     import transformers
 
     meta = {

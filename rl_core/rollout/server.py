@@ -943,6 +943,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-total-tokens", type=int, default=None)
     ap.add_argument("--context-length", type=int, default=None)
     ap.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument(
+        "--kv-layout",
+        default="auto",
+        choices=["auto", "slots", "padded"],
+        help="KV cache layout (auto: slots for Llama-family models, padded otherwise)",
+    )
     ap.add_argument("--log-level", default="info")
     ap.add_argument(
         "--parent-pid",
@@ -965,6 +971,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_total_tokens=args.max_total_tokens,
         context_length=args.context_length,
         num_threads=args.num_threads,
+        kv_layout=args.kv_layout,
     )
 
 
