@@ -139,10 +139,26 @@ class RolloutConfig(_Section):
     request_batch_size: int = Field(
         16, ge=1, description="Samples per /generate request; 1 = one request per sample."
     )
-    weight_sync: Literal["disk", "object_store"] = Field(
+    weight_sync: Literal["disk", "object_store", "distributed"] = Field(
         "disk",
         description="`disk`: trainer writes safetensors, engines reload them (one node or a "
-        "shared filesystem); `object_store`: through Ray's object store (cluster.mode ray).",
+        "shared filesystem); `object_store`: through Ray's object store (cluster.mode ray); "
+        "`distributed`: the trainer's rank 0 broadcasts to every engine over a "
+        "torch.distributed group (SGLang's /update_weights_from_distributed).",
+    )
+    weight_sync_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto",
+        description="Collective backend of weight_sync=distributed; auto: nccl (RCCL on ROCm) "
+        "when trainer and engines have GPUs on Ray, else gloo.",
+    )
+    weight_sync_bucket_mb: float = Field(
+        512.0,
+        gt=0,
+        description="weight_sync=distributed: tensors per /update_weights_from_distributed "
+        "call, by size (bounds the engine's receive buffers).",
+    )
+    weight_sync_timeout_s: float = Field(
+        300.0, gt=0, description="Bound on one weight sync (and on each collective in it)."
     )
     startup_timeout_s: float = Field(300.0, gt=0)
     health_interval_s: float = Field(5.0, gt=0)

@@ -176,7 +176,20 @@ def start_rollout(
         timeout_s=r.timeout_s,
         trust_remote_code=cfg.model.trust_remote_code,
         weight_sync=r.weight_sync,
+        weight_sync_backend=_weight_sync_backend(cfg),
+        weight_sync_timeout_s=r.weight_sync_timeout_s,
+        weight_sync_bucket_mb=r.weight_sync_bucket_mb,
     ).start()
+
+
+def _weight_sync_backend(cfg: ExperimentConfig) -> str:
+    """``rollout.weight_sync_backend``, with ``auto`` resolved for the planes' devices."""
+    backend = cfg.rollout.weight_sync_backend
+    if backend != "auto":
+        return backend
+    c = cfg.cluster
+    gpus = c.mode == "ray" and c.gpus_per_trainer > 0 and c.gpus_per_engine > 0
+    return "nccl" if gpus else "gloo"
 
 
 def bring_up_planes(

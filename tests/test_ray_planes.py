@@ -2,10 +2,12 @@
 
 Each flow run starts its own local Ray (bound to 127.0.0.1, temp dir under the run) and
 shuts it down at the end. Two trainer ranks (DDP over gloo) and two embedded engines behind
-the real ``sglang-router`` train the demo model; the same steps on one local trainer are
-the reference: the first step's samples are identical (same weights, same seeds) and the
-run ends close to it. A run whose engine actor is killed mid-run finishes, the engine
-restarted and re-synced to the current ``weight_version``.
+the real ``sglang-router`` train the demo model, with the weights synced through Ray's
+object store (colocated) or broadcast from trainer rank 0 over a gloo group (disaggregated);
+the same steps on one local trainer are the reference: the first step's samples are
+identical (same weights, same seeds) and the run ends close to it. The disaggregated run
+loses an engine actor mid-run and finishes, the engine restarted and re-synced to the
+current ``weight_version``.
 """
 
 from __future__ import annotations
@@ -61,19 +63,48 @@ def reference(prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path_fact
     )
 
 
+def _kill_engine_after_first_step(run_dir: Path, killed: dict) -> threading.Thread:
+    """SIGKILL engine 1's actor once step 1 is logged (its server goes with it)."""
+    from rl_core import planes as planes_mod
+
+    def killer() -> None:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if metrics.is_file() and metrics.read_text().strip():
+                p = next(iter(planes_mod._REGISTRY.values()), None)
+                if p is not None:
+                    victim = p.rollout.pool.engines[1]
+                    killed["engine"], killed["restarts"] = victim, victim.restarts
+                    victim.proc.kill()  # ray.kill of the actor
+                    return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    return t
+
+
 @pytest.mark.parametrize(
     ("placement", "sync"),
-    [("colocated", "object_store"), ("disaggregated", "disk")],
+    [("colocated", "object_store"), ("disaggregated", "distributed")],
 )
 def test_flow_on_ray_matches_one_process(
     reference: dict, tiny_cache: Path, tmp_path: Path, placement: str, sync: str
 ) -> None:
+    """Both placements match the one-process run. The disaggregated run also loses engine
+    1's actor after step 1: it is restarted and brought back to the current weights (by a
+    new broadcast group), the run finishes, and no step samples from stale weights."""
     from flows.grpo_train import grpo_train
 
+    killed: dict = {}
+    killer = None
+    if placement == "disaggregated":
+        killer = _kill_engine_after_first_step(tmp_path / "ray", killed)
     out = grpo_train(
         config=DEMO,
         overrides=_overrides(
-            tmp_path, tiny_cache, "ray", *RAY,
+            tmp_path, tiny_cache, "ray", *RAY, "rollout.health_interval_s=0.5",
             f"cluster.placement={placement}", f"rollout.weight_sync={sync}",
         ),  # fmt: skip
         show_progress=False,
@@ -94,46 +125,13 @@ def test_flow_on_ray_matches_one_process(
         "engine-0.log",
         "engine-1.log",
     ]
+    # every step's samples came from that step's weights (stale samples fail the rollout)
+    for step, rows in _ledger(run).items():
+        assert {r["weight_version"] for r in rows} == {step - 1}
+    if killer is not None:
+        killer.join(5)
+        victim = killed["engine"]
+        assert victim.restarts > killed["restarts"], "the killed engine was never restarted"
     import ray
 
     assert not ray.is_initialized()
-
-
-def test_a_killed_engine_actor_is_restarted_and_resynced(
-    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path
-) -> None:
-    from flows.grpo_train import grpo_train
-    from rl_core import planes as planes_mod
-
-    killed: dict = {}
-
-    def killer() -> None:
-        metrics = tmp_path / "kill" / "metrics.jsonl"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if metrics.is_file() and metrics.read_text().strip():
-                p = next(iter(planes_mod._REGISTRY.values()), None)
-                if p is not None:
-                    victim = p.rollout.pool.engines[1]
-                    killed["engine"] = victim
-                    killed["restarts"] = victim.restarts
-                    victim.proc.kill()  # ray.kill of the actor: its server goes with it
-                    return
-            time.sleep(0.05)
-
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
-    out = grpo_train(
-        config=DEMO,
-        overrides=_overrides(
-            tmp_path, tiny_cache, "kill", *RAY, "train.steps=5", "rollout.health_interval_s=0.5"
-        ),
-        show_progress=False,
-    )
-    t.join(5)
-    assert out["steps"] == 5
-    victim = killed["engine"]
-    assert victim.restarts > killed["restarts"], "the killed engine was never restarted"
-    # every step's samples came from that step's weights (stale samples fail the rollout)
-    for step, rows in _ledger(Path(out["run_dir"])).items():
-        assert {r["weight_version"] for r in rows} == {step - 1}

@@ -185,6 +185,65 @@ def test_two_engines_behind_the_router_share_work_and_survive_a_kill(
     assert all(not e.alive for e in r.pool.engines)
 
 
+def test_distributed_sync_broadcasts_to_every_engine_and_brings_back_a_killed_one(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """``weight_sync=distributed``: a gloo group trainer (rank 0) + two engines; each sync
+    is one broadcast per tensor, posted to the engines in buckets (10 kB here, so several),
+    verified against the checksum of what was sent. A killed
+    engine restarts on the base model and waits out of service; the next generate (the
+    trainer still holds the synced weights) re-opens the group and re-broadcasts."""
+    pool = EnginePool(
+        embedded_engine_command(model_dir, num_threads=1), 2, log_dir=tmp_path / "engines",
+        router=False, health_interval_s=0.5, health_timeout_s=10, failure_threshold=2,
+        startup_timeout_s=120, client_kwargs={"backoff_base_s": 0.05, "backoff_max_s": 0.5},
+    )  # fmt: skip
+    r = HttpRollout(
+        pool, model_dir, staging_dir=tmp_path / "staging", request_batch_size=4,
+        weight_sync="distributed", weight_sync_timeout_s=60, weight_sync_bucket_mb=0.01,
+    ).start()  # fmt: skip
+    trainer = _trainer(model_dir)
+    try:
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+        for version in (1, 2):
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+            metrics = r.sync_from(trainer, version)
+            expected = weights_checksum(trainer.export_weights())
+            for url in pool.engine_urls:
+                assert pool.client.weight_version(url=url) == str(version)
+                assert pool.client.weights_checksum(url=url) == expected
+        assert metrics["sync_bytes"] == 2 * sum(
+            t.numel() * t.element_size() for t in trainer.export_weights().values()
+        )
+        assert r.weight_sync_buckets > 2 and metrics["sync_buckets"] == r.weight_sync_buckets
+        first_group = r._group[0]
+        assert not list(r.staging_dir.glob("v*")), "nothing is staged on disk"
+        local = LocalEngine(model_dir)
+        local.update_weights(trainer.export_weights(), 2)
+        want = [c.output_ids for c in local.generate(PROMPTS, greedy)]
+        assert [c.output_ids for c in r.generate(PROMPTS, greedy)] == want
+
+        victim = pool.engines[1]
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not victim.awaiting_weights:
+            time.sleep(0.2)
+        assert victim.awaiting_weights and not victim.in_service, victim
+        assert pool.in_service_urls() == [pool.engines[0].url]
+        # the next rollout brings it back first: same version, the trainer's weights
+        assert [c.output_ids for c in r.generate(PROMPTS * 4, greedy)] == want * 4
+        assert victim.in_service and r._group[0] != first_group
+        assert pool.client.weight_version(url=victim.url) == "2"
+        r.verify(weights_checksum(trainer.export_weights()))
+        assert pool.client.server_info(url=victim.url)["internal_states"][0]["decode_steps"] > 0
+    finally:
+        r.close()
+        trainer.close_weight_broadcast()
+    assert all(not e.alive for e in pool.engines)
+
+
 def test_engines_die_with_the_process_that_started_them(model_dir: Path, tmp_path: Path) -> None:
     """An engine started with --parent-pid exits when that process is gone (SIGKILLed flows
     leave no orphans)."""

@@ -83,6 +83,7 @@ class EngineHandle:
     failures: int = 0  # consecutive failed health checks
     restarts: int = 0  # restarts so far
     failed_recoveries: int = 0  # consecutive restarts that did not bring it back
+    awaiting_weights: bool = False  # restarted, healthy, served at the next weight update
 
     @property
     def url(self) -> str:
@@ -97,7 +98,10 @@ class EnginePool:
     """N engine processes, optionally behind ``sglang-router``, kept healthy and in sync.
 
     ``resync(url)`` brings a restarted engine to the current weights; without it the pool
-    re-applies its last ``weight_update(model_path=...)`` from disk. ``client`` is a
+    re-applies its last ``weight_update(model_path=...)`` from disk. A ``resync`` that
+    returns ``False`` defers: the engine stays out of service, ``awaiting_weights``, until
+    the next :meth:`weight_update` includes it (the distributed path, whose broadcast needs
+    the trainer). ``client`` is a
     :class:`SyncSGLangClient` whose generation requests go to the router (``router=True``)
     or round-robin over the engines in service; control calls take ``url=``.
     """
@@ -167,6 +171,14 @@ class EnginePool:
     def in_service_urls(self) -> list[str]:
         return [e.url for e in self.engines if e.in_service]
 
+    def awaiting_urls(self) -> list[str]:
+        """Restarted engines that wait for the next weight update to go back into service."""
+        return [e.url for e in self.engines if e.awaiting_weights and not e.in_service]
+
+    def update_targets(self) -> list[str]:
+        """What the next :meth:`weight_update` updates: in service, then awaiting weights."""
+        return self.in_service_urls() + self.awaiting_urls()
+
     @property
     def url(self) -> str | None:
         """The router's URL when there is one."""
@@ -213,7 +225,7 @@ class EnginePool:
         self._stop.set()
         # Stop engines first: a recovery waiting on a starting engine then fails at once.
         for e in self.engines:
-            e.in_service = False
+            e.in_service = e.awaiting_weights = False
             if e.proc is not None:
                 self.launcher.stop(e.proc, self.stop_timeout_s)
         if self._monitor is not None:
@@ -307,7 +319,8 @@ class EnginePool:
                     e.url,
                     None if e.proc is None else e.proc.returncode,
                 )
-            if dead or e.failures >= self.failure_threshold or not e.in_service:
+            idle = not e.in_service and not e.awaiting_weights
+            if dead or e.failures >= self.failure_threshold or idle:
                 if e.failed_recoveries >= self.max_failed_recoveries:
                     if e.in_service:
                         self._take_out(e)
@@ -348,6 +361,7 @@ class EnginePool:
         t0 = time.monotonic()
         if e.in_service:
             self._take_out(e)
+        e.awaiting_weights = False
         e.restarts += 1
         log.warning("engine %d (%s): restarting (restart %d)", e.index, e.url, e.restarts)
         try:
@@ -358,7 +372,15 @@ class EnginePool:
             self._spawn(e)
             wait_healthy(e.url, timeout_s=self.startup_timeout_s, proc=e.proc, log_path=e.log_path)
             # Not back in service before it serves the current weights.
-            self._resync(e)
+            if not self._resync(e):
+                e.failures = e.failed_recoveries = 0
+                e.awaiting_weights = True
+                log.warning(
+                    "engine %d (%s): restarted in %.1fs; out of service until the next weight "
+                    "update brings it to the current weights",
+                    e.index, e.url, time.monotonic() - t0,
+                )  # fmt: skip
+                return True
             if self.router is not None:
                 self.router.add_worker(e.url)
         except Exception as err:
@@ -385,10 +407,12 @@ class EnginePool:
         )
         return True
 
-    def _resync(self, e: EngineHandle) -> None:
+    def _resync(self, e: EngineHandle) -> bool:
+        """Bring ``e`` to the current weights; False: deferred to the next weight update."""
         client = self._require_client()
         if self.resync is not None:
-            self.resync(e.url)
+            if self.resync(e.url) is False:
+                return False
         elif self._disk_source is not None:
             client.update_weights_from_disk(self._disk_source, self.weight_version, url=e.url)
         elif self.weight_version is not None:
@@ -403,6 +427,7 @@ class EnginePool:
                     f"engine {e.index} ({e.url}) serves weight_version {served} after resync, "
                     f"expected {self.weight_version}"
                 )
+        return True
 
     # ------------------------------------------------------------------ weights
 
@@ -436,7 +461,7 @@ class EnginePool:
                 f"weight_update to {version}: an engine recovery held the pool for {timeout_s}s"
             )
         try:
-            urls = self.in_service_urls()
+            urls = self.update_targets()
             if not urls:
                 raise WeightSyncError(f"weight_update to {version}: no engine in service")
             try:
@@ -450,6 +475,7 @@ class EnginePool:
                 ) from e
             self.weight_version = version
             self._disk_source = str(model_path) if model_path is not None else None
+            self._admit_awaiting(urls)
         finally:
             self._sync_lock.release()
         log.debug(
@@ -458,6 +484,20 @@ class EnginePool:
             version,
             time.monotonic() - t0,
         )
+
+    def _admit_awaiting(self, updated: list[str]) -> None:
+        """Engines that waited for this update serve its weights now: back into service."""
+        for e in self.engines:
+            if e.awaiting_weights and e.url in updated:
+                if self.router is not None:
+                    self.router.add_worker(e.url)
+                e.awaiting_weights = False
+                e.in_service = True
+                log.warning(
+                    "engine %d (%s): back in service at weight_version %s",
+                    e.index, e.url, self.weight_version,
+                )  # fmt: skip
+        self._publish_members()
 
     async def _update_all(
         self,

@@ -215,6 +215,14 @@ class _RankTrainer(TorchTrainer):
     def save_pretrained(self, path: str | Path) -> Path:
         return self._write_model(Path(path), self.export_weights())
 
+    def open_weight_broadcast(self, *args: Any, **kwargs: Any) -> None:
+        if self.rank == 0:  # only rank 0 talks to the engines
+            super().open_weight_broadcast(*args, **kwargs)
+
+    def broadcast_weights(self, group_name: str) -> str | None:
+        weights = self.export_weights()  # a collective: every rank takes part
+        return self._weight_sender().send(group_name, weights) if self.rank == 0 else None
+
     def _write_model(self, path: Path, weights: dict[str, torch.Tensor]) -> Path:
         if self.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
@@ -376,6 +384,18 @@ class TrainerRank:
 
     def save_pretrained(self, path: str) -> str:
         return str(self.trainer.save_pretrained(path))
+
+    def weight_broadcast_endpoint(self) -> tuple[str, int]:
+        return self.trainer.weight_broadcast_endpoint(ray.util.get_node_ip_address())
+
+    def open_weight_broadcast(self, *args: Any, **kwargs: Any) -> None:
+        self.trainer.open_weight_broadcast(*args, **kwargs)
+
+    def broadcast_weights(self, group_name: str) -> str | None:
+        return self.trainer.broadcast_weights(group_name)
+
+    def close_weight_broadcast(self, group_name: str | None = None) -> None:
+        self.trainer.close_weight_broadcast(group_name)
 
     def save_state(self, path: str) -> str:
         return str(self.trainer.save_state(path))
@@ -553,6 +573,39 @@ class TrainerGroup:
         refs = [a.save_pretrained.remote(str(path)) for a in self._actors]
         return Path(self._call("save_pretrained", refs)[0])
 
+    # Distributed weight sync: rank 0 hosts the group and broadcasts; a failed broadcast
+    # (an engine died) leaves the ranks usable, a dead rank does not.
+
+    def weight_broadcast_endpoint(self) -> tuple[str, int]:
+        """Rank 0's node address and a port free there (the engines' rendezvous)."""
+        ref = self._actors[0].weight_broadcast_endpoint.remote()
+        host, port = self._call("weight_broadcast_endpoint", [ref], breaks=False)[0]
+        return host, port
+
+    def open_weight_broadcast(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "gloo",
+        timeout_s: float = 120.0,
+    ) -> None:
+        """Rank 0 hosts weight-update group ``group_name`` (blocks until engines join)."""
+        ref = self._actors[0].open_weight_broadcast.remote(
+            master_address, master_port, world_size, group_name, backend, timeout_s
+        )
+        self._call("open_weight_broadcast", [ref], timeout_s=timeout_s + 30.0, breaks=False)
+
+    def broadcast_weights(self, group_name: str) -> str | None:
+        """Every rank exports (a collective), rank 0 broadcasts; the checksum it sent."""
+        refs = [a.broadcast_weights.remote(group_name) for a in self._actors]
+        return self._call("broadcast_weights", refs, breaks=False)[0]
+
+    def close_weight_broadcast(self, group_name: str | None = None) -> None:
+        ref = self._actors[0].close_weight_broadcast.remote(group_name)
+        self._call("close_weight_broadcast", [ref], timeout_s=30.0, breaks=False)
+
     def save_state(self, path: str | Path) -> Path:
         """Rank 0 writes model, optimizer and scheduler in the single-rank layout."""
         refs = [a.save_state.remote(str(path)) for a in self._actors]
@@ -580,11 +633,13 @@ class TrainerGroup:
 
     # ------------------------------------------------------------------- bounded calls
 
-    def _call(self, what: str, refs: list[Any], *, timeout_s: float | None = None) -> list[Any]:
+    def _call(
+        self, what: str, refs: list[Any], *, timeout_s: float | None = None, breaks: bool = True
+    ) -> list[Any]:
         """Results of one remote call per rank (ref ``i`` is rank ``i``), in rank order.
 
         Bounded by ``timeout_s``; a rank that dies or raises fails the call at once, naming
-        it, and marks the group broken.
+        it, and marks the group broken (``breaks=False``: only a rank that died does).
         """
         if self._broken is not None:
             raise TrainerRankError(
@@ -617,11 +672,14 @@ class TrainerGroup:
                 f"trainer rank {r} {'died' if r in dead else 'raised'}: {_cause(e)}"
                 for r, e in sorted(first.items())
             ]
-            self._broken = f"{what} failed on rank(s) {sorted(first)}"
+            if dead or breaks:
+                self._broken = f"{what} failed on rank(s) {sorted(first)}"
+            unusable = (
+                " The group is unusable: shut it down and start a new one (from the latest "
+                "checkpoint)." if self._broken else ""
+            )
             raise TrainerRankError(
-                f"{what} failed: {'; '.join(parts)}. The group is unusable: shut it down and "
-                "start a new one (from the latest checkpoint).",
-                sorted(first),
+                f"{what} failed: {'; '.join(parts)}.{unusable}", sorted(first)
             ) from next(iter(first.values()))
         if pending:
             late = sorted(rank_of[ref] for ref in pending)

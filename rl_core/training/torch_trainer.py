@@ -34,6 +34,7 @@ from rl_core.algorithms import compute_grpo_loss, entropy_from_logits, logprobs_
 from rl_core.config import AlgorithmConfig, TrainConfig
 from rl_core.models import torch_dtype
 from rl_core.training.batch import TrainBatch
+from rl_core.weight_sync.broadcast import WeightSender, free_endpoint
 
 __all__ = ["MiniBatch", "TorchTrainer", "check_loaded", "read_weights"]
 
@@ -289,6 +290,44 @@ class TorchTrainer:
         path.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(path, safe_serialization=True)
         return path
+
+    # ------------------------------------------- distributed weight sync: this rank sends
+
+    def weight_broadcast_endpoint(self, host: str = "127.0.0.1") -> tuple[str, int]:
+        """Where engines rendezvous with this trainer: ``host`` and a port free on it."""
+        return free_endpoint(host)
+
+    def open_weight_broadcast(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "gloo",
+        timeout_s: float = 120.0,
+    ) -> None:
+        """Host weight-update group ``group_name`` as rank 0 (blocks until engines join)."""
+        self._weight_sender().open(
+            master_address=master_address,
+            master_port=master_port,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
+
+    def broadcast_weights(self, group_name: str) -> str | None:
+        """Broadcast the policy to ``group_name``; the checksum of what was sent."""
+        return self._weight_sender().send(group_name, self.export_weights())
+
+    def close_weight_broadcast(self, group_name: str | None = None) -> None:
+        """Leave ``group_name`` (every weight-update group when None)."""
+        self._weight_sender().close(group_name)
+
+    def _weight_sender(self) -> WeightSender:
+        if getattr(self, "_sender", None) is None:
+            self._sender = WeightSender()
+        return self._sender
 
     def save_state(self, path: str | Path) -> Path:
         """Model (``path/model``, HF format), optimizer and scheduler (``trainer_state.pt``)."""
