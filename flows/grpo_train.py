@@ -96,7 +96,9 @@ def grpo_train(
         say(f"resumed from {resume_from}; continuing at step {start}")
     else:
         run.truncate_after(-1)  # a fresh start in an existing directory starts a fresh log
-    evals = run.read_evals() or [_evaluate(planes, 0, run, say, tracking)]
+    # A resume on another machine (checkpoints in S3) has no local history: evaluate the
+    # restored policy at the checkpoint's step, never as if it were step 0.
+    evals = run.read_evals() or [_evaluate(planes, start - 1, run, say, tracking)]
 
     progress = create_progress_artifact(
         100.0 * (start - 1) / max(cfg.train.steps, 1),

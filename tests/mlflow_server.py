@@ -1,4 +1,5 @@
-"""A real ``mlflow server`` process for tests: SQLite backend, proxied local artifacts.
+"""A real ``mlflow server`` process for tests: SQLite backend, proxied artifacts (a local
+directory, or an S3 bucket on the test's S3 endpoint).
 
 Started with ``--workers 1`` and ``MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false`` (otherwise it
 spawns ~10 processes and ~3 GB), in its own process group so that stopping it stops the
@@ -24,7 +25,7 @@ from engine_helpers import free_port
 class MlflowServer:
     url: str
     db_path: Path
-    artifacts: Path
+    artifacts: Path | str  # a directory, or the s3:// destination
     log_path: Path
     proc: subprocess.Popen
 
@@ -66,15 +67,28 @@ class MlflowServer:
             os.killpg(pgid, signal.SIGKILL)
 
 
-def start_mlflow_server(root: Path, timeout: float = 180.0, wait: bool = True) -> MlflowServer:
+def start_mlflow_server(
+    root: Path,
+    timeout: float = 180.0,
+    wait: bool = True,
+    *,
+    artifacts_destination: str | None = None,
+    env: dict[str, str] | None = None,
+) -> MlflowServer:
     """Start ``mlflow server`` on a free 127.0.0.1 port with its store under ``root``;
     with ``wait``, returns once ``/health`` answers (else call :meth:`MlflowServer.wait_ready`
-    later, so that other setup overlaps the server's ~10-30 s start)."""
+    later, so that other setup overlaps the server's ~10-30 s start).
+
+    ``artifacts_destination`` (e.g. ``s3://bucket/mlflow``, with ``env`` pointing the server
+    at the endpoint: ``MLFLOW_S3_ENDPOINT_URL`` and credentials) replaces the local
+    ``root/artifacts``; clients always go through the server's artifact proxy."""
     root.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    db, artifacts, log_path = root / "mlflow.db", root / "artifacts", root / "server.log"
+    db, log_path = root / "mlflow.db", root / "server.log"
+    artifacts: Path | str = artifacts_destination or root / "artifacts"
     env = {
         **os.environ,
+        **(env or {}),
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
         "MLFLOW_DISABLE_TELEMETRY": "true",
     }

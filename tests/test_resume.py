@@ -5,6 +5,10 @@ of a step after a checkpoint, resume with ``--resume``. The prompts consumed aft
 checkpoint (the sample ledger: uids, rewards, token counts) and the final weights must be
 identical to the uninterrupted run's. Both runs use one torch thread, per-sample sampling
 seeds and batch-invariant decoding, so identity is bit-exact on CPU.
+
+The epoch-boundary variant keeps its checkpoints in S3 (the session's moto server) and
+resumes on "another machine": a fresh ``storage.root`` with nothing of the killed run, so
+the checkpoint is found and downloaded from the bucket.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "tiny-cpu.yaml")
 STEPS = 6
+
+# The moto server fixtures (s3_server, s3_bucket) live in tests/s3_server.py.
+pytest_plugins = ["s3_server"]
 
 
 def _argv(tmp: Path, cache: Path, run_name: str, *extra: str) -> list[str]:
@@ -63,17 +70,25 @@ def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout_s: 
 
 
 @pytest.mark.parametrize(
-    "extra",
+    "variant",
     [
-        pytest.param([], id="mid-epoch"),
+        "mid-epoch",
         # 16 prompts, 8 per step: the step-2 checkpoint falls exactly on the end of epoch 0,
         # where a resume must start epoch 1, neither repeating epoch 0 nor skipping 1.
-        pytest.param(["data.max_train_examples=16"], id="epoch-boundary"),
+        # Checkpoints in S3, resumed on another machine.
+        "epoch-boundary-s3",
     ],
 )
 def test_sigkill_mid_step_then_resume_is_exact(
-    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, extra: list[str]
+    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, variant: str, request
 ) -> None:
+    extra: list[str] = []
+    elsewhere = tmp_path  # where the resume runs: the same machine, or another one
+    bucket = None
+    if variant == "epoch-boundary-s3":
+        bucket = request.getfixturevalue("s3_bucket")  # also points boto3 at the server
+        extra = ["data.max_train_examples=16", f"checkpoint.uri=s3://{bucket}/checkpoints"]
+        elsewhere = tmp_path / "another-machine"
     env = _env()
     done = subprocess.run(
         _argv(tmp_path, tiny_cache, "straight", *extra), env=env, cwd=ROOT, timeout=600,
@@ -94,29 +109,45 @@ def test_sigkill_mid_step_then_resume_is_exact(
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert [p.name for p in sorted((killed / "checkpoints").glob("step-*"))
-            if (p / "MANIFEST.json").is_file()] == ["step-000002"]
+    if bucket is None:
+        assert [p.name for p in sorted((killed / "checkpoints").glob("step-*"))
+                if (p / "MANIFEST.json").is_file()] == ["step-000002"]
+    else:
+        from rl_core.checkpoint import latest_checkpoint
+
+        assert latest_checkpoint(f"s3://{bucket}/checkpoints/killed") == (
+            f"s3://{bucket}/checkpoints/killed/step-000002"
+        )
 
     resumed = subprocess.run(
-        [*_argv(tmp_path, tiny_cache, "killed", *extra), "--resume", "--json"], env=env, cwd=ROOT,
-        timeout=600, capture_output=True, text=True,
+        [*_argv(elsewhere, tiny_cache, "killed", *extra), "--resume", "--json"], env=env,
+        cwd=ROOT, timeout=600, capture_output=True, text=True,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout[resumed.stdout.index("{"):])
     assert summary["resumed_from_step"] == 2
+    killed = elsewhere / "killed"
 
     # The same prompts, samples and rewards after the checkpoint, and no step twice.
     straight, again = _ledger(tmp_path / "straight"), _ledger(killed)
-    assert sorted(again) == list(range(1, STEPS + 1))
-    for step in range(3, STEPS + 1):
+    after = list(range(3, STEPS + 1))
+    assert sorted(again) == (after if bucket else list(range(1, STEPS + 1)))
+    for step in after:
         assert again[step] == straight[step], f"step {step} differs after resume"
 
-    if extra:  # epochs 0 and 1 each visit all 16 prompts exactly once
+    if bucket:  # another machine: the first evaluation is of the restored policy, at step 2
+        evals = [json.loads(x) for x in (killed / "evals.jsonl").read_text().splitlines()]
+        assert evals[0]["step"] == 2
+        # epochs 1 and 2 (steps 3-4, 5-6) each visit all 16 prompts exactly once
+
         def prompts(steps: range) -> list[str]:
             return sorted({s["uid"].split(":")[1] for t in steps for s in again[t]})
 
-        assert len(prompts(range(1, 3))) == len(prompts(range(3, 5))) == 16
-        assert prompts(range(1, 3)) == prompts(range(3, 5))
+        assert len(prompts(range(3, 5))) == len(prompts(range(5, 7))) == 16
+        straight_prompts = sorted(
+            {s["uid"].split(":")[1] for t in (1, 2) for s in straight[t]}
+        )
+        assert prompts(range(3, 5)) == straight_prompts
 
     # The same final weights, bit for bit.
     a = load_file(tmp_path / "straight" / "model" / "model.safetensors")

@@ -2,6 +2,9 @@
 SQLite default: params, batched per-step metrics, samples tables, nested evaluations,
 checkpoints, the registered model (alias ``candidate``, loaded back and generating), resume,
 and redaction of secrets from the store, the artifacts and the logs.
+
+The server keeps its artifacts in S3: a bucket on the session's moto server (a real HTTP S3
+endpoint), behind the server's artifact proxy, as a team's tracking server would.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ pytest.importorskip("mlflow")
 from engine_helpers import save_tiny_model  # noqa: E402
 from mlflow_server import MlflowServer, start_mlflow_server  # noqa: E402
 from prefect import flow  # noqa: E402
+from s3_server import S3Server  # noqa: E402
 
 from rl_core.config import load_config  # noqa: E402
 from rl_core.grpo import Sample  # noqa: E402
@@ -28,6 +32,9 @@ from tasks import tracking  # noqa: E402
 from tasks.setup import PreparedData  # noqa: E402
 
 STEPS = 4
+
+# The moto server fixtures (s3_server, s3_bucket) live in tests/s3_server.py.
+pytest_plugins = ["s3_server"]
 
 
 # ---------------------------------------------------------------------------- fixtures
@@ -50,11 +57,36 @@ def _mlflow_env() -> Iterator[None]:
             os.environ[k] = v
 
 
+ARTIFACT_BUCKET = "grpoflow-mlflow-artifacts"
+
+
+def _s3(server: S3Server):  # noqa: ANN202 - a boto3 client
+    import boto3
+
+    return boto3.client(
+        "s3", endpoint_url=server.url, region_name="us-east-1",
+        aws_access_key_id="testing", aws_secret_access_key="testing",
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module", autouse=True)
-def _server_process(_mlflow_env, tmp_path_factory) -> Iterator[MlflowServer]:
+def _server_process(_mlflow_env, s3_server: S3Server, tmp_path_factory) -> Iterator[MlflowServer]:
     """Started with the module's first test and not waited for here: the server boots while
-    the Prefect harness (session-scoped, first needed later) starts. Stopped at module end."""
-    server = start_mlflow_server(tmp_path_factory.mktemp("mlflow-server"), wait=False)
+    the Prefect harness (session-scoped, first needed later) starts. Its artifacts go to a
+    bucket on the S3 endpoint. Stopped at module end."""
+    _s3(s3_server).create_bucket(Bucket=ARTIFACT_BUCKET)
+    server = start_mlflow_server(
+        tmp_path_factory.mktemp("mlflow-server"),
+        wait=False,
+        artifacts_destination=f"s3://{ARTIFACT_BUCKET}/mlflow",
+        env={
+            "MLFLOW_S3_ENDPOINT_URL": s3_server.url,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        },
+    )
     try:
         yield server
     finally:
@@ -201,7 +233,12 @@ def test_redact(monkeypatch) -> None:
 
 
 def test_training_run_on_server(
-    prefect_harness, mlflow_server: MlflowServer, model_dir: Path, tmp_path: Path, monkeypatch
+    prefect_harness,
+    mlflow_server: MlflowServer,
+    s3_server: S3Server,
+    model_dir: Path,
+    tmp_path: Path,
+    monkeypatch,
 ) -> None:
     """A short run through a real server: everything the issue lists ends up tracked."""
     from transformers import AutoTokenizer
@@ -291,6 +328,17 @@ def test_training_run_on_server(
     png = Path(client.download_artifacts(h.run_id, out["curve"], str(tmp_path / "dl")))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "config.yaml" in paths()
+
+    # ... and every artifact is an object in the S3 bucket (through the server's proxy)
+    listing = _s3(s3_server).get_paginator("list_objects_v2").paginate(
+        Bucket=ARTIFACT_BUCKET, Prefix="mlflow/"
+    )
+    keys = {o["Key"] for page in listing for o in page.get("Contents", [])}
+    run_prefix = f"mlflow/{h.experiment_id}/{h.run_id}/artifacts/"
+    for path in ("samples/step-000004.json", "checkpoints/step-000002/state.json",
+                 "config.yaml", out["curve"]):  # fmt: skip
+        assert run_prefix + path in keys, (path, sorted(keys)[:20])
+    assert any(k.endswith(".safetensors") for k in keys), "the registered model's weights"
 
     # the registered model: alias candidate, eval metrics, linked to the run; it generates
     mv = client.get_model_version_by_alias("trk-server-policy", "candidate")
