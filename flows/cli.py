@@ -8,6 +8,7 @@
     grpoflow engine serve --model PATH --port P         SGLang-compatible embedded engine
     grpoflow doctor [CONFIG] [...] [--json]             what is here, what is missing, fixes
     grpoflow plan --model M --device D --devices N      TP/PP/DP recommendation per plane
+    grpoflow deploy [--name PATTERN]                    register deployments/prefect.yaml
 
 Flows run on Prefect's ephemeral API unless ``PREFECT_API_URL`` points at a server:
 nothing to install or start. This module lives in ``flows/`` because it starts flows;
@@ -73,6 +74,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from rl_core.report import format_eval
 
     config, overrides = _split(args)
+    if args.registry:
+        out = evaluate(config=config, overrides=overrides, registry=True)
+        print(json.dumps({k: v for k, v in out.items()}, indent=2, default=str))
+        return 0
     result = evaluate(config=config, overrides=overrides, model=args.model)
     print(format_eval(result))
     for row in result["samples"][: args.show]:
@@ -149,7 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("evaluate", help="evaluate a model on the held-out set")
     _config_args(p)
-    p.add_argument("--model", help="HF directory or hub id (default: model.path)")
+    p.add_argument(
+        "--model",
+        help="HF directory, hub id or registry URI models:/NAME@ALIAS (default: model.path)",
+    )
+    p.add_argument(
+        "--registry",
+        action="store_true",
+        help="evaluate the registry's candidate and champion and promote (needs tracking.uri)",
+    )
     p.add_argument("--show", type=int, default=4, help="sample generations to print")
     p.set_defaults(func=cmd_evaluate)
 
@@ -172,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         "plan", help="recommend TP/PP/DP for both planes (see `grpoflow plan --help`)"
+    )
+    sub.add_parser(
+        "deploy", help="register deployments/prefect.yaml with the Prefect server at "
+        "PREFECT_API_URL (see `grpoflow deploy --help`)"
     )
 
     p = sub.add_parser("bootstrap-model", help="build the embedded tiny model")
@@ -197,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         from rl_core.cluster.planner import main as plan_main
 
         return plan_main(argv[1:])
+    if argv[:1] == ["deploy"]:
+        from flows.deploy import main as deploy_main
+
+        return deploy_main(argv[1:])
     parser = build_parser()
     # Overrides may come after options too (`evaluate CONFIG --model M eval.k=8`).
     args, extra = parser.parse_known_args(argv)

@@ -226,6 +226,13 @@ class EvalConfig(_Section):
     pass_k_examples: int = Field(64, ge=0)
     temperature: float = Field(1.0, ge=0.0)
     max_new_tokens: int | None = Field(None, ge=1)
+    promotion_metric: Literal["pass_at_1", "pass_at_k"] = Field(
+        "pass_at_1", description="What the scheduled evaluation compares (candidate vs champion)."
+    )
+    promotion_margin: float = Field(
+        0.01, ge=0.0, description="The candidate must beat the champion by more than this."
+    )
+    champion_alias: str = Field("champion", min_length=1)
 
 
 class CheckpointConfig(_Section):
