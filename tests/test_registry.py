@@ -10,6 +10,7 @@ the held-out set, and checks the nested run, the version tags and the Prefect ar
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -90,8 +91,18 @@ def _aliases(client) -> dict[str, str]:  # noqa: ANN001
     return {a: str(v) for a, v in client.get_registered_model(NAME).aliases.items()}
 
 
+@pytest.fixture
+def cwd(tmp_path: Path, monkeypatch) -> Iterator[Path]:
+    """An empty working directory: nothing may fall back to ./mlflow.db or ./mlruns."""
+    path = tmp_path / "cwd"
+    path.mkdir()
+    monkeypatch.chdir(path)
+    yield path
+    assert not list(path.iterdir()), "MLflow wrote to the working directory"
+
+
 def test_promotion_on_registered_versions(
-    prefect_harness, tiny_cache: Path, tmp_path: Path
+    prefect_harness, tiny_cache: Path, tmp_path: Path, cwd: Path
 ) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     overrides = _overrides(tmp_path, tiny_cache, uri)
@@ -148,7 +159,7 @@ def test_registry_evaluation_without_a_store_names_the_fix(prefect_harness, monk
 
 
 def test_a_registered_model_is_fetched_evaluated_once_and_promoted(
-    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path
+    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, cwd: Path
 ) -> None:
     import mlflow
     from transformers import AutoModelForCausalLM, AutoTokenizer
