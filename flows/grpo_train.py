@@ -34,6 +34,7 @@ from tasks.step import (
     StepTaskError,
     compute_advantages,
     compute_logprobs,
+    release_rollout_memory,
     reward,
     rollout,
     sync_weights,
@@ -178,14 +179,17 @@ def grpo_train(
 
 
 def grpo_step(planes: PlanesHandle, indices: list[int], step: int) -> tuple[StepSamples, dict]:
-    """rollout -> reward -> advantages -> log-probs -> train -> sync weights."""
+    """rollout -> (release the engines' memory) -> reward -> advantages -> log-probs ->
+    train -> sync weights (taking the memory back first)."""
     samples = rollout(planes, indices, step)
+    released = release_rollout_memory(planes, step) if get_planes(planes).time_share else {}
     scored = reward(planes, samples, step)
     batch = compute_advantages(planes, scored, step)
     batch, logprob_metrics = compute_logprobs(planes, batch, step)
     train_metrics = train(planes, batch, step)
     sync_metrics = sync_weights(planes, step)
-    return scored, {**scored.metrics, **logprob_metrics, **train_metrics, **sync_metrics}
+    return scored, {**scored.metrics, **released, **logprob_metrics, **train_metrics,
+                    **sync_metrics}
 
 
 def _restore(

@@ -151,6 +151,12 @@ class RolloutConfig(_Section):
         description="Collective backend of weight_sync=distributed; auto: nccl (RCCL on ROCm) "
         "when trainer and engines have GPUs on Ray, else gloo.",
     )
+    release_memory_while_training: bool | None = Field(
+        None,
+        description="Engines release weights and KV cache after the rollout and take them "
+        "back for the weight sync (colocated planes time-sharing GPUs); None: on when "
+        "cluster.placement is colocated on Ray with GPUs.",
+    )
     weight_sync_bucket_mb: float = Field(
         512.0,
         gt=0,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,7 @@ class LocalPlanes:
     skipped_long_prompts: int = 0
     cluster: Any = None  # a RayCluster in cluster.mode ray
     placement: Any = None  # its PlanePlacement
+    time_share: bool = False  # engines release their memory while the trainer works
 
     @property
     def weight_version(self) -> int:
@@ -83,7 +85,26 @@ class LocalPlanes:
         """Push the trainer's weights to the rollout plane as ``version``; verify checksums."""
         if self.trainer is None:
             raise RuntimeError("these planes were brought up without a trainer")
-        return self.rollout.sync_from(self.trainer, version)
+        released = isinstance(self.rollout, HttpRollout) and self.rollout.memory_released
+        if not released:
+            return self.rollout.sync_from(self.trainer, version)
+        # Time-shared devices: weights back first (the update writes into them), the KV
+        # cache after the update.
+        t0 = time.perf_counter()
+        self.rollout.resume_memory(["weights"])
+        metrics = self.rollout.sync_from(self.trainer, version)
+        self.rollout.resume_memory(["kv_cache"])
+        total = time.perf_counter() - t0
+        return {**metrics, "resume_memory_seconds": total - metrics.get("sync_seconds", 0.0)}
+
+    def release_rollout_memory(self) -> dict[str, float]:
+        """Colocated planes: the engines free weights and KV cache for the trainer (until
+        :meth:`sync_weights`). A no-op unless ``time_share``."""
+        if not self.time_share or not isinstance(self.rollout, HttpRollout):
+            return {}
+        t0 = time.perf_counter()
+        self.rollout.release_memory()
+        return {"release_memory_seconds": time.perf_counter() - t0}
 
     def close(self) -> None:
         self.reward_runner.close()
@@ -182,6 +203,15 @@ def start_rollout(
     ).start()
 
 
+def _time_share(cfg: ExperimentConfig) -> bool:
+    """``rollout.release_memory_while_training``, with ``None`` resolved: colocated GPUs."""
+    flag = cfg.rollout.release_memory_while_training
+    if flag is not None:
+        return flag
+    c = cfg.cluster
+    return c.mode == "ray" and c.placement == "colocated" and c.gpus_per_engine > 0
+
+
 def _weight_sync_backend(cfg: ExperimentConfig) -> str:
     """``rollout.weight_sync_backend``, with ``auto`` resolved for the planes' devices."""
     backend = cfg.rollout.weight_sync_backend
@@ -253,6 +283,7 @@ def bring_up_planes(
         skipped_long_prompts=skipped + skip_eval,
         cluster=cluster,
         placement=placement,
+        time_share=_time_share(cfg),
     )
     return PlanesHandle(key)
 

@@ -35,6 +35,7 @@ __all__ = [
     "StepTaskError",
     "compute_advantages",
     "compute_logprobs",
+    "release_rollout_memory",
     "reward",
     "rollout",
     "sync_weights",
@@ -139,6 +140,19 @@ def reward(planes: PlanesHandle, batch: StepSamples, step: int) -> StepSamples:
         }
     )
     return StepSamples(step, batch.samples, metrics)
+
+
+@task(
+    name="release-rollout-memory",
+    task_run_name="release-rollout-memory-step-{step}",
+    timeout_seconds=300,
+    **_RETRY,
+)
+@_named("release-rollout-memory")
+def release_rollout_memory(planes: PlanesHandle, step: int) -> dict[str, float]:
+    """Colocated planes: the engines free their weights and KV cache for the trainer; the
+    weight sync takes them back."""
+    return get_planes(planes).release_rollout_memory()
 
 
 @task(

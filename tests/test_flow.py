@@ -42,6 +42,8 @@ def test_grpo_flow_two_steps(prefect_harness, tiny_cache: Path, tmp_path: Path) 
         "eval.pass_k_examples=4",
         "tracking.backend=mlflow",  # the embedded default: SQLite in the run directory
         "tracking.samples_every=1",
+        # colocated planes' time-sharing (on by itself only with GPUs on Ray)
+        "rollout.release_memory_while_training=true",
     )
     state = grpo_train(config=DEMO, overrides=overrides, show_progress=False, return_state=True)
     assert state.is_completed(), state
@@ -54,7 +56,8 @@ def test_grpo_flow_two_steps(prefect_harness, tiny_cache: Path, tmp_path: Path) 
     for m in steps:
         for key in ("reward_mean", "accuracy", "kl", "entropy", "response_len_mean",
                     "rollout_tokens_per_s", "time/rollout", "time/reward", "time/logprobs",
-                    "time/train", "time/sync", "grad_norm", "sync_bytes"):
+                    "time/train", "time/sync", "grad_norm", "sync_bytes",
+                    "release_memory_seconds", "resume_memory_seconds"):
             assert key in m, key
     evals = [json.loads(line) for line in (run_dir / "evals.jsonl").read_text().splitlines()]
     assert [(e["step"], e["weight_version"]) for e in evals] == [(0, 0), (1, 1), (2, 2)]
@@ -77,7 +80,8 @@ def test_grpo_flow_two_steps(prefect_harness, tiny_cache: Path, tmp_path: Path) 
         )
     names = {r.name for r in runs}
     for step in (1, 2):
-        for phase in ("rollout", "reward", "advantages", "logprobs", "train", "sync-weights"):
+        for phase in ("rollout", "release-rollout-memory", "reward", "advantages", "logprobs",
+                      "train", "sync-weights"):
             assert f"{phase}-step-{step}" in names, (phase, step, sorted(names))
     assert {"evaluate-step-0", "evaluate-step-1"} <= names
     assert all(r.state.is_completed() for r in runs)

@@ -244,6 +244,44 @@ def test_distributed_sync_broadcasts_to_every_engine_and_brings_back_a_killed_on
     assert all(not e.alive for e in pool.engines)
 
 
+def test_colocated_engines_release_memory_for_training_and_take_it_back_to_sync(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Time-shared devices: after the rollout the engine frees weights and KV cache; the
+    monitor does not mistake it for a dead engine; the sync takes the weights back first and
+    the engine serves the trainer's new weights. Sampling never runs on released engines."""
+    r = _rollout(model_dir, tmp_path)
+    try:
+        url = r.pool.engine_urls[0]
+        trainer = _trainer(model_dir)
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+
+        def released() -> dict:
+            return r.pool.client.server_info(url=url)["internal_states"][0]["memory_released"]
+
+        r.release_memory()
+        assert r.memory_released == {"weights", "kv_cache"}
+        assert released() == {"weights": True, "kv_cache": True}
+        time.sleep(2.5)  # five monitor passes at 0.5 s, failure threshold 2
+        assert r.pool.engines[0].restarts == 0 and r.pool.engines[0].in_service
+        r.resume_memory(["weights"])  # what LocalPlanes.sync_weights does
+        r.sync_from(trainer, 1)
+        r.resume_memory(["kv_cache"])
+        assert released() == {"weights": False, "kv_cache": False} and not r.memory_released
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+        local = LocalEngine(model_dir)
+        local.update_weights(trainer.export_weights(), 1)
+        want = [c.output_ids for c in local.generate(PROMPTS, greedy)]
+        assert [c.output_ids for c in r.generate(PROMPTS, greedy)] == want
+        r.release_memory()  # a rollout on released engines takes the memory back first
+        assert [c.output_ids for c in r.generate(PROMPTS, greedy)] == want
+        assert not r.memory_released
+    finally:
+        r.close()
+
+
 def test_engines_die_with_the_process_that_started_them(model_dir: Path, tmp_path: Path) -> None:
     """An engine started with --parent-pid exits when that process is gone (SIGKILLed flows
     leave no orphans)."""

@@ -752,6 +752,7 @@ class EmbeddedEngine:
                     "num_running_reqs": load["num_running_reqs"],
                     "num_waiting_reqs": load["num_waiting_reqs"],
                     "decode_steps": self.stats["decode_steps"],
+                    "memory_released": self.memory_released,
                 }
             ],
             "version": _package_version(),

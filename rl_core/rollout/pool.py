@@ -156,6 +156,9 @@ class EnginePool:
         self.client: SyncSGLangClient | None = None
         self.weight_version: str | None = None  # None: engines serve their initial weights
         self._disk_source: str | None = None  # last model_path given to weight_update
+        # Memory tags the engines released (colocated planes: the trainer holds the devices).
+        # While set, the monitor checks liveness only: a released engine cannot generate.
+        self.released: set[str] = set()
         # Held by weight updates and by recoveries: a restarted engine is re-synced to a
         # version no update can overtake, and the monitor never probes a paused engine.
         self._sync_lock = threading.Lock()
@@ -282,7 +285,7 @@ class EnginePool:
 
     def _check_health_locked(self) -> list[int]:
         client = self._require_client()
-        probe = [e for e in self.engines if e.in_service and e.alive]
+        probe = [e for e in self.engines if e.in_service and e.alive and not self.released]
 
         async def probe_all() -> list[bool]:
             return list(
@@ -561,6 +564,43 @@ class EnginePool:
             raise WeightSyncError(
                 f"weight_update to {version} not applied everywhere: " + "; ".join(wrong)
             )
+
+    # ------------------------------------------------------------------ memory
+
+    def release_memory(self, tags: Sequence[str] | None = None, timeout_s: float = 120.0) -> None:
+        """``/release_memory_occupation`` on every engine in service (``tags`` None: weights
+        and KV cache), so that a colocated trainer gets the devices."""
+        self._memory("release", tags, timeout_s)
+
+    def resume_memory(self, tags: Sequence[str] | None = None, timeout_s: float = 120.0) -> None:
+        """``/resume_memory_occupation``: undo :meth:`release_memory` for ``tags``."""
+        self._memory("resume", tags, timeout_s)
+
+    def _memory(self, what: str, tags: Sequence[str] | None, timeout_s: float) -> None:
+        client = self._require_client()
+        wanted = set(tags) if tags else {"weights", "kv_cache"}
+        if not self._sync_lock.acquire(timeout=timeout_s):
+            raise WeightSyncError(f"{what}_memory: the pool was busy for {timeout_s}s")
+        try:
+            urls = self.in_service_urls()
+            call = client.aio.release_memory if what == "release" else client.aio.resume_memory
+
+            async def all_engines() -> list[Any]:
+                return await asyncio.gather(
+                    *(call(sorted(wanted), url=u) for u in urls), return_exceptions=True
+                )
+
+            results = client.run(all_engines(), timeout_s=timeout_s)
+            errors = [f"{u}: {r}" for u, r in zip(urls, results, strict=True)
+                      if isinstance(r, BaseException)]  # fmt: skip
+            if what == "release":
+                self.released |= wanted
+            else:
+                self.released -= wanted
+            if errors:
+                raise RolloutError(f"{what}_memory {sorted(wanted)} failed on " + "; ".join(errors))
+        finally:
+            self._sync_lock.release()
 
     def _require_client(self) -> SyncSGLangClient:
         if self.client is None:

@@ -186,6 +186,17 @@ class HttpRollout:
         log.info("rollout plane: %s up in %.1fs", ", ".join(self.urls), time.monotonic() - t0)
         return self
 
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Engines free their weights and KV cache (``tags``) while a colocated trainer runs."""
+        self.pool.release_memory(tags)
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        self.pool.resume_memory(tags)
+
+    @property
+    def memory_released(self) -> set[str]:
+        return set(self.pool.released)
+
     def close(self) -> None:
         if self._group is not None:
             self._close_group()
@@ -205,6 +216,10 @@ class HttpRollout:
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         if not prompts:
             return []
+        if self.pool.released:  # never sample from engines without weights
+            log.warning("engines had released %s: taking it back before sampling",
+                        sorted(self.pool.released))  # fmt: skip
+            self.pool.resume_memory()
         if self.weight_sync == "distributed" and self.pool.awaiting_urls():
             self._resync_restarted()
         client = self._client()
