@@ -341,6 +341,18 @@ class ExperimentConfig(_Section):
                 f"algorithm.clip_low ({self.algorithm.clip_low}) must not exceed "
                 f"algorithm.clip_high ({self.algorithm.clip_high})"
             )
+        c, r = self.cluster, self.rollout
+        nccl = r.weight_sync_backend == "nccl" or (
+            r.weight_sync_backend == "auto" and c.gpus_per_trainer > 0 and c.gpus_per_engine > 0
+        )
+        if (r.weight_sync == "distributed" and c.mode == "ray" and c.placement == "colocated"
+                and nccl):  # fmt: skip
+            raise ValueError(
+                "rollout.weight_sync=distributed with cluster.placement=colocated on GPUs puts "
+                "trainer rank 0 and an engine on one device, which NCCL/RCCL refuse "
+                "('Duplicate GPU detected'); use rollout.weight_sync=disk (or object_store), "
+                "or cluster.placement=disaggregated"
+            )
         rollouts = self.train.prompts_per_step * self.rollout.n_samples
         if rollouts % self.train.mini_batches:
             raise ValueError(

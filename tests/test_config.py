@@ -329,3 +329,15 @@ def test_config_digest_is_stable(tmp_path):
     assert config_digest(load_config(TINY, ["train.lr=2e-4"])) != digest
     assert config_digest(load_config(TINY, ["seed=1"])) != digest
     assert config_digest(load_config(QWEN)) != digest
+
+
+def test_distributed_sync_on_colocated_gpus_is_refused_with_the_fix() -> None:
+    from rl_core.config import ConfigError, load_config
+
+    bad = ["cluster.mode=ray", "cluster.placement=colocated", "cluster.gpus_per_trainer=1",
+           "cluster.gpus_per_engine=1", "rollout.weight_sync=distributed"]  # fmt: skip
+    with pytest.raises(ConfigError, match="Duplicate GPU detected.*cluster.placement=disaggregated"):
+        load_config(CONFIGS / "tiny-cpu.yaml", bad)
+    # on CPU (gloo) and disaggregated GPUs it is fine
+    load_config(CONFIGS / "tiny-cpu.yaml", bad[:2] + ["rollout.weight_sync=distributed"])
+    load_config(CONFIGS / "tiny-cpu.yaml", ["cluster.placement=disaggregated", *bad[2:]])
