@@ -822,7 +822,6 @@ def test_worker_polls_a_process_pool_and_reaches_the_stack_by_service_name():
     assert env["GRPOFLOW_HOME"] == load("cpu").of("WORKDIR")[-1].args
 
 
-@pytest.mark.skipif(not PREFECT_FILE.exists(), reason="no deployments/prefect.yaml")
 def test_worker_polls_the_process_pool_of_the_deployments():
     spec = yaml.safe_load(PREFECT_FILE.read_text())
     pools = {d["work_pool"]["name"] for d in spec["deployments"] if d.get("work_pool")}
