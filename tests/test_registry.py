@@ -14,16 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-pytest.importorskip("mlflow")
-
-from prefect.client.orchestration import get_client  # noqa: E402
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey  # noqa: E402
-
-from flows.evaluate import evaluate, registry_evaluation_key  # noqa: E402
-from rl_core.config import load_config  # noqa: E402
-from tasks.registry import Decision, RegistryVersion, decide, registry_client  # noqa: E402
-from tasks.setup import prepare_data  # noqa: E402
+from flows.evaluate import evaluate, registry_evaluation_key
+from rl_core.config import load_config
+from tasks.registry import Decision, RegistryVersion, decide, registry_client
+from tasks.setup import prepare_data
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "tiny-cpu.yaml")
