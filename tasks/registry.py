@@ -33,6 +33,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks.tracking import (
     KIND_TAG,
     PARENT_TAG,
+    _columns,
     _global_tracking_uri,
     eval_metrics,
     metric_name,
@@ -180,9 +181,7 @@ def record_evaluation(
         tags=[RunTag("num_examples", str(result.get("num_examples")))],
     )
     if result.get("samples"):
-        rows = list(result["samples"])
-        cols = sorted({c for r in rows for c in r})
-        client.log_table(run_id, {c: [r.get(c) for r in rows] for c in cols}, "samples.json")
+        client.log_table(run_id, _columns(result["samples"]), "samples.json")
     client.set_terminated(run_id, status=RunStatus.to_string(RunStatus.FINISHED))
     for k, val in metrics.items():
         client.set_model_version_tag(v.name, v.version, f"eval.{key}.{k}", f"{val:.6g}")
