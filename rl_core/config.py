@@ -174,10 +174,36 @@ class RolloutConfig(_Section):
     sglang_extra_args: list[str] = []
 
 
+class MegatronConfig(_Section):
+    """The megatron-core backend's parallel layout (``train.backend: megatron``).
+
+    ``tp * pp * dp`` must equal the trainer ranks (``cluster.trainer_ranks`` on Ray, 1 in
+    ``cluster.mode: local``); docs/megatron.md.
+    """
+
+    tp: int = Field(1, ge=1, description="Tensor parallelism (must divide heads and KV heads).")
+    pp: int = Field(1, ge=1, description="Pipeline parallelism (must divide the layers).")
+    dp: int | None = Field(
+        None, ge=1, description="Data parallelism; default: trainer ranks / (tp * pp)."
+    )
+    sequence_parallel: bool = Field(False, description="Split norms/dropout by sequence (tp > 1).")
+    distributed_optimizer: bool = Field(False, description="ZeRO-1: shard optimizer state over dp.")
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none", description="Activation recomputation (full: every layer, uniform)."
+    )
+    recompute_num_layers: int = Field(1, ge=1)
+    vocab_divisible_by: int = Field(
+        128, ge=1, description="Pad the vocabulary to a multiple of this * tp (masked out)."
+    )
+
+
 class TrainConfig(_Section):
     """The training plane and the loop around it."""
 
-    backend: Literal["torch", "megatron"] = "torch"
+    backend: Literal["torch", "megatron"] = Field(
+        "torch", description="`torch` (HF model, DDP/FSDP2) or `megatron` (megatron-core)."
+    )
+    megatron: MegatronConfig = MegatronConfig()
     steps: int = Field(60, ge=0)
     prompts_per_step: int = Field(32, ge=1)
     lr: float = Field(1e-4, gt=0.0)
@@ -353,6 +379,8 @@ class ExperimentConfig(_Section):
                 "('Duplicate GPU detected'); use rollout.weight_sync=disk (or object_store), "
                 "or cluster.placement=disaggregated"
             )
+        if self.train.backend == "megatron":
+            self._check_megatron()
         rollouts = self.train.prompts_per_step * self.rollout.n_samples
         if rollouts % self.train.mini_batches:
             raise ValueError(
@@ -360,6 +388,29 @@ class ExperimentConfig(_Section):
                 f"train.mini_batches ({self.train.mini_batches})"
             )
         return self
+
+    def _check_megatron(self) -> None:
+        m, c = self.train.megatron, self.cluster
+        ranks = c.trainer_ranks if c.mode == "ray" else 1
+        where = (
+            f"cluster.trainer_ranks ({ranks})" if c.mode == "ray"
+            else "the one trainer of cluster.mode=local"
+        )  # fmt: skip
+        if ranks % (m.tp * m.pp):
+            raise ValueError(
+                f"train.megatron.tp * train.megatron.pp ({m.tp} * {m.pp}) must divide {where}; "
+                + ("use cluster.mode=ray with cluster.trainer_ranks = tp * pp * dp"
+                   if c.mode == "local" else "change cluster.trainer_ranks or tp/pp")
+            )  # fmt: skip
+        dp = ranks // (m.tp * m.pp)
+        if m.dp is not None and m.dp != dp:
+            raise ValueError(
+                f"train.megatron.tp * pp * dp = {m.tp} * {m.pp} * {m.dp} = {m.tp * m.pp * m.dp}, "
+                f"but there are {ranks} trainer ranks ({where}); leave train.megatron.dp unset "
+                "to derive it"
+            )
+        if m.sequence_parallel and m.tp == 1:
+            raise ValueError("train.megatron.sequence_parallel needs train.megatron.tp > 1")
 
 
 # --------------------------------------------------------------------------- loading

@@ -297,6 +297,10 @@ def _start_trainer(cfg: ExperimentConfig, model_path: str | Path, placement: Any
         trust_remote_code=cfg.model.trust_remote_code,
     )
     if placement is None:
+        if cfg.train.backend == "megatron":
+            from rl_core.training.megatron import MegatronTrainer
+
+            return MegatronTrainer(model_path, cfg.train, cfg.algorithm, **kw)
         return TorchTrainer(model_path, cfg.train, cfg.algorithm, **kw)
     from rl_core.cluster.platform import detect_platform
     from rl_core.training.distributed import TrainerGroup

@@ -17,6 +17,13 @@ reduced across ranks the same way. ``data_parallel="ddp"`` (the CPU default) rep
 the model; ``"fsdp2"`` (``fully_shard``, the GPU default) shards it. Both run on gloo too,
 so the CPU tests cover both code paths.
 
+With ``train.backend: megatron`` each rank holds a
+:class:`~rl_core.training.megatron.trainer.MegatronTrainer` instead, laid out TP x PP x DP by
+megatron's process groups over the same default group: the driver gives every rank of a
+data-parallel replica that replica's slice, and keeps the log-probs of the ranks the
+trainer says report (TP rank 0 of the last pipeline stage). Its checkpoints add megatron's
+``dist_checkpointing`` files beside the same HF ``model/``.
+
 Every wait is bounded: the process group's timeout bounds each collective, and every
 ``ray.get`` is bounded by ``timeout_s``; a failure names the rank. A failed call leaves the
 group unusable (a peer may be stuck in a collective): shut it down and start a new one from
@@ -167,6 +174,7 @@ class _RankTrainer(TorchTrainer):
         super().__init__(*args, **kwargs)
         self.data_parallel = data_parallel
         self.rank = dist.get_rank()
+        self._sends_weights = self.rank == 0  # only rank 0 talks to the engines
         self._ddp = None
         if data_parallel == "fsdp2":
             _fully_shard(self.model)
@@ -214,14 +222,6 @@ class _RankTrainer(TorchTrainer):
 
     def save_pretrained(self, path: str | Path) -> Path:
         return self._write_model(Path(path), self.export_weights())
-
-    def open_weight_broadcast(self, *args: Any, **kwargs: Any) -> None:
-        if self.rank == 0:  # only rank 0 talks to the engines
-            super().open_weight_broadcast(*args, **kwargs)
-
-    def broadcast_weights(self, group_name: str) -> str | None:
-        weights = self.export_weights()  # a collective: every rank takes part
-        return self._weight_sender().send(group_name, weights) if self.rank == 0 else None
 
     def _write_model(self, path: Path, weights: dict[str, torch.Tensor]) -> Path:
         if self.rank == 0:
@@ -315,7 +315,8 @@ def _from_numpy(a: np.ndarray, dtype: str) -> torch.Tensor:
 
 
 class TrainerRank:
-    """One trainer rank: a :class:`TorchTrainer` in this process, data-parallel with its peers.
+    """One trainer rank in this process: a data-parallel :class:`TorchTrainer`, or a
+    ``MegatronTrainer`` rank of a TP x PP x DP layout (``train.backend``).
 
     Run as a Ray actor by :class:`TrainerGroup`; the methods are its remote protocol.
     """
@@ -362,11 +363,24 @@ class TrainerRank:
             world_size=self.world_size,
             timeout=timeout,
         )
-        self.trainer = _RankTrainer(*trainer_args, device=device, **trainer_kwargs)
+        if trainer_args[1].backend == "megatron":
+            from rl_core.training.megatron import MegatronTrainer
+
+            trainer_kwargs.pop("data_parallel", None)  # megatron's own DDP over its DP groups
+            self.trainer = MegatronTrainer(*trainer_args, device=device, **trainer_kwargs)
+            layout = {
+                "dp_rank": self.trainer.dp_rank,
+                "dp_size": self.trainer.dp_size,
+                "reports": self.trainer.reports,
+            }
+        else:
+            self.trainer = _RankTrainer(*trainer_args, device=device, **trainer_kwargs)
+            layout = {"dp_rank": self.rank, "dp_size": self.world_size, "reports": True}
         return {
             "device": device,
             "needs_old_logp": self.trainer.needs_old_logp,
             "has_ref_model": self.trainer.has_ref_model,
+            **layout,
         }
 
     def compute_logprobs(self, batch: TrainBatch, reference: bool) -> torch.Tensor:
@@ -431,6 +445,12 @@ class TrainerGroup:
         self.device = "cpu"
         self._mini_batches = 1
         self._broken: str | None = None
+        # Data-parallel layout: rank r trains on slice _dp_of[r] of _dp_size; the ranks in
+        # _reports hand back log-probs (all of them for DDP/FSDP2; for megatron, TP rank 0
+        # of each replica's last pipeline stage).
+        self._dp_of = list(range(len(actors)))
+        self._dp_size = len(actors)
+        self._reports = [True] * len(actors)
 
     @classmethod
     def start(
@@ -518,6 +538,9 @@ class TrainerGroup:
         group.needs_old_logp = infos[0]["needs_old_logp"]
         group.has_ref_model = infos[0]["has_ref_model"]
         group.device = infos[0]["device"]
+        group._dp_of = [info["dp_rank"] for info in infos]
+        group._dp_size = infos[0]["dp_size"]
+        group._reports = [info["reports"] for info in infos]
         return group
 
     @property
@@ -541,24 +564,26 @@ class TrainerGroup:
         """Per-token log-probs (B, L-1), each rank scoring a slice of the batch."""
         if reference and not self.has_ref_model:
             raise ValueError("no reference model: algorithm.kl_coef is 0")
-        shards = shard_for_logprobs(batch, self.num_ranks)
+        shards = shard_for_logprobs(batch, self._dp_size)
         refs = [
-            a.compute_logprobs.remote(local, reference)
-            for a, (local, _) in zip(self._actors, shards, strict=True)
+            a.compute_logprobs.remote(shards[self._dp_of[r]][0], reference)
+            for r, a in enumerate(self._actors)
         ]
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
-        for (_, rows), got in zip(shards, self._call("compute_logprobs", refs), strict=True):
-            out[rows, : got.shape[1]] = got[: len(rows)]
+        for r, got in enumerate(self._call("compute_logprobs", refs)):
+            if self._reports[r]:
+                rows = shards[self._dp_of[r]][1]
+                out[rows, : got.shape[1]] = got[: len(rows)]
         return out
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One GRPO update over all ranks; the same update one rank makes on ``batch``."""
-        shards = shard_for_training(batch, self.num_ranks, self._mini_batches)
+        shards = shard_for_training(batch, self._dp_size, self._mini_batches)
         # Dr.GRPO's constant, as one rank would take it from the whole batch.
         norm_const = float(self.max_response_len or batch.response_mask.shape[-1])
         refs = [
-            a.train_step.remote(local, minis, norm_const)
-            for a, (local, minis) in zip(self._actors, shards, strict=True)
+            a.train_step.remote(*shards[self._dp_of[r]], norm_const)
+            for r, a in enumerate(self._actors)
         ]
         metrics, self.global_step = self._call("train_step", refs)[0]
         return metrics

@@ -34,7 +34,7 @@ from rl_core.algorithms import compute_grpo_loss, entropy_from_logits, logprobs_
 from rl_core.config import AlgorithmConfig, TrainConfig
 from rl_core.models import torch_dtype
 from rl_core.training.batch import TrainBatch
-from rl_core.weight_sync.broadcast import WeightSender, free_endpoint
+from rl_core.weight_sync.broadcast import BroadcastsWeights
 
 __all__ = ["MiniBatch", "TorchTrainer", "check_loaded", "read_weights"]
 
@@ -60,7 +60,7 @@ class MiniBatch:
     seqs: float
 
 
-class TorchTrainer:
+class TorchTrainer(BroadcastsWeights):
     """GRPO trainer over a Hugging Face causal LM (single rank)."""
 
     def __init__(
@@ -215,13 +215,7 @@ class TorchTrainer:
                         loss.backward()
                     w = float(part.response_mask.sum())
                     tokens += w
-                    for k, v in m.items():
-                        if k in _SUMMED_METRICS:
-                            mini_sums[k] = mini_sums.get(k, 0.0) + float(v)
-                        elif k in _MAX_METRICS:
-                            maxes[k] = max(maxes.get(k, float("-inf")), float(v))
-                        else:
-                            sums[k] = sums.get(k, 0.0) + float(v) * w
+                    add_micro_metrics(m, w, mini_sums, sums, maxes)
                 for k, v in mini_sums.items():
                     sums[k] = sums.get(k, 0.0) + v * mini.tokens
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
@@ -233,50 +227,19 @@ class TorchTrainer:
                 self.global_step += 1
         sums[_TOKENS] = tokens
         sums, maxes = self._across_ranks(sums, maxes)
-        tokens = sums.pop(_TOKENS)
-        elapsed = time.perf_counter() - started
-        metrics = {k: v / max(tokens, 1.0) for k, v in sums.items()}
-        metrics.update(maxes)
-        metrics.update(
-            grad_norm=sum(grad_norms) / len(grad_norms),
-            lr=self.scheduler.get_last_lr()[0],
-            train_tokens_per_s=tokens / max(elapsed, 1e-9),
+        return step_metrics(
+            sums, maxes, grad_norms, self.scheduler.get_last_lr()[0], time.perf_counter() - started
         )
-        return metrics
 
     def _micro_loss(
         self, part: TrainBatch, norm_const: float, mini: MiniBatch
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """One micro-batch's share of its mini-batch's GRPO loss, and its metrics."""
-        algo = self.algo
         logits, logp = self._forward(self._train_module, part)
-        mask = part.response_mask.to(self.device)
-        old = part.old_logp if part.old_logp is not None else logp.detach()
         # Entropy is always reported; it carries gradient only when it is a bonus.
-        with torch.set_grad_enabled(algo.entropy_coef > 0):
+        with torch.set_grad_enabled(self.algo.entropy_coef > 0):
             ent = entropy_from_logits(logits)
-        return compute_grpo_loss(
-            logp,
-            old.to(self.device),
-            part.advantages.to(self.device),
-            mask,
-            ref_logp=None if part.ref_logp is None else part.ref_logp.to(self.device),
-            kl_coef=algo.kl_coef,
-            kl_kind=algo.kl_kind,
-            clip_low=algo.clip_low,
-            clip_high=algo.clip_high,
-            dual_clip=algo.dual_clip,
-            ratio_type=algo.ratio_type,
-            loss_agg=algo.loss_agg,
-            norm_const=norm_const,
-            entropy=ent,
-            entropy_coef=algo.entropy_coef,
-            rollout_logp=part.rollout_logp.to(self.device),
-            tis_cap=algo.tis_cap,
-            tis_level=algo.tis_level,
-            global_tokens=mini.tokens,
-            global_seqs=mini.seqs,
-        )
+        return grpo_micro_loss(self.algo, part, logp, ent, norm_const, mini, self.device)
 
     # -------------------------------------------------------------------- weights
 
@@ -290,44 +253,6 @@ class TorchTrainer:
         path.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(path, safe_serialization=True)
         return path
-
-    # ------------------------------------------- distributed weight sync: this rank sends
-
-    def weight_broadcast_endpoint(self, host: str = "127.0.0.1") -> tuple[str, int]:
-        """Where engines rendezvous with this trainer: ``host`` and a port free on it."""
-        return free_endpoint(host)
-
-    def open_weight_broadcast(
-        self,
-        master_address: str,
-        master_port: int,
-        world_size: int,
-        group_name: str,
-        backend: str = "gloo",
-        timeout_s: float = 120.0,
-    ) -> None:
-        """Host weight-update group ``group_name`` as rank 0 (blocks until engines join)."""
-        self._weight_sender().open(
-            master_address=master_address,
-            master_port=master_port,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-            timeout_s=timeout_s,
-        )
-
-    def broadcast_weights(self, group_name: str) -> str | None:
-        """Broadcast the policy to ``group_name``; the checksum of what was sent."""
-        return self._weight_sender().send(group_name, self.export_weights())
-
-    def close_weight_broadcast(self, group_name: str | None = None) -> None:
-        """Leave ``group_name`` (every weight-update group when None)."""
-        self._weight_sender().close(group_name)
-
-    def _weight_sender(self) -> WeightSender:
-        if getattr(self, "_sender", None) is None:
-            self._sender = WeightSender()
-        return self._sender
 
     def save_state(self, path: str | Path) -> Path:
         """Model (``path/model``, HF format), optimizer and scheduler (``trainer_state.pt``)."""
@@ -353,6 +278,86 @@ class TorchTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.global_step = state["global_step"]
+
+
+def grpo_micro_loss(
+    algo: AlgorithmConfig,
+    part: TrainBatch,
+    logp: torch.Tensor,
+    entropy: torch.Tensor,
+    norm_const: float,
+    mini: MiniBatch,
+    device: torch.device,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The GRPO loss of one micro-batch ``part`` as its share of mini-batch ``mini``.
+
+    ``logp``/``entropy``: (B, L-1) under the policy being trained, from whichever backend.
+    """
+    mask = part.response_mask.to(device)
+    old = part.old_logp if part.old_logp is not None else logp.detach()
+    return compute_grpo_loss(
+        logp,
+        old.to(device),
+        part.advantages.to(device),
+        mask,
+        ref_logp=None if part.ref_logp is None else part.ref_logp.to(device),
+        kl_coef=algo.kl_coef,
+        kl_kind=algo.kl_kind,
+        clip_low=algo.clip_low,
+        clip_high=algo.clip_high,
+        dual_clip=algo.dual_clip,
+        ratio_type=algo.ratio_type,
+        loss_agg=algo.loss_agg,
+        norm_const=norm_const,
+        entropy=entropy,
+        entropy_coef=algo.entropy_coef,
+        rollout_logp=part.rollout_logp.to(device),
+        tis_cap=algo.tis_cap,
+        tis_level=algo.tis_level,
+        global_tokens=mini.tokens,
+        global_seqs=mini.seqs,
+    )
+
+
+def add_micro_metrics(
+    m: dict[str, float],
+    w: float,
+    mini_sums: dict[str, float],
+    sums: dict[str, float],
+    maxes: dict[str, float],
+) -> None:
+    """Fold one micro-batch's metrics (``w`` response tokens) into the step's running sums.
+
+    Loss terms are already shares of their mini-batch (``mini_sums``, weighted by the
+    mini-batch's tokens when it ends); maxima stay maxima; the rest are token-weighted.
+    """
+    for k, v in m.items():
+        if k in _SUMMED_METRICS:
+            mini_sums[k] = mini_sums.get(k, 0.0) + float(v)
+        elif k in _MAX_METRICS:
+            maxes[k] = max(maxes.get(k, float("-inf")), float(v))
+        else:
+            sums[k] = sums.get(k, 0.0) + float(v) * w
+
+
+def step_metrics(
+    sums: dict[str, float],
+    maxes: dict[str, float],
+    grad_norms: Sequence[float],
+    lr: float,
+    elapsed: float,
+) -> dict[str, float]:
+    """One ``train_step``'s metrics from the (all-rank) sums, with the token count under
+    ``_tokens``: token-weighted means, maxima, mean grad norm, LR and tokens/s."""
+    tokens = sums.pop(_TOKENS)
+    metrics = {k: v / max(tokens, 1.0) for k, v in sums.items()}
+    metrics.update(maxes)
+    metrics.update(
+        grad_norm=sum(grad_norms) / len(grad_norms),
+        lr=lr,
+        train_tokens_per_s=tokens / max(elapsed, 1e-9),
+    )
+    return metrics
 
 
 def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ import torch
 from rl_core.weight_sync import process_group as pgroup
 from rl_core.weight_sync.checksum import weights_checksum
 
-__all__ = ["WeightSender", "free_endpoint", "weight_meta"]
+__all__ = ["BroadcastsWeights", "WeightSender", "free_endpoint", "weight_meta"]
 
 log = logging.getLogger(__name__)
 
@@ -106,3 +106,56 @@ class WeightSender:
                     pgroup.destroy_process_group(entry[0])  # type: ignore[arg-type]
                 except Exception as e:  # a peer died: the group is gone either way
                     log.debug("weight update group %s: destroy failed: %s", name, e)
+
+
+class BroadcastsWeights:
+    """The trainer side of distributed weight sync, for any trainer with ``export_weights``.
+
+    Every rank of a multi-rank trainer calls these methods (the export may be a collective:
+    FSDP2's gathers, megatron's TP/PP gathers); only the rank whose ``_sends_weights`` is
+    true (rank 0) hosts the group and broadcasts.
+    """
+
+    _sends_weights = True
+    _sender: WeightSender | None = None
+
+    def export_weights(self) -> dict[str, torch.Tensor]:  # pragma: no cover - the trainer's
+        raise NotImplementedError
+
+    def weight_broadcast_endpoint(self, host: str = "127.0.0.1") -> tuple[str, int]:
+        """Where engines rendezvous with this trainer: ``host`` and a port free on it."""
+        return free_endpoint(host)
+
+    def open_weight_broadcast(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "gloo",
+        timeout_s: float = 120.0,
+    ) -> None:
+        """Host weight-update group ``group_name`` as rank 0 (blocks until engines join)."""
+        if self._sends_weights:
+            self._weight_sender().open(
+                master_address=master_address,
+                master_port=master_port,
+                world_size=world_size,
+                group_name=group_name,
+                backend=backend,
+                timeout_s=timeout_s,
+            )
+
+    def broadcast_weights(self, group_name: str) -> str | None:
+        """Broadcast the policy to ``group_name``; the checksum of what was sent (rank 0)."""
+        weights = self.export_weights()  # every rank takes part
+        return self._weight_sender().send(group_name, weights) if self._sends_weights else None
+
+    def close_weight_broadcast(self, group_name: str | None = None) -> None:
+        """Leave ``group_name`` (every weight-update group when None)."""
+        self._weight_sender().close(group_name)
+
+    def _weight_sender(self) -> WeightSender:
+        if self._sender is None:
+            self._sender = WeightSender()
+        return self._sender

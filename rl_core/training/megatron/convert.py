@@ -1,0 +1,210 @@
+"""Hugging Face <-> megatron-core weights for the dense decoders of :mod:`.model`.
+
+megatron-core's wheel ships no converter, and the bridges (megatron-bridge, mbridge) need
+CUDA and Transformer Engine; this is the mapping they implement, for the local layer spec:
+
+=================================================  ==========================================
+HF                                                 megatron (local spec), TP split
+=================================================  ==========================================
+``model.embed_tokens.weight``                      ``embedding.word_embeddings.weight``, rows
+                                                   padded to the padded vocabulary, dim 0
+``model.layers.N.input_layernorm.weight``          ``decoder.layers.n.input_layernorm.weight``
+``self_attn.{q,k,v}_proj.{weight,bias}``           ``self_attention.linear_qkv.*``: per KV
+                                                   group ``[q heads of the group; k; v]``,
+                                                   dim 0 (whole groups per rank)
+``self_attn.{q,k}_norm.weight`` (Qwen3)            ``self_attention.{q,k}_layernorm.weight``
+``self_attn.o_proj.weight``                        ``self_attention.linear_proj.weight``, dim 1
+``post_attention_layernorm.weight``                ``pre_mlp_layernorm.weight``
+``mlp.{gate,up}_proj.weight``                      ``mlp.linear_fc1.weight`` = per rank
+                                                   ``[gate slice; up slice]``, dim 0
+``mlp.down_proj.weight``                           ``mlp.linear_fc2.weight``, dim 1
+``model.norm.weight``                              ``decoder.final_layernorm.weight``
+``lm_head.weight`` (untied)                        ``output_layer.weight``, padded, dim 0
+=================================================  ==========================================
+
+Pipeline stages number their layers locally: stage ``s`` holds global layers
+``s * L/pp ...``; the embedding lives on the first stage, the final norm and the head on the
+last (a tied head on a later stage is a copy of the embedding, kept equal by megatron).
+
+Both directions are exact (slicing and concatenation only), so HF -> megatron -> HF
+round-trips bit for bit. Never imports Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from rl_core.training.megatron.model import Arch
+
+__all__ = ["hf_to_mcore", "mcore_to_hf", "merge_tp", "stage_layers", "tp_split"]
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+# Per-layer names: megatron suffix -> HF suffix (replicated tensors).
+_REPLICATED = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+}
+
+
+def stage_layers(arch: Arch, pp_rank: int, pp: int) -> range:
+    """The global layer indices pipeline stage ``pp_rank`` holds."""
+    per = arch.layers // pp
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    pad = torch.zeros((rows - t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    return torch.cat([t, pad])
+
+
+def _qkv(arch: Arch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Fuse q/k/v (weights or biases) into megatron's per-group layout."""
+    g, hd = arch.kv_heads, arch.head_dim
+    per = arch.heads // g
+    rest = q.shape[1:]
+    return torch.cat(
+        [q.reshape(g, per * hd, *rest), k.reshape(g, hd, *rest), v.reshape(g, hd, *rest)], dim=1
+    ).reshape(-1, *rest)
+
+
+def _unqkv(arch: Arch, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, hd = arch.kv_heads, arch.head_dim
+    per = arch.heads // g
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(g, (per + 2) * hd, *rest)
+    q, k, v = grouped.split([per * hd, hd, hd], dim=1)
+    return (
+        q.reshape(g * per * hd, *rest),
+        k.reshape(g * hd, *rest),
+        v.reshape(g * hd, *rest),
+    )
+
+
+def hf_to_mcore(
+    hf: Mapping[str, torch.Tensor],
+    arch: Arch,
+    *,
+    padded_vocab: int,
+    tp_rank: int = 0,
+    tp: int = 1,
+    pp_rank: int = 0,
+    pp: int = 1,
+) -> dict[str, torch.Tensor]:
+    """The local state dict of rank (``tp_rank``, ``pp_rank``) from full HF weights."""
+    out: dict[str, torch.Tensor] = {}
+    first, last = pp_rank == 0, pp_rank == pp - 1
+
+    def shard(t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t.chunk(tp, dim=dim)[tp_rank].clone()
+
+    def need(name: str) -> torch.Tensor:
+        if name not in hf:
+            raise KeyError(f"HF weights lack {name!r} (a {arch.model_type} checkpoint?)")
+        return hf[name]
+
+    embed = need("model.embed_tokens.weight")
+    if first:
+        out["embedding.word_embeddings.weight"] = shard(_pad_rows(embed, padded_vocab), 0)
+    for local, n in enumerate(stage_layers(arch, pp_rank, pp)):
+        src, dst = f"model.layers.{n}.", f"decoder.layers.{local}."
+        for m_name, h_name in _REPLICATED.items():
+            if src + h_name in hf:
+                out[dst + m_name] = hf[src + h_name].clone()
+        a = src + "self_attn."
+        qkv = _qkv(arch, need(a + "q_proj.weight"), need(a + "k_proj.weight"), need(a + "v_proj.weight"))
+        out[dst + "self_attention.linear_qkv.weight"] = shard(qkv, 0)
+        if arch.qkv_bias:
+            bias = _qkv(arch, need(a + "q_proj.bias"), need(a + "k_proj.bias"), need(a + "v_proj.bias"))
+            out[dst + "self_attention.linear_qkv.bias"] = shard(bias, 0)
+        out[dst + "self_attention.linear_proj.weight"] = shard(need(a + "o_proj.weight"), 1)
+        gate, up = need(src + "mlp.gate_proj.weight"), need(src + "mlp.up_proj.weight")
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([shard(gate, 0), shard(up, 0)])
+        out[dst + "mlp.linear_fc2.weight"] = shard(need(src + "mlp.down_proj.weight"), 1)
+    if last:
+        out["decoder.final_layernorm.weight"] = need("model.norm.weight").clone()
+        head = embed if arch.tied else need("lm_head.weight")
+        if not arch.tied or pp > 1:
+            out["output_layer.weight"] = shard(_pad_rows(head, padded_vocab), 0)
+    return out
+
+
+def tp_split(name: str) -> bool:
+    """Whether megatron tensor ``name`` is split across TP ranks (norms are replicated)."""
+    return name.endswith(
+        ("linear_proj.weight", "linear_fc2.weight", "linear_fc1.weight", "linear_qkv.weight",
+         "linear_qkv.bias")
+    ) or name in ("embedding.word_embeddings.weight", "output_layer.weight")  # fmt: skip
+
+
+def merge_tp(name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One megatron tensor whole again from its TP shards (in TP-rank order)."""
+    if len(shards) == 1 or not tp_split(name):
+        return shards[0]
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return torch.cat(list(shards), dim=1)
+    if name.endswith("linear_fc1.weight"):
+        halves = [s.chunk(2) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    return torch.cat(list(shards))
+
+
+def mcore_to_hf(
+    merged: Mapping[str, torch.Tensor],
+    arch: Arch,
+    *,
+    pp_rank: int = 0,
+    pp: int = 1,
+) -> dict[str, torch.Tensor]:
+    """HF weights of one pipeline stage from its TP-merged (:func:`merge_tp`) tensors.
+
+    The embedding comes from the first stage; the final norm and an untied head from the
+    last. A tied model's ``lm_head.weight`` is the embedding tensor under a second name, as
+    HF's ``state_dict()`` lists it (the rollout plane's checksums cover both names).
+    """
+    out: dict[str, torch.Tensor] = {}
+    offset = stage_layers(arch, pp_rank, pp).start
+    for name, t in merged.items():
+        if t is None or name.endswith("_extra_state"):
+            continue
+        m = _LAYER.match(name)
+        if m is None:
+            if name == "embedding.word_embeddings.weight":
+                out["model.embed_tokens.weight"] = t[: arch.vocab]
+                if arch.tied:  # named twice, one tensor, as HF's state_dict() does
+                    out["lm_head.weight"] = out["model.embed_tokens.weight"]
+            elif name == "decoder.final_layernorm.weight":
+                out["model.norm.weight"] = t
+            elif name == "output_layer.weight":
+                if not arch.tied:
+                    out["lm_head.weight"] = t[: arch.vocab]
+            else:
+                raise KeyError(f"no HF name for megatron tensor {name!r}")
+            continue
+        layer, rest = int(m.group(1)) + offset, m.group(2)
+        dst = f"model.layers.{layer}."
+        if rest in _REPLICATED:
+            out[dst + _REPLICATED[rest]] = t
+        elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+            kind = rest.rsplit(".", 1)[1]
+            q, k, v = _unqkv(arch, t)
+            for proj, part in (("q", q), ("k", k), ("v", v)):
+                out[f"{dst}self_attn.{proj}_proj.{kind}"] = part.contiguous()
+        elif rest == "self_attention.linear_proj.weight":
+            out[dst + "self_attn.o_proj.weight"] = t
+        elif rest == "mlp.linear_fc1.weight":
+            gate, up = t.chunk(2)
+            out[dst + "mlp.gate_proj.weight"] = gate.contiguous()
+            out[dst + "mlp.up_proj.weight"] = up.contiguous()
+        elif rest == "mlp.linear_fc2.weight":
+            out[dst + "mlp.down_proj.weight"] = t
+        else:
+            raise KeyError(f"no HF name for megatron tensor {name!r}")
+    return out

@@ -1,0 +1,226 @@
+"""A megatron-core ``GPTModel`` built from a Hugging Face config, and its parallel layout.
+
+Supported architectures (dense decoders, the local pure-PyTorch layer spec):
+
+- ``qwen2`` (Qwen2, Qwen2.5): GQA, RMSNorm, SwiGLU, RoPE, q/k/v bias, tied or untied head.
+- ``llama`` (Llama 2/3/3.1): as Qwen2 without the q/k/v bias (``attention_bias``); Llama
+  3.1's ``rope_type: llama3`` scaling maps to megatron's ``rope_scaling``.
+- ``qwen3`` (dense): per-head RMSNorm on queries and keys (``qk_layernorm``), explicit
+  ``head_dim``, no q/k/v bias.
+
+Mixture-of-experts models (``qwen2_moe``, ``qwen3_moe``) are the GPU path (expert parallelism
+with Transformer Engine's grouped GEMMs, docs/megatron.md); they are refused here with that
+message rather than built wrong.
+
+The vocabulary is padded to a multiple of ``vocab_divisible_by * tp`` (vocab-parallel layers
+split it evenly, as Megatron-LM does); the padded logits are masked out of every softmax, so
+padding changes speed, never a log-prob.
+
+Never imports Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["Arch", "arch_from_hf", "build_gpt_model", "transformer_config"]
+
+_SUPPORTED = ("qwen2", "llama", "qwen3")
+_MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What the conversion and the model need from an HF config."""
+
+    model_type: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    eps: float
+    rope_theta: float
+    max_positions: int
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rope_scaling_factor: float | None = None
+
+    def padded_vocab(self, tp: int, divisible_by: int) -> int:
+        """The vocabulary rounded up to a multiple of ``divisible_by * tp``."""
+        multiple = max(1, divisible_by) * tp
+        return int(math.ceil(self.vocab / multiple) * multiple)
+
+    def check_parallel(self, tp: int, pp: int) -> None:
+        """Fail, naming the config field, when TP/PP cannot split this model."""
+        if self.heads % tp or self.kv_heads % tp:
+            raise ValueError(
+                f"train.megatron.tp={tp} must divide the attention heads ({self.heads}) and the "
+                f"key/value heads ({self.kv_heads}) of this {self.model_type} model"
+            )
+        if self.ffn % tp:
+            raise ValueError(
+                f"train.megatron.tp={tp} must divide the MLP width (intermediate_size={self.ffn})"
+            )
+        if self.layers % pp:
+            raise ValueError(
+                f"train.megatron.pp={pp} must divide the number of layers ({self.layers})"
+            )
+
+
+def _rope_theta(cfg: Any) -> float:
+    # transformers 5 keeps it in rope_parameters; 4.x in rope_theta.
+    params = getattr(cfg, "rope_parameters", None) or {}
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    return float(theta or getattr(cfg, "rope_theta", None) or 10000.0)
+
+
+def _rope_scaling(cfg: Any) -> float | None:
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind == "llama3":
+        expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+        for key, value in expected.items():
+            if float(params.get(key, value)) != value:
+                raise ValueError(
+                    f"rope scaling {key}={params[key]}: megatron-core's llama3 scaling fixes it "
+                    f"at {value}; this model cannot be trained with train.backend=megatron"
+                )
+        return float(params.get("factor", 8.0))
+    raise ValueError(
+        f"rope_type {kind!r} is not supported by the megatron backend (default and llama3 are); "
+        "use train.backend=torch for this model"
+    )
+
+
+def arch_from_hf(config: Any) -> Arch:
+    """The :class:`Arch` of an HF config object (or a model directory's ``config.json``)."""
+    if isinstance(config, str | Path):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(config)
+    kind = config.model_type
+    if kind in _MOE:
+        raise ValueError(
+            f"{kind} is a mixture-of-experts model: the megatron backend builds it only on GPUs "
+            "with Transformer Engine and expert parallelism (docs/megatron.md); on this "
+            "machine use a dense model"
+        )
+    if kind not in _SUPPORTED:
+        raise ValueError(
+            f"model_type {kind!r} is not supported by the megatron backend "
+            f"(supported: {', '.join(_SUPPORTED)}); use train.backend=torch"
+        )
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    # Qwen2 always has q/k/v biases; Llama and Qwen3 say so in attention_bias.
+    qkv_bias = kind == "qwen2" or bool(getattr(config, "attention_bias", False))
+    if getattr(config, "mlp_bias", False):
+        raise ValueError(f"{kind} with mlp_bias=True is not supported by the megatron backend")
+    return Arch(
+        model_type=kind,
+        layers=config.num_hidden_layers,
+        hidden=config.hidden_size,
+        heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        ffn=config.intermediate_size,
+        vocab=config.vocab_size,
+        eps=float(config.rms_norm_eps),
+        rope_theta=_rope_theta(config),
+        max_positions=int(getattr(config, "max_position_embeddings", 4096)),
+        tied=bool(getattr(config, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        qk_norm=kind == "qwen3",
+        rope_scaling_factor=_rope_scaling(config) if kind == "llama" else None,
+    )
+
+
+def transformer_config(
+    arch: Arch,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: torch.dtype = torch.float32,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    recompute_num_layers: int = 1,
+    cpu_init: bool = True,
+) -> Any:
+    """megatron's ``TransformerConfig`` for ``arch`` (per-token loss: see the trainer)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    kw: dict[str, Any] = {}
+    if recompute != "none":
+        kw["recompute_granularity"] = recompute
+        if recompute == "full":
+            kw.update(recompute_method="uniform", recompute_num_layers=recompute_num_layers)
+    return TransformerConfig(
+        num_layers=arch.layers,
+        hidden_size=arch.hidden,
+        num_attention_heads=arch.heads,
+        num_query_groups=arch.kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,  # what the stages send each other
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=cpu_init,
+        # Each micro-batch's loss is already its share of the mini-batch (global token
+        # counts): no division by the micro-batch count, gradients summed over DP.
+        calculate_per_token_loss=True,
+        **kw,
+    )
+
+
+def build_gpt_model(
+    arch: Arch,
+    config: Any,
+    *,
+    padded_vocab: int,
+    pre_process: bool = True,
+    post_process: bool = True,
+) -> Any:
+    """This pipeline stage's ``GPTModel`` (local spec; parallel, un-gathered logits)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+    return GPTModel(
+        config,
+        spec,
+        vocab_size=padded_vocab,
+        max_sequence_length=arch.max_positions,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tied,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+        rope_scaling=arch.rope_scaling_factor is not None,
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+    )
