@@ -29,7 +29,6 @@ from rl_core.training.megatron.convert import hf_to_mcore, mcore_to_hf, merge_tp
 from rl_core.training.megatron.model import arch_from_hf
 from rl_core.training.torch_trainer import TorchTrainer
 
-pytest.importorskip("megatron.core", reason="megatron-core is in the dev extra")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOL = 1e-5
