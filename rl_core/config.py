@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -181,8 +181,12 @@ class MegatronConfig(_Section):
     ``cluster.mode: local``); docs/megatron.md.
     """
 
-    tp: int = Field(1, ge=1, description="Tensor parallelism (must divide heads and KV heads).")
-    pp: int = Field(1, ge=1, description="Pipeline parallelism (must divide the layers).")
+    tp: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        1, description="Tensor parallelism (divides heads and KV heads); auto: the planner's."
+    )
+    pp: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        1, description="Pipeline parallelism (divides the layers); auto: the planner's."
+    )
     dp: int | None = Field(
         None, ge=1, description="Data parallelism; default: trainer ranks / (tp * pp)."
     )
@@ -392,6 +396,8 @@ class ExperimentConfig(_Section):
     def _check_megatron(self) -> None:
         m, c = self.train.megatron, self.cluster
         ranks = c.trainer_ranks if c.mode == "ray" else 1
+        if "auto" in (m.tp, m.pp):
+            return  # the planner's layout, checked when the trainer starts
         where = (
             f"cluster.trainer_ranks ({ranks})" if c.mode == "ray"
             else "the one trainer of cluster.mode=local"

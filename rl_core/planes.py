@@ -296,12 +296,20 @@ def _start_trainer(cfg: ExperimentConfig, model_path: str | Path, placement: Any
         dtype=cfg.model.dtype,
         trust_remote_code=cfg.model.trust_remote_code,
     )
+    train = cfg.train
+    if train.backend == "megatron":
+        from rl_core.training.megatron.layout import resolve_layout
+
+        layout, how = resolve_layout(cfg, model_path)
+        if how:
+            log.info("train.megatron tp/pp auto: %s", how)
+        train = train.model_copy(update={"megatron": layout})
     if placement is None:
-        if cfg.train.backend == "megatron":
+        if train.backend == "megatron":
             from rl_core.training.megatron import MegatronTrainer
 
-            return MegatronTrainer(model_path, cfg.train, cfg.algorithm, **kw)
-        return TorchTrainer(model_path, cfg.train, cfg.algorithm, **kw)
+            return MegatronTrainer(model_path, train, cfg.algorithm, **kw)
+        return TorchTrainer(model_path, train, cfg.algorithm, **kw)
     from rl_core.cluster.platform import detect_platform
     from rl_core.training.distributed import TrainerGroup
 
@@ -309,7 +317,7 @@ def _start_trainer(cfg: ExperimentConfig, model_path: str | Path, placement: Any
     kind = detect_platform().kind if gpu else "cpu"
     return TrainerGroup.start(
         model_path,
-        cfg.train,
+        train,
         cfg.algorithm,
         num_ranks=cfg.cluster.trainer_ranks,
         num_threads_per_rank=cfg.train.num_threads or 1,

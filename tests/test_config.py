@@ -298,7 +298,10 @@ def test_flatten():
         sub = getattr(cfg, section)
         if hasattr(sub, "model_fields"):
             for name in type(sub).model_fields:
-                assert f"{section}.{name}" in flat
+                if hasattr(getattr(sub, name), "model_fields"):  # a nested section
+                    assert any(k.startswith(f"{section}.{name}.") for k in flat), name
+                else:
+                    assert f"{section}.{name}" in flat
         else:
             assert section in flat
     assert flatten({"a": {"b": 1, "c": {"d": 2}}, "e": 3}) == {"a.b": 1, "a.c.d": 2, "e": 3}

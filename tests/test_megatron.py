@@ -136,6 +136,27 @@ def test_config_checks_the_layout_against_the_ranks() -> None:
             load_config(demo, ["train.backend=megatron", *overrides.split()])
 
 
+def test_auto_layout_is_the_planners() -> None:
+    from rl_core.training.megatron.layout import resolve_layout
+
+    demo = str(Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml")
+    auto = ["train.backend=megatron", "train.megatron.tp=auto", "train.megatron.pp=auto"]
+    local = load_config(demo, auto)
+    layout, how = resolve_layout(local, "qwen2.5-0.5b", device="cpu")
+    assert (layout.tp, layout.pp) == (1, 1) and "planner" in how
+    # 32B on 16 x A100-40GB: FSDP does not fit, megatron TP 8 x PP 2 does (grpoflow plan).
+    big = ["cluster.mode=ray", "cluster.trainer_ranks=16", "train.prompts_per_step=32",
+           "rollout.n_samples=8", "rollout.max_new_tokens=1024", "data.max_prompt_tokens=256"]  # fmt: skip
+    layout, how = resolve_layout(load_config(demo, auto + big), "qwen2.5-32b", device="a100-40gb")
+    assert (layout.tp, layout.pp) == (8, 2), how
+    assert "tp=8, pp=2, dp=1" in how
+    explicit = load_config(demo, [*auto, *big, "train.megatron.tp=4"])
+    layout, _ = resolve_layout(explicit, "qwen2.5-32b", device="a100-40gb")
+    assert (layout.tp, layout.pp) == (4, 2)  # an explicit value wins
+    fixed = load_config(demo, ["train.backend=megatron"])
+    assert resolve_layout(fixed, "qwen2.5-0.5b") == (fixed.train.megatron, None)
+
+
 # --------------------------------------------------------------- one rank, this process
 
 

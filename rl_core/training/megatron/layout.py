@@ -1,0 +1,76 @@
+"""``train.megatron.tp/pp: auto``: the parallelism planner's layout, taken at trainer start.
+
+The planner (:mod:`rl_core.cluster.planner`, ``grpoflow plan``) does the memory arithmetic
+for the model, the device and the number of trainer ranks: it keeps pure data parallelism
+(TP = PP = 1) while the sharded state fits, and otherwise recommends the smallest megatron
+TP (then PP) that fits. ``auto`` takes that recommendation; an explicit value wins over it.
+On CPU the planner's device is the host (TP 1). On GPUs the device is the one the trainer's
+process sees (``detect_platform``), matched by name to the planner's table (H100, H200,
+B200, A100, MI300X, MI325X, MI355X); an unknown one fails with the fix.
+
+Never imports Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rl_core.config import ExperimentConfig, MegatronConfig
+
+__all__ = ["planner_device", "resolve_layout"]
+
+
+def planner_device(cfg: ExperimentConfig) -> str:
+    """The planner's name for the trainer's device (``cpu`` without GPUs)."""
+    if cfg.cluster.gpus_per_trainer <= 0:
+        return "cpu"
+    from rl_core.cluster.planner import DEVICES
+    from rl_core.cluster.platform import detect_platform
+
+    found = detect_platform().devices
+    name = found[0].name.lower() if found else ""
+    # Longest key first: "a100-80gb" before "a100", "mi325x" is not "mi300x".
+    for key in sorted(DEVICES, key=len, reverse=True):
+        if key != "cpu" and key.split("-")[0] in name.replace(" ", ""):
+            return key
+    raise ValueError(
+        f"train.megatron.tp/pp: auto needs the planner's device, and this process sees "
+        f"{found[0].name if found else 'no GPU'!r}, which it does not know; set "
+        "train.megatron.tp and train.megatron.pp explicitly (grpoflow plan --device ... "
+        "prints a layout)"
+    )
+
+
+def resolve_layout(
+    cfg: ExperimentConfig, model_path: str | Path, *, device: str | None = None
+) -> tuple[MegatronConfig, str | None]:
+    """``cfg.train.megatron`` with ``auto`` replaced by the planner's TP/PP, and a line
+    saying what the planner chose and why (None when nothing was ``auto``)."""
+    m = cfg.train.megatron
+    if m.tp != "auto" and m.pp != "auto":
+        return m, None
+    from rl_core.cluster.planner import load_model, plan
+
+    ranks = cfg.cluster.trainer_ranks if cfg.cluster.mode == "ray" else 1
+    device = device or planner_device(cfg)
+    p = plan(
+        load_model(str(model_path)),
+        device,
+        ranks,
+        prompt_len=cfg.data.max_prompt_tokens,
+        response_len=cfg.rollout.max_new_tokens,
+        rollout_batch=cfg.train.prompts_per_step * cfg.rollout.n_samples,
+    ).training
+    tp = (p.tp if p.backend == "megatron" else 1) if m.tp == "auto" else m.tp
+    pp = (p.pp if p.backend == "megatron" else 1) if m.pp == "auto" else m.pp
+    if ranks % (tp * pp):
+        raise ValueError(
+            f"train.megatron: the planner's tp={tp} x pp={pp} does not divide the {ranks} "
+            "trainer ranks; set train.megatron.tp/pp explicitly"
+        )
+    how = (
+        f"the planner's {p.backend} layout on {ranks} x {device}: tp={tp}, pp={pp}, "
+        f"dp={ranks // (tp * pp)} ({'fits' if p.fits else 'does NOT fit'}: "
+        f"{p.state_bytes / 2**30:.1f} GiB state per device)"
+    )
+    return m.model_copy(update={"tp": tp, "pp": pp}), how
