@@ -48,7 +48,7 @@ IMPORT_TIMEOUT_S = 60.0  # importing sglang in a child process can take this lon
 # The fixes, in one place (the pip extras are defined in pyproject.toml).
 FIX_RAY = "pip install -e '.[ray]'"
 FIX_SGLANG = "on a CUDA or ROCm machine: pip install -e '.[sglang]' (GPU images only)"
-FIX_MEGATRON = "pip install -e '.[megatron]' (on a CUDA or ROCm machine)"
+FIX_MEGATRON = "pip install -e '.[megatron]' (megatron-core 0.16.1; CPU, CUDA or ROCm)"
 FIX_ROUTER = "pip install -e . (sglang-router is a core dependency)"
 FIX_MLFLOW = "pip install mlflow"
 FIX_BOTO3 = "pip install boto3"
