@@ -6,8 +6,9 @@
   equal the torch backend's to 1e-5, one GRPO update gives the same loss and parameters, the
   reference policy for the KL term, ``save_pretrained`` loads back into transformers, and a
   ``dist_checkpointing`` save/load resumes training identically.
-- On Ray ranks over gloo: TP=2 and PP=2 equal the torch backend (log-probs, the update), and
-  TP=2 checkpoints resume identically.
+- On Ray ranks over gloo: TP=2, PP=2, DP=2 with the distributed optimizer, and TP=2 with
+  full activation recompute equal the torch backend (log-probs, the update);
+  TP=2 and distributed-optimizer checkpoints resume identically.
 
 float32 throughout, lr 1e-4 (the demo's): Adam divides by sqrt(v), so a gradient at
 float-rounding level (~1e-10, where the two backends may even differ in sign) moves a weight
@@ -129,7 +130,7 @@ def test_config_checks_the_layout_against_the_ranks() -> None:
         "cluster.mode=ray cluster.trainer_ranks=3 train.megatron.tp=2": "must divide",
         "cluster.mode=ray cluster.trainer_ranks=4 train.megatron.tp=2 train.megatron.dp=1":
             "leave train.megatron.dp unset",
-        "train.megatron.sequence_parallel=true": "needs train.megatron.tp > 1",
+        "train.megatron.sequence_parallel=true": "needs the Transformer Engine spec",
     }  # fmt: skip
     for overrides, message in cases.items():
         with pytest.raises(ConfigError, match=message):
@@ -265,21 +266,34 @@ def ray_session():
     ray.shutdown()
 
 
-def start_group(path: Path, tp: int, pp: int, ranks: int = 2):
+def start_group(path: Path, ranks: int = 2, **megatron):
     from rl_core.training.distributed import TrainerGroup
 
     return TrainerGroup.start(
-        path, train_cfg(tp=tp, pp=pp), ALGO, num_ranks=ranks, temperature=0.7, timeout_s=180
+        path, train_cfg(**megatron), ALGO, num_ranks=ranks, temperature=0.7, timeout_s=180
     )
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_parallel_ranks_equal_the_torch_backend(ray_session, tied_dir, tmp_path, tp, pp) -> None:
+LAYOUTS = {
+    "tp2": {"tp": 2},
+    "pp2": {"pp": 2},
+    # two data-parallel replicas, ZeRO-1: the optimizer state sharded across them
+    "dp2-distributed-optimizer": {"distributed_optimizer": True},
+    # full activation recompute changes memory and time, not numbers
+    "tp2-recompute": {"tp": 2, "recompute": "full"},
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parallel_ranks_equal_the_torch_backend(ray_session, tied_dir, tmp_path, layout) -> None:
     batch = batch_of(n=9)
     ref = torch_trainer(tied_dir)
-    group = start_group(tied_dir, tp, pp)
+    megatron = LAYOUTS[layout]
+    group = start_group(tied_dir, **megatron)
+    tp = megatron.get("tp", 1)
     try:
-        assert group._dp_size == 1 and sum(group._reports) == 1
+        dp = 2 // (tp * megatron.get("pp", 1))
+        assert group._dp_size == dp and sum(group._reports) == dp
         want = ref.compute_logprobs(batch)
         assert (group.compute_logprobs(batch) - want).abs().max() < TOL
         batch.old_logp = want
@@ -287,7 +301,7 @@ def test_parallel_ranks_equal_the_torch_backend(ray_session, tied_dir, tmp_path,
         for key in ("loss", "entropy", "grad_norm"):
             assert m_mg[key] == pytest.approx(m_ref[key], abs=TOL), key
         weights_equal(ref.export_weights(), group.export_weights(), atol=TOL)
-        if tp == 2:  # TP-sharded dist_checkpointing resumes exactly
+        if layout in ("tp2", "dp2-distributed-optimizer"):  # sharded checkpoints resume
             group.save_state(tmp_path / "ckpt")
             straight = group.train_step(batch)
             after = group.export_weights()

@@ -625,7 +625,34 @@ class MegatronTrainer(BroadcastsWeights):
             self.core.load_state_dict(state["model"])
             with torch.no_grad():  # distopt views of leaf parameters (megatron-cpu.md §6.4)
                 self.optimizer.load_state_dict(state["optimizer"])
+        _restore_adam_steps(self.optimizer)
         self.global_step = json.loads((path / _STATE).read_text())["global_step"]
+
+
+def _restore_adam_steps(optimizer: Any) -> None:
+    """Give torch Adam's per-parameter ``step`` the value the checkpoint restored.
+
+    The distributed optimizer's checkpoint (megatron-core 0.16.1, ``dp_reshardable``) keeps
+    Adam's step count in the parameter groups, as Apex's FusedAdam reads it; torch's AdamW
+    (megatron's fallback without Apex/TE) reads ``state[p]["step"]``, which the load leaves
+    as it was. Without this the bias correction after a resume is the wrong step's, and
+    training does not continue identically (tests/test_megatron.py catches it).
+    """
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                state = inner.state.get(p)
+                if state and "step" in state:
+                    step = state["step"]
+                    state["step"] = (
+                        torch.full_like(step, float(group["step"]))
+                        if torch.is_tensor(step) else group["step"]
+                    )  # fmt: skip
 
 
 def _pad_part(part: TrainBatch, rows: int, width: int) -> TrainBatch:
