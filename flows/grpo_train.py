@@ -3,6 +3,9 @@
     prepare data -> fetch model -> bring up planes -> (resume from checkpoint) -> evaluate
     -> for each step: rollout -> reward -> advantages -> log-probs -> train -> sync weights
                       (every k steps: checkpoint, evaluate)
+       (rollout.max_staleness = k: the next k steps' rollouts run while this one trains;
+        algorithm.dynamic_sampling: more rollout rounds until the groups carry gradient;
+        flows/rollouts.py)
     -> checkpoint -> export model -> final evaluation of the exported model (a subflow)
 
 Every verb is a Prefect task (see ``tasks/``); the details live one call down.
@@ -19,10 +22,12 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from tqdm.auto import tqdm
 
 from flows.evaluate import evaluate as evaluate_model
+from flows.rollouts import Rollouts
 from rl_core import storage
 from rl_core.checkpoint import CheckpointError, latest_checkpoint
 from rl_core.config import load_config
 from rl_core.data import PromptSampler
+from rl_core.grpo import split_informative_groups, summarize_samples
 from rl_core.planes import PlanesHandle, get_planes, tear_down
 from rl_core.report import format_eval, format_step, format_summary
 from rl_core.rundir import RunDir
@@ -36,7 +41,6 @@ from tasks.step import (
     compute_logprobs,
     release_rollout_memory,
     reward,
-    rollout,
     sync_weights,
     train,
 )
@@ -89,11 +93,10 @@ def grpo_train(
                               resume_from=str(resume_from) if resume_from else None)
     model_path = fetch_model(cfg.model, cfg.data, cfg.storage.cache_dir)
     planes = bring_up(cfg, model_path, data, str(run.path))
-    sampler = PromptSampler(len(get_planes(planes).train_records), cfg.train.prompts_per_step,
-                            cfg.seed)
+    rollouts = _rollouts(planes, cfg)
     start = 1
     if resume_from is not None:
-        start = _restore(planes, sampler, run, resume_from, data.train_digest)
+        start = _restore(planes, rollouts, run, resume_from, data.train_digest)
         say(f"resumed from {resume_from}; continuing at step {start}")
     else:
         run.truncate_after(-1)  # a fresh start in an existing directory starts a fresh log
@@ -111,7 +114,7 @@ def grpo_train(
     step, restarts = start, 0
     while step <= cfg.train.steps:
         try:
-            scored, metrics = grpo_step(planes, sampler.next_batch(), step)
+            scored, metrics = grpo_step(planes, rollouts, step)
         except StepTaskError as exc:
             # Task retries are spent: rebuild both planes from the latest checkpoint.
             restarts += 1
@@ -125,14 +128,13 @@ def grpo_train(
                 f"(restart {restarts} of {cfg.train.max_plane_restarts})")
             tear_down(planes)
             planes = bring_up(cfg, model_path, data, str(run.path))
-            sampler = PromptSampler(len(get_planes(planes).train_records),
-                                    cfg.train.prompts_per_step, cfg.seed)
-            step = _restore(planes, sampler, run, latest, data.train_digest) if latest else 1
+            rollouts = _rollouts(planes, cfg)
+            step = _restore(planes, rollouts, run, latest, data.train_digest) if latest else 1
             evals = run.read_evals()
             bar.n = step - 1
             continue
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-            metrics.update(save_checkpoint(planes, ckpt_root, step, sampler.state_dict(),
+            metrics.update(save_checkpoint(planes, ckpt_root, step, rollouts.state_dict(),
                                            data.train_digest, _run_id(tracking)))
             log_checkpoint(tracking, step, ckpt_root)
         run.log_metrics(step, metrics)
@@ -148,7 +150,7 @@ def grpo_train(
     bar.close()
 
     if not (cfg.checkpoint.every and cfg.train.steps % cfg.checkpoint.every == 0):
-        save_checkpoint(planes, ckpt_root, cfg.train.steps, sampler.state_dict(),
+        save_checkpoint(planes, ckpt_root, cfg.train.steps, rollouts.state_dict(),
                         data.train_digest, _run_id(tracking))
         log_checkpoint(tracking, cfg.train.steps, ckpt_root)
     model_dir = export_model(planes, str(run.model_dir))
@@ -178,26 +180,83 @@ def grpo_train(
     return summary
 
 
-def grpo_step(planes: PlanesHandle, indices: list[int], step: int) -> tuple[StepSamples, dict]:
-    """rollout -> (release the engines' memory) -> reward -> advantages -> log-probs ->
-    train -> sync weights (taking the memory back first)."""
-    samples = rollout(planes, indices, step)
+def grpo_step(planes: PlanesHandle, rollouts: Rollouts, step: int) -> tuple[StepSamples, dict]:
+    """rollout (or take the one generated ahead) -> (release the engines' memory) -> reward
+    -> (dynamic sampling: more rounds) -> advantages -> log-probs -> (submit the rollouts of
+    the next steps: they overlap training) -> train -> sync weights (after those rollouts)."""
+    cfg = get_planes(planes).config
+    samples = rollouts.take(step)
     released = release_rollout_memory(planes, step) if get_planes(planes).time_share else {}
     scored = reward(planes, samples, step)
-    batch = compute_advantages(planes, scored, step)
-    batch, logprob_metrics = compute_logprobs(planes, batch, step)
-    train_metrics = train(planes, batch, step)
-    sync_metrics = sync_weights(planes, step)
-    return scored, {**scored.metrics, **released, **logprob_metrics, **train_metrics,
-                    **sync_metrics}
+    if cfg.algorithm.dynamic_sampling:
+        scored = _informative_groups(planes, rollouts, scored, step)
+    metrics = {**scored.metrics, **released}
+    if scored.samples:
+        batch = compute_advantages(planes, scored, step)
+        batch, logprob_metrics = compute_logprobs(planes, batch, step)
+        rollouts.prefetch(step)
+        metrics.update(logprob_metrics)
+        metrics.update(train(planes, batch, step))
+    else:  # dynamic sampling found no group with a gradient: nothing to train on
+        rollouts.prefetch(step)
+        metrics["train_skipped"] = 1.0
+    t0 = time.perf_counter()
+    rollouts.drain()
+    metrics["time/overlap_wait"] = time.perf_counter() - t0
+    metrics.update(sync_weights(planes, step))
+    rollouts.done(step)
+    return scored, metrics
+
+
+def _informative_groups(
+    planes: PlanesHandle, rollouts: Rollouts, scored: StepSamples, step: int
+) -> StepSamples:
+    """DAPO's dynamic sampling: keep the groups whose rewards differ, roll out more prompt
+    batches until ``train.prompts_per_step`` such groups exist (or the rounds run out), and
+    train on exactly that many; the rest go to the ledger as not trained."""
+    cfg = get_planes(planes).config
+    n, want = cfg.rollout.n_samples, cfg.train.prompts_per_step * cfg.rollout.n_samples
+    generated = list(scored.samples)
+    kept, dropped = split_informative_groups(scored.samples, n)
+    rounds = 1
+    while len(kept) < want and rounds < cfg.algorithm.dynamic_sampling_max_rounds:
+        more = reward(planes, rollouts.extra(step), step)
+        rounds += 1
+        generated += more.samples
+        k, d = split_informative_groups(more.samples, n)
+        kept, dropped = kept + k, dropped + d
+    surplus = kept[want:]
+    kept = kept[:want]
+    tokens = sum(len(s.output_ids) for s in generated) or 1
+    metrics = dict(scored.metrics)
+    metrics.update(summarize_samples(generated, n))  # the policy's rewards: every sample
+    metrics.update(
+        {
+            "dynamic_sampling_rounds": float(rounds),
+            "dynamic_sampling_kept_groups": float(len(kept) // n),
+            "dynamic_sampling_zero_var_groups": float(len(dropped) // n),
+            "dynamic_sampling_surplus_groups": float(len(surplus) // n),
+            # share of generated response tokens kept out of training (no gradient in them)
+            "dynamic_sampling_untrained_token_frac": sum(
+                len(s.output_ids) for s in dropped + surplus
+            ) / tokens,
+        }
+    )
+    return StepSamples(step, kept, metrics, dropped=dropped + surplus)
+
+
+def _rollouts(planes: PlanesHandle, cfg: Any) -> Rollouts:  # noqa: ANN401
+    sampler = PromptSampler(len(get_planes(planes).train_records), cfg.train.prompts_per_step,
+                            cfg.seed)  # fmt: skip
+    return Rollouts(planes, sampler, cfg.rollout.max_staleness, cfg.train.steps)
 
 
 def _restore(
-    planes: PlanesHandle, sampler: PromptSampler, run: RunDir, path, train_digest: str  # noqa: ANN001
+    planes: PlanesHandle, rollouts: Rollouts, run: RunDir, path, train_digest: str  # noqa: ANN001
 ) -> int:
-    """Load a checkpoint into the planes and the sampler; returns the next step to run."""
+    """Load a checkpoint into the planes and the prompt source; returns the next step."""
     state = restore_checkpoint(planes, str(path), train_digest)
-    sampler.load_state_dict(state.sampler)
+    rollouts.load_state_dict(state.sampler)
     run.truncate_after(state.step)
     return state.step + 1
 

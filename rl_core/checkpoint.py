@@ -79,7 +79,7 @@ class CheckpointState:
 
     step: int
     weight_version: int
-    sampler: dict[str, int]
+    sampler: dict[str, Any]  # the sampler position and the prompt batches drawn ahead
     config_digest: str
     train_digest: str = ""
     tracking_run_id: str | None = None

@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "ConfigError",
@@ -34,7 +41,9 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: every float here is a rate, a weight or a bound on a wait; an
+    # infinite timeout or learning rate is a mistake, never a setting.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -42,6 +51,7 @@ class ModelConfig(_Section):
 
     path: str = Field(
         "embedded:tiny",
+        min_length=1,
         description="HF hub id, local HF directory, or `embedded:tiny` to build the demo model.",
     )
     revision: str | None = Field(
@@ -69,15 +79,16 @@ class DataConfig(_Section):
 
     source: str = Field(
         "synthetic",
+        min_length=1,
         description="`synthetic`, an HF dataset name, a local dataset dir, .jsonl or .parquet.",
     )
     subset: str | None = None
     train_split: str = "train"
     eval_split: str = "test"
     eval_source: str | None = Field(None, description="Defaults to `source` with `eval_split`.")
-    question_field: str = "question"
-    answer_field: str = "answer"
-    id_field: str | None = "id"
+    question_field: str = Field("question", min_length=1)
+    answer_field: str = Field("answer", min_length=1)
+    id_field: str | None = Field("id", description="null: ids are content hashes.")
     max_train_examples: int | None = Field(
         None, ge=1, description="Use only the first N training records (any source)."
     )
@@ -109,6 +120,22 @@ class DataConfig(_Section):
                 raise ValueError(f"{name} must be (low, high) with 1 <= low <= high, got {lo, hi}")
         return self
 
+    @model_validator(mode="after")
+    def _check_fields(self) -> DataConfig:
+        if self.question_field == self.answer_field:
+            raise ValueError(
+                f"question_field and answer_field are both {self.question_field!r}; they must "
+                "name two different columns"
+            )
+        if self.id_field is not None and self.id_field in (self.question_field, self.answer_field):
+            raise ValueError(
+                f"id_field {self.id_field!r} is also the question or answer column; name the id "
+                "column, or set id_field: null to use content-hash ids"
+            )
+        if not self.source.strip():
+            raise ValueError("source is blank; use synthetic, a file, a directory or a hub name")
+        return self
+
 
 class RolloutConfig(_Section):
     """The rollout plane: which engines sample, how many, and with what sampling parameters."""
@@ -119,6 +146,13 @@ class RolloutConfig(_Section):
         "`sglang`: real SGLang servers (GPU); `local`: in-process sampler, no HTTP (debugging).",
     )
     n_samples: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="Overlap rollout and training: step t+k's samples are generated while "
+        "step t trains, from weights at most k versions old (0 = synchronous). TIS is on by "
+        "default when > 0 (algorithm.tis_cap 2.0).",
+    )
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
@@ -245,6 +279,14 @@ class AlgorithmConfig(_Section):
     entropy_coef: float = Field(0.0, ge=0.0)
     tis_cap: float | None = Field(None, gt=0.0, description="Truncated IS cap; None = off.")
     tis_level: Literal["token", "sequence"] = "token"
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO: drop groups whose rewards are all equal (no gradient) and sample "
+        "more prompts until the step has train.prompts_per_step informative groups.",
+    )
+    dynamic_sampling_max_rounds: int = Field(
+        4, ge=1, description="Rollout rounds per step at most (then train on what was kept)."
+    )
 
 
 class RewardConfig(_Section):
@@ -252,7 +294,36 @@ class RewardConfig(_Section):
 
     fn: str = Field("gsm8k", description="`gsm8k`, `format`, or `package.module:function`.")
     format_weight: float = Field(0.0, ge=0.0)
-    timeout_s: float = Field(5.0, gt=0.0)
+    timeout_s: float = Field(
+        5.0, gt=0.0, description="Bound on one sample's reward call; a timeout scores 0."
+    )
+    memory_limit_mb: int | None = Field(
+        4096,
+        ge=64,
+        description="Address-space limit (RLIMIT_AS) of each worker process running a custom "
+        "reward function; an allocation past it scores that sample 0. null: no limit.",
+    )
+    max_failed_steps: int = Field(
+        3,
+        ge=0,
+        description="Fail the run when the reward function fails every sample of this many "
+        "consecutive steps (0: never; such steps score 0 and the run goes on).",
+    )
+
+    @field_validator("fn")
+    @classmethod
+    def _check_fn(cls, fn: str) -> str:
+        spec = fn.strip()
+        if spec in ("gsm8k", "format"):
+            return fn
+        module, sep, attr = spec.partition(":")
+        names = [*module.split("."), *attr.split(".")]
+        if not sep or ":" in attr or not all(n.isidentifier() for n in names):
+            raise ValueError(
+                f"{fn!r} is neither a builtin ('gsm8k', 'format') nor a dotted path "
+                "'package.module:function' (e.g. my_rewards.math:score)"
+            )
+        return fn
 
 
 class EvalConfig(_Section):
@@ -385,8 +456,25 @@ class ExperimentConfig(_Section):
                 "('Duplicate GPU detected'); use rollout.weight_sync=disk (or object_store), "
                 "or cluster.placement=disaggregated"
             )
+        if r.weight_sync == "object_store" and c.mode != "ray":
+            raise ValueError(
+                "rollout.weight_sync=object_store moves weights through Ray's object store, "
+                f"but cluster.mode={c.mode!r} runs no Ray; use rollout.weight_sync=disk, or "
+                "cluster.mode=ray"
+            )
         if self.train.backend == "megatron":
             self._check_megatron()
+        if self.rollout.max_staleness > 0:
+            if self.rollout.release_memory_while_training:
+                raise ValueError(
+                    "rollout.max_staleness > 0 generates while the trainer trains, so the "
+                    "engines cannot release their memory meanwhile: set "
+                    "rollout.release_memory_while_training=false (or max_staleness=0)"
+                )
+            if "tis_cap" not in self.algorithm.model_fields_set:
+                # Off-policy samples: correct them by truncated importance sampling unless the
+                # config says otherwise (tis_cap: null turns it off explicitly).
+                self.algorithm.tis_cap = 2.0
         rollouts = self.train.prompts_per_step * self.rollout.n_samples
         if rollouts % self.train.mini_batches:
             raise ValueError(
@@ -442,6 +530,8 @@ def _format_error(err: ValidationError, origin: str) -> str:
         elif e["type"] == "literal_error":
             allowed = e.get("ctx", {}).get("expected")
             msg = f"got {e.get('input')!r}; allowed values: {allowed}"
+        elif e["type"] == "value_error":
+            msg = msg.removeprefix("Value error, ")  # our validators name the value themselves
         elif "input" in e and not isinstance(e["input"], dict):
             msg += f" (got {e['input']!r})"
         lines.append(f"  {path}: {msg}")

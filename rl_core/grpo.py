@@ -33,6 +33,7 @@ __all__ = [
     "rollout_groups",
     "sample_seed",
     "score_samples",
+    "split_informative_groups",
     "summarize_samples",
     "to_train_batch",
 ]
@@ -121,6 +122,20 @@ def score_samples(samples: list[Sample], runner: RewardRunner) -> RewardResult:
     for s, r, ok in zip(samples, result.scores, result.correct, strict=True):
         s.reward, s.correct = float(r), bool(ok)
     return result
+
+
+def split_informative_groups(
+    samples: Sequence[Sample], n: int
+) -> tuple[list[Sample], list[Sample]]:
+    """DAPO's dynamic-sampling filter: (groups whose rewards differ, groups whose rewards
+    are all equal). An all-equal group has zero advantage everywhere: it adds no policy
+    gradient, only compute. Groups are contiguous runs of ``n``; order is kept."""
+    kept: list[Sample] = []
+    dropped: list[Sample] = []
+    for i in range(0, len(samples), n):
+        group = samples[i : i + n]
+        (kept if len({s.reward for s in group}) > 1 else dropped).extend(group)
+    return kept, dropped
 
 
 def advantages_for(samples: Sequence[Sample], n: int, mode: str) -> torch.Tensor:

@@ -204,12 +204,14 @@ def start_rollout(
 
 
 def _time_share(cfg: ExperimentConfig) -> bool:
-    """``rollout.release_memory_while_training``, with ``None`` resolved: colocated GPUs."""
+    """``rollout.release_memory_while_training``, with ``None`` resolved: colocated GPUs,
+    unless rollout overlaps training (``max_staleness > 0``: the engines are busy then)."""
     flag = cfg.rollout.release_memory_while_training
     if flag is not None:
         return flag
     c = cfg.cluster
-    return c.mode == "ray" and c.placement == "colocated" and c.gpus_per_engine > 0
+    overlap = cfg.rollout.max_staleness > 0
+    return c.mode == "ray" and c.placement == "colocated" and c.gpus_per_engine > 0 and not overlap
 
 
 def _weight_sync_backend(cfg: ExperimentConfig) -> str:

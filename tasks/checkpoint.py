@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -38,7 +39,7 @@ def save_checkpoint(
     planes: PlanesHandle,
     root: str,
     step: int,
-    sampler_state: dict[str, int],
+    sampler_state: dict[str, Any],
     train_digest: str,
     tracking_run_id: str | None = None,
 ) -> dict[str, float]:

@@ -80,13 +80,18 @@ class StepSamples:
     step: int
     samples: list[Sample]
     metrics: dict[str, float] = field(default_factory=dict)
+    # Generated and scored but not trained on (dynamic sampling's zero-variance groups and
+    # the groups beyond the batch): in the ledger, never in a training batch.
+    dropped: list[Sample] = field(default_factory=list)
 
     def ledger(self) -> list[dict]:
-        """One small row per sample: what was consumed, by which weights, how it scored."""
+        """One small row per sample: what was consumed, by which weights, how it scored,
+        and whether it was trained on."""
         return [
             {"uid": s.uid, "weight_version": s.weight_version, "reward": s.reward,
-             "tokens": len(s.output_ids)}
-            for s in self.samples
+             "tokens": len(s.output_ids), "trained": trained}
+            for samples, trained in ((self.samples, True), (self.dropped, False))
+            for s in samples
         ]
 
 

@@ -1,0 +1,114 @@
+"""Where each GRPO step's samples come from: generated in the step, or ahead of it.
+
+``rollout.max_staleness = 0`` (the default): step ``t`` generates its samples, then trains,
+then syncs the weights, in turn (fully synchronous, on-policy).
+
+``rollout.max_staleness = k > 0`` (one-step off-policy for ``k = 1``, as verl, NeMo RL,
+AReaL and prime-rl do): before step ``t`` trains, the rollouts of steps ``t+1 .. t+k`` are
+submitted as Prefect tasks (threads) that the engines serve with the weights they have
+(version ``t-1``) while the trainer trains; the weight sync after the update waits for them.
+Step ``t+j`` then trains on samples from weights at most ``k`` versions old; every sample
+carries its ``weight_version`` and :meth:`Rollouts.take` refuses one older than the bound
+(the TIS correction uses the engine's log-probs recorded with it).
+
+Dynamic sampling (DAPO, ``algorithm.dynamic_sampling``) draws extra prompt batches for the
+step being trained (:meth:`Rollouts.extra`).
+
+Every prompt batch drawn stays in ``pending`` until its step has trained and is written into
+the checkpoint with the sampler's position (:meth:`state_dict`): a resume regenerates the
+batches that were drawn ahead, so consumed data is neither skipped nor repeated.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from rl_core.data import PromptSampler
+from rl_core.planes import PlanesHandle
+from tasks.step import StepSamples, rollout
+
+__all__ = ["Rollouts", "StalenessError"]
+
+log = logging.getLogger(__name__)
+
+
+class StalenessError(RuntimeError):
+    """A sample older than ``rollout.max_staleness`` reached training (a bug guard)."""
+
+
+class Rollouts:
+    """The prompt sampler, the batches drawn ahead, and the rollouts in flight."""
+
+    def __init__(
+        self, planes: PlanesHandle, sampler: PromptSampler, max_staleness: int, steps: int
+    ) -> None:
+        self.planes = planes
+        self.sampler = sampler
+        self.max_staleness = max_staleness
+        self.steps = steps
+        self.pending: dict[int, list[int]] = {}  # step -> prompt indices drawn, not trained
+        self._futures: dict[int, Any] = {}
+
+    def _indices(self, step: int) -> list[int]:
+        if step not in self.pending:
+            self.pending[step] = self.sampler.next_batch()
+        return self.pending[step]
+
+    def take(self, step: int) -> StepSamples:
+        """Step ``step``'s samples: the rollout submitted ahead, or one run now."""
+        future = self._futures.pop(step, None)
+        samples = future.result() if future is not None else rollout(
+            self.planes, self._indices(step), step
+        )
+        # Before step t trains, the trainer's policy is version t-1.
+        ages = [step - 1 - s.weight_version for s in samples.samples]
+        if ages and max(ages) > self.max_staleness:
+            raise StalenessError(
+                f"step {step}: samples from weight version {step - 1 - max(ages)} are "
+                f"{max(ages)} versions old, beyond rollout.max_staleness={self.max_staleness}"
+            )
+        samples.metrics["staleness_max"] = float(max(ages, default=0))
+        samples.metrics["staleness_mean"] = float(sum(ages) / len(ages)) if ages else 0.0
+        return samples
+
+    def extra(self, step: int) -> StepSamples:
+        """Another prompt batch for step ``step`` (dynamic sampling), generated now."""
+        indices = self.sampler.next_batch()
+        self.pending[step] = self._indices(step) + indices
+        return rollout(self.planes, indices, step)
+
+    def prefetch(self, step: int) -> None:
+        """Submit the rollouts of steps ``step+1 .. step+k`` that are not in flight yet."""
+        for ahead in range(step + 1, min(step + self.max_staleness, self.steps) + 1):
+            if ahead not in self._futures:
+                self._futures[ahead] = rollout.submit(self.planes, self._indices(ahead), ahead)
+
+    def drain(self) -> None:
+        """Wait for the rollouts in flight (before the engines' weights change)."""
+        for future in self._futures.values():
+            future.wait()
+
+    def done(self, step: int) -> None:
+        """Step ``step`` has trained: its prompts are consumed."""
+        self.pending.pop(step, None)
+
+    def reset(self, planes: PlanesHandle) -> None:
+        """After a plane rebuild: forget the rollouts in flight (their engines are gone)."""
+        self.planes = planes
+        self._futures.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's position and the batches drawn but not trained (JSON-able)."""
+        pending = [[step, list(idx)] for step, idx in sorted(self.pending.items())]
+        return {**self.sampler.state_dict(), "pending": pending}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        pending = state.pop("pending", [])
+        self.sampler.load_state_dict(state)
+        self.pending = {int(step): list(idx) for step, idx in pending}
+        self._futures.clear()
+        if self.pending:
+            log.info("regenerating the prompt batches drawn ahead for steps %s",
+                     sorted(self.pending))  # fmt: skip
