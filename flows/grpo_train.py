@@ -185,6 +185,7 @@ def grpo_step(planes: PlanesHandle, rollouts: Rollouts, step: int) -> tuple[Step
     -> (dynamic sampling: more rounds) -> advantages -> log-probs -> (submit the rollouts of
     the next steps: they overlap training) -> train -> sync weights (after those rollouts)."""
     cfg = get_planes(planes).config
+    started = time.perf_counter()
     samples = rollouts.take(step)
     released = release_rollout_memory(planes, step) if get_planes(planes).time_share else {}
     scored = reward(planes, samples, step)
@@ -205,6 +206,7 @@ def grpo_step(planes: PlanesHandle, rollouts: Rollouts, step: int) -> tuple[Step
     metrics["time/overlap_wait"] = time.perf_counter() - t0
     metrics.update(sync_weights(planes, step))
     rollouts.done(step)
+    metrics["time/step"] = time.perf_counter() - started
     return scored, metrics
 
 

@@ -19,7 +19,11 @@ def format_step(step: int, total: int, m: Mapping[str, float]) -> str:
         ["checkpoint"] if "time/checkpoint" in m else []
     )
     times = " ".join(f"{ph} {m[f'time/{ph}']:.2f}" for ph in phases)
-    total_s = sum(m[f"time/{ph}"] for ph in phases)
+    # The step's wall time when the flow measured it (an overlapped rollout ran during the
+    # previous step's training, so the phases need not add up to it); else their sum.
+    total_s = m["time/step"] + m.get("time/checkpoint", 0.0) if "time/step" in m else sum(
+        m[f"time/{ph}"] for ph in phases
+    )
     parts = [
         f"step {step:>{width}}/{total}",
         f"reward {m.get('reward_mean', 0.0):.3f}",

@@ -1,0 +1,134 @@
+"""Overlap and dynamic sampling against the synchronous loop: step time and accuracy.
+
+Runs the embedded demo (``configs/tiny-cpu.yaml``, HTTP rollout engine, MLflow off) once
+per variant, each in a fresh ``grpoflow train`` process with the same seed and steps:
+
+- ``sync``: ``rollout.max_staleness=0`` (the default: generate, train, sync in turn);
+- ``overlap``: ``rollout.max_staleness=1`` (step t+1's rollout runs while step t trains;
+  TIS on by default);
+- ``dynamic``: ``algorithm.dynamic_sampling=true`` (DAPO: zero-variance groups are not
+  trained on; more rollout rounds fill the batch).
+
+For each it reads the run's ``metrics.jsonl`` and ``summary.json``: the mean step wall time
+over steps 2..N (step 1 has nothing to overlap with and pays warm-up), the phases, the
+held-out greedy accuracy before and after, and for dynamic sampling the share of generated
+tokens kept out of training and the rounds per step. Prints a table and writes JSON
+(default ``benchmarks/results/overlap.json``). The load average is recorded: numbers are
+only comparable on the same machine at the same load. A benchmark, never a test.
+
+Run: ``.venv/bin/python -m benchmarks.overlap --steps 20``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "overlap.json"
+VARIANTS: dict[str, list[str]] = {
+    "sync": [],
+    "overlap": ["rollout.max_staleness=1"],
+    "dynamic": ["algorithm.dynamic_sampling=true"],
+}
+
+
+def run_variant(name: str, extra: list[str], steps: int, eval_examples: int, work: Path) -> dict:
+    """One ``grpoflow train`` of the demo; its timings and accuracy."""
+    overrides = [
+        f"storage.root={work}", f"run_name={name}", f"train.steps={steps}",
+        "tracking.backend=none", "eval.every=0", f"eval.num_examples={eval_examples}",
+        "eval.pass_k_examples=0", "checkpoint.every=0", *extra,
+    ]  # fmt: skip
+    grpoflow = Path(sys.executable).parent / "grpoflow"
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    subprocess.run(
+        [str(grpoflow), "train", str(ROOT / "configs" / "tiny-cpu.yaml"), "--quiet",
+         "--no-resume", *overrides],
+        check=True, cwd=ROOT, timeout=1800,
+    )  # fmt: skip
+    wall = time.perf_counter() - t0
+    run = work / name
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run / "summary.json").read_text())
+    later = metrics[1:] or metrics
+
+    def mean(key: str) -> float:
+        return statistics.fmean(m.get(key, 0.0) for m in later)
+
+    out: dict[str, Any] = {
+        "overrides": extra,
+        "wall_s": wall,
+        "load_avg_1m_start": load,
+        "step_s_mean": mean("time/step"),
+        "phases_s_mean": {
+            k: mean(f"time/{k}")
+            for k in ("rollout", "reward", "logprobs", "train", "overlap_wait", "sync")
+        },
+        "reward_mean_last5": statistics.fmean(m["reward_mean"] for m in metrics[-5:]),
+        "pass_at_1_first": summary["first_eval"]["pass_at_1"],
+        "pass_at_1_last": summary["last_eval"]["pass_at_1"],
+    }
+    if name == "dynamic":
+        out["untrained_token_frac_mean"] = statistics.fmean(
+            m["dynamic_sampling_untrained_token_frac"] for m in metrics
+        )
+        out["rounds_mean"] = statistics.fmean(m["dynamic_sampling_rounds"] for m in metrics)
+        out["zero_var_groups_per_step"] = statistics.fmean(
+            m["dynamic_sampling_zero_var_groups"] for m in metrics
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--eval-examples", type=int, default=100)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = ap.parse_args(argv)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="grpoflow-overlap-") as tmp:
+        for name in args.variants:
+            results[name] = run_variant(
+                name, VARIANTS[name], args.steps, args.eval_examples, Path(tmp)
+            )
+    base = results.get("sync", {}).get("step_s_mean")
+    print(f"{'variant':<10} {'step s':>8} {'speedup':>8} {'rollout':>8} {'train':>8} "
+          f"{'wait':>6} {'pass@1':>14}")  # fmt: skip
+    for name, r in results.items():
+        ph = r["phases_s_mean"]
+        speed = f"{base / r['step_s_mean']:.2f}x" if base else "-"
+        print(f"{name:<10} {r['step_s_mean']:>8.2f} {speed:>8} {ph['rollout']:>8.2f} "
+              f"{ph['train']:>8.2f} {ph['overlap_wait']:>6.2f} "
+              f"{r['pass_at_1_first']:.3f}->{r['pass_at_1_last']:.3f}")  # fmt: skip
+    if "dynamic" in results:
+        d = results["dynamic"]
+        print(f"dynamic sampling: {d['untrained_token_frac_mean']:.1%} of generated tokens kept "
+              f"out of training, {d['rounds_mean']:.2f} rollout rounds per step")
+    doc = {
+        "benchmark": "overlap",
+        "command": "python -m benchmarks.overlap " + " ".join(argv or sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "steps": args.steps,
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
