@@ -593,6 +593,7 @@ class MegatronTrainer(BroadcastsWeights):
             target.mkdir(parents=True, exist_ok=True)
         if dist.get_world_size() > 1:
             dist.barrier()
+        _in_process_results_queue()
         with compat.cuda_free():
             dist_checkpointing.save(self._sharded_state(), str(target))
         if self.rank == 0:
@@ -627,6 +628,25 @@ class MegatronTrainer(BroadcastsWeights):
                 self.optimizer.load_state_dict(state["optimizer"])
         _restore_adam_steps(self.optimizer)
         self.global_step = json.loads((path / _STATE).read_text())["global_step"]
+
+
+def _in_process_results_queue() -> None:
+    """Collect ``dist_checkpointing``'s write results in a plain in-process queue.
+
+    megatron-core 0.16.1 creates that queue with ``multiprocessing.get_context("spawn")
+    .Manager()`` on the first save: a spawned server process that re-imports ``__main__``,
+    so a user's script without an ``if __name__ == "__main__":`` guard runs twice (measured),
+    and the first save pays ~2.5 s for the spawn. The queue only crosses processes for
+    megatron's *asynchronous* saves; the trainer saves synchronously (the forked writers
+    report through their own queues, and the parent, which runs the save, fills this one),
+    so an in-process queue is equivalent here. Private name, pinned version (0.16.1).
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "missing") is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _restore_adam_steps(optimizer: Any) -> None:
