@@ -30,6 +30,7 @@ from rl_core.data import PromptSampler
 from rl_core.grpo import split_informative_groups, summarize_samples
 from rl_core.planes import PlanesHandle, get_planes, tear_down
 from rl_core.report import format_eval, format_step, format_summary
+from rl_core.rewards import RewardFunctionError
 from rl_core.rundir import RunDir
 from tasks.checkpoint import restore_checkpoint, save_checkpoint
 from tasks.evaluate import artifact_key, evaluate_policy, export_model
@@ -116,6 +117,9 @@ def grpo_train(
         try:
             scored, metrics = grpo_step(planes, rollouts, step)
         except StepTaskError as exc:
+            if isinstance(exc.__cause__, RewardFunctionError):
+                # Not the planes' fault: a rebuild would score zeros for K more steps.
+                raise RuntimeError(f"GRPO step {exc.step}: {exc.__cause__}") from exc
             # Task retries are spent: rebuild both planes from the latest checkpoint.
             restarts += 1
             if restarts > cfg.train.max_plane_restarts:

@@ -248,7 +248,9 @@ class TrainConfig(_Section):
     prompts_per_step: int = Field(32, ge=1)
     lr: float = Field(1e-4, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[
+        Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]
+    ] = (0.9, 0.999)
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)

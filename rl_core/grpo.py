@@ -116,9 +116,13 @@ def rollout_groups(
     ]
 
 
-def score_samples(samples: list[Sample], runner: RewardRunner) -> RewardResult:
-    """Score every sample in place; reward-function failures score 0 and are counted."""
-    result = runner.score([s.text for s in samples], [s.answer for s in samples])
+def score_samples(
+    samples: list[Sample], runner: RewardRunner, step: int | None = None
+) -> RewardResult:
+    """Score every sample in place; reward-function failures score 0 and are counted
+    (``step``: calls of one step, e.g. dynamic sampling's rounds, count as one step towards
+    ``reward.max_failed_steps``)."""
+    result = runner.score([s.text for s in samples], [s.answer for s in samples], step=step)
     for s, r, ok in zip(samples, result.scores, result.correct, strict=True):
         s.reward, s.correct = float(r), bool(ok)
     return result

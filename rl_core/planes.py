@@ -153,6 +153,7 @@ def start_rollout(
             num_threads=threads,
             max_running_requests=r.max_running_requests,
             trust_remote_code=cfg.model.trust_remote_code,
+            weight_sync_timeout_s=r.weight_sync_timeout_s,
         )
         env = {"OMP_NUM_THREADS": str(threads), **platform_env("cpu", cfg.cluster.env)}
     else:
@@ -279,9 +280,7 @@ def bring_up_planes(
         train_prompts,
         eval_records,
         eval_prompts,
-        RewardRunner(
-            cfg.reward.fn, timeout_s=cfg.reward.timeout_s, format_weight=cfg.reward.format_weight
-        ),
+        RewardRunner.from_config(cfg.reward),
         skipped_long_prompts=skipped + skip_eval,
         cluster=cluster,
         placement=placement,

@@ -27,6 +27,7 @@ from rl_core.grpo import (
     to_train_batch,
 )
 from rl_core.planes import PlanesHandle, get_planes
+from rl_core.rewards import RewardFunctionError
 from rl_core.rollout.sampler import SamplingParams
 from rl_core.training.batch import TrainBatch
 
@@ -128,19 +129,33 @@ def rollout(planes: PlanesHandle, indices: list[int], step: int) -> StepSamples:
     )
 
 
-@task(name="reward", task_run_name="reward-step-{step}", timeout_seconds=900, **_RETRY)
+def _not_a_failing_reward_function(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry the reward task, unless the reward function itself has failed every sample of
+    ``reward.max_failed_steps`` steps: retrying would only score zeros again."""
+    exc = state.result(raise_on_failure=False)
+    return not isinstance(getattr(exc, "__cause__", None), RewardFunctionError)
+
+
+@task(
+    name="reward",
+    task_run_name="reward-step-{step}",
+    timeout_seconds=900,
+    retry_condition_fn=_not_a_failing_reward_function,
+    **_RETRY,
+)
 @_named("reward")
 def reward(planes: PlanesHandle, batch: StepSamples, step: int) -> StepSamples:
     """Score every sample; failures of the reward function score 0 and are counted."""
     p = get_planes(planes)
     started = time.perf_counter()
-    result = score_samples(batch.samples, p.reward_runner)
+    result = score_samples(batch.samples, p.reward_runner, step=step)
     metrics = dict(batch.metrics)
     metrics.update(summarize_samples(batch.samples, p.config.rollout.n_samples))
     metrics.update(
         {
             "reward_errors": float(result.num_errors),
             "reward_timeouts": float(result.num_timeouts),
+            "reward_failed_streak": float(result.failed_streak),
             "time/reward": time.perf_counter() - started,
         }
     )

@@ -96,6 +96,34 @@ def memory_hog(completion: str, answer: str) -> float:
     return float(len(block) > 0)
 
 
+def grow_on_marker(completion: str, answer: str) -> float:
+    """gsm8k_reward, except that GROW allocates 8 MB blocks, and keeps them, without end.
+
+    Only a memory limit stops it (MemoryError); the blocks are freed when the frame unwinds.
+    Never call it without ``memory_limit_mb``: it would take the machine's memory.
+    """
+    if "GROW" in completion:
+        blocks = []
+        while True:
+            blocks.append(bytearray(8 * 1024 * 1024))
+    return gsm8k_reward(completion, answer)
+
+
+def raise_on_marker(completion: str, answer: str) -> float:
+    """gsm8k_reward, except that a completion containing FAIL raises."""
+    if "FAIL" in completion:
+        raise ValueError(f"cannot score {completion!r}")
+    return gsm8k_reward(completion, answer)
+
+
+def address_space_limit(completion: str, answer: str) -> float:
+    """The worker's soft RLIMIT_AS in MB (-1: unlimited): what limit the runner applied."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return -1.0 if soft == resource.RLIM_INFINITY else soft / (1024 * 1024)
+
+
 def pid_reward(completion: str, answer: str) -> float:
     return float(os.getpid())
 

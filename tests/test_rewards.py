@@ -388,6 +388,7 @@ def test_reward_result_metrics() -> None:
         "r_accuracy": 0.0,
         "r_num_errors": 0.0,
         "r_num_timeouts": 0.0,
+        "r_failed_streak": 0.0,
     }
 
 
@@ -467,6 +468,7 @@ def test_runner_custom_fn_in_subprocess() -> None:
             "timeouts": 0,
             "worker_restarts": 0,
             "leaked_threads": 0,
+            "all_failed_calls": 0,
         }
 
 
@@ -866,3 +868,143 @@ def test_spawn_refused_after_close() -> None:
     runner.close()
     with pytest.raises(OSError, match="closed"):
         runner._spawn(runner_mod._Slot())
+
+
+# ----------------------------------------------------------------------------- fault budget
+# Fault 7 of the reliability suite: a reward function that raises, hangs or exhausts memory
+# costs its samples (scored 0, counted); one that fails every sample of max_failed_steps
+# consecutive steps stops the run with a message naming it (docs/reliability.md).
+
+
+def test_defaults_match_the_reward_config() -> None:
+    from rl_core.config import RewardConfig
+
+    cfg = RewardConfig()
+    assert cfg.memory_limit_mb == runner_mod.DEFAULT_MEMORY_LIMIT_MB
+    assert cfg.max_failed_steps == runner_mod.DEFAULT_MAX_FAILED_STEPS
+    with RewardRunner() as inline:
+        assert inline.memory_limit_mb is None  # builtins run in-process: nothing to limit
+        assert inline.max_failed_steps == cfg.max_failed_steps
+
+
+@pytest.mark.timeout(30)
+def test_from_config_applies_every_knob_and_the_worker_gets_the_memory_limit() -> None:
+    from rl_core.config import RewardConfig
+
+    cfg = RewardConfig(
+        fn="reward_plugins:address_space_limit",
+        timeout_s=2.5,
+        format_weight=0.0,
+        memory_limit_mb=1536,
+        max_failed_steps=7,
+    )
+    with RewardRunner.from_config(cfg) as runner:
+        assert (runner.timeout_s, runner.memory_limit_mb, runner.max_failed_steps) == (2.5, 1536, 7)
+        assert runner.score(["x"], ["1"]).scores == [1536.0]  # RLIMIT_AS, read in the worker
+    # The default: custom code never runs without a memory limit.
+    with RewardRunner("reward_plugins:address_space_limit") as runner:
+        assert runner.score(["x"], ["1"]).scores == [float(runner_mod.DEFAULT_MEMORY_LIMIT_MB)]
+    with RewardRunner.from_config(cfg.model_copy(update={"memory_limit_mb": None})) as runner:
+        assert runner.score(["x"], ["1"]).scores == [-1.0]  # null: no limit, as configured
+    with RewardRunner.from_config(RewardConfig()) as builtin:  # the defaults: gsm8k, in-process
+        assert not builtin.isolated and builtin.memory_limit_mb is None
+        assert builtin.score(["#### 3"], ["3"]).scores == [1.0]
+
+
+@pytest.mark.timeout(30)
+def test_unbounded_allocation_is_stopped_and_the_worker_keeps_scoring() -> None:
+    with RewardRunner("reward_plugins:grow_on_marker", memory_limit_mb=320) as runner:
+        (pid,) = runner.worker_pids
+        start = time.monotonic()
+        result = runner.score(["#### 1", "GROW", "#### 3"], ["1", "2", "3"])
+        assert time.monotonic() - start < 10.0
+        assert result.scores == [1.0, 0.0, 1.0]
+        assert (result.num_errors, result.num_timeouts) == (1, 0)
+        assert "MemoryError" in result.errors[0]
+        assert result.metrics()["reward/num_errors"] == 1.0
+        # The blocks were freed with the frame: the same worker scores the next step.
+        assert runner.worker_pids == [pid]
+        assert runner.score(["GROW", "#### 4"], ["1", "4"]).scores == [0.0, 1.0]
+
+
+@pytest.mark.timeout(30)
+def test_every_sample_failing_k_steps_in_a_row_fails_with_the_function_named() -> None:
+    spec = "reward_plugins:raise_on_marker"
+    with RewardRunner(spec, max_failed_steps=3) as runner:
+        for step in (1, 2):
+            result = runner.score(["FAIL a", "FAIL b"], ["1", "2"])
+            assert result.scores == [0.0, 0.0] and result.all_failed
+            assert result.failed_streak == step == runner.failed_streak
+            assert result.metrics()["reward/failed_streak"] == float(step)
+        with pytest.raises(runner_mod.RewardFunctionError) as info:
+            runner.score(["FAIL c", "FAIL d"], ["1", "2"])
+        err = info.value
+        assert (err.spec, err.steps) == (spec, 3)
+        assert err.last_error == "sample 1: ValueError: cannot score 'FAIL d'"
+        message = str(err)
+        assert repr(spec) in message and "3 consecutive steps" in message
+        assert "reward.max_failed_steps" in message and "cannot score 'FAIL d'" in message
+        # The run is over: a retried step fails at once, without scoring again.
+        calls = runner.stats()["calls"]
+        with pytest.raises(runner_mod.RewardFunctionError):
+            runner.score(["#### 1"], ["1"])
+        assert runner.stats()["calls"] == calls
+        assert runner.stats()["all_failed_calls"] == 3
+
+
+@pytest.mark.timeout(30)
+def test_one_scored_sample_resets_the_streak_and_empty_calls_do_not_count() -> None:
+    with RewardRunner("reward_plugins:raise_on_marker", max_failed_steps=2) as runner:
+        assert runner.score(["FAIL"], ["1"]).failed_streak == 1
+        assert runner.score([], []).failed_streak == 1  # no samples: proves nothing
+        ok = runner.score(["FAIL", "#### 2"], ["1", "2"])  # one sample scored
+        assert ok.scores == [0.0, 1.0] and ok.failed_streak == 0 and not ok.all_failed
+        assert runner.score(["FAIL"], ["1"]).failed_streak == 1
+        with pytest.raises(runner_mod.RewardFunctionError, match="2 consecutive steps"):
+            runner.score(["FAIL"], ["1"])
+
+
+@pytest.mark.timeout(30)
+def test_calls_of_one_step_count_once() -> None:
+    """Dynamic sampling scores a step in several calls, and a retried task scores it again:
+    the budget counts steps, and one scored sample anywhere in a step clears it."""
+    with RewardRunner("reward_plugins:raise_on_marker", max_failed_steps=2) as runner:
+        for _ in range(3):  # three all-failed rounds of step 1 are one failed step
+            assert runner.score(["FAIL"], ["1"], step=1).failed_streak == 1
+        with pytest.raises(runner_mod.RewardFunctionError, match="2 consecutive steps"):
+            runner.score(["FAIL"], ["1"], step=2)  # the second failed step, not the fourth call
+    with RewardRunner("reward_plugins:raise_on_marker", max_failed_steps=2) as runner:
+        assert runner.score(["FAIL"], ["1"], step=1).failed_streak == 1
+        assert runner.score(["#### 2"], ["2"], step=1).failed_streak == 0  # a later round scored
+        assert runner.score(["FAIL"], ["1"], step=2).failed_streak == 1
+        assert runner.score(["FAIL"], ["1"], step=2).failed_streak == 1
+        with pytest.raises(runner_mod.RewardFunctionError, match="2 consecutive steps"):
+            runner.score(["FAIL"], ["1"], step=3)
+
+
+@pytest.mark.timeout(30)
+def test_hangs_count_as_failed_samples_and_zero_turns_the_budget_off() -> None:
+    with RewardRunner("reward_plugins:sleep_on_marker", timeout_s=0.3, max_failed_steps=2) as r:
+        assert r.score(["HANG"], ["1"]).num_timeouts == 1
+        with pytest.raises(runner_mod.RewardFunctionError, match=r"timed out after 0\.3 s"):
+            r.score(["HANG"], ["1"])
+    with RewardRunner("reward_plugins:raising_reward", max_failed_steps=0) as runner:
+        for _ in range(5):
+            assert runner.score(["a"], ["1"]).scores == [0.0]
+        assert runner.failed_streak == 5
+
+
+def test_reward_function_error_survives_pickling_and_bad_budgets_are_refused() -> None:
+    import pickle
+
+    err = runner_mod.RewardFunctionError("m:f", 3, "sample 0: boom")
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.spec, back.steps, back.last_error, str(back)) == (
+        "m:f",
+        3,
+        "sample 0: boom",
+        str(err),
+    )
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="max_failed_steps must be an integer >= 0"):
+            RewardRunner(max_failed_steps=bad)  # type: ignore[arg-type]

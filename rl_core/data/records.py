@@ -31,6 +31,7 @@ __all__ = [
 ANSWER_MARKER = "####"
 MAX_LISTED_PROBLEMS = 10
 
+
 def extract_final_answer(answer: str) -> str:
     """Text after the last ``####`` marker, stripped; the whole answer stripped if no marker."""
     head, marker, tail = answer.rpartition(ANSWER_MARKER)
@@ -108,7 +109,9 @@ def _check_row(
             )
             continue
         value = row[name]
-        if not isinstance(value, str):
+        if value is None:  # a null cell (Parquet, datasets) or a JSON null
+            reasons.append(f"field {name!r} is null; every row needs a {arg.split('_')[0]}")
+        elif not isinstance(value, str):
             reasons.append(f"field {name!r} must be a string, got {type(value).__name__}")
         elif not value.strip():
             reasons.append(f"field {name!r} is empty")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -39,6 +40,8 @@ from rl_core.data.records import (
 )
 
 __all__ = ["load_records", "read_parquet", "write_parquet"]
+
+log = logging.getLogger(__name__)
 
 DIGEST_METADATA_KEY = b"grpoflow.records_digest"
 _JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -222,7 +225,14 @@ def _read_dir(path: Path, request: _Request) -> RowSource:
 def _saved_dataset_source(path: Path, request: _Request) -> RowSource:
     import datasets
 
-    loaded = datasets.load_from_disk(str(path))
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as exc:  # corrupt arrow files, a half-copied folder, a foreign layout
+        raise ValueError(
+            f"{path}: looks like a datasets.save_to_disk folder but does not load "
+            f"({type(exc).__name__}: {_first_line(exc)}); save it again, or export the split "
+            "as .jsonl or .parquet"
+        ) from exc
     name = str(path)
     if isinstance(loaded, datasets.DatasetDict):
         if request.split not in loaded:
@@ -318,6 +328,9 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Row]]:
             except json.JSONDecodeError as exc:
                 yield lineno, BadRow(f"invalid JSON ({exc.msg} at column {exc.colno})")
                 continue
+            except RecursionError:
+                yield lineno, BadRow("invalid JSON (nested too deeply to parse)")
+                continue
             if not isinstance(obj, dict):
                 yield lineno, BadRow(f"expected a JSON object, got {type(obj).__name__}")
                 continue
@@ -327,7 +340,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Row]]:
 def _json_array_source(path: Path) -> RowSource:
     try:
         items = json.loads(path.read_bytes().decode("utf-8-sig"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ValueError(
             f"{path}: not a valid UTF-8 JSON array ({exc}); fix the file or convert it to "
             "JSONL (one object per line) so bad rows can be skipped individually"
@@ -345,8 +358,24 @@ def _json_array_source(path: Path) -> RowSource:
     return RowSource(name=str(path), rows=rows(), row_label="item")
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _open_parquet(path: Path) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(
+            f"{path}: not a readable Parquet file ({_first_line(exc)}); the file is empty, "
+            "truncated or another format: write it again (pyarrow.parquet.write_table or "
+            "DataFrame.to_parquet) or use .jsonl"
+        ) from exc
+
+
 def _parquet_source(paths: Sequence[Path], name: str, request: _Request) -> RowSource:
-    files = [pq.ParquetFile(p) for p in paths]
+    files = [_open_parquet(p) for p in paths]
     for p, f in zip(paths, files, strict=True):
         _check_columns(str(p), f.schema_arrow.names, request)
     note = None
@@ -360,10 +389,21 @@ def _parquet_source(paths: Sequence[Path], name: str, request: _Request) -> RowS
 
     def rows() -> Iterator[tuple[int, Row]]:
         number = 0
-        for f in files:
+        for p, f in zip(paths, files, strict=True):
             keep = [c for c in request.columns if c in f.schema_arrow.names]
-            for batch in f.iter_batches(columns=keep):
-                for row in batch.to_pylist():
+            batches = f.iter_batches(columns=keep)
+            while True:
+                try:
+                    batch = next(batches, None)
+                    if batch is None:
+                        break
+                    decoded = batch.to_pylist()
+                except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
+                    raise ValueError(
+                        f"{p}: Parquet data after row {number} does not read "
+                        f"({_first_line(exc)}); the file is corrupt or truncated: write it again"
+                    ) from exc
+                for row in decoded:
                     number += 1
                     yield number, row
 
@@ -411,7 +451,7 @@ def load_records(
         cache_dir=Path(cache_dir) if cache_dir is not None else None,
     )
     read = _dispatch(os.fspath(source), request)
-    records, _ = validate_numbered_rows(
+    records, problems = validate_numbered_rows(
         read.rows,
         read.name,
         question_field=question_field,
@@ -421,6 +461,18 @@ def load_records(
         row_label=read.row_label,
         note=read.note,
     )
+    if problems:  # a counted skip, within max_bad_fraction: say how many and which
+        shown = "; ".join(f"{read.row_label} {n}: {why}" for n, why in problems[:3])
+        more = f"; ... and {len(problems) - 3} more" if len(problems) > 3 else ""
+        log.warning(
+            "%s: skipped %d of %d rows (within max_bad_fraction=%s): %s%s",
+            read.name,
+            len(problems),
+            len(problems) + len(records),
+            max_bad_fraction,
+            shown,
+            more,
+        )
     return records if limit is None else records[:limit]
 
 
@@ -459,7 +511,13 @@ def read_parquet(path: str | os.PathLike[str]) -> list[Record]:
     target = Path(path)
     if not target.is_file():
         raise FileNotFoundError(f"records file not found: {target.absolute()}")
-    table = pq.read_table(target)
+    try:
+        table = pq.read_table(target)
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(
+            f"{target}: the records snapshot does not read ({_first_line(exc)}); it is "
+            "corrupt or truncated: delete it (and its meta.json) so it is prepared again"
+        ) from exc
     missing = [c for c in ("id", "question", "answer") if c not in table.column_names]
     if missing:
         raise ValueError(

@@ -116,7 +116,7 @@ def verify_model_dir(path: str | Path, *, trust_remote_code: bool = False) -> Pa
     if not (p / "config.json").is_file():
         raise ModelError(f"{p} has no config.json; is model.path an HF model directory?")
     try:
-        AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - report any loader failure with the path
         raise ModelError(f"{p}/config.json does not load: {exc}") from exc
     weights = list(p.glob("*.safetensors")) + list(p.glob("pytorch_model*.bin"))
@@ -139,6 +139,18 @@ def verify_model_dir(path: str | Path, *, trust_remote_code: bool = False) -> Pa
         ) from exc
     if tok.eos_token_id is None:
         raise ModelError(f"{p}: the tokenizer has no eos_token; set it in tokenizer_config.json")
+    vocab = getattr(config, "vocab_size", None) or getattr(
+        getattr(config, "text_config", None), "vocab_size", None
+    )
+    for name in ("eos_token", "pad_token"):
+        token_id = getattr(tok, f"{name}_id", None)
+        if vocab and token_id is not None and token_id >= vocab:
+            # transformers gives a tokenizer without one a new token past the model's ids
+            raise ModelError(
+                f"{p}: the tokenizer's {name} {getattr(tok, name)!r} has id {token_id}, outside "
+                f"the model's vocabulary ({vocab} ids): the tokenizer has no {name} the model "
+                f"knows; set {name} in tokenizer_config.json to one of its tokens"
+            )
     return p
 
 

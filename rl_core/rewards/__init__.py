@@ -2,8 +2,8 @@
 
 What this package is for: everything the training step needs to turn completions into
 scalar rewards — GSM8K-style answer extraction and numeric comparison (`rl_core.rewards.math`)
-and running builtin or user-supplied reward functions with per-sample timeouts and process
-isolation (`rl_core.rewards.runner`).
+and running builtin or user-supplied reward functions with per-sample timeouts, process
+isolation, a memory limit and a budget of failed steps (`rl_core.rewards.runner`).
 
 What it must never do: import prefect, mlflow or torch (rl_core stays orchestration-free, and
 reward worker processes import this package on every start), or let one bad sample raise out
@@ -20,6 +20,7 @@ from rl_core.rewards.math import (
 from rl_core.rewards.runner import (
     BUILTIN_REWARDS,
     RewardFn,
+    RewardFunctionError,
     RewardResult,
     RewardRunner,
     load_reward_fn,
@@ -28,6 +29,7 @@ from rl_core.rewards.runner import (
 __all__ = [
     "BUILTIN_REWARDS",
     "RewardFn",
+    "RewardFunctionError",
     "RewardResult",
     "RewardRunner",
     "answers_equal",

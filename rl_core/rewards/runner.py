@@ -25,6 +25,16 @@ Isolation model:
 * ``isolate=False`` with a custom spec runs the function on a throwaway daemon thread joined
   with ``timeout_s``. A timeout is counted and the caller moves on, but Python cannot kill a
   thread: the hung call keeps running (and holding whatever it holds) until it returns.
+* Memory: every worker runs under ``RLIMIT_AS`` (``memory_limit_mb``; by default
+  `DEFAULT_MEMORY_LIMIT_MB` for workers), so a function that allocates without bound gets a
+  MemoryError (or its worker dies and is replaced) instead of taking the machine down; either
+  way that sample scores 0 and is counted as an error.
+
+Fault budget: a function that fails *every* sample of ``max_failed_steps`` consecutive
+training steps is broken, not unlucky; `score` then raises `RewardFunctionError` naming the
+function and its last error, and keeps raising on every later call (a retried step fails at
+once instead of scoring zeros again). Calls are grouped into steps by their ``step`` argument
+(dynamic sampling scores one step in several calls); without it each call is one step.
 """
 
 from __future__ import annotations
@@ -48,11 +58,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_connections
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from rl_core.rewards.math import format_reward, gsm8k_reward
 
-__all__ = ["BUILTIN_REWARDS", "RewardFn", "RewardResult", "RewardRunner", "load_reward_fn"]
+if TYPE_CHECKING:  # the config module imports no rewards code; only the type is needed
+    from rl_core.config import RewardConfig
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "DEFAULT_MAX_FAILED_STEPS",
+    "DEFAULT_MEMORY_LIMIT_MB",
+    "RewardFn",
+    "RewardFunctionError",
+    "RewardResult",
+    "RewardRunner",
+    "load_reward_fn",
+]
 
 RewardFn = Callable[[str, str], float]
 
@@ -63,6 +85,32 @@ _MAX_ERROR_MESSAGES = 5
 _MAX_MESSAGE_CHARS = 200
 _KILL_WAIT_S = 5.0
 _ORPHAN_POLL_S = 1.0
+
+# Defaults shared with rl_core.config.RewardConfig (a test keeps them equal).
+DEFAULT_MEMORY_LIMIT_MB = 4096
+DEFAULT_MAX_FAILED_STEPS = 3
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function failed every sample of ``steps`` consecutive steps: the run must stop.
+
+    ``spec`` names the function, ``last_error`` is the last failure it reported (one of the
+    messages of `RewardResult.errors`).
+    """
+
+    def __init__(self, spec: str, steps: int, last_error: str) -> None:
+        self.spec, self.steps, self.last_error = spec, steps, last_error
+        super().__init__(
+            f"reward function {spec!r} failed every sample of {steps} consecutive steps "
+            f"(reward.max_failed_steps={steps}); last error: {last_error}. Fix the function "
+            f"(try it by hand: from rl_core.rewards import load_reward_fn; "
+            f"load_reward_fn({spec!r})(completion, answer)), raise reward.timeout_s or "
+            "reward.memory_limit_mb if it timed out or ran out of memory, or set "
+            "reward.max_failed_steps=0 to score such steps 0 and carry on."
+        )
+
+    def __reduce__(self):  # picklable across process boundaries (Prefect results, Ray)
+        return (type(self), (self.spec, self.steps, self.last_error))
 
 
 def _format_only(completion: str, answer: str) -> float:
@@ -199,7 +247,9 @@ class RewardResult:
     or 0.0 when the call failed (error or timeout; the format bonus is not given then either).
     ``correct[i]`` is the builtin GSM8K correctness, independent of the custom function.
     ``errors`` holds the first few failure messages (timeouts included), each prefixed with
-    the sample index.
+    the sample index; ``last_error`` is the last one, whatever the count. ``failed_streak``
+    is how many consecutive steps, this call's included, failed every sample (0 once a sample
+    of this call's step scored).
     """
 
     scores: list[float]
@@ -207,6 +257,18 @@ class RewardResult:
     num_errors: int = 0
     num_timeouts: int = 0
     errors: list[str] = field(default_factory=list)
+    failed_streak: int = 0
+    last_error: str | None = None
+
+    @property
+    def num_failed(self) -> int:
+        """Samples that scored 0 because the function failed (errors and timeouts)."""
+        return self.num_errors + self.num_timeouts
+
+    @property
+    def all_failed(self) -> bool:
+        """True when the batch is not empty and no sample was scored by the function."""
+        return bool(self.scores) and self.num_failed == len(self.scores)
 
     @property
     def accuracy(self) -> float:
@@ -224,6 +286,7 @@ class RewardResult:
             f"{prefix}accuracy": self.accuracy,
             f"{prefix}num_errors": float(self.num_errors),
             f"{prefix}num_timeouts": float(self.num_timeouts),
+            f"{prefix}failed_streak": float(self.failed_streak),
         }
 
 
@@ -360,8 +423,12 @@ class RewardRunner:
     thread per call: timeouts are counted but a hung thread leaks — see module docstring).
     ``memory_limit_mb``: RLIMIT_AS (virtual address space, not RSS — libraries that reserve
     large mappings need headroom) for each worker; a function exceeding it gets MemoryError
-    or the worker dies, both scored as errors. Only valid when isolated.
+    or the worker dies, both scored as errors. ``"auto"`` (the default):
+    `DEFAULT_MEMORY_LIMIT_MB` when isolated, none inline; None: no limit. A number is only
+    valid when isolated.
     ``start_timeout_s``: how long a worker may take to start and import the user module.
+    ``max_failed_steps``: `score` raises `RewardFunctionError` once this many consecutive
+    steps failed every sample (0: never; see `score`).
 
     Workers start in the constructor, so a bad custom spec raises ValueError there (RuntimeError
     when the worker cannot start at all), and stay alive across `score` calls. After a timeout
@@ -379,8 +446,9 @@ class RewardRunner:
         format_weight: float = 0.0,
         max_workers: int = 1,
         isolate: bool | None = None,
-        memory_limit_mb: int | None = None,
+        memory_limit_mb: int | None | Literal["auto"] = "auto",
         start_timeout_s: float = 60.0,
+        max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS,
     ) -> None:
         if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
@@ -390,12 +458,25 @@ class RewardRunner:
             raise ValueError(f"max_workers must be an integer >= 1, got {max_workers!r}")
         if not (isinstance(start_timeout_s, int | float) and start_timeout_s > 0):
             raise ValueError(f"start_timeout_s must be positive, got {start_timeout_s!r}")
-        if memory_limit_mb is not None and (
-            not isinstance(memory_limit_mb, int) or memory_limit_mb <= 0
+        if memory_limit_mb not in (None, "auto") and (
+            not isinstance(memory_limit_mb, int)
+            or isinstance(memory_limit_mb, bool)
+            or memory_limit_mb <= 0
         ):
             raise ValueError(f"memory_limit_mb must be a positive integer, got {memory_limit_mb!r}")
+        if (
+            not isinstance(max_failed_steps, int)
+            or isinstance(max_failed_steps, bool)
+            or max_failed_steps < 0
+        ):
+            raise ValueError(
+                f"max_failed_steps must be an integer >= 0 (0: never fail), got "
+                f"{max_failed_steps!r}"
+            )
         builtin = isinstance(spec, str) and spec.strip() in BUILTIN_REWARDS
         isolated = (not builtin) if isolate is None else bool(isolate)
+        if memory_limit_mb == "auto":
+            memory_limit_mb = DEFAULT_MEMORY_LIMIT_MB if isolated else None
         if memory_limit_mb is not None and not isolated:
             raise ValueError(
                 "memory_limit_mb can only be enforced in a worker subprocess; "
@@ -408,7 +489,15 @@ class RewardRunner:
         self.max_workers = max_workers
         self.memory_limit_mb = memory_limit_mb
         self.start_timeout_s = float(start_timeout_s)
+        self.max_failed_steps = max_failed_steps
         self.isolated = isolated
+        self._failed_streak = 0
+        # Fault budget state: the current step, whether it scored samples and whether the
+        # function scored any of them, and the failed steps in a row before it.
+        self._step: object = None
+        self._step_seen = self._step_scored = False
+        self._done_streak = 0
+        self._fatal: RewardFunctionError | None = None
         self._builtin = builtin
         self._closed = False
         self._lock = threading.Lock()
@@ -419,6 +508,7 @@ class RewardRunner:
             "timeouts": 0,
             "worker_restarts": 0,
             "leaked_threads": 0,
+            "all_failed_calls": 0,
         }
         self._slots: list[_Slot] = []
         self._fn: RewardFn | None = None
@@ -436,12 +526,36 @@ class RewardRunner:
             self._finalizer()
             raise
 
+    @classmethod
+    def from_config(cls, reward: RewardConfig) -> RewardRunner:
+        """The runner a training run uses: every knob from the ``reward`` config section.
+
+        The memory limit applies to custom functions (worker processes); the builtins run
+        in-process and need none.
+        """
+        builtin = reward.fn.strip() in BUILTIN_REWARDS
+        return cls(
+            reward.fn,
+            timeout_s=reward.timeout_s,
+            format_weight=reward.format_weight,
+            memory_limit_mb=None if builtin else reward.memory_limit_mb,
+            max_failed_steps=reward.max_failed_steps,
+        )
+
     # ------------------------------------------------------------------ public
 
-    def score(self, completions: Sequence[str], answers: Sequence[str]) -> RewardResult:
+    def score(
+        self, completions: Sequence[str], answers: Sequence[str], *, step: int | None = None
+    ) -> RewardResult:
         """Score each completion against its reference answer; never raises for a bad sample.
 
-        Raises ValueError if the two lists differ in length and RuntimeError after `close()`.
+        ``step``: the training step the samples belong to. Calls with the same ``step``
+        (dynamic sampling's extra rounds, a retried task) count as one step for the fault
+        budget; without it every call is a step of its own.
+
+        Raises ValueError if the two lists differ in length, RuntimeError after `close()`, and
+        `RewardFunctionError` once ``max_failed_steps`` consecutive steps failed every sample
+        (and on every call after that one).
         """
         if len(completions) != len(answers):
             raise ValueError(
@@ -451,6 +565,8 @@ class RewardRunner:
         with self._lock:
             if self._closed:
                 raise RuntimeError("RewardRunner.score called after close()")
+            if self._fatal is not None:
+                raise self._fatal
             if self.isolated:
                 outcomes = self._run_isolated(completions, answers)
             else:
@@ -462,11 +578,41 @@ class RewardRunner:
             self._stats["samples"] += len(completions)
             self._stats["errors"] += result.num_errors
             self._stats["timeouts"] += result.num_timeouts
+            self._count_failed_call(result, object() if step is None else step)
             return result
+
+    def _count_failed_call(self, result: RewardResult, step: object) -> None:
+        """Track consecutive steps whose every sample failed; raise at ``max_failed_steps``.
+
+        A step counts as failed as soon as it has scored samples and none of them was
+        scored by the function; a later call of the same step that scores one clears it.
+        """
+        if step != self._step:  # a new step begins
+            failed_before = self._step_seen and not self._step_scored
+            self._done_streak = self._done_streak + 1 if failed_before else 0
+            self._step, self._step_seen, self._step_scored = step, False, False
+        if result.scores:  # an empty call proves nothing
+            self._step_seen = True
+            if result.all_failed:
+                self._stats["all_failed_calls"] += 1
+            else:
+                self._step_scored = True
+                self._done_streak = 0
+        current = 1 if self._step_seen and not self._step_scored else 0
+        self._failed_streak = result.failed_streak = self._done_streak + current
+        if self.max_failed_steps and self._failed_streak >= self.max_failed_steps:
+            last = result.last_error or "no message"
+            self._fatal = RewardFunctionError(str(self.spec), self._failed_streak, last)
+            raise self._fatal
 
     def stats(self) -> dict[str, int]:
         """Cumulative counters since construction (calls, samples, errors, timeouts, ...)."""
         return dict(self._stats)
+
+    @property
+    def failed_streak(self) -> int:
+        """Consecutive `score` calls, up to the last one, that failed every sample."""
+        return self._failed_streak
 
     @property
     def worker_pids(self) -> list[int]:
@@ -508,8 +654,9 @@ class RewardRunner:
             else:
                 result.num_errors += 1
                 message = str(value)
+            result.last_error = _short(f"sample {i}: {message}")
             if len(result.errors) < _MAX_ERROR_MESSAGES:
-                result.errors.append(_short(f"sample {i}: {message}"))
+                result.errors.append(result.last_error)
         return result
 
     def _is_correct(self, completion: str, answer: str) -> bool:
@@ -659,7 +806,11 @@ class RewardRunner:
     def _on_death(self, slot: _Slot, outcomes: list[_Outcome | None]) -> None:
         was_busy = slot.state == "busy"
         code = _kill_slot(slot)
-        hint = " (memory limit?)" if self.memory_limit_mb else ""
+        hint = (
+            f" (out of memory? memory_limit_mb={self.memory_limit_mb})"
+            if self.memory_limit_mb
+            else ""
+        )
         if not was_busy:
             self._fail_queue(slot, outcomes, f"worker exited during start-up (exit code {code})")
             return

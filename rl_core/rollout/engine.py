@@ -81,6 +81,9 @@ ABORTED = "Aborted"
 MAX_PREFILL_TOKENS = 16384
 
 
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
 class EngineRequestError(ValueError):
     """A request or update the engine refuses; the HTTP server answers it with 400."""
 
@@ -332,26 +335,51 @@ class EmbeddedEngine:
             )
         if req.params.stop and self.tokenizer is None:
             raise EngineRequestError("stop strings need a tokenizer; this model has none.")
+        # The sampler packs these into int64 tensors on the scheduler thread, where an
+        # overflow would fail every request of the running batch, not just this one.
+        seed, top_k = req.params.seed, req.params.top_k
+        if seed is not None and not _INT64_MIN <= seed <= _INT64_MAX:
+            raise EngineRequestError(
+                f"sampling_seed must fit in a signed 64-bit integer, got {seed}."
+            )
+        if not -1 <= top_k <= _INT64_MAX:
+            raise EngineRequestError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
 
     def submit(self, req: GenerateRequest) -> cf.Future:
         """Queue ``req``; the future resolves to a :class:`GenerateOutput`."""
-        self.validate(req)
-        p = req.params
-        seq = _Seq(
-            req=req,
-            seed=p.seed if p.seed is not None else secrets.randbits(62),
-            stop_ids=frozenset(p.stop_token_ids)
-            | (frozenset() if p.ignore_eos else frozenset(self.eos_token_ids)),
-        )
+        return self.submit_all([req])[0]
+
+    def submit_all(self, reqs: Sequence[GenerateRequest]) -> list[cf.Future]:
+        """Queue every request of ``reqs`` or none: all are validated, and their ids checked
+        against each other and the running requests, before the first is queued."""
+        for req in reqs:
+            self.validate(req)
+        seqs = []
+        for req in reqs:
+            p = req.params
+            seqs.append(
+                _Seq(
+                    req=req,
+                    seed=p.seed if p.seed is not None else secrets.randbits(62),
+                    stop_ids=frozenset(p.stop_token_ids)
+                    | (frozenset() if p.ignore_eos else frozenset(self.eos_token_ids)),
+                )
+            )
+        rids = [req.rid for req in reqs]
+        if len(set(rids)) != len(rids):
+            dup = next(r for i, r in enumerate(rids) if r in rids[:i])
+            raise EngineRequestError(f"Duplicate request ID: {dup!r} appears twice in the batch.")
         with self._cond:
             if self._stop:
                 raise EngineStateError("the engine is closed")
-            if req.rid in self._by_rid:
-                raise EngineRequestError(f"Duplicate request ID: {req.rid!r} is still running.")
-            self._by_rid[req.rid] = seq
-            self._waiting.append(seq)
+            running = next((r for r in rids if r in self._by_rid), None)
+            if running is not None:
+                raise EngineRequestError(f"Duplicate request ID: {running!r} is still running.")
+            for seq in seqs:
+                self._by_rid[seq.rid] = seq
+                self._waiting.append(seq)
             self._cond.notify_all()
-        return seq.future
+        return [seq.future for seq in seqs]
 
     async def generate(self, req: GenerateRequest) -> GenerateOutput:
         """Generate for ``req`` from asyncio; cancelling the awaiting task aborts it."""

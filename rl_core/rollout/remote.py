@@ -55,8 +55,12 @@ def embedded_engine_command(
     max_running_requests: int = 256,
     max_total_tokens: int | None = None,
     trust_remote_code: bool = False,
+    weight_sync_timeout_s: float | None = None,
 ) -> EngineCommand:
-    """``command(index, port)`` for the embedded engine, tied to this process's life."""
+    """``command(index, port)`` for the embedded engine, tied to this process's life.
+
+    ``weight_sync_timeout_s``: the engine's bound on a weight-update broadcast, the same as
+    the trainer's (``rollout.weight_sync_timeout_s``), so neither side gives up first."""
     if trust_remote_code:
         raise ValueError("the embedded engine does not run remote code; use rollout.engine=local")
 
@@ -74,6 +78,8 @@ def embedded_engine_command(
             cmd += ["--num-threads", str(num_threads)]
         if max_total_tokens:
             cmd += ["--max-total-tokens", str(max_total_tokens)]
+        if weight_sync_timeout_s:
+            cmd += ["--weight-sync-timeout-s", str(weight_sync_timeout_s)]
         return cmd
 
     return command

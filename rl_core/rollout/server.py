@@ -25,6 +25,14 @@ Errors: malformed bodies get SGLang's validation shape ``{"object": "error", "me
 "type": "Bad Request", "code": 400}``; rejected requests get ``{"error": {"message"}}``;
 control endpoints answer ``{"success": false, "message"}`` with 400.
 
+Hostile input (tests/test_http_fuzz.py): a body larger than ``max_request_bytes`` is refused
+with 413 before it is read (``max_weights_request_bytes`` for ``/update_weights_from_tensor``);
+JSON that is not standard (``NaN``, ``Infinity``) or nested too deeply is a 400; one
+``/generate`` call may ask for at most ``max_request_samples`` samples (prompts x ``n``),
+checked before anything is expanded; integers the sampler packs into int64 (seeds, top_k) are
+range-checked; a batch is queued whole or not at all (duplicate ``rid`` included). None of
+these reaches the scheduler thread, where an error would fail every running request.
+
 Never imports Prefect or MLflow; never unpickles request data; binds 127.0.0.1 unless told
 otherwise.
 """
@@ -78,6 +86,10 @@ log = logging.getLogger(__name__)
 LOAD_FORMAT = "grpoflow_safetensors_b64"
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
 _SAMPLING_EPS = 1e-6
+# Request bounds (create_app arguments; `grpoflow engine serve --max-request-mb`).
+MAX_REQUEST_BYTES = 64 * 2**20
+MAX_WEIGHTS_REQUEST_BYTES = 16 * 2**30
+MAX_REQUEST_SAMPLES = 16384
 
 # sampling_params keys: implemented, accepted only at their default, or accepted and ignored.
 _SAMPLING_IMPLEMENTED = {
@@ -153,6 +165,10 @@ class _BadRequest(Exception):
     """A malformed request (wrong JSON or field types): SGLang's validation error shape."""
 
 
+class _TooLarge(Exception):
+    """A request body over the server's size limit: 413."""
+
+
 def _validation_error(message: str) -> JSONResponse:
     body = {"object": "error", "message": message, "type": "Bad Request", "param": None}
     return JSONResponse({**body, "code": 400}, status_code=400)
@@ -167,16 +183,45 @@ def _control(success: bool, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse(body, status_code=200 if success else 400)
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON (use a finite number)")
+
+
+async def _read_capped(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) as soon as it is known to exceed ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise _BadRequest(f"invalid Content-Length header {declared!r}") from None
+        if size > limit:
+            raise _TooLarge(f"request body of {size} bytes exceeds the limit of {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():  # chunked bodies declare no length
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _body(request: Request, *, optional: bool = False) -> dict[str, Any]:
-    raw = await request.body()
+    state = request.app.state
+    weights = request.url.path == "/update_weights_from_tensor"
+    limit = state.max_weights_request_bytes if weights else state.max_request_bytes
+    raw = await _read_capped(request, limit)
     if not raw.strip():
         if optional:
             return {}
         raise _BadRequest("request body must be a JSON object; got an empty body")
     try:
-        body = json.loads(raw)
-    except ValueError as e:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN / Infinity
         raise _BadRequest(f"invalid JSON body: {e}") from None
+    except RecursionError:
+        raise _BadRequest("invalid JSON body: nested too deeply") from None
     if body is None and optional:
         return {}
     if not isinstance(body, dict):
@@ -190,6 +235,14 @@ def _is_int(x: Any) -> bool:
 
 def _is_num(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _strs(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(v, str) for v in x)
+
+
+def _str_or_strs(x: Any) -> bool:
+    return isinstance(x, str) or _strs(x)
 
 
 # ------------------------------------------------------------------------ /generate
@@ -215,9 +268,12 @@ def _field(body: dict[str, Any], name: str, check: Callable[[Any], bool], what: 
 
 
 def _sampling_params(
-    d: Any, defaults: Mapping[str, Any]
+    d: Any, defaults: Mapping[str, Any], vocab_size: int | None = None
 ) -> tuple[SamplingParams, int, dict[str, bool]]:
-    """SGLang ``sampling_params`` dict → (SamplingParams, n, text options)."""
+    """SGLang ``sampling_params`` dict → (SamplingParams, n, text options).
+
+    A ``top_k`` of at least ``vocab_size`` keeps every token: it becomes -1 (disabled).
+    """
     if not isinstance(d, dict):
         raise _BadRequest(f"sampling_params must be an object, got {d!r}")
     known = _SAMPLING_IMPLEMENTED | set(_SAMPLING_DEFAULT_ONLY) | _SAMPLING_IGNORED
@@ -255,6 +311,11 @@ def _sampling_params(
             raise _BadRequest(f"sampling_params.{key} must be {what}, got {value!r}")
     if seed is not None and not _is_int(seed):
         raise EngineRequestError(f"sampling_seed must be an integer, got {seed!r}.")
+    if seed is not None and _is_int(n) and n > 1 and seed + n - 1 >= 1 << 63:
+        raise EngineRequestError(
+            f"sampling_seed={seed} with n={n}: sample j uses seed + j, which must fit in a "
+            "signed 64-bit integer; use a smaller seed."
+        )
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
@@ -263,6 +324,8 @@ def _sampling_params(
         raise _BadRequest(f"sampling_params.stop_token_ids must be a list of ints: {stop_ids!r}")
     if top_k == 0 or top_k < -1:
         raise EngineRequestError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
+    if vocab_size is not None and top_k >= vocab_size:
+        top_k = -1
     if max_new < 0:
         raise EngineRequestError(f"max_new_tokens must be at least 0, got {max_new}.")
     if n < 1:
@@ -307,9 +370,12 @@ def _per_item(value: Any, batch: int, name: str, n: int, default: Any) -> list[A
 
 
 def _parse_generate(
-    body: dict[str, Any], engine: EmbeddedEngine
+    body: dict[str, Any], engine: EmbeddedEngine, max_samples: int = MAX_REQUEST_SAMPLES
 ) -> tuple[bool, list[GenerateRequest], list[_ItemOpts]]:
-    """A /generate body → (single?, engine requests prompt-major, per-sample options)."""
+    """A /generate body → (single?, engine requests prompt-major, per-sample options).
+
+    At most ``max_samples`` samples (prompts x n), checked before any is built.
+    """
     for key, default in _GENERATE_DEFAULT_ONLY.items():
         if body.get(key) not in (None, default):
             raise EngineRequestError(f"{key} is not supported by the embedded engine")
@@ -339,6 +405,11 @@ def _parse_generate(
     batch = len(prompts)
     if batch == 0:
         raise EngineRequestError("the batch is empty")
+    if batch > max_samples:
+        raise EngineRequestError(
+            f"the batch has {batch} prompts; this server takes at most {max_samples} samples "
+            "per request: split it into several requests"
+        )
 
     sp = body.get("sampling_params")
     if sp is None:
@@ -353,11 +424,17 @@ def _parse_generate(
         sp_list = sp
     else:
         raise _BadRequest("sampling_params must be an object or a list of objects")
-    parsed = [_sampling_params(d, engine.sampling_defaults) for d in sp_list]
+    vocab = getattr(engine, "vocab_size", None)
+    parsed = [_sampling_params(d, engine.sampling_defaults, vocab) for d in sp_list]
     n = parsed[0][1]
     if any(p[1] != n for p in parsed):
         raise EngineRequestError(
             "The parallel_sample_num should be the same for all samples in sample params."
+        )
+    if batch * n > max_samples:
+        raise EngineRequestError(
+            f"the request asks for {batch} prompts x n={n} = {batch * n} samples; this server "
+            f"takes at most {max_samples} per request: split it or lower n"
         )
     one_prompt = single
     if n > 1:
@@ -477,14 +554,33 @@ def _response_item(out: GenerateOutput, o: _ItemOpts, tokenizer: Any) -> dict[st
 # ------------------------------------------------------------------------------- app
 
 
-def create_app(engine: EmbeddedEngine | None = None, *, health_timeout_s: float = 20.0) -> FastAPI:
+def create_app(
+    engine: EmbeddedEngine | None = None,
+    *,
+    health_timeout_s: float = 20.0,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+    max_weights_request_bytes: int = MAX_WEIGHTS_REQUEST_BYTES,
+    max_request_samples: int = MAX_REQUEST_SAMPLES,
+) -> FastAPI:
     """The SGLang-compatible app over ``engine``.
 
     ``engine`` may be attached later (``app.state.engine = ...``): until then the health
-    endpoints answer 503 and everything else 503 with an error body.
+    endpoints answer 503 and everything else 503 with an error body. Bodies over
+    ``max_request_bytes`` (``max_weights_request_bytes`` for ``/update_weights_from_tensor``,
+    whose body carries the weights) get 413; a ``/generate`` call asking for more than
+    ``max_request_samples`` samples gets 400.
     """
+    for name, value in (
+        ("max_request_bytes", max_request_bytes),
+        ("max_weights_request_bytes", max_weights_request_bytes),
+        ("max_request_samples", max_request_samples),
+    ):
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     app = FastAPI(title="grpoflow embedded engine (SGLang protocol)")
     app.state.engine = engine
+    app.state.max_request_bytes = max_request_bytes
+    app.state.max_weights_request_bytes = max_weights_request_bytes
 
     def get_engine() -> EmbeddedEngine:
         eng = app.state.engine
@@ -495,6 +591,13 @@ def create_app(engine: EmbeddedEngine | None = None, *, health_timeout_s: float 
     @app.exception_handler(_BadRequest)
     async def _bad_request(_: Request, exc: _BadRequest) -> JSONResponse:
         return _validation_error(str(exc))
+
+    @app.exception_handler(_TooLarge)
+    async def _too_large(_: Request, exc: _TooLarge) -> JSONResponse:
+        # The unread rest of the body is not drained: close the connection after answering.
+        return JSONResponse(
+            {"error": {"message": str(exc)}}, status_code=413, headers={"connection": "close"}
+        )
 
     @app.exception_handler(EngineStateError)
     async def _not_ready(_: Request, exc: EngineStateError) -> JSONResponse:
@@ -599,10 +702,8 @@ def create_app(engine: EmbeddedEngine | None = None, *, health_timeout_s: float 
         eng = get_engine()
         body = await _body(request)
         try:
-            single, reqs, opts = _parse_generate(body, eng)
-            for r in reqs:
-                eng.validate(r)
-            futures = [eng.submit(r) for r in reqs]
+            single, reqs, opts = _parse_generate(body, eng, max_request_samples)
+            futures = eng.submit_all(reqs)  # all or none: a bad item rejects the batch
         except EngineRequestError as e:
             return _error(str(e))
         gathered = asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
@@ -625,7 +726,7 @@ def create_app(engine: EmbeddedEngine | None = None, *, health_timeout_s: float 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         body = await _body(request, optional=True)
-        rid = _field(body, "rid", lambda v: isinstance(v, str | list), "a string")
+        rid = _field(body, "rid", _str_or_strs, "a string or a list of strings")
         await asyncio.to_thread(get_engine().abort, rid, bool(body.get("abort_all") or False))
         return Response(status_code=200)
 
@@ -666,7 +767,7 @@ def create_app(engine: EmbeddedEngine | None = None, *, health_timeout_s: float 
 
     async def _memory(request: Request, fn: Callable[[Sequence[str] | None], None]) -> Any:
         body = await _body(request, optional=True)
-        tags = _field(body, "tags", lambda v: isinstance(v, list), "a list of strings")
+        tags = _field(body, "tags", _strs, "a list of strings")
         try:
             await asyncio.to_thread(fn, tags)
         except EngineRequestError as e:
@@ -680,9 +781,15 @@ def create_app(engine: EmbeddedEngine | None = None, *, health_timeout_s: float 
             await asyncio.to_thread(fn)
         except (EngineRequestError, EngineStateError, TimeoutError, ValueError) as e:
             return _control(False, str(e), **extra)
-        except RuntimeError as e:  # torch.distributed failures (peer gone, timeout)
+        except (RuntimeError, TypeError, KeyError, IndexError) as e:
+            # torch.distributed failures (peer gone, timeout); metadata of the wrong shape
             return _control(False, f"{type(e).__name__}: {e}", **extra)
         return _control(True, success, **extra)
+
+    def _group(body: dict[str, Any]) -> str:
+        return _field(body, "group_name", lambda v: isinstance(v, str), "a string") or (
+            "weight_update_group"
+        )
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
@@ -748,7 +855,7 @@ def create_app(engine: EmbeddedEngine | None = None, *, health_timeout_s: float 
                 f"master_address, master_port, rank_offset and world_size are required ({e!r})",
             )
         backend = body.get("backend") or ("gloo" if eng.device.type == "cpu" else "nccl")
-        group = body.get("group_name") or "weight_update_group"
+        group = _group(body)
         return await _run_update(
             lambda: eng.init_weights_update_group(addr, port, offset, world, group, backend),
             "Succeeded to initialize custom process group.",
@@ -761,12 +868,13 @@ def create_app(engine: EmbeddedEngine | None = None, *, health_timeout_s: float 
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
             return _control(False, "names, dtypes and shapes must be lists")
+        group = _group(body)
         return await _run_update(
             lambda: eng.update_weights_from_distributed(
                 names,
                 dtypes,
                 shapes,
-                body.get("group_name") or "weight_update_group",
+                group,
                 body.get("weight_version"),
                 load_format=body.get("load_format"),
                 abort_all_requests=bool(body.get("abort_all_requests")),
@@ -778,7 +886,7 @@ def create_app(engine: EmbeddedEngine | None = None, *, health_timeout_s: float 
     async def destroy_weights_update_group(request: Request) -> JSONResponse:
         body = await _body(request, optional=True)
         eng = get_engine()
-        group = body.get("group_name") or "weight_update_group"
+        group = _group(body)
         return await _run_update(
             lambda: eng.destroy_weights_update_group(group),
             "Succeeded to destroy custom process group.",
@@ -858,16 +966,19 @@ def build_server(
     port: int = 30000,
     *,
     log_level: str = "info",
+    max_request_bytes: int = MAX_REQUEST_BYTES,
     **engine_kw: Any,
 ) -> Any:
     """A uvicorn server (call ``.run()``) whose engine loads on a background thread.
 
     Health endpoints answer 503 until the engine is attached; if loading fails, the error is
     kept in ``server.config.app.state.load_error`` and the server stops itself.
+    ``max_request_bytes`` bounds every request body but the weights of
+    ``/update_weights_from_tensor`` (see `create_app`).
     """
     import uvicorn
 
-    app = create_app(None)
+    app = create_app(None, max_request_bytes=max_request_bytes)
     app.state.load_error = None
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
 
@@ -890,13 +1001,21 @@ def serve(
     port: int = 30000,
     *,
     log_level: str = "info",
+    max_request_bytes: int = MAX_REQUEST_BYTES,
     **engine_kw: Any,
 ) -> int:
     """Load the engine and serve it until interrupted; health answers 503 while loading.
 
     Returns a process exit code (1 if the model failed to load).
     """
-    server = build_server(model_path, host, port, log_level=log_level, **engine_kw)
+    server = build_server(
+        model_path,
+        host,
+        port,
+        log_level=log_level,
+        max_request_bytes=max_request_bytes,
+        **engine_kw,
+    )
     app = server.config.app
     try:
         server.run()
@@ -951,6 +1070,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--log-level", default="info")
     ap.add_argument(
+        "--control-timeout-s",
+        type=float,
+        default=60.0,
+        help="bound on a control call's wait for the scheduler's next safe point",
+    )
+    ap.add_argument(
+        "--weight-sync-timeout-s",
+        type=float,
+        default=120.0,
+        help="bound on each collective of a distributed weight update (set it to the "
+        "trainer's rollout.weight_sync_timeout_s)",
+    )
+    ap.add_argument(
+        "--max-request-mb",
+        type=float,
+        default=MAX_REQUEST_BYTES / 2**20,
+        help="refuse request bodies larger than this with 413 (weight updates by tensor excepted)",
+    )
+    ap.add_argument(
         "--parent-pid",
         type=int,
         default=None,
@@ -965,6 +1103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.host,
         args.port,
         log_level=args.log_level,
+        max_request_bytes=max(1, int(args.max_request_mb * 2**20)),
         dtype=args.dtype,
         device=args.device,
         max_running_requests=args.max_running_requests,
@@ -972,6 +1111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         context_length=args.context_length,
         num_threads=args.num_threads,
         kv_layout=args.kv_layout,
+        control_timeout_s=args.control_timeout_s,
+        weight_sync_timeout_s=args.weight_sync_timeout_s,
     )
 
 
