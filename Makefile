@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # ports on every interface; see scripts/loopback.sh).
 LOOPBACK ?= scripts/loopback.sh
 
-.PHONY: setup run test test-fast lint clean
+.PHONY: setup run test test-fast lint clean screenshots
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ test-fast: setup
 
 lint: setup
 	$(BIN)/ruff check .
+
+# PNGs of the Prefect and MLflow UIs on a short demo run (docs/img/; scripts/screenshots.py).
+screenshots: setup
+	$(BIN)/python scripts/screenshots.py
 
 clean:
 	rm -rf $(VENV) .cache runs
