@@ -60,6 +60,7 @@ from rl_core.training.megatron.model import (
 from rl_core.training.torch_trainer import (
     _TOKENS,
     MiniBatch,
+    TorchTrainer,
     _lr_lambda,
     add_micro_metrics,
     grpo_micro_loss,
@@ -318,19 +319,9 @@ class MegatronTrainer(BroadcastsWeights):
         total = max(1, train.steps * train.mini_batches * train.ppo_epochs)
         self._lr_factor = _lr_lambda(train, total)
 
-    @property
-    def has_ref_model(self) -> bool:
-        """Whether reference log-probs exist (``algorithm.kl_coef > 0``)."""
-        return self.ref_model is not None
-
-    @property
-    def needs_old_logp(self) -> bool:
-        """As the torch backend: only when the update leaves the sampling policy in a step."""
-        return (
-            self.train_cfg.mini_batches > 1
-            or self.train_cfg.ppo_epochs > 1
-            or self.algo.tis_cap is not None
-        )
+    # The same rules as the torch backend (they read train_cfg, algo and ref_model only).
+    has_ref_model = TorchTrainer.has_ref_model
+    needs_old_logp = TorchTrainer.needs_old_logp
 
     # --------------------------------------------------------------------- forward
 
