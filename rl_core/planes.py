@@ -153,7 +153,6 @@ def start_rollout(
             num_threads=threads,
             max_running_requests=r.max_running_requests,
             trust_remote_code=cfg.model.trust_remote_code,
-            weight_sync_timeout_s=r.weight_sync_timeout_s,
         )
         env = {"OMP_NUM_THREADS": str(threads), **platform_env("cpu", cfg.cluster.env)}
     else:
