@@ -9,6 +9,7 @@
     grpoflow doctor [CONFIG] [...] [--json]             what is here, what is missing, fixes
     grpoflow plan --model M --device D --devices N      TP/PP/DP recommendation per plane
     grpoflow deploy [--name PATTERN]                    register deployments/prefect.yaml
+    grpoflow tracking replay FILE [--uri URI]           send a run's unsent MLflow metrics
 
 Flows run on Prefect's ephemeral API unless ``PREFECT_API_URL`` points at a server:
 nothing to install or start. This module lives in ``flows/`` because it starts flows;
@@ -132,6 +133,31 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tracking(argv: list[str]) -> int:
+    """``tracking replay FILE``: send ``<run_dir>/mlflow-unsent-metrics.jsonl`` to MLflow."""
+    p = argparse.ArgumentParser(
+        prog="grpoflow tracking",
+        description="send the metrics a run could not deliver to its MLflow server",
+    )
+    p.add_argument("action", choices=["replay"])
+    p.add_argument("file", help="<run_dir>/mlflow-unsent-metrics.jsonl")
+    p.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else the file's)")
+    args = p.parse_args(argv)
+    from tasks.tracking import redact, replay_unsent
+
+    try:
+        out = replay_unsent(args.file, args.uri)
+    except Exception as exc:  # the file stays: nothing is lost, run it again later
+        print(f"grpoflow: replay failed, {args.file} kept: {redact(str(exc))[:500]}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    print(
+        f"replayed {out['metrics']} metric values ({out['skipped']} already there) and "
+        f"{out['tables']} tables of {out['runs']} run(s) from {args.file}"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpoflow", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -190,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
         "deploy", help="register deployments/prefect.yaml with the Prefect server at "
         "PREFECT_API_URL (see `grpoflow deploy --help`)"
     )
+    sub.add_parser(
+        "tracking", help="`tracking replay FILE`: send a run's unsent MLflow metrics "
+        "(see `grpoflow tracking --help`)"
+    )
 
     p = sub.add_parser("bootstrap-model", help="build the embedded tiny model")
     _config_args(p)
@@ -218,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         from flows.deploy import main as deploy_main
 
         return deploy_main(argv[1:])
+    if argv[:1] == ["tracking"]:
+        return cmd_tracking(argv[1:])
     parser = build_parser()
     # Overrides may come after options too (`evaluate CONFIG --model M eval.k=8`).
     args, extra = parser.parse_known_args(argv)

@@ -413,6 +413,10 @@ class TrackingConfig(_Section):
     checkpoint_artifacts: bool = Field(
         True, description="Log local checkpoints as artifacts (s3:// ones by reference only)."
     )
+    flush_timeout_s: float = Field(
+        120.0, ge=0, description="At the end, wait this long for unsent metrics to reach "
+        "MLflow; what is left goes to <run_dir>/mlflow-unsent-metrics.jsonl (replayable)."
+    )
 
 
 class ExperimentConfig(_Section):

@@ -15,10 +15,20 @@ training step; steps redone after a resume appear twice at the same step, the la
 being the one training continued from.
 
 Failure policy. Starting the run fails loudly (retried; a wrong ``tracking.uri`` should stop
-a run before it spends GPU hours). Per-step metrics never stop training: a failed
-``log_batch`` is logged as a warning and its metrics stay buffered for the next step's call.
-Samples tables, checkpoint artifacts and evaluation runs warn and move on. The final model
-registration fails loudly: a run whose model did not reach the registry is not done.
+a run before it spends GPU hours). Per-step metrics and samples tables never stop or slow
+training: ``log_step`` only queues them and a daemon thread (``grpoflow-mlflow-sender``)
+sends them; while the server is unreachable it keeps them (up to 200,000 values, 50 tables;
+the oldest are dropped with a warning) and retries after 1 s, 2 s, ... up to 30 s, warning
+once per outage and saying when the server answers again. An outage is recorded on the run
+(tags ``grpoflow.tracking.outages``, ``grpoflow.tracking.outage_seconds``, metric
+``tracking/outage_s``). At the end, queued values get ``tracking.flush_timeout_s`` (120 s);
+what is still unsent is written to ``<run_dir>/mlflow-unsent-metrics.jsonl``, named in a
+warning and in ``finish_tracking``'s result, and :func:`replay_unsent` (``grpoflow tracking
+replay FILE``) sends it later. MLflow's own HTTP retries are bounded (:func:`bound_mlflow_http`:
+3 retries, 60 s per connect/read, unless the environment sets them), so the calls that stay
+synchronous (checkpoint artifacts: one attempt during a known outage; evaluation runs) fail
+within seconds against a dead server and warn and move on. The final model registration
+fails loudly: a run whose model did not reach the registry is not done.
 
 Secrets never reach MLflow: params, tags, dataset sources, the config artifact, checkpoint
 URIs and log lines go through :func:`redact` (``rl_core.storage.redact`` plus the values of
@@ -57,6 +67,7 @@ from tasks.setup import PreparedData
 __all__ = [
     "TrackingHandle",
     "Tracker",
+    "bound_mlflow_http",
     "eval_metrics",
     "finish_tracking",
     "log_checkpoint",
@@ -65,6 +76,7 @@ __all__ = [
     "metric_name",
     "redact",
     "redact_config",
+    "replay_unsent",
     "resolve_tracking_uri",
     "sample_rows",
     "start_tracking",
@@ -88,6 +100,21 @@ _DEFAULTS: dict[str, Any] = {
 _MAX_PENDING = 200_000  # metrics kept while the tracking server is unreachable
 _BATCH = 1000  # MLflow's limit of metrics per log_batch
 _PARAM_BATCH = 100  # MLflow's limit of params + tags per log_batch
+_MAX_TABLES = 50  # samples tables kept while the tracking server is unreachable
+_RETRY_DELAYS = (1.0, 30.0)  # the sender's backoff after a failed send: 1 s doubling to 30 s
+# MLflow's REST client retries a request 7 times with backoff factor 2 and waits up to 120 s
+# per connect/read: ~4 minutes per call against a dead server. Ours, unless the environment
+# sets them: 3 retries after 0, 2 and 4 s (+ up to 1 s jitter each), 60 s per connect/read
+# (the read covers the server's reply to a large artifact upload; raise it for huge models).
+_MLFLOW_HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "60",
+}
+UNSENT_FILE = "mlflow-unsent-metrics.jsonl"  # in the run directory
+OUTAGES_TAG = "grpoflow.tracking.outages"
+OUTAGE_SECONDS_TAG = "grpoflow.tracking.outage_seconds"
+OUTAGE_METRIC = "tracking/outage_s"  # one value per outage, at the step it ended
 RUN_NAME_TAG = "grpoflow.run_name"
 KIND_TAG = "grpoflow.kind"
 STEP_TAG = "grpoflow.step"
@@ -210,6 +237,8 @@ class TrackingHandle:
     checkpoint_artifacts: bool = True
     flow_run_id: str | None = None
     resumed: bool = False
+    run_dir: str | None = None  # where the unsent-metrics file goes
+    flush_timeout_s: float = 120.0
 
     def __repr__(self) -> str:  # the URI may carry credentials
         return (
@@ -230,63 +259,221 @@ class TrackingHandle:
 
 
 class Tracker:
-    """An ``MlflowClient`` bound to one run: batched metrics with a retry buffer, the system
-    metrics monitor, and the artifacts of one training run. One per run per process."""
+    """An ``MlflowClient`` bound to one run: per-step metrics and samples tables go into a
+    queue that a background thread (``grpoflow-mlflow-sender``) sends, so the training loop
+    never waits on the tracking server; the system metrics monitor; the end of the run (a
+    bounded flush, the unsent-metrics file, the outage record). One per run per process."""
 
     def __init__(self, handle: TrackingHandle) -> None:
         from mlflow import MlflowClient
 
+        bound_mlflow_http()
         self.handle = handle
         self.client = MlflowClient(handle.tracking_uri)
-        self.pending: list[Any] = []  # mlflow.entities.Metric waiting for a log_batch
-        self.failing_since: float | None = None
+        self.pending: list[Any] = []  # mlflow.entities.Metric not yet handed to log_batch
+        self.inflight: list[Any] = []  # the chunk the sender is sending now
+        self.tables: list[tuple[str, dict[str, list[Any]]]] = []  # (artifact file, columns)
+        self.table_inflight: tuple[str, dict[str, list[Any]]] | None = None
+        self.rejected: list[Any] = []  # metrics the server refused (4xx): kept for the file
+        self.failing_since: float | None = None  # wall time the current outage was noticed
+        self.outages = 0  # outages that ended (the server answered again)
+        self.outage_seconds = 0.0
+        self.last_step = 0
         self.monitor: Any = None
         self.lock = threading.Lock()
+        self._changed = threading.Condition(self.lock)  # queue changed / something was sent
+        self._retry_at = 0.0  # monotonic time of the next attempt after a failure
+        self._delay = 0.0
+        self._stop = False
+        self._sender: threading.Thread | None = None
+        self._drained: bool | None = None  # outcome of the end-of-run flush
+        self._monitor_interval: float | None = None
+        try:  # the flow run's logger reaches the Prefect UI even from the sender thread
+            self._log: logging.Logger | logging.LoggerAdapter = get_run_logger()
+        except Exception:
+            self._log = _log
 
-    # metrics -------------------------------------------------------------------------
+    # queue ---------------------------------------------------------------------------
 
     def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> bool:
-        """Queue the numeric ``metrics`` at ``step`` and send everything queued in one
-        ``log_batch`` (more only past 1000 values). Returns whether the queue is empty."""
+        """Queue the numeric ``metrics`` at ``step`` for the sender and return at once.
+        Returns False while the tracking server is known to be unreachable."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        with self.lock:
+        with self._changed:
             self.pending += [
                 Metric(metric_name(k), float(v), now, int(step))
                 for k, v in metrics.items()
                 if _is_number(v)
             ]
-            if len(self.pending) > _MAX_PENDING:
-                dropped = len(self.pending) - _MAX_PENDING
-                self.pending = self.pending[dropped:]
-                _warn(f"tracking: dropped the {dropped} oldest unsent metric values")
-        return self.flush()
+            self.last_step = max(self.last_step, int(step))
+            dropped = self._trim()
+            self._changed.notify_all()
+        if dropped:
+            self._say(
+                logging.WARNING, f"tracking: dropped the {dropped} oldest unsent metric values"
+            )
+        self._ensure_sender()
+        return self.failing_since is None
 
-    def flush(self) -> bool:
-        """Send queued metrics; on failure keep them and warn (once per outage)."""
-        with self.lock:
-            try:
-                while self.pending:
-                    chunk = self.pending[:_BATCH]
-                    self.client.log_batch(self.handle.run_id, metrics=chunk, synchronous=True)
-                    del self.pending[: len(chunk)]
-            except Exception as exc:  # network, server restart, locked SQLite ...
-                if self.failing_since is None:
-                    self.failing_since = time.time()
-                    _warn(
-                        f"tracking: could not log metrics to {redact(self.handle.tracking_uri)} "
-                        f"({type(exc).__name__}: {redact(str(exc))[:300]}); keeping "
-                        f"{len(self.pending)} values and retrying at the next step"
-                    )
-                return False
-            if self.failing_since is not None:
-                _info(
-                    f"tracking: metrics reach {redact(self.handle.tracking_uri)} again after "
-                    f"{time.time() - self.failing_since:.0f}s"
-                )
-                self.failing_since = None
+    def log_table(self, artifact_file: str, columns: dict[str, list[Any]]) -> None:
+        """Queue a table (``MlflowClient.log_table``) for the sender; the newest
+        ``_MAX_TABLES`` are kept while the server is unreachable."""
+        with self._changed:
+            self.tables.append((artifact_file, columns))
+            dropped = [t[0] for t in self.tables[:-_MAX_TABLES]]
+            del self.tables[:-_MAX_TABLES]
+            self._changed.notify_all()
+        if dropped:
+            self._say(logging.WARNING, f"tracking: dropped unsent tables {dropped}")
+        self._ensure_sender()
+
+    def _trim(self) -> int:
+        dropped = len(self.pending) - _MAX_PENDING
+        if dropped <= 0:
+            return 0
+        del self.pending[:dropped]
+        return dropped
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Have the sender try now (not after its backoff) and wait until everything queued
+        is sent, at most ``timeout`` seconds (default ``tracking.flush_timeout_s``). Failed
+        sends within the wait are retried after 1 s, 2 s, 4 s, ... Returns whether all went."""
+        self._ensure_sender()
+        bound = self.handle.flush_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + bound
+        with self._changed:
+            self._retry_at, self._delay = 0.0, 0.0
+            self._changed.notify_all()
+            while self.pending or self.inflight or self.tables or self.table_inflight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(min(left, 1.0))
             return True
+
+    def drain(self) -> bool:
+        """:meth:`flush` with the end-of-run bound, waited once: after a drain that ran out
+        of time, later ones (the failure hook after a failed finish) do not wait again."""
+        self._drained = self.flush(0.0 if self._drained is False else None)
+        return self._drained
+
+    # sender --------------------------------------------------------------------------
+
+    def _ensure_sender(self) -> None:
+        _quiet_sender_retries()
+        with self.lock:
+            if self._stop or (self._sender is not None and self._sender.is_alive()):
+                return
+            self._sender = threading.Thread(target=self._send_loop, name=_SENDER, daemon=True)
+            self._sender.start()
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._changed:
+                while not self._stop and not (
+                    (self.pending or self.tables) and time.monotonic() >= self._retry_at
+                ):
+                    wait = self._retry_at - time.monotonic() if self.pending or self.tables else 5
+                    self._changed.wait(max(wait, 0.01))
+                if self._stop:
+                    return
+                chunk, table = self.pending[:_BATCH], None
+                if chunk:
+                    del self.pending[: len(chunk)]
+                    self.inflight = chunk
+                else:
+                    table = self.table_inflight = self.tables.pop(0)
+            started = time.time()
+            try:
+                if table is None:
+                    self.client.log_batch(self.handle.run_id, metrics=chunk, synchronous=True)
+                else:
+                    self.client.log_table(self.handle.run_id, table[1], table[0])
+            except Exception as exc:  # network, server restart, locked SQLite ...
+                self._failed(exc, chunk, table, started)
+            else:
+                self._sent()
+
+    def _failed(
+        self, exc: Exception, chunk: list[Any], table: tuple[str, Any] | None, started: float
+    ) -> None:
+        what = f"{type(exc).__name__}: {redact(str(exc))[:300]}"
+        refused, new_outage, dropped = _refused(exc), False, 0
+        with self._changed:
+            self.inflight, self.table_inflight = [], None
+            if refused:  # the server answered: not an outage, retrying would not help
+                self.rejected += chunk
+            else:
+                self.pending[:0] = chunk
+                if table is not None:
+                    self.tables.insert(0, table)
+                dropped = self._trim()
+                self._delay = min(max(2 * self._delay, _RETRY_DELAYS[0]), _RETRY_DELAYS[1])
+                self._retry_at = time.monotonic() + self._delay
+                if self.failing_since is None:
+                    self.failing_since, new_outage = started, True
+            queued = len(self.pending) + len(self.tables)
+            self._changed.notify_all()
+        uri = redact(self.handle.tracking_uri)
+        if refused and table is not None:
+            self._say(logging.WARNING, f"tracking: table {table[0]} not logged ({what})")
+        elif refused:
+            self._say(
+                logging.WARNING,
+                f"tracking: {uri} refused {len(chunk)} metric values ({what}); they go to "
+                f"{UNSENT_FILE} at the end of the run",
+            )
+        elif new_outage:
+            self._say(
+                logging.WARNING,
+                f"tracking: MLflow at {uri} is unreachable ({what}); training goes on, "
+                f"{queued} queued values are kept and sent when it answers again (retrying "
+                f"every {_RETRY_DELAYS[0]:.0f}-{_RETRY_DELAYS[1]:.0f}s)",
+            )
+        if dropped:
+            self._say(
+                logging.WARNING, f"tracking: dropped the {dropped} oldest unsent metric values"
+            )
+
+    def _sent(self) -> None:
+        with self._changed:
+            self.inflight, self.table_inflight = [], None
+            self._delay, self._retry_at = 0.0, 0.0
+            began, self.failing_since = self.failing_since, None
+            if began is not None:
+                seconds = time.time() - began
+                self.outages += 1
+                self.outage_seconds += seconds
+            queued = len(self.pending) + len(self.tables)
+            self._changed.notify_all()
+        if began is None:
+            return
+        self._say(
+            logging.INFO,
+            f"tracking: metrics reach {redact(self.handle.tracking_uri)} again after "
+            f"{seconds:.0f}s (outage {self.outages}); sending the {queued} values kept meanwhile",
+        )
+        self._record_outage(seconds)
+        self._restart_monitor()
+
+    def _record_outage(self, seconds: float) -> None:
+        """The outages so far as tags on the run, and this one as ``tracking/outage_s``."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        try:
+            self.client.log_batch(
+                self.handle.run_id,
+                metrics=[Metric(OUTAGE_METRIC, seconds, now, self.last_step)],
+                tags=_outage_tags(self.outages, self.outage_seconds),
+            )
+        except Exception as exc:
+            self._say(logging.WARNING, f"tracking: outage not recorded on the run ({exc})")
+
+    def _say(self, level: int, msg: str) -> None:
+        self._log.log(level, redact(msg))
 
     # system metrics ------------------------------------------------------------------
 
@@ -297,6 +484,7 @@ class Tracker:
         except ImportError as exc:
             _warn(f"tracking: system metrics off ({exc}; install psutil)")
             return
+        self._monitor_interval = interval_s
         self.monitor = SystemMetricsMonitor(
             self.handle.run_id,
             sampling_interval=interval_s,
@@ -305,7 +493,19 @@ class Tracker:
         )
         self.monitor.start()
 
+    def _restart_monitor(self) -> None:
+        """MLflow's monitor stops for good when it cannot reach the server: start a new one
+        after an outage."""
+        thread = getattr(self.monitor, "_process", None)
+        if self._stop or self._monitor_interval is None or thread is None or thread.is_alive():
+            return
+        try:
+            self.start_system_metrics(self._monitor_interval, resume=True)
+        except Exception as exc:
+            self._say(logging.WARNING, f"tracking: system metrics not restarted ({exc})")
+
     def stop_system_metrics(self) -> None:
+        self._monitor_interval = None
         if self.monitor is not None:
             try:
                 self.monitor.finish()
@@ -313,10 +513,223 @@ class Tracker:
                 _warn(f"tracking: system metrics monitor did not stop cleanly: {exc}")
             self.monitor = None
 
-    def end(self, status: str) -> None:
+    # the end -------------------------------------------------------------------------
+
+    def detach(self) -> tuple[list[Any], list[tuple[str, dict[str, list[Any]]]]]:
+        """Stop the sender and the monitor; returns what was not sent (metrics, tables)."""
         self.stop_system_metrics()
-        self.flush()
-        self.client.set_terminated(self.handle.run_id, status=status)
+        with self._changed:
+            self._stop = True
+            self._changed.notify_all()
+            metrics = [*self.inflight, *self.pending, *self.rejected]
+            tables = [*([self.table_inflight] if self.table_inflight else []), *self.tables]
+        return metrics, tables
+
+    def adopt(self, metrics: list[Any], tables: list[tuple[str, dict[str, list[Any]]]]) -> None:
+        """Queue what an earlier tracker of the same run left unsent."""
+        with self._changed:
+            self.pending[:0] = metrics
+            self.tables[:0] = tables
+            self._changed.notify_all()
+        if metrics or tables:
+            self._ensure_sender()
+
+    def end(self, status: str) -> dict[str, Any]:
+        """End the run: stop the system metrics, send what is queued within
+        ``tracking.flush_timeout_s``, write what is still unsent to
+        ``<run_dir>/mlflow-unsent-metrics.jsonl``, record the outages on the run and mark it
+        ``status``. Does not raise when the server is unreachable; returns what happened
+        (``tracking_outages``, ``tracking_outage_seconds``, and ``unsent_file``,
+        ``unsent_values``, ``unsent_tables`` when a file was written)."""
+        self.stop_system_metrics()
+        self.drain()
+        ongoing = self.failing_since
+        metrics, tables = self.detach()
+        outages, seconds = self.outages, self.outage_seconds
+        if ongoing is not None:  # still down: count this outage up to now
+            outages, seconds = outages + 1, seconds + time.time() - ongoing
+        report: dict[str, Any] = {
+            "tracking_outages": outages,
+            "tracking_outage_seconds": round(seconds, 1),
+        }
+        terminated = False
+        try:
+            if outages:
+                self.client.log_batch(self.handle.run_id, tags=_outage_tags(outages, seconds))
+            self.client.set_terminated(self.handle.run_id, status=status)
+            terminated = True
+        except Exception as exc:
+            self._say(
+                logging.WARNING,
+                f"tracking: could not mark run {self.handle.run_id} {status} "
+                f"({type(exc).__name__}: {redact(str(exc))[:200]})",
+            )
+        if metrics or tables or not terminated:
+            path = self._write_unsent(
+                metrics, tables, None if terminated else status, outages, seconds
+            )
+            if path is not None:
+                report.update(
+                    unsent_file=str(path), unsent_values=len(metrics), unsent_tables=len(tables)
+                )
+                self._say(
+                    logging.WARNING,
+                    f"tracking: {len(metrics)} metric values and {len(tables)} tables did not "
+                    f"reach {redact(self.handle.tracking_uri)} within tracking.flush_timeout_s="
+                    f"{self.handle.flush_timeout_s:g}s"
+                    + ("" if terminated else f" (nor the run's status {status})")
+                    + f"; written to {path}. Send them when the server is back: "
+                    f"grpoflow tracking replay {path}",
+                )
+        return report
+
+    def _write_unsent(
+        self,
+        metrics: list[Any],
+        tables: list[tuple[str, dict[str, list[Any]]]],
+        status: str | None,
+        outages: int,
+        seconds: float,
+    ) -> Path | None:
+        """Append the unsent values to the run directory's unsent-metrics file (JSON lines:
+        one ``run`` header, then ``metric`` and ``table`` records)."""
+        h = self.handle
+        path = Path(h.run_dir or ".").resolve() / UNSENT_FILE
+        header = {
+            "kind": "run", "run_id": h.run_id, "run_name": h.run_name,
+            "tracking_uri": redact(h.tracking_uri), "status": status, "outages": outages,
+            "outage_seconds": round(seconds, 1), "written_at": time.time(),
+        }  # fmt: skip
+        lines = [header]
+        lines += [
+            {"kind": "metric", "run_id": h.run_id, "key": m.key, "value": m.value,
+             "step": m.step, "timestamp": m.timestamp}
+            for m in metrics
+        ]  # fmt: skip
+        lines += [
+            {"kind": "table", "run_id": h.run_id, "artifact_file": name, "table": columns}
+            for name, columns in tables
+        ]
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as f:
+                f.writelines(json.dumps(line, default=str) + "\n" for line in lines)
+        except OSError as exc:
+            self._say(
+                logging.ERROR,
+                f"tracking: could not write {path} ({exc}); {len(metrics)} metric values and "
+                f"{len(tables)} tables of run {h.run_id} are lost",
+            )
+            return None
+        return path
+
+
+_SENDER = "grpoflow-mlflow-sender"
+
+
+def _not_from_sender(record: logging.LogRecord) -> bool:
+    return record.threadName != _SENDER
+
+
+def _quiet_sender_retries() -> None:
+    """urllib3 warns at every retry of every request; the sender warns once per outage."""
+    pool = logging.getLogger("urllib3.connectionpool")
+    if _not_from_sender not in pool.filters:
+        pool.addFilter(_not_from_sender)
+
+
+def _refused(exc: Exception) -> bool:
+    """Whether the server answered and refused (a 4xx other than 408/429, or bad data):
+    sending the same again would not help."""
+    if isinstance(exc, ValueError | TypeError):
+        return True
+    status = getattr(exc, "get_http_status_code", None)
+    try:
+        code = int(status()) if callable(status) else 0
+    except Exception:
+        return False
+    return 400 <= code < 500 and code not in (408, 429)
+
+
+def _outage_tags(outages: int, seconds: float) -> list[Any]:
+    from mlflow.entities import RunTag
+
+    return [RunTag(OUTAGES_TAG, str(outages)), RunTag(OUTAGE_SECONDS_TAG, f"{seconds:.1f}")]
+
+
+def bound_mlflow_http() -> dict[str, str]:
+    """Give MLflow's HTTP client bounded retries unless the environment already sets them
+    (MLflow reads these per request); returns the values in force."""
+    for key, value in _MLFLOW_HTTP_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    return {key: os.environ[key] for key in _MLFLOW_HTTP_DEFAULTS}
+
+
+def replay_unsent(path: str | Path, tracking_uri: str | None = None) -> dict[str, int]:
+    """Send an unsent-metrics file (``<run_dir>/mlflow-unsent-metrics.jsonl``, written when
+    MLflow could not be reached at the end of a run) to ``tracking_uri`` (default:
+    ``MLFLOW_TRACKING_URI``, else the URI recorded in the file). Values already in the run
+    (same key, step, timestamp and value) are skipped, so a second replay sends nothing.
+    Also logs the tables, the outage tags (plus ``grpoflow.tracking.replayed``), and ends a
+    run the file says was left ``RUNNING`` with its recorded status. Returns counts."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, RunTag
+
+    bound_mlflow_http()
+    runs: dict[str, dict[str, Any]] = {}
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            run = runs.setdefault(rec["run_id"], {"metrics": [], "tables": [], "header": {}})
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{n}: not an unsent-metrics record ({exc})") from exc
+        kind = rec.get("kind", "metric")
+        if kind == "run":
+            run["header"] = rec
+        elif kind == "table":
+            run["tables"].append((rec["artifact_file"], rec["table"]))
+        else:
+            run["metrics"].append(rec)
+    uri = (
+        tracking_uri
+        or os.environ.get("MLFLOW_TRACKING_URI")
+        or next((r["header"].get("tracking_uri") for r in runs.values() if r["header"]), None)
+    )
+    if not uri:
+        raise ValueError(f"{path}: no tracking URI; pass one (or set MLFLOW_TRACKING_URI)")
+    client = MlflowClient(uri)
+    out = {"runs": len(runs), "metrics": 0, "skipped": 0, "tables": 0}
+    for run_id, run in runs.items():
+        have: dict[str, set[tuple[int, int, str]]] = {}
+        new = []
+        for m in run["metrics"]:
+            if m["key"] not in have:
+                have[m["key"]] = {
+                    (x.step, x.timestamp, repr(float(x.value)))
+                    for x in client.get_metric_history(run_id, m["key"])
+                }
+            mark = (int(m["step"]), int(m["timestamp"]), repr(float(m["value"])))
+            if mark in have[m["key"]]:
+                out["skipped"] += 1
+                continue
+            have[m["key"]].add(mark)
+            new.append(Metric(m["key"], float(m["value"]), mark[1], mark[0]))
+        for i in range(0, len(new), _BATCH):
+            client.log_batch(run_id, metrics=new[i : i + _BATCH], synchronous=True)
+        out["metrics"] += len(new)
+        for name, columns in run["tables"]:
+            client.log_table(run_id, columns, name)
+            out["tables"] += 1
+        header = run["header"]
+        tags = [RunTag("grpoflow.tracking.replayed", f"{Path(path).name}: {len(new)} values")]
+        if header.get("outages"):
+            tags += _outage_tags(int(header["outages"]), float(header.get("outage_seconds", 0)))
+        client.log_batch(run_id, tags=tags)
+        if header.get("status") and client.get_run(run_id).info.status == "RUNNING":
+            client.set_terminated(run_id, status=header["status"])
+    return out
 
 
 _TRACKERS: dict[str, Tracker] = {}
@@ -596,6 +1009,7 @@ def start_tracking(
     from mlflow import MlflowClient
     from mlflow.entities import Param, RunStatus, RunTag
 
+    bound_mlflow_http()
     uri, artifact_location = resolve_tracking_uri(cfg, run_dir)
     run_name = Path(run_dir).name
     client = MlflowClient(uri)
@@ -679,12 +1093,14 @@ def start_tracking(
         checkpoint_artifacts=bool(_setting(cfg, "checkpoint_artifacts")),
         flow_run_id=flow_run_id,
         resumed=resumed,
+        run_dir=str(Path(run_dir).resolve()),
+        flush_timeout_s=float(getattr(cfg.tracking, "flush_timeout_s", 120.0)),
     )
     with _TRACKERS_LOCK:  # a run re-opened in the same process gets a fresh tracker
         stale = _TRACKERS.pop(run_id, None)
-    if stale is not None:
-        stale.stop_system_metrics()
     tracker = tracker_for(handle)
+    if stale is not None:  # what it could not send yet goes out with the new one
+        tracker.adopt(*stale.detach())
     if _setting(cfg, "system_metrics"):
         tracker.start_system_metrics(float(_setting(cfg, "system_metrics_interval_s")), resumed)
     where = handle.run_url() or f"{redact(uri)} (mlflow ui --backend-store-uri {redact(uri)})"
@@ -703,23 +1119,19 @@ def log_step(
     metrics: Mapping[str, Any],
     samples: Sequence[Mapping[str, Any]] | None = None,
 ) -> bool:
-    """Log one step's metrics in one ``log_batch`` call; every ``samples_every`` steps (and
-    at the last step) also a table of sample generations, ``samples/step-NNNNNN.json``.
-    Never raises: failures are warned about and metrics stay queued for the next step.
-    Returns whether everything queued so far has been sent."""
+    """Queue one step's metrics; every ``samples_every`` steps (and at the last step) also
+    a table of sample generations, ``samples/step-NNNNNN.json``. Returns at once: the
+    tracker's sender thread sends them (usually in one ``log_batch``), keeps them through an
+    outage and retries. Never raises. Returns False while the server is known unreachable."""
     if handle is None:
         return True
     tracker = tracker_for(handle)
-    sent = tracker.log_metrics(step, metrics)
+    healthy = tracker.log_metrics(step, metrics)
     if samples and handle.samples_due(step):
-        try:
-            table = _columns(samples[: handle.samples_rows])
-            tracker.client.log_table(handle.run_id, table, f"samples/{step_dir_name(step)}.json")
-        except Exception as exc:
-            _warn(
-                f"tracking: samples table of step {step} not logged ({type(exc).__name__}: {exc})"
-            )
-    return sent
+        tracker.log_table(
+            f"samples/{step_dir_name(step)}.json", _columns(samples[: handle.samples_rows])
+        )
+    return healthy
 
 
 def _columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
@@ -825,6 +1237,7 @@ def log_checkpoint(handle: TrackingHandle | None, step: int, root: str) -> str |
             _retrying(
                 f"logging checkpoint {name}",
                 lambda: tracker.client.log_artifacts(handle.run_id, uri, f"checkpoints/{name}"),
+                attempts=1 if tracker.failing_since is not None else 3,  # known outage
             )
             target = f"{_artifact_uri(tracker)}/checkpoints/{name}"
         else:
@@ -857,13 +1270,18 @@ def finish_tracking(
     then, given ``model_dir``, the final model in Hugging Face format (transformers flavor),
     registered as ``model_name`` (default ``model.name``) with alias ``candidate``, the final
     evaluation's metrics as version tags and the run linked; then the run ends with
-    ``status``. Registration failures raise (the run is then marked FAILED)."""
+    ``status``. Registration failures raise (the run is then marked FAILED).
+
+    Queued metrics get ``tracking.flush_timeout_s`` to reach the server; what does not is
+    written to ``<run_dir>/mlflow-unsent-metrics.jsonl`` (see :func:`replay_unsent`). The
+    result says so: ``tracking_outages``, ``tracking_outage_seconds`` and, when a file was
+    written, ``unsent_file``, ``unsent_values``, ``unsent_tables``."""
     if handle is None:
         return {}
     tracker = tracker_for(handle)
     out: dict[str, Any] = {"run_id": handle.run_id}
     try:
-        tracker.flush()
+        tracker.drain()
         try:
             out["curve"] = _log_curve(tracker)
         except Exception as exc:
@@ -873,10 +1291,17 @@ def finish_tracking(
     except BaseException:
         _end_quietly(tracker, "FAILED")
         raise
-    tracker.end(status)
+    out.update(tracker.end(status))
     with _TRACKERS_LOCK:
         _TRACKERS.pop(handle.run_id, None)
-    _info(f"tracking: run {handle.run_id} ended {status}")
+    outages = (
+        f" after {out['tracking_outages']} tracking outage(s) of "
+        f"{out['tracking_outage_seconds']:.0f}s in all"
+        if out["tracking_outages"]
+        else ""
+    )
+    unsent = f"; unsent values in {out['unsent_file']}" if "unsent_file" in out else ""
+    _info(f"tracking: run {handle.run_id} ended {status}{outages}{unsent}")
     return out
 
 

@@ -3,7 +3,9 @@ directory, or an S3 bucket on the test's S3 endpoint).
 
 Started with ``--workers 1`` and ``MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false`` (otherwise it
 spawns ~10 processes and ~3 GB), in its own process group so that stopping it stops the
-uvicorn worker too. Every wait is bounded.
+uvicorn worker too. Every wait is bounded. :meth:`MlflowServer.kill` and
+``start_mlflow_server(root, port=server.port)`` take a server down and bring it back on the
+same port and store (an outage, for tests/test_tracking_outage.py).
 """
 
 from __future__ import annotations
@@ -45,6 +47,23 @@ class MlflowServer:
         self.stop()
         raise RuntimeError(f"mlflow server not healthy after {timeout}s:\n{self._log_tail()}")
 
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def kill(self, timeout: float = 20.0) -> None:
+        """SIGKILL the server's process group (a crash, not a shutdown) and reap it."""
+        if self.proc.poll() is not None:
+            return
+        pgid = os.getpgid(self.proc.pid)
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+            self.proc.wait(timeout=timeout)
+            while time.monotonic() < deadline:  # the worker, reaped by init, goes a moment later
+                os.killpg(pgid, 0)
+                time.sleep(0.1)
+
     def _log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]
 
@@ -74,6 +93,7 @@ def start_mlflow_server(
     *,
     artifacts_destination: str | None = None,
     env: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> MlflowServer:
     """Start ``mlflow server`` on a free 127.0.0.1 port with its store under ``root``;
     with ``wait``, returns once ``/health`` answers (else call :meth:`MlflowServer.wait_ready`
@@ -81,9 +101,11 @@ def start_mlflow_server(
 
     ``artifacts_destination`` (e.g. ``s3://bucket/mlflow``, with ``env`` pointing the server
     at the endpoint: ``MLFLOW_S3_ENDPOINT_URL`` and credentials) replaces the local
-    ``root/artifacts``; clients always go through the server's artifact proxy."""
+    ``root/artifacts``; clients always go through the server's artifact proxy. ``port``
+    (default: a free one) with the ``root`` of a stopped server restarts that server: same
+    URL, same store; its log is appended to."""
     root.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     db, log_path = root / "mlflow.db", root / "server.log"
     artifacts: Path | str = artifacts_destination or root / "artifacts"
     env = {
@@ -101,7 +123,7 @@ def start_mlflow_server(
         "--port", str(port),
         "--workers", "1",
     ]  # fmt: skip
-    with log_path.open("w") as log:
+    with log_path.open("a") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )

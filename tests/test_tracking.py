@@ -175,18 +175,21 @@ def _checkpoint(root: Path, step: int, run_id: str | None = None) -> Path:
 
 
 class _CountBatches:
-    """Counts MlflowClient.log_batch calls made by this thread (not the system-metrics one)."""
+    """Counts MlflowClient.log_batch calls made by this thread (``calls``) and by the
+    tracker's sender thread (``sender_calls``); not the system-metrics monitor's."""
 
     def __init__(self, monkeypatch) -> None:
         from mlflow import MlflowClient
 
-        self.calls = 0
+        self.calls = self.sender_calls = 0
         original = MlflowClient.log_batch
         me = threading.get_ident()
 
         def counting(client, *args, **kwargs):
             if threading.get_ident() == me:
                 self.calls += 1
+            elif threading.current_thread().name == "grpoflow-mlflow-sender":
+                self.sender_calls += 1
             return original(client, *args, **kwargs)
 
         monkeypatch.setattr(MlflowClient, "log_batch", counting)
@@ -271,7 +274,8 @@ def test_training_run_on_server(
         return h, out
 
     h, out = short_run()
-    assert per_step_calls == [1] * STEPS, "one log_batch per step"
+    assert per_step_calls == [0] * STEPS, "log_step only queues; the sender thread sends"
+    assert 1 <= counter.sender_calls <= STEPS + 2, "at most one log_batch per step (+ evals)"
     client = _client(mlflow_server.url)
     run = client.get_run(h.run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == run_dir.name
@@ -415,7 +419,7 @@ def test_embedded_default_and_buffering(
     prefect_harness, no_env_uri, tmp_path: Path, monkeypatch
 ) -> None:
     """No URI anywhere: SQLite in the run directory. A failed log_batch keeps the metrics
-    and the next step sends both; tracking.backend=none is a no-op everywhere."""
+    and the sender sends them again; tracking.backend=none is a no-op everywhere."""
     cfg = _cfg("trk-embedded")
     run_dir = tmp_path / "trk-embedded-1"
     h = tracking.start_tracking(cfg, str(run_dir), _data(tmp_path))
@@ -433,8 +437,10 @@ def test_embedded_default_and_buffering(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(tracker.client, "log_batch", flaky)
-    assert tracking.log_step(h, 1, {"reward_mean": 0.1}) is False
-    assert tracking.log_step(h, 2, {"reward_mean": 0.2}) is True
+    tracking.log_step(h, 1, {"reward_mean": 0.1})
+    tracking.log_step(h, 2, {"reward_mean": 0.2})
+    assert tracker.flush(timeout=30), "the failed send is retried"
+    assert fail["n"] == 0 and tracker.outages == 1
     client = _client(h.tracking_uri)
     assert [m.step for m in client.get_metric_history(h.run_id, "reward_mean")] == [1, 2]
 
