@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.utilities.annotations import opaque
 from tqdm.auto import tqdm
 
 from flows.evaluate import evaluate as evaluate_model
@@ -59,6 +60,7 @@ from tasks.tracking import (
 __all__ = ["grpo_train"]
 
 Resume = Literal["auto", "always", "never"]
+_PROGRESS_EVERY_S = 5.0  # the progress artifact is an API call: at most one per 5 s
 
 
 @flow(name="grpo-train", log_prints=False, on_failure=[tracking_failed],
@@ -112,7 +114,7 @@ def grpo_train(
     )
     bar = tqdm(desc="GRPO", unit="step", initial=start - 1, total=cfg.train.steps,
                disable=not show_progress)
-    step, restarts = start, 0
+    step, restarts, progress_at = start, 0, time.monotonic()
     while step <= cfg.train.steps:
         try:
             scored, metrics = grpo_step(planes, rollouts, step)
@@ -147,7 +149,9 @@ def grpo_train(
         say(format_step(step, cfg.train.steps, metrics))
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
-        update_progress_artifact(progress, 100.0 * step / cfg.train.steps)
+        if step == cfg.train.steps or time.monotonic() - progress_at >= _PROGRESS_EVERY_S:
+            update_progress_artifact(progress, 100.0 * step / cfg.train.steps)  # ~20 ms
+            progress_at = time.monotonic()
         if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
             evals.append(_evaluate(planes, step, run, say, tracking))
         step += 1
@@ -192,16 +196,18 @@ def grpo_step(planes: PlanesHandle, rollouts: Rollouts, step: int) -> tuple[Step
     started = time.perf_counter()
     samples = rollouts.take(step)
     released = release_rollout_memory(planes, step) if get_planes(planes).time_share else {}
-    scored = reward(planes, samples, step)
+    # opaque(): Prefect resolves the argument but does not walk the thousands of token lists
+    # inside it looking for futures (that walk cost ~150 ms per task call on the demo).
+    scored = reward(planes, opaque(samples), step)
     if cfg.algorithm.dynamic_sampling:
         scored = _informative_groups(planes, rollouts, scored, step)
     metrics = {**scored.metrics, **released}
     if scored.samples:
-        batch = compute_advantages(planes, scored, step)
-        batch, logprob_metrics = compute_logprobs(planes, batch, step)
+        batch = compute_advantages(planes, opaque(scored), step)
+        batch, logprob_metrics = compute_logprobs(planes, opaque(batch), step)
         rollouts.prefetch(step)
         metrics.update(logprob_metrics)
-        metrics.update(train(planes, batch, step))
+        metrics.update(train(planes, opaque(batch), step))
     else:  # dynamic sampling found no group with a gradient: nothing to train on
         rollouts.prefetch(step)
         metrics["train_skipped"] = 1.0
@@ -226,7 +232,7 @@ def _informative_groups(
     kept, dropped = split_informative_groups(scored.samples, n)
     rounds = 1
     while len(kept) < want and rounds < cfg.algorithm.dynamic_sampling_max_rounds:
-        more = reward(planes, rollouts.extra(step), step)
+        more = reward(planes, opaque(rollouts.extra(step)), step)
         rounds += 1
         generated += more.samples
         k, d = split_informative_groups(more.samples, n)
