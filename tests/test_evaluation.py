@@ -348,7 +348,8 @@ def _weights() -> dict[str, torch.Tensor]:
 def test_checksum_is_order_independent():
     w = _weights()
     digest = weights_checksum(w)
-    assert len(digest) == 64 and int(digest, 16) >= 0
+    algo, _, hexdigest = digest.partition(":")
+    assert algo == "xxh3-128" and len(hexdigest) == 32 and int(hexdigest, 16) >= 0
     assert weights_checksum(dict(reversed(list(w.items())))) == digest
     assert weights_checksum({k: v.clone() for k, v in w.items()}) == digest
 
@@ -404,3 +405,10 @@ def test_checksum_of_model_state_dicts():
 
 def test_weight_sync_error_is_a_runtime_error():
     assert issubclass(WeightSyncError, RuntimeError)
+
+
+def test_checksum_algorithm_is_named_so_mixed_versions_are_told_apart():
+    from rl_core.rollout.remote import _algorithm
+
+    assert _algorithm(weights_checksum(_weights())) == "xxh3-128"
+    assert _algorithm("ab" * 32) == "sha256"  # what engines of earlier versions served

@@ -524,8 +524,9 @@ class SGLangClient:
         return str(body["weight_version"])
 
     async def weights_checksum(self, *, url: str | None = None) -> str | None:
-        """SHA-256 of the served weights (the embedded engine's ``/weights_checksum``);
-        ``None`` from a server without that endpoint (real SGLang answers 404)."""
+        """The checksum of the served weights (:func:`rl_core.weight_sync.weights_checksum`,
+        the embedded engine's ``/weights_checksum``); ``None`` from a server without that
+        endpoint (real SGLang answers 404)."""
         try:
             body = await self._control("GET", "/weights_checksum", url=url)
         except RolloutRequestError as e:

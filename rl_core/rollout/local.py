@@ -81,8 +81,8 @@ class LocalEngine:
         got = self.update_weights(weights, version)
         if got != expected:
             raise WeightSyncError(
-                f"weight sync to version {version}: the engine serves checksum {got[:12]} but "
-                f"the trainer exported {expected[:12]}; refusing to sample from stale weights"
+                f"weight sync to version {version}: the engine serves checksum {got[:21]} but "
+                f"the trainer exported {expected[:21]}; refusing to sample from stale weights"
             )
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         return {"sync_seconds": time.perf_counter() - started, "sync_bytes": float(nbytes)}

@@ -557,9 +557,17 @@ class HttpRollout:
                     log.warning("%s has no /weights_checksum: verified by version only", url)
                     self._warned_no_checksum = True
             elif got != expected_checksum:
+                served_algo, expected_algo = _algorithm(got), _algorithm(expected_checksum)
+                if served_algo != expected_algo:
+                    raise WeightSyncError(
+                        f"weight sync to version {self.weight_version}: {url} checksums its "
+                        f"weights with {served_algo}, the trainer with {expected_algo}: the "
+                        "engine runs another grpoflow version; install the same one on both "
+                        "planes"
+                    )
                 raise WeightSyncError(
                     f"weight sync to version {self.weight_version}: {url} serves checksum "
-                    f"{got[:12]} but the trainer exported {expected_checksum[:12]}; refusing "
+                    f"{got[:21]} but the trainer exported {expected_checksum[:21]}; refusing "
                     "to sample from weights that are not the trainer's"
                 )
 
@@ -567,3 +575,9 @@ class HttpRollout:
         if self.pool.client is None:
             raise RuntimeError("the rollout plane is not started")
         return self.pool.client
+
+
+def _algorithm(checksum: str) -> str:
+    """The algorithm a weights checksum names (``xxh3-128:...``; bare hex was SHA-256)."""
+    algo, sep, _ = checksum.partition(":")
+    return algo if sep else "sha256"

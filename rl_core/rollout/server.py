@@ -15,8 +15,8 @@ Where the embedded engine differs, it says so instead of pretending:
   default, ``nccl``, needs a GPU); distributed updates are one broadcast per tensor.
 - ``stream``, ``input_embeds``, top-k log-probs, penalties and grammars are refused with 400.
 - ``GET /weights_checksum`` (ours; SGLang has no equivalent) answers ``{"checksum",
-  "weight_version"}``: the SHA-256 of the served weights, which the training plane compares
-  with its own after every weight update.
+  "weight_version"}``: the XXH3-128 checksum of the served weights, which the training
+  plane compares with its own after every weight update.
 - ``/health`` is cheap (what slime configures SGLang to do); ``/health_generate`` runs a
   one-token generation unless requests are making progress, and answers 200 while
   generation is paused or memory released on purpose.
