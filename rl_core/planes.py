@@ -27,6 +27,7 @@ from rl_core.cluster.platform import platform_env
 from rl_core.config import ExperimentConfig
 from rl_core.data import Record, encode_prompts
 from rl_core.models import eos_token_ids
+from rl_core.models.hub import check_context_length
 from rl_core.rewards import RewardRunner
 from rl_core.rollout.local import LocalEngine
 from rl_core.rollout.pool import EnginePool
@@ -242,6 +243,7 @@ def bring_up_planes(
     engines' logs, the weight-sync staging and a local Ray's temp dir. ``with_trainer=False``
     brings up the rollout plane alone (evaluation).
     """
+    check_context_length(model_path, cfg)  # before anything starts: names the fields to fix
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     cluster = placement = trainer = rollout = None

@@ -17,6 +17,7 @@ Never imports Prefect or MLflow.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,26 @@ from typing import Any
 import yaml
 
 from rl_core.config import ExperimentConfig
+from rl_core.storage import redact
 
 __all__ = ["RunDir"]
+
+
+_SECRET_NAME = re.compile(r"(?i)secret|passw|credential|token$|(?:^|_)(?:api_?)?key$|auth")
+
+
+def _redacted(value: Any, key: str = "") -> Any:
+    """The config as ``config.yaml`` keeps it: a string under a secret-looking name
+    (``cluster.env.WANDB_API_KEY``) is masked, every other string goes through
+    :func:`rl_core.storage.redact` (``user:pass@`` in URLs, key ids, secrets in the
+    environment). The file is a record for people; nothing reads it back."""
+    if isinstance(value, dict):
+        return {k: _redacted(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redacted(v, key) for v in value]
+    if isinstance(value, str) and value:
+        return "***" if _SECRET_NAME.search(key) else redact(value)
+    return value
 
 
 def _latest_run_name(root: Path, name: str) -> str | None:
@@ -49,7 +68,7 @@ class RunDir:
         self.path = root / self.name
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / "config.yaml").write_text(
-            yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+            yaml.safe_dump(_redacted(cfg.model_dump(mode="json")), sort_keys=False)
         )
         self.metrics_path = self.path / "metrics.jsonl"
         self.evals_path = self.path / "evals.jsonl"

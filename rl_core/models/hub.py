@@ -24,6 +24,10 @@ ETags), so a changed object downloads a new snapshot. Files are checked against 
 ``MANIFEST.json`` (SHA-256) when it has one (``rl_core.storage.upload_dir`` writes it), else
 against the listed sizes; then the directory must load like any other.
 
+:func:`check_context_length` refuses, before anything starts, a config whose longest
+sequence (``data.max_prompt_tokens`` plus the tokens it may generate) does not fit the model's
+context; longer prompts themselves are skipped and counted (:mod:`rl_core.planes`).
+
 Never imports Prefect or MLflow.
 """
 
@@ -45,13 +49,15 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import quote
 
-from rl_core.config import DataConfig, ModelConfig
+from rl_core.config import DataConfig, ExperimentConfig, ModelConfig
 from rl_core.models.tiny import TinyModelSpec, bootstrap_tiny_model
 
 __all__ = [
     "MANIFEST",
     "ModelError",
     "ModelSnapshot",
+    "check_context_length",
+    "context_length",
     "download_model",
     "file_manifest",
     "resolve_model",
@@ -115,6 +121,8 @@ def verify_model_dir(path: str | Path, *, trust_remote_code: bool = False) -> Pa
         raise ModelError(f"model directory {p} does not exist")
     if not (p / "config.json").is_file():
         raise ModelError(f"{p} has no config.json; is model.path an HF model directory?")
+    if not trust_remote_code:
+        _refuse_remote_code(p)
     try:
         config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - report any loader failure with the path
@@ -152,6 +160,77 @@ def verify_model_dir(path: str | Path, *, trust_remote_code: bool = False) -> Pa
                 f"knows; set {name} in tokenizer_config.json to one of its tokens"
             )
     return p
+
+
+def _refuse_remote_code(p: Path) -> None:
+    """A config or tokenizer that maps to the directory's own Python (``auto_map``) would run
+    that code on load: refuse it unless the user said to trust it."""
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            data = json.loads((p / name).read_text())
+        except (OSError, ValueError):
+            continue  # missing or broken: the loaders below say so
+        if isinstance(data, dict) and data.get("auto_map"):
+            raise ModelError(
+                f"{p}/{name} has an auto_map: loading this model runs Python code shipped "
+                f"with it ({', '.join(sorted(map(str, data['auto_map'])))}); grpoflow runs "
+                "no model code unless model.trust_remote_code=true. Review the code, then "
+                "set model.trust_remote_code=true, or use a model transformers supports natively"
+            )
+
+
+# rope_scaling types whose factor stretches the trained context (as vLLM derives it).
+_STRETCHING_ROPE = {"linear", "dynamic", "yarn"}
+
+
+def context_length(path: str | Path) -> int | None:
+    """The model's context window from its ``config.json``: ``max_position_embeddings`` (of
+    ``text_config`` for multimodal configs), stretched by a linear/dynamic/yarn
+    ``rope_scaling`` factor; None when the config names no limit. Reads the JSON only (no
+    model code runs)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{path}/config.json does not load: {exc}") from exc
+    for section in (config, config.get("text_config") or {}):
+        limit = section.get("max_position_embeddings")
+        if isinstance(limit, int) and limit > 0:
+            rope = section.get("rope_scaling") or {}
+            kind = rope.get("rope_type") or rope.get("type")
+            factor = rope.get("factor")
+            if kind in _STRETCHING_ROPE and isinstance(factor, int | float) and factor > 1:
+                base = rope.get("original_max_position_embeddings") or limit
+                return int(base * factor)
+            return limit
+    return None
+
+
+def check_context_length(path: str | Path, cfg: ExperimentConfig) -> int | None:
+    """Refuse a config whose longest sequence does not fit the model's context window.
+
+    A sequence is a prompt of up to ``data.max_prompt_tokens`` tokens plus up to
+    ``rollout.max_new_tokens`` generated ones (and ``eval.max_new_tokens`` when set). The
+    engines would refuse such requests mid-run; this says so before any step, naming the
+    fields, the model and the fix. Returns the limit (None: the config names none).
+    """
+    limit = context_length(path)
+    if limit is None:
+        log.warning("model %s: config.json names no context length; not checked", path)
+        return None
+    prompt = cfg.data.max_prompt_tokens
+    responses = {"rollout.max_new_tokens": cfg.rollout.max_new_tokens}
+    if cfg.eval.max_new_tokens is not None:
+        responses["eval.max_new_tokens"] = cfg.eval.max_new_tokens
+    for field, new in responses.items():
+        if prompt + new > limit:
+            raise ModelError(
+                f"data.max_prompt_tokens={prompt} + {field}={new} = {prompt + new} tokens, "
+                f"more than the context window of the model at {path} ({limit} tokens, "
+                f"max_position_embeddings in its config.json); lower data.max_prompt_tokens "
+                f"(longer prompts are skipped and counted) or {field} so that their sum is "
+                f"at most {limit}, or use a model with a longer context"
+            )
+    return limit
 
 
 def _check_safetensors(p: Path) -> None:
