@@ -202,6 +202,13 @@ class RolloutConfig(_Section):
     )
     startup_timeout_s: float = Field(300.0, gt=0)
     health_interval_s: float = Field(5.0, gt=0)
+    health_timeout_s: float = Field(
+        20.0, gt=0, description="Bound on one health probe of an engine (/health_generate)."
+    )
+    health_failure_threshold: int = Field(
+        3, ge=1, description="Failed probes in a row that get an engine restarted and "
+        "re-synced (a hung engine is replaced after about this many x health_timeout_s).",
+    )
     sglang_tp: int = Field(1, ge=1, description="Tensor parallelism of each SGLang server.")
     sglang_mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
     sglang_platform: Literal["cuda", "rocm"] = "cuda"

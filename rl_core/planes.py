@@ -187,6 +187,8 @@ def start_rollout(
         env=env,
         router=r.num_engines > 1 if r.router is None else r.router,
         health_interval_s=r.health_interval_s,
+        health_timeout_s=r.health_timeout_s,
+        failure_threshold=r.health_failure_threshold,
         startup_timeout_s=r.startup_timeout_s,
         client_kwargs={"read_timeout_s": r.timeout_s, "total_timeout_s": r.timeout_s},
     )

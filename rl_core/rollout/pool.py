@@ -472,10 +472,17 @@ class EnginePool:
                     self._update_all(urls, version, model_path, update, pause_mode, flush_wait_s),
                     timeout_s=timeout_s,
                 )
-            except TimeoutError as e:
-                raise WeightSyncError(
-                    f"weight_update to {version} did not finish within {timeout_s}s"
-                ) from e
+            except (WeightSyncError, TimeoutError) as e:
+                # A crashed or hung engine fails every retry of this update, and the monitor
+                # cannot replace it while the update holds the lock: take it out now, so the
+                # retry updates the others and the monitor restarts and re-syncs it.
+                answering = self._take_out_unresponsive(urls)
+                if isinstance(e, TimeoutError):  # cut off mid-way: never leave one paused
+                    self._resume_quietly(answering)
+                    raise WeightSyncError(
+                        f"weight_update to {version} did not finish within {timeout_s}s"
+                    ) from e
+                raise
             self.weight_version = version
             self._disk_source = str(model_path) if model_path is not None else None
             self._admit_awaiting(urls)
@@ -487,6 +494,53 @@ class EnginePool:
             version,
             time.monotonic() - t0,
         )
+
+    def _take_out_unresponsive(self, urls: list[str]) -> list[str]:
+        """Take out of service the engines among ``urls`` that do not answer ``/health``
+        within ``health_timeout_s`` (liveness only: a paused engine still answers it);
+        returns those that answered."""
+        client = self._require_client()
+
+        async def alive(url: str) -> bool:
+            try:
+                await client.aio._control(
+                    "GET", "/health", url=url, retries=0, timeout_s=self.health_timeout_s
+                )
+            except RolloutError:
+                return False
+            return True
+
+        async def probe_all() -> list[bool]:
+            return list(await asyncio.gather(*(alive(u) for u in urls)))
+
+        try:
+            answered = client.run(probe_all(), timeout_s=self.health_timeout_s + 5.0)
+        except TimeoutError:
+            answered = [False] * len(urls)
+        for e in self.engines:
+            if e.in_service and e.url in urls and not answered[urls.index(e.url)]:
+                log.warning("engine %d (%s): no answer during a weight update; out of service "
+                            "until the monitor restarts it", e.index, e.url)  # fmt: skip
+                e.failures = self.failure_threshold
+                self._take_out(e)
+        return [u for u, ok in zip(urls, answered, strict=True) if ok]
+
+    def _resume_quietly(self, urls: list[str]) -> None:
+        """``/continue_generation`` on ``urls``, bounded; failures are logged, not raised."""
+        client = self._require_client()
+
+        async def resume_all() -> list[Any]:
+            return await asyncio.gather(
+                *(client.aio.resume(url=u) for u in urls), return_exceptions=True
+            )
+
+        try:
+            results = client.run(resume_all(), timeout_s=self.health_timeout_s + 5.0)
+        except TimeoutError:
+            results = [TimeoutError("resume")] * len(urls)
+        for u, r in zip(urls, results, strict=True):
+            if isinstance(r, BaseException):
+                log.error("engine %s: continue_generation after a failed update: %s", u, r)
 
     def _admit_awaiting(self, updated: list[str]) -> None:
         """Engines that waited for this update serve its weights now: back into service."""
