@@ -12,15 +12,14 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from prefect import flow
-
+from flows._redacted import redacted_flow
 from rl_core.config import load_config
 from tasks.setup import fetch_model, prepare_data
 
 __all__ = ["download_model", "prepare_data_flow"]
 
 
-@flow(name="prepare-data")
+@redacted_flow(name="prepare-data")
 def prepare_data_flow(
     config: str | None = None, overrides: list[str] | None = None
 ) -> dict[str, Any]:
@@ -29,7 +28,7 @@ def prepare_data_flow(
     return asdict(prepare_data(cfg.data, cfg.storage.cache_dir))
 
 
-@flow(name="download-model")
+@redacted_flow(name="download-model")
 def download_model(
     config: str | None = None,
     overrides: list[str] | None = None,

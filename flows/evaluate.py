@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
+from flows._redacted import redacted_flow
 from rl_core.config import ExperimentConfig, load_config
 from rl_core.planes import tear_down
 from rl_core.report import format_eval
@@ -30,7 +31,7 @@ from tasks.setup import bring_up, fetch_model, prepare_data
 __all__ = ["evaluate", "registry_evaluation_key"]
 
 
-@flow(name="evaluate")
+@redacted_flow(name="evaluate")
 def evaluate(
     config: str | None = None,
     overrides: list[str] | None = None,

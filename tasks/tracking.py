@@ -1022,10 +1022,12 @@ def start_tracking(
             else client.create_experiment(exp_name, artifact_location=artifact_location)
         )
     except Exception as exc:
+        # ``from None``: MLflow's own exception holds the URI as given (password included),
+        # and Prefect logs a failure's whole chain; its useful part is in the message, redacted.
         raise RuntimeError(
             f"MLflow at {redact(uri)} is not usable ({type(exc).__name__}: {redact(str(exc))[:300]}); "
             "check tracking.uri / MLFLOW_TRACKING_URI, or set tracking.backend=none"
-        ) from exc
+        ) from None
 
     run_id = None
     resume_step = None

@@ -141,18 +141,7 @@ RAY_RUN = (
 )  # fmt: skip
 
 
-TCPSTORE_GAP = (
-    "torch's TCPStore binds '::' (every interface): the trainer's DDP store "
-    "(rl_core/training/distributed.py TrainerRank.host_store) and the weight-sync rendezvous "
-    "(rl_core/weight_sync/process_group.py); fix: pass master_listen_fd= a socket bound to "
-    "the node address (127.0.0.1 on a local Ray). docs/reliability.md, Known gaps"
-)
-
-
-@pytest.mark.parametrize(
-    "mode",
-    ["local", pytest.param("ray", marks=pytest.mark.xfail(strict=True, reason=TCPSTORE_GAP))],
-)
+@pytest.mark.parametrize("mode", ["local", "ray"])
 def test_a_demo_run_listens_on_loopback_only(
     prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, mode: str
 ) -> None:
@@ -180,6 +169,26 @@ def test_a_demo_run_listens_on_loopback_only(
     if mode == "ray":
         ray_procs = [w for w in watch.seen.values() if "gcs_server" in w or "raylet" in w]
         assert ray_procs, watch.seen
+
+
+def test_a_torch_store_listens_only_on_the_address_its_peers_are_told() -> None:
+    """torch's ``TCPStore`` alone binds ``::``; :func:`host_tcp_store` (the trainer ranks'
+    store and the weight-sync group's) hands it a socket bound to the given address, and
+    refuses an address that means every interface."""
+    from datetime import timedelta
+
+    from rl_core.weight_sync.process_group import host_tcp_store
+
+    store = host_tcp_store("127.0.0.1", 0, 2, timeout=timedelta(seconds=5), wait_for_workers=False)
+    listening = [
+        c.laddr
+        for c in psutil.Process().net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port
+    ]
+    assert [a.ip for a in listening] == ["127.0.0.1"], listening
+    for everywhere in ("0.0.0.0", "::"):
+        with pytest.raises(ValueError, match="every interface"):
+            host_tcp_store(everywhere, 0, 2, timeout=timedelta(seconds=5), wait_for_workers=False)
 
 
 def test_servers_grpoflow_launches_or_advises_bind_loopback() -> None:
@@ -367,19 +376,10 @@ def _persisted_results(since: float) -> dict[str, str]:
     }
 
 
-# Known gaps (docs/reliability.md): Prefect keeps a flow run's parameters (the overrides as
-# typed) unredacted, and the tracking start-up error chains MLflow's own exception, whose
-# message holds the tracking URI as given (Prefect logs the chain, and prints it on stderr).
-KNOWN_GAPS = (" parameters", " traceback", "stderr")
-
-
 def _assert_no_canary(where: dict[str, str]) -> None:
     found = {k: _leaks(v) for k, v in where.items()}
     found = {k: v for k, v in found.items() if v}
-    report = "\n".join(f"  {k}: {v}" for k, v in found.items())
-    assert all(k.endswith(KNOWN_GAPS) for k in found), "secrets leaked:\n" + report
-    if found:
-        pytest.xfail("known gaps (docs/reliability.md, Known gaps) still leak:\n" + report)
+    assert not found, "secrets leaked:\n" + "\n".join(f"  {k}: {v}" for k, v in found.items())
 
 
 @pytest.fixture
@@ -470,3 +470,41 @@ def test_secrets_reach_no_file_prefect_record_log_or_error(
             "logging": caplog.text,
         }
     )
+
+
+def test_a_flow_receives_its_parameters_whole_and_the_api_stores_them_redacted(
+    prefect_harness,
+) -> None:
+    """:class:`flows._redacted.RedactedFlow` (grpo_train, evaluate, the asset flows): the
+    function is called with the real overrides; the flow run's parameters in the API have the
+    secrets masked (by the override's key, by a mapping's keys, and by text) and nothing else
+    changed. A ``with_options`` copy redacts too."""
+    from prefect.client.orchestration import get_client
+
+    from flows._redacted import RedactedFlow, redacted_flow
+
+    @redacted_flow(name="redaction-probe")
+    def probe(overrides: list[str], api_key: str | None = None) -> list[str]:
+        return [*overrides, str(api_key)]
+
+    overrides = [
+        f"storage.s3_endpoint_url=http://minio:{URL_PASSWORD}@127.0.0.1:9000",
+        f"cluster.env={{WANDB_API_KEY: {WANDB_KEY}, OMP_NUM_THREADS: '1'}}",
+        f"tracking.token={ENV_CANARIES['MLFLOW_TRACKING_TOKEN']}",
+        "train.steps=2",
+    ]
+    copy = probe.with_options(name="redaction-probe-copy")
+    assert isinstance(copy, RedactedFlow)
+    for fl in (probe, copy):
+        state = fl(overrides, api_key=WANDB_KEY, return_state=True)
+        assert state.result() == [*overrides, WANDB_KEY]  # the real values reached the flow
+        with get_client(sync_client=True) as client:
+            stored = client.read_flow_run(state.state_details.flow_run_id).parameters
+        assert not _leaks(json.dumps(stored)), stored
+        assert stored["api_key"] == "***"
+        assert stored["overrides"][0] == "storage.s3_endpoint_url=http://***@127.0.0.1:9000"
+        assert json.loads(stored["overrides"][1].split("=", 1)[1]) == {
+            "WANDB_API_KEY": "***",
+            "OMP_NUM_THREADS": "1",
+        }
+        assert stored["overrides"][2:] == ["tracking.token=***", "train.steps=2"]

@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.state_dict import (
 from rl_core.config import AlgorithmConfig, TrainConfig
 from rl_core.training.batch import TrainBatch
 from rl_core.training.torch_trainer import MiniBatch, TorchTrainer, check_loaded, read_weights
+from rl_core.weight_sync.process_group import host_tcp_store
 
 __all__ = [
     "DataParallel",
@@ -328,13 +329,14 @@ class TrainerRank:
         self._store: dist.TCPStore | None = None
 
     def host_store(self, timeout_s: float) -> tuple[str, int]:
-        """Rank 0: start the group's TCP store on a free port of this node."""
+        """Rank 0: start the group's TCP store on a free port of this node's Ray address
+        (127.0.0.1 on a local Ray), listening there only: the address the other ranks are
+        told to connect to."""
         address = ray.util.get_node_ip_address()
-        self._store = dist.TCPStore(
+        self._store = host_tcp_store(
             address,
             0,
             self.world_size,
-            is_master=True,
             timeout=timedelta(seconds=timeout_s),
             wait_for_workers=False,
         )

@@ -8,6 +8,12 @@ group. Both sides must build the group the same way for the stores to meet, so t
 side (:func:`broadcast_named_tensors`) and the engine side (:func:`receive_named_tensors`)
 live here together.
 
+Rank 0 hosts the store with :func:`host_tcp_store`, never through ``c10d.rendezvous``: a
+``TCPStore`` given a host name still listens on every interface (``::``), so the store is
+handed a socket already bound to the address the peers are told (``master_address``) and
+listens only there. The other ranks join with ``tcp://`` rendezvous as clients (a client
+store does not listen), exactly as an SGLang engine does.
+
 Wire order: one ``broadcast`` from group rank 0 per tensor, in the order of the names the
 trainer also POSTs to the engine (SGLang's non-bucketed ``load_format: null`` layout).
 Every collective is bounded: the group's timeout applies to the rendezvous and each
@@ -20,6 +26,8 @@ signature is checked at call time. Never imports Prefect or MLflow; never pickle
 from __future__ import annotations
 
 import inspect
+import ipaddress
+import socket
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
@@ -30,6 +38,7 @@ from torch.distributed import distributed_c10d as c10d
 __all__ = [
     "broadcast_named_tensors",
     "destroy_process_group",
+    "host_tcp_store",
     "init_custom_process_group",
     "parse_dtype",
     "receive_named_tensors",
@@ -59,6 +68,70 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; known: {sorted(_DTYPES)}") from None
 
 
+def _is_unspecified(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%", 1)[0]).is_unspecified
+    except ValueError:
+        return False  # a host name
+
+
+def _bound_socket(address: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``address:port`` (``port`` 0: the OS picks), not yet listening.
+
+    A host name binds the first address it resolves to, the one its peers connect to.
+    """
+    if _is_unspecified(address):
+        raise ValueError(
+            f"a torch.distributed store must not bind {address!r} (every interface): pass the "
+            "address its peers connect to (127.0.0.1 on one machine, the node's IP on a cluster)"
+        )
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            address, port, type=socket.SOCK_STREAM
+        )[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot resolve store address {address!r}: {exc}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore itself does
+        sock.bind(sockaddr)
+    except OSError as exc:
+        sock.close()
+        raise OSError(
+            exc.errno, f"cannot bind a torch.distributed store to {address}:{port}: {exc.strerror}"
+        ) from None
+    return sock
+
+
+def host_tcp_store(
+    address: str,
+    port: int,
+    world_size: int,
+    *,
+    timeout: timedelta,
+    wait_for_workers: bool,
+) -> dist.TCPStore:
+    """The master ``TCPStore`` of a group, listening on ``address:port`` only.
+
+    ``port`` 0 lets the OS pick one (read it from ``store.port``). ``wait_for_workers``
+    blocks until ``world_size`` ranks have connected, bounded by ``timeout``. The store owns
+    the bound socket from here on and closes it when it is destroyed.
+    """
+    fd = _bound_socket(address, port).detach()
+    # From here the store owns the descriptor: it closes it when destroyed or when its
+    # construction fails (a wait_for_workers timeout included).
+    return dist.TCPStore(
+        address,
+        port,
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=wait_for_workers,
+        master_listen_fd=fd,
+        use_libuv=True,
+    )
+
+
 def init_custom_process_group(
     *,
     master_address: str,
@@ -77,10 +150,15 @@ def init_custom_process_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     timeout = timedelta(seconds=timeout_s)
-    url = f"tcp://{master_address}:{int(master_port)}"
-    store, rank, world_size = next(
-        c10d.rendezvous(url, rank=rank, world_size=world_size, timeout=timeout)
-    )
+    if rank == 0:  # blocks until every rank has connected, bounded by the timeout
+        store = host_tcp_store(
+            master_address, int(master_port), world_size, timeout=timeout, wait_for_workers=True
+        )
+    else:
+        url = f"tcp://{master_address}:{int(master_port)}"
+        store, rank, world_size = next(
+            c10d.rendezvous(url, rank=rank, world_size=world_size, timeout=timeout)
+        )
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     options = (
