@@ -17,11 +17,12 @@ import os
 import time
 from typing import Any, Literal
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.utilities.annotations import opaque
 from tqdm.auto import tqdm
 
+from flows._redacted import redacted_flow
 from flows.evaluate import evaluate as evaluate_model
 from flows.rollouts import Rollouts
 from rl_core import storage
@@ -63,8 +64,8 @@ Resume = Literal["auto", "always", "never"]
 _PROGRESS_EVERY_S = 5.0  # the progress artifact is an API call: at most one per 5 s
 
 
-@flow(name="grpo-train", log_prints=False, on_failure=[tracking_failed],
-      on_crashed=[tracking_failed])
+@redacted_flow(name="grpo-train", log_prints=False, on_failure=[tracking_failed],
+               on_crashed=[tracking_failed])
 def grpo_train(
     config: str | None = None,
     overrides: list[str] | None = None,
@@ -135,7 +136,11 @@ def grpo_train(
             tear_down(planes)
             planes = bring_up(cfg, model_path, data, str(run.path))
             rollouts = _rollouts(planes, cfg)
-            step = _restore(planes, rollouts, run, latest, data.train_digest) if latest else 1
+            if latest:
+                step = _restore(planes, rollouts, run, latest, data.train_digest)
+            else:  # no checkpoint yet: start over from step 1, and so do the logs and ledger
+                run.truncate_after(0)
+                step = 1
             evals = run.read_evals()
             bar.n = step - 1
             continue

@@ -177,30 +177,37 @@ def test_a_lost_trainer_is_rebuilt_from_the_checkpoint(
     prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, monkeypatch
 ) -> None:
     """train-step-4 fails (its task never retries): the planes are rebuilt from the step-2
-    checkpoint and the run ends exactly where an uninterrupted run ends."""
+    checkpoint and the run ends exactly where an uninterrupted run ends. train-step-2 fails
+    (no checkpoint yet): the run starts over from the base model at step 1, and its logs and
+    sample ledger start over with it (no step counted twice)."""
     from flows.grpo_train import grpo_train
     from rl_core.training.torch_trainer import TorchTrainer
 
     straight = grpo_train(config=DEMO, overrides=_in_process(tmp_path, tiny_cache, "clean"),
                           show_progress=False)
-
-    real_step = TorchTrainer.train_step
-    calls = {"n": 0}
-
-    def flaky(self, batch):  # noqa: ANN001
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise RuntimeError("trainer rank lost (injected)")
-        return real_step(self, batch)
-
-    monkeypatch.setattr(TorchTrainer, "train_step", flaky)
-    recovered = grpo_train(config=DEMO, overrides=_in_process(tmp_path, tiny_cache, "flaky"),
-                           show_progress=False)
-    assert recovered["plane_restarts"] == 1
     a = load_file(Path(straight["model_dir"]) / "model.safetensors")
-    b = load_file(Path(recovered["model_dir"]) / "model.safetensors")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert _ledger(tmp_path / "flaky") == _ledger(tmp_path / "clean")
+    real_step = TorchTrainer.train_step
+
+    for fail_at in (4, 2):
+        calls = {"n": 0}
+
+        def flaky(self, batch, fail_at=fail_at, calls=calls):  # noqa: ANN001
+            calls["n"] += 1
+            if calls["n"] == fail_at:
+                raise RuntimeError("trainer rank lost (injected)")
+            return real_step(self, batch)
+
+        monkeypatch.setattr(TorchTrainer, "train_step", flaky)
+        name = f"flaky-{fail_at}"
+        recovered = grpo_train(config=DEMO, overrides=_in_process(tmp_path, tiny_cache, name),
+                               show_progress=False)
+        assert recovered["plane_restarts"] == 1
+        b = load_file(Path(recovered["model_dir"]) / "model.safetensors")
+        assert all(torch.equal(a[k], b[k]) for k in a), fail_at
+        assert _ledger(tmp_path / name) == _ledger(tmp_path / "clean"), fail_at
+        steps = [json.loads(x)["step"] for x in (tmp_path / name / "metrics.jsonl").read_text()
+                 .splitlines()]  # fmt: skip
+        assert steps == sorted(set(steps)), f"a step logged twice: {steps}"
 
 
 def test_a_step_that_keeps_failing_fails_the_run_naming_task_and_step(
