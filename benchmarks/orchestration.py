@@ -32,6 +32,9 @@ run to ``max_new_tokens``; ``--prompts-25m`` prompts x 8 per step, 32 like the d
 JSON (default ``benchmarks/results/orchestration.json``); the load average is recorded.
 A benchmark, never a test.
 
+With ``--before`` a third variant runs the pipeline as it was before the optimisations this
+benchmark pointed at (:func:`as_before`), in the same rounds, for a before/after ratio.
+
 Run: ``.venv/bin/python -m benchmarks.orchestration`` (about 8 minutes on 2 idle cores;
 ``--quick`` for a smoke run).
 """
@@ -68,7 +71,7 @@ STEP_TASKS = {
     "release-rollout-memory", "checkpoint", "log-metrics", "log-checkpoint",
 }  # fmt: skip
 TRACKING_TASKS = {"log-metrics", "log-checkpoint"}
-VARIANTS = ("pipeline", "bare", "pipeline_opaque")
+VARIANTS = ("pipeline", "bare", "pipeline_before")
 
 
 def overrides_for(size: str, steps: int, prompts_25m: int) -> list[str]:
@@ -219,24 +222,15 @@ def install_profile(profile: Profile) -> None:
     gt._console = timed_console
 
 
-def pass_opaque() -> None:
-    """The fix this benchmark suggests, applied from outside: the flow hands the step's
-    samples to the ``reward`` and ``advantages`` tasks wrapped in Prefect's ``opaque``, so
-    Prefect neither walks them for upstream task inputs nor rebuilds them while resolving
-    parameters (``visit_collection`` over every sample's token lists)."""
-    from prefect.utilities.annotations import opaque
-
+def as_before() -> None:
+    """The pipeline as it was before the orchestration optimisations of issue 10, restored
+    from outside: the flow hands the step's samples and batches to its tasks unwrapped (Prefect
+    walks every sample's token lists with ``visit_collection`` while resolving parameters and
+    looking for upstream task inputs) and updates the progress artifact at every step."""
     import flows.grpo_train as gt
 
-    reward, advantages = gt.reward, gt.compute_advantages
-
-    def reward_opaque(planes: Any, batch: Any, step: int) -> Any:
-        return reward(planes, opaque(batch), step)
-
-    def advantages_opaque(planes: Any, batch: Any, step: int) -> Any:
-        return advantages(planes, opaque(batch), step)
-
-    gt.reward, gt.compute_advantages = reward_opaque, advantages_opaque
+    gt.opaque = lambda value: value
+    gt._PROGRESS_EVERY_S = 0.0
 
 
 def pipeline_worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -246,8 +240,8 @@ def pipeline_worker(args: argparse.Namespace) -> dict[str, Any]:
     cli._env_defaults()
     profile = Profile()
     install_profile(profile)
-    if args.worker == "pipeline_opaque":
-        pass_opaque()
+    if args.worker == "pipeline_before":
+        as_before()
     profile.probe = CpuProbe()
     profile.probe.sample()
     work = Path(args.work)
@@ -438,9 +432,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats-25m", type=int, default=1, help="rounds of 25m")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny only, 3 steps, 1 round")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--opaque", action="store_true",
-                   help="also run the pipeline with the step's samples passed to the reward and "
-                   "advantages tasks as prefect's opaque(...) (the suggested fix)")  # fmt: skip
+    p.add_argument("--before", action="store_true",
+                   help="also run the pipeline as it was before the orchestration "
+                   "optimisations (see as_before), for a before/after ratio")  # fmt: skip
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--size", choices=["tiny", "25m"], help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, help=argparse.SUPPRESS)
@@ -468,7 +462,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         home = work / "prefect-home"
         home.mkdir()
         for size in args.sizes:
-            variants = ["pipeline", "bare"] + (["pipeline_opaque"] if args.opaque else [])
+            variants = ["pipeline", "bare"] + (["pipeline_before"] if args.before else [])
             runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
             for i in range(args.repeats if size == "tiny" else args.repeats_25m):
                 for variant in variants:
@@ -500,13 +494,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 },  # fmt: skip
                 "runs": runs,
             }
-            if "pipeline_opaque" in runs:
-                opq = summarize_variant(runs["pipeline_opaque"])
-                results[size]["pipeline_opaque"] = opq
-                results[size]["overhead_s_opaque"] = opq["wall"] - bare["wall"]
-                results[size]["profiled_opaque"] = {
+            if "pipeline_before" in runs:
+                before = summarize_variant(runs["pipeline_before"])
+                results[size]["pipeline_before"] = before
+                results[size]["overhead_s_before"] = before["wall"] - bare["wall"]
+                results[size]["profiled_before"] = {
                     "prefect_task_machinery_s": statistics.median(
-                        r["profile"]["prefect_task_machinery_s"] for r in runs["pipeline_opaque"])
+                        r["profile"]["prefect_task_machinery_s"] for r in runs["pipeline_before"])
                 }  # fmt: skip
     print_report(results)
     doc = {**meta, "settings": {k: str(v) if isinstance(v, Path) else v
@@ -522,10 +516,10 @@ def print_report(results: dict[str, Any]) -> None:
         rows.append([size, p["wall"], b["wall"], 1000 * r["overhead_s"], f"{r['overhead_share']:.1%}",
                      r["ratio"], 1000 * (p["in_step"] - sum(p[k] for k in PHASES if k != "checkpoint")),
                      1000 * (b["in_step"] - sum(b[k] for k in PHASES if k != "checkpoint"))])  # fmt: skip
-        if "pipeline_opaque" in r:
-            o = r["pipeline_opaque"]
-            rows.append([f"{size} (opaque fix)", o["wall"], b["wall"], 1000 * r["overhead_s_opaque"],
-                         f"{r['overhead_s_opaque'] / o['wall']:.1%}", o["wall"] / b["wall"],
+        if "pipeline_before" in r:
+            o = r["pipeline_before"]
+            rows.append([f"{size} (before)", o["wall"], b["wall"], 1000 * r["overhead_s_before"],
+                         f"{r['overhead_s_before'] / o['wall']:.1%}", o["wall"] / b["wall"],
                          1000 * (o["in_step"] - sum(o[k] for k in PHASES if k != "checkpoint")),
                          1000 * (b["in_step"] - sum(b[k] for k in PHASES if k != "checkpoint"))])  # fmt: skip
     print()
@@ -539,7 +533,7 @@ def print_report(results: dict[str, Any]) -> None:
         lines += [[f"flow loop: {k}", 1000 * v] for k, v in prof["flow_loop_s"].items()]
         print(f"\n{size}: profiled overhead per step (medians over the pipeline runs)")
         print(format_table(["what", "ms/step"], lines))
-        for variant in ("pipeline", "pipeline_opaque"):
+        for variant in ("pipeline", "pipeline_before"):
             if variant not in r["runs"]:
                 continue
             run0 = r["runs"][variant][0]["profile"]

@@ -7,7 +7,9 @@ per variant, each in a fresh ``grpoflow train`` process with the same seed and s
 - ``overlap``: ``rollout.max_staleness=1`` (step t+1's rollout runs while step t trains;
   TIS on by default);
 - ``dynamic``: ``algorithm.dynamic_sampling=true`` (DAPO: zero-variance groups are not
-  trained on; more rollout rounds fill the batch).
+  trained on; more rollout rounds fill the batch);
+- ``overlap_split`` (``--variants``): ``overlap`` with the cores split between the planes
+  (one engine thread, one trainer thread) instead of each taking them all.
 
 For each it reads the run's ``metrics.jsonl`` and ``summary.json``: the mean step wall time
 over steps 2..N (step 1 has nothing to overlap with and pays warm-up), the phases, the
@@ -16,7 +18,11 @@ tokens kept out of training and the rounds per step. Prints a table and writes J
 (default ``benchmarks/results/overlap.json``). The load average is recorded: numbers are
 only comparable on the same machine at the same load. A benchmark, never a test.
 
-Run: ``.venv/bin/python -m benchmarks.overlap --steps 20``.
+With ``--repeats R`` every variant runs R times, round-robin (a drift in machine load hits
+all alike); figures are medians, and the speedup is also given as the median of each
+round's own ratio ("paired").
+
+Run: ``.venv/bin/python -m benchmarks.overlap --steps 20 --repeats 2``.
 """
 
 from __future__ import annotations
@@ -39,13 +45,20 @@ VARIANTS: dict[str, list[str]] = {
     "sync": [],
     "overlap": ["rollout.max_staleness=1"],
     "dynamic": ["algorithm.dynamic_sampling=true"],
+    # overlap with the cores split between the planes (1 engine thread + 1 trainer thread
+    # on 2 cores) instead of each plane taking them all: no OpenMP oversubscription
+    "overlap_split": ["rollout.max_staleness=1", "rollout.engine_threads=1",
+                      "train.num_threads=1"],
 }
+DEFAULT_VARIANTS = ("sync", "overlap", "dynamic")
 
 
-def run_variant(name: str, extra: list[str], steps: int, eval_examples: int, work: Path) -> dict:
+def run_variant(
+    name: str, extra: list[str], steps: int, eval_examples: int, work: Path, round_: int = 0
+) -> dict:
     """One ``grpoflow train`` of the demo; its timings and accuracy."""
     overrides = [
-        f"storage.root={work}", f"run_name={name}", f"train.steps={steps}",
+        f"storage.root={work}", f"run_name={name}-{round_}", f"train.steps={steps}",
         "tracking.backend=none", "eval.every=0", f"eval.num_examples={eval_examples}",
         "eval.pass_k_examples=0", "checkpoint.every=0", *extra,
     ]  # fmt: skip
@@ -58,7 +71,7 @@ def run_variant(name: str, extra: list[str], steps: int, eval_examples: int, wor
         check=True, cwd=ROOT, timeout=1800,
     )  # fmt: skip
     wall = time.perf_counter() - t0
-    run = work / name
+    run = work / f"{name}-{round_}"
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run / "summary.json").read_text())
     later = metrics[1:] or metrics
@@ -90,26 +103,51 @@ def run_variant(name: str, extra: list[str], steps: int, eval_examples: int, wor
     return out
 
 
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the rounds of one variant (every number of :func:`run_variant`)."""
+    out: dict[str, Any] = {"rounds": len(runs), "overrides": runs[0]["overrides"]}
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in runs)
+    out["phases_s_mean"] = {k: statistics.median(r["phases_s_mean"][k] for r in runs)
+                            for k in runs[0]["phases_s_mean"]}  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--eval-examples", type=int, default=100)
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
+                    choices=list(VARIANTS))  # fmt: skip
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds; each round runs every variant once, in turn")  # fmt: skip
     args = ap.parse_args(argv)
-    results: dict[str, Any] = {}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants}
     with tempfile.TemporaryDirectory(prefix="grpoflow-overlap-") as tmp:
-        for name in args.variants:
-            results[name] = run_variant(
-                name, VARIANTS[name], args.steps, args.eval_examples, Path(tmp)
-            )
+        for i in range(args.repeats):
+            for name in args.variants:
+                runs[name].append(run_variant(
+                    name, VARIANTS[name], args.steps, args.eval_examples, Path(tmp), i))  # fmt: skip
+                r = runs[name][-1]
+                print(f"round {i + 1} {name:<8} {r['step_s_mean']:.2f} s/step, pass@1 "
+                      f"{r['pass_at_1_first']:.3f}->{r['pass_at_1_last']:.3f} "
+                      f"(load1 {r['load_avg_1m_start']:.2f})", flush=True)  # fmt: skip
+    results = {name: _summary(rs) for name, rs in runs.items()}
     base = results.get("sync", {}).get("step_s_mean")
-    print(f"{'variant':<10} {'step s':>8} {'speedup':>8} {'rollout':>8} {'train':>8} "
-          f"{'wait':>6} {'pass@1':>14}")  # fmt: skip
+    print(f"{'variant':<10} {'step s':>8} {'speedup':>8} {'paired':>8} {'rollout':>8} "
+          f"{'train':>8} {'wait':>6} {'pass@1':>14}")  # fmt: skip
     for name, r in results.items():
         ph = r["phases_s_mean"]
         speed = f"{base / r['step_s_mean']:.2f}x" if base else "-"
-        print(f"{name:<10} {r['step_s_mean']:>8.2f} {speed:>8} {ph['rollout']:>8.2f} "
+        paired = "-"
+        if base and name != "sync":
+            ratios = [a["step_s_mean"] / b["step_s_mean"]
+                      for a, b in zip(runs["sync"], runs[name], strict=True)]  # fmt: skip
+            r["speedup_paired_median"] = statistics.median(ratios)
+            paired = f"{r['speedup_paired_median']:.2f}x"
+        print(f"{name:<10} {r['step_s_mean']:>8.2f} {speed:>8} {paired:>8} {ph['rollout']:>8.2f} "
               f"{ph['train']:>8.2f} {ph['overlap_wait']:>6.2f} "
               f"{r['pass_at_1_first']:.3f}->{r['pass_at_1_last']:.3f}")  # fmt: skip
     if "dynamic" in results:
@@ -122,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "steps": args.steps,
+        "repeats": args.repeats,
+        "load_avg_end": os.getloadavg(),
         "results": results,
+        "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2))

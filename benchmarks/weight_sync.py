@@ -221,7 +221,6 @@ def bench_object_store(w: dict[str, torch.Tensor], repeats: int, threads: int,
     from rl_core.rollout.ray_engines import tensors_to_arrays
 
     ray.init(num_cpus=threads, include_dashboard=False, log_to_driver=False,
-             object_store_memory=max(2 * nbytes(w), 200 * 2**20),
              runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}},
              _temp_dir=str(work / "ray"))  # fmt: skip
     try:
