@@ -83,10 +83,15 @@ class ListenWatch:
     seen: dict[tuple[str, int], str] = field(default_factory=dict)  # (ip, port) -> who
     plane_ports: dict[int, str] = field(default_factory=dict)  # port -> engine-i / router
     samples: int = 0
+    # sockets this process already listened on before the run (earlier tests of the
+    # session): not the run's, reported apart
+    before: dict[tuple[str, int], str] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
     def __enter__(self) -> ListenWatch:
+        self.sample()
+        self.before, self.seen, self.samples = dict(self.seen), {}, 0
         self._thread = threading.Thread(target=self._loop, name="listen-watch", daemon=True)
         self._thread.start()
         return self
@@ -113,8 +118,9 @@ class ListenWatch:
             except psutil.Error:
                 continue  # a process that ended between the listing and the look
             for c in conns:
-                if c.status == psutil.CONN_LISTEN:
-                    self.seen.setdefault((c.laddr.ip, c.laddr.port), who)
+                key = (c.laddr.ip, c.laddr.port)
+                if c.status == psutil.CONN_LISTEN and key not in self.before:
+                    self.seen.setdefault(key, who)
         self._plane_ports()
         self.samples += 1
 

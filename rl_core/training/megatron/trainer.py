@@ -67,7 +67,7 @@ from rl_core.training.torch_trainer import (
     read_weights,
     step_metrics,
 )
-from rl_core.weight_sync.broadcast import BroadcastsWeights, free_endpoint
+from rl_core.weight_sync.broadcast import BroadcastsWeights
 
 __all__ = ["MegatronTrainer", "vocab_parallel_logprobs"]
 
@@ -93,14 +93,17 @@ def init_parallel(tp: int, pp: int, device: torch.device, timeout_s: float = 600
     ps = _mpu()
     created = not dist.is_initialized()
     if created:
-        # cluster.mode=local: this process is the only rank.
-        host, port = free_endpoint("127.0.0.1")
+        # cluster.mode=local: this process is the only rank. Its store listens on loopback
+        # only (an init_method URL would make torch's TCPStore listen on every interface).
+        from rl_core.weight_sync.process_group import host_tcp_store
+
+        timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
-            init_method=f"tcp://{host}:{port}",
+            store=host_tcp_store("127.0.0.1", 0, 1, timeout=timeout, wait_for_workers=False),
             rank=0,
             world_size=1,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timeout,
         )
     if ps.model_parallel_is_initialized():
         same = (
