@@ -5,6 +5,7 @@ Everything is built locally (no hub access) and small enough to run on one CPU t
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,18 @@ def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001
 
 
 # ---------------------------------------------------------------- session-wide services
+
+
+@pytest.fixture(scope="module")
+def restore_ray_auth_mode():
+    """A local Ray start (``ray.init``) sets RAY_AUTH_MODE=token process-wide: modules that
+    start one use this (``pytest.mark.usefixtures``) to leave the environment as found."""
+    before = os.environ.get("RAY_AUTH_MODE")
+    yield
+    if before is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = before
 
 
 @pytest.fixture(scope="session")

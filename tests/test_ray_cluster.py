@@ -263,15 +263,7 @@ def test_connect_to_dead_address_fails_fast():
 # ---------------------------------------------------------------- a local Ray
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _restore_ray_auth_mode():
-    """``ray.init`` turns token authentication on with RAY_AUTH_MODE=token, process-wide."""
-    before = os.environ.get("RAY_AUTH_MODE")
-    yield
-    if before is None:
-        os.environ.pop("RAY_AUTH_MODE", None)
-    else:
-        os.environ["RAY_AUTH_MODE"] = before
+pytestmark = pytest.mark.usefixtures("restore_ray_auth_mode")
 
 
 @pytest.fixture(scope="class")

@@ -41,7 +41,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "tiny-cpu.yaml")
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("restore_ray_auth_mode")]
 
 
 def _short_run(tmp: Path, cache: Path, run: str, *extra: str) -> list[str]:
@@ -51,17 +51,6 @@ def _short_run(tmp: Path, cache: Path, run: str, *extra: str) -> list[str]:
         "checkpoint.every=0", "eval.every=0", "eval.num_examples=8", "eval.pass_k_examples=0",
         "train.num_threads=1", "rollout.engine_threads=1", "tracking.backend=none", *extra,
     ]  # fmt: skip
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _restore_ray_auth_mode() -> Iterator[None]:
-    """A local Ray start sets RAY_AUTH_MODE=token process-wide; leave the environment as found."""
-    before = os.environ.get("RAY_AUTH_MODE")
-    yield
-    if before is None:
-        os.environ.pop("RAY_AUTH_MODE", None)
-    else:
-        os.environ["RAY_AUTH_MODE"] = before
 
 
 # ============================================================ listening sockets of a run
