@@ -13,7 +13,10 @@ per prompt (EOS is ignored on both sides), so tokens/s compare like for like:
 - ``engine_http`` (``--http``): the same engine behind the SGLang-protocol HTTP server
   (``python -m rl_core.rollout.server``, a process of its own, as a training run starts it;
   with ``--in-process`` a server thread), driven by
-  :class:`rl_core.rollout.client.SyncSGLangClient` ``generate_groups``.
+  :class:`rl_core.rollout.client.SyncSGLangClient` ``generate_groups``;
+- ``engine_baseline`` (``--baseline-tree PATH``): the ``engine`` backend run from another
+  checkout (e.g. ``git worktree add --detach /tmp/before HEAD`` before a change), in the same
+  rounds, so a before/after ratio is not skewed by load drifting between two invocations.
 
 Every measurement runs in a fresh process of its own (``--in-process`` runs all backends in
 this one): torch's OpenMP pool belongs to the thread that first runs a parallel op, so two
@@ -249,6 +252,7 @@ BACKEND_NAMES = {
     "hf_static": "hf_generate_static",
     "engine": "engine",
     "http": "engine_http",
+    "engine_base": "engine_baseline",  # the engine from --baseline-tree
 }
 
 
@@ -269,8 +273,10 @@ def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
         result.update(_measure_in_process(model_dir, prompts, args, result))
     else:
         runs: dict[str, list[dict[str, float]]] = {BACKEND_NAMES[b]: [] for b in args.backends}
+        rounds = [*args.backends, *(["engine_base"] if args.baseline_tree else [])]
+        runs.update({BACKEND_NAMES[b]: [] for b in rounds})
         for _ in range(args.repeats):
-            for backend in args.backends:
+            for backend in rounds:
                 record = _run_worker(backend, model_dir, size, args, workdir)
                 result.setdefault("engine_kv_layout", record.get("engine_kv_layout"))
                 runs[BACKEND_NAMES[backend]].append(record["run"])
@@ -278,7 +284,7 @@ def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
             result.pop("engine_kv_layout", None)
         result.update(summarize(runs))
     base = result.get("hf_generate")
-    for key in ("hf_generate_static", "engine", "engine_http"):
+    for key in ("hf_generate_static", "engine", "engine_http", "engine_baseline"):
         if base and key in result:
             m = result[key]
             m["ratio_vs_hf"] = m["tokens_per_s"] / base["tokens_per_s"]
@@ -287,6 +293,13 @@ def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
                 for r, h in zip(m["runs"], base["runs"], strict=True)
             ]
             m["ratio_vs_hf_paired_median"] = statistics.median(paired)
+    if "engine" in result and "engine_baseline" in result:
+        new, old = result["engine"], result["engine_baseline"]
+        new["ratio_vs_baseline"] = new["tokens_per_s"] / old["tokens_per_s"]
+        new["ratio_vs_baseline_paired_median"] = statistics.median(
+            a["tokens_per_s"] / b["tokens_per_s"]
+            for a, b in zip(new["runs"], old["runs"], strict=True)
+        )
     for key in BACKEND_NAMES.values():
         if key in result:
             log(f"[{size}] {key} {result[key]['tokens_per_s']:.0f} tok/s")
@@ -300,6 +313,9 @@ def _run_worker(
     import subprocess
 
     out = workdir / f"worker-{size}-{backend}.json"
+    root = Path(__file__).resolve().parents[1]
+    if backend == "engine_base":  # the same worker, from the baseline checkout
+        backend, root = "engine", args.baseline_tree.resolve()
     argv = [
         sys.executable, "-m", "benchmarks.rollout_throughput", "--worker", backend,
         "--model-dir", str(model_dir), "--model", size, "--out", str(out),
@@ -309,10 +325,11 @@ def _run_worker(
         "--temperature", str(args.temperature), "--threads", str(args.threads),
         "--warmup", str(args.warmup), "--seed", str(args.seed), "--kv-layout", args.kv_layout,
     ]  # fmt: skip
-    root = Path(__file__).resolve().parents[1]
     done = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
-        raise RuntimeError(f"{backend} worker failed (rc={done.returncode}):\n{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{backend} worker failed (rc={done.returncode}):\n{done.stderr[-3000:]}"
+        )
     return json.loads(out.read_text())
 
 
@@ -426,7 +443,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
     head = f"{'model':<6} {'backend':<18} {'tok/s':>8} {'min':>8} {'max':>8} {'x hf':>6}"
     print(f"\n{head} {'x hf (paired)':>13}")
     for r in results:
-        for key in ("hf_generate", "hf_generate_static", "engine", "engine_http"):
+        for key in BACKEND_NAMES.values():
             if key not in r:
                 continue
             m = r[key]
@@ -436,6 +453,13 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 f"{r['model']:<6} {key:<18} {m['tokens_per_s']:>8.0f} "
                 f"{m['tokens_per_s_min']:>8.0f} {m['tokens_per_s_max']:>8.0f} {ratio:>6} "
                 f"{paired:>13}"
+            )
+    for r in results:
+        m = r.get("engine", {})
+        if "ratio_vs_baseline" in m:
+            print(
+                f"{r['model']:<6} engine / engine_baseline: {m['ratio_vs_baseline']:.2f} "
+                f"(paired {m['ratio_vs_baseline_paired_median']:.2f})"
             )
 
 
@@ -467,6 +491,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="the engine's KV cache layout (padded: the model's own forward, as before)",
     )
+    p.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="another checkout whose engine is measured as 'engine_baseline' in the same "
+        "rounds (before/after a change; not with --in-process)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
     p.add_argument(
         "--in-process",
@@ -479,6 +509,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.http and "http" not in args.backends:
         args.backends.append("http")
+    if args.baseline_tree is not None:
+        if args.in_process:
+            p.error("--baseline-tree runs the baseline in processes of its own: drop --in-process")
+        if not (args.baseline_tree / "benchmarks" / "rollout_throughput.py").is_file():
+            p.error(
+                f"--baseline-tree {args.baseline_tree}: no benchmarks/rollout_throughput.py there"
+            )
     return args
 
 
@@ -525,6 +562,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     meta["engine_module"] = engine_module.__file__
     meta["git_head"] = _git("rev-parse", "HEAD")
     meta["git_dirty_files"] = _git("status", "--porcelain", "--", "rl_core", "benchmarks")
+    if args.baseline_tree is not None:
+        meta["baseline_git_head"] = _git(
+            "-C", str(args.baseline_tree.resolve()), "rev-parse", "HEAD"
+        )
     sizes = ["tiny", "25m"] if args.model == "both" else [args.model]
     with tempfile.TemporaryDirectory(prefix="grpoflow-bench-") as tmp:
         results = [bench_size(s, args, Path(tmp)) for s in sizes]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import PAD_ID, hf_greedy, word
 
-from rl_core.rollout.sampler import Completion, SamplingParams, generate, gumbel_noise
+from rl_core.rollout.sampler import Completion, SamplingParams, generate, sampling_uniforms
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -205,78 +205,117 @@ def test_unseeded_requests_get_fresh_seeds(tiny_model):
     assert params.seed is None  # the caller's object is not mutated
 
 
-# ------------------------------------------------------------------ gumbel noise
+# ---------------------------------------------------------- seeded inverse-CDF sampling
 
 
-def test_gumbel_noise_is_a_pure_function_of_seed_position_token():
+def test_sampling_uniforms_are_a_pure_function_of_seed_and_position():
     seeds = torch.tensor([3, 5, 2**61 + 7, -9])
     pos = torch.tensor([0, 4, 17, 2])
-    a = gumbel_noise(seeds, pos, 16)
-    assert a.shape == (4, 16) and a.dtype == torch.float32
-    assert bool(torch.isfinite(a).all())
-    # Same (seed, position) in another batch, another row, or a wider vocab: same values.
-    b = gumbel_noise(seeds[[2, 0]], pos[[2, 0]], 16)
-    torch.testing.assert_close(b, a[[2, 0]], atol=0, rtol=0)
-    wide = gumbel_noise(seeds, pos, 40)
-    torch.testing.assert_close(wide[:, :16], a, atol=0, rtol=0)
-    again = gumbel_noise(seeds.clone(), pos.clone(), 16)
-    torch.testing.assert_close(again, a, atol=0, rtol=0)
-    # Any change of seed or position changes the noise.
-    assert not torch.equal(gumbel_noise(seeds + 1, pos, 16), a)
-    assert not torch.equal(gumbel_noise(seeds, pos + 1, 16), a)
-    # Tokens of one row get different noise.
-    assert len(set(a[0].tolist())) == 16
+    u = sampling_uniforms(seeds, pos)
+    assert u.shape == (4,) and u.dtype == torch.float64
+    assert bool(((u > 0) & (u < 1)).all())
+    # Same (seed, position) in another batch or row order: same values, bit for bit.
+    torch.testing.assert_close(
+        sampling_uniforms(seeds[[2, 0]], pos[[2, 0]]), u[[2, 0]], atol=0, rtol=0
+    )
+    torch.testing.assert_close(sampling_uniforms(seeds.clone(), pos.clone()), u, atol=0, rtol=0)
+    # Any change of seed or position changes every row's number.
+    assert bool((sampling_uniforms(seeds + 1, pos) != u).all())
+    assert bool((sampling_uniforms(seeds, pos + 1) != u).all())
+    # Uniform on (0, 1): mean 1/2, variance 1/12 over many seeds.
+    many = sampling_uniforms(torch.arange(20000) * 7919 + 13, torch.zeros(20000, dtype=torch.long))
+    assert abs(float(many.mean()) - 0.5) < 0.01
+    assert abs(float(many.var()) - 1 / 12) < 0.005
 
 
-def test_gumbel_noise_is_its_documented_formula_bit_for_bit():
-    """The in-place implementation computes exactly the out-of-place formula."""
-    from rl_core.rollout.sampler import _shr, _splitmix64
+def test_sampling_uniforms_are_their_documented_formula_bit_for_bit():
+    """splitmix64 on Python ints (unsigned 64-bit arithmetic), not on torch's int64."""
+    from rl_core.rollout.sampler import _splitmix64
 
-    seeds = torch.tensor([0, 1, -5, 2**62 - 1, 123456789, -(2**63)])
-    pos = torch.tensor([0, 7, 3, 999, 2**20, 1])
-    vocab = 1000
-    base = _splitmix64(_splitmix64(seeds) + pos)
-    z = _splitmix64(base[:, None] + torch.arange(vocab)[None, :])
-    u = (_shr(z, 11).double() + 0.5) / float(1 << 53)
-    expected = -torch.log(-torch.log(u)).float()
-    torch.testing.assert_close(gumbel_noise(seeds, pos, vocab), expected, atol=0, rtol=0)
+    mask = (1 << 64) - 1
+
+    def mix(x: int) -> int:
+        z = (x + 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    seeds = [0, 1, -5, 2**62 - 1, 123456789, -(2**63)]
+    pos = [0, 7, 3, 999, 2**20, 1]
+    want = [
+        ((mix((mix(s & mask) + p) & mask) >> 11) + 0.5) / 2**53
+        for s, p in zip(seeds, pos, strict=True)
+    ]
+    got = sampling_uniforms(torch.tensor(seeds), torch.tensor(pos))
+    assert got.tolist() == want
+    assert _splitmix64(torch.tensor([5])).item() == (mix(5) - (1 << 64) if mix(5) >> 63 else mix(5))
 
 
-def test_sampling_step_is_gumbel_max_per_row_greedy_or_not():
+def _reference_sample(probs: list[float], u: float) -> int:
+    """Inverse CDF, one token at a time: the first token whose cumulative mass exceeds u."""
+    total = sum(probs)
+    acc = 0.0
+    for j, p in enumerate(probs):
+        acc += p
+        if u * total < acc and p > 0:
+            return j
+    return max(j for j, p in enumerate(probs) if p > 0)
+
+
+def test_sampling_step_is_inverse_cdf_per_row_greedy_or_not():
     from rl_core.rollout.sampler import _sample_next
 
     torch.manual_seed(0)
     logits = torch.randn(6, 50) * 3
     seeds, pos = torch.arange(6) * 31 + 7, torch.tensor([0, 3, 1, 9, 4, 2])
     no_k, no_p, no_min = torch.full((6,), -1), torch.ones(6), torch.zeros(6)
+    u = sampling_uniforms(seeds, pos)
     for temperature in (
         torch.tensor([0.0, 1.0, 0.7, 0.0, 1.3, 1.0]),  # mixed
-        torch.zeros(6),  # all greedy: no noise is drawn
+        torch.zeros(6),  # all greedy
         torch.ones(6),
     ):
         token, logp = _sample_next(logits, temperature, no_k, no_p, no_min, seeds, pos)
         scaled = logits / torch.where(temperature == 0, 1.0, temperature)[:, None]
-        sampled = torch.argmax(scaled + gumbel_noise(seeds, pos, 50), dim=-1)
-        expected = torch.where(temperature == 0, torch.argmax(scaled, dim=-1), sampled)
+        probs = torch.softmax(scaled.double(), dim=-1)
+        expected = torch.tensor(
+            [
+                int(torch.argmax(scaled[i]))
+                if temperature[i] == 0
+                else _reference_sample(probs[i].tolist(), float(u[i]))
+                for i in range(6)
+            ]
+        )
         assert torch.equal(token, expected)
         want = torch.log_softmax(scaled, dim=-1).gather(-1, expected[:, None]).squeeze(-1)
         torch.testing.assert_close(logp, want, atol=0, rtol=0)
 
 
-def test_gumbel_max_samples_follow_softmax():
-    torch.manual_seed(0)
+def test_inverse_cdf_never_returns_a_token_without_mass():
+    from rl_core.rollout.sampler import _inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])
+    for u in (1e-300, 0.25 - 1e-12, 0.25, 0.5, 1 - 2.0**-53, 1.0):  # 1.0: rounding's worst case
+        token = _inverse_cdf(probs, torch.full((2,), u, dtype=torch.float64))
+        assert token[1] == 2
+        assert token[0] == (1 if u < 0.25 else 3), u
+
+
+def test_inverse_cdf_samples_follow_softmax():
+    from rl_core.rollout.sampler import _sample_next
+
     n = 4000
-    logits = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4]))
+    logits = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4])).expand(n, 4)
+    ones, no_k, no_min = torch.ones(n), torch.full((n,), -1), torch.zeros(n)
     seeds = torch.arange(n) * 7919 + 13
     for position in (0, 5):
-        noise = gumbel_noise(seeds, torch.full((n,), position), 4)
-        counts = torch.bincount(torch.argmax(logits[None, :] + noise, dim=-1), minlength=4)
-        expected = torch.softmax(logits, -1) * n
+        pos = torch.full((n,), position)
+        token, _ = _sample_next(logits, ones, no_k, ones, no_min, seeds, pos)
+        counts = torch.bincount(token, minlength=4)
+        expected = torch.softmax(logits[0], -1) * n
         chi2 = float(((counts - expected) ** 2 / expected).sum())
         # 3 degrees of freedom: P(chi2 > 25) < 2e-5, so this is a loose check.
         assert chi2 < 25.0, (counts.tolist(), expected.tolist())
-    g = gumbel_noise(seeds, torch.zeros(n, dtype=torch.long), 8).double()
-    assert abs(float(g.mean()) - 0.5772) < 0.05  # Gumbel(0, 1) mean: Euler-Mascheroni
 
 
 # --------------------------------------------------------------------- filtering

@@ -21,7 +21,7 @@ a ``DynamicCache`` left-padded to a common length, which copies the whole cache 
 
 Requests join and leave between decode steps; when nothing can run the thread waits on a
 condition with a bounded timeout. Sampling is :mod:`rl_core.rollout.sampler`'s, step for step
-(same per-request Gumbel noise, same ``log_softmax(logits / T)`` before filtering), so a
+(same per-request uniforms, same ``log_softmax(logits / T)`` before filtering), so a
 request with a seed yields the tokens ``generate`` yields, whatever it is batched with.
 
 ``weight_version`` is a string, as in SGLang (``"default"`` until the first versioned

@@ -5,10 +5,11 @@ embedded HTTP engine (SGLang's protocol) wraps it. It returns token ids and per-
 log-probs the way SGLang computes them: ``log_softmax(logits / temperature)`` taken *before*
 top-k / top-p / min-p filtering, for every generated token including EOS.
 
-Sampling is seeded per request and batch-invariant: the Gumbel noise for request ``r`` at
-output position ``t`` is a pure function of ``(seed_r, t, token)`` (a counter-based
-splitmix64 hash), so a request samples the same tokens whatever batch it runs in and in
-whatever order requests arrive. That is what makes resumed runs reproducible.
+Sampling is seeded per request and batch-invariant: row ``r`` at output position ``t`` draws
+one uniform number that is a pure function of ``(seed_r, t)`` (a counter-based splitmix64
+hash) and takes the token where it falls in the row's cumulative distribution (inverse-CDF
+sampling), so a request samples the same tokens whatever batch it runs in and in whatever
+order requests arrive. That is what makes resumed runs reproducible.
 
 Never imports Prefect or MLflow; never touches the trainer's model.
 """
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Completion", "SamplingParams", "generate", "gumbel_noise"]
+__all__ = ["Completion", "SamplingParams", "generate", "sampling_uniforms"]
 
 
 @dataclass
@@ -96,33 +97,34 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
-def gumbel_noise(seeds: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise of shape (B, V), a pure function of (seed, position, token).
+def sampling_uniforms(seeds: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """One Uniform(0, 1) number per row (float64, shape (B,)): a pure function of (seed, position).
 
-    ``u = (splitmix64(splitmix64(seed) + position) + token) -> splitmix64 -> 53 bits``,
-    ``g = -log(-log(u))``. ``argmax(logits / T + g)`` is then an exact sample from
-    ``softmax(logits / T)`` (the Gumbel-max trick) that does not depend on batch layout.
-
-    The (B, V) part runs in place on two buffers: it is every sampling step's largest cost
-    after the forward pass, and a fresh tensor per operation costs more than the arithmetic.
+    ``u = (top 53 bits of splitmix64(splitmix64(seed) + position) + 0.5) / 2**53``: never 0
+    or 1. :func:`_inverse_cdf` turns it into a token, so a row's sample depends on its seed,
+    its output position and its own logits only.
     """
-    base = _splitmix64(_splitmix64(seeds.long()) + position.long())
-    z = base[:, None] + torch.arange(vocab, dtype=torch.long, device=base.device)
-    _splitmix64_(z, torch.empty_like(z))
-    z.bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1)  # the top 53 bits, unsigned
-    u = z.to(torch.float64).add_(0.5).div_(float(1 << 53))
-    return u.log_().neg_().log_().neg_().float()
+    z = _splitmix64(_splitmix64(seeds.long()) + position.long())
+    return (_shr(z, 11).to(torch.float64) + 0.5) / float(1 << 53)
 
 
-def _splitmix64_(z: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """:func:`_splitmix64` in place on ``z`` (same values; ``scratch``: same shape)."""
-    z.add_(_GOLDEN)
-    for shift, mult in ((30, _MIX1), (27, _MIX2), (31, None)):
-        torch.bitwise_right_shift(z, shift, out=scratch)
-        z.bitwise_xor_(scratch.bitwise_and_((1 << (64 - shift)) - 1))
-        if mult is not None:
-            z.mul_(mult)
-    return z
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row the token where ``u`` falls in the cumulative distribution of ``probs``.
+
+    ``probs`` (B, V) need not be normalised (zeros for filtered tokens); ``u`` (B,) in (0, 1).
+    The cumulative sum runs in float64 so rounding cannot move mass between tokens, and a
+    zero-probability token is never returned: ``x = u * total`` lands in token ``j``'s
+    interval ``[cdf[j-1], cdf[j])`` only if ``cdf[j] > cdf[j-1]``; if rounding puts ``x`` at
+    the total itself, the last token with mass is taken.
+    """
+    cdf = probs.to(torch.float64).cumsum_(-1)
+    x = (u * cdf[:, -1])[:, None]
+    token = torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    empty = probs.gather(-1, token[:, None]).squeeze(-1) <= 0
+    if bool(empty.any()):  # x rounded up to the total: the last token with mass
+        last = (probs > 0).cumsum(-1).argmax(-1)  # the first index reaching the final count
+        token = torch.where(empty, last, token)
+    return token
 
 
 # -------------------------------------------------------------------------- filtering
@@ -158,7 +160,8 @@ def _filter_logits(
 # Rows per sampling block keep every (rows, vocab) tensor under torch's parallel grain
 # (32768 elements), so each operation runs inline on the calling thread and stays in cache.
 # With two or more threads on a loaded machine an OpenMP fork/join can wait milliseconds
-# for a descheduled worker; sampling is ~25 elementwise passes, so it must not pay that.
+# for a descheduled worker; sampling is a handful of passes over the row, so it must not
+# pay that.
 _BLOCK_ELEMENTS = 16384
 
 
@@ -173,13 +176,16 @@ def _sample_next(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sampling step for a batch of rows: (tokens, their log-probs), both shape (B,).
 
-    ``position`` is each row's output index (the Gumbel counter). Temperature 0 is greedy and
-    reports the unscaled ``log_softmax``; otherwise the log-prob is ``log_softmax(logits / T)``
-    before filtering. Shared with the continuous-batching engine so both sample identically.
-    Rows are independent: they are processed in blocks of ``_BLOCK_ELEMENTS`` values.
+    ``position`` is each row's output index (the counter of :func:`sampling_uniforms`).
+    Temperature 0 is greedy and reports the unscaled ``log_softmax``; otherwise the token is
+    drawn from ``softmax(filtered logits / T)`` by inverse CDF and its log-prob is
+    ``log_softmax(logits / T)`` before filtering. Shared with the continuous-batching engine
+    so both sample identically. Rows are independent: they are processed in blocks of
+    ``_BLOCK_ELEMENTS`` values.
     """
+    uniforms = sampling_uniforms(seeds, position)
     rows = max(1, _BLOCK_ELEMENTS // logits.shape[-1])
-    args = (logits, temperature, top_k, top_p, min_p, seeds, position)
+    args = (logits, temperature, top_k, top_p, min_p, uniforms)
     if logits.shape[0] <= rows:
         return _sample_block(*args)
     blocks = [
@@ -195,8 +201,7 @@ def _sample_block(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     min_p: torch.Tensor,
-    seeds: torch.Tensor,
-    position: torch.Tensor,
+    uniforms: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     greedy = temperature == 0
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature)
@@ -206,8 +211,10 @@ def _sample_block(
         token = torch.argmax(scaled, dim=-1)
     else:
         filtered = _filter_logits(scaled, top_k, top_p, min_p)
-        noise = gumbel_noise(seeds, position, scaled.shape[-1])
-        token = torch.argmax(noise.add_(filtered), dim=-1)  # filtered + noise, in place
+        # Unfiltered rows sample from the log-probs already computed; filtered logits are
+        # -inf outside the kept set, so their softmax is exactly 0 there.
+        probs = logp_all.exp() if filtered is scaled else torch.softmax(filtered, dim=-1)
+        token = _inverse_cdf(probs, uniforms)
         if bool(greedy.any()):
             token = torch.where(greedy, torch.argmax(scaled, dim=-1), token)
     return token, logp_all.gather(-1, token[:, None]).squeeze(-1)
