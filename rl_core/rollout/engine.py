@@ -1180,18 +1180,24 @@ class _SlotBatch:
         lengths = [len(q) for q in seqs]
         width = max(lengths)
         self._reserve(b + n, width, max([*self.limits, *reserves]))
-        ids = torch.full((n, width), self.pad, dtype=torch.long)
-        for i, q in enumerate(seqs):
-            ids[i, : len(q)] = torch.tensor(q, dtype=torch.long)
-        positions = torch.arange(width, device=self.device).expand(n, width)
-        h = self._forward(ids.to(self.device), positions, prefill_at=b)
+        # Packed: the rows' tokens back to back, no padding, through every matrix product;
+        # ``index`` places each token in the right-padded (n, width) layout attention uses.
+        ids = torch.tensor([t for q in seqs for t in q], dtype=torch.long)
+        positions = torch.cat([torch.arange(k) for k in lengths])
+        index = torch.cat([torch.arange(k) + i * width for i, k in enumerate(lengths)])
+        h = self._forward(
+            ids[None].to(self.device),
+            positions[None].to(self.device),
+            prefill_at=b,
+            packing=(index.to(self.device), n, width),
+        )
         prompt_logits = None
-        if keep_logits:
+        if keep_logits:  # one sequence: the packed row is the sequence
             prompt_logits = self.logits(h[0, width - keep_logits :])
             last = prompt_logits[-1:]
         else:
-            last_pos = torch.tensor(lengths, device=self.device) - 1
-            last = self.logits(h[torch.arange(n, device=self.device), last_pos])
+            ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
+            last = self.logits(h[0, ends])
         self._staged = (lengths, list(reserves))
         return last, prompt_logits
 
@@ -1297,14 +1303,18 @@ class _SlotBatch:
         positions: torch.Tensor,
         *,
         prefill_at: int | None = None,
+        packing: tuple[torch.Tensor, int, int] | None = None,
         decode_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The decoder's final hidden states for ``ids`` (n, T).
 
-        Prefill (``prefill_at=b``): rows are new, attention is causal over their own keys,
-        which are written to slots ``b..b+n-1``. Decode (``decode_mask``): rows are the
-        batch, T = 1, keys are written at column ``pos`` of each row's slot and attention
-        reads columns ``[0, width)`` of every slot under ``decode_mask`` (B, width).
+        Prefill (``prefill_at=b``, ``packing=(index, rows, width)``): ``ids`` is (1, T), the
+        new rows' tokens back to back; matrix products run on the T real tokens only, and
+        attention, causal over each row's own keys, runs on the right-padded (rows, width)
+        layout (token ``j`` sits at flat position ``index[j]``), whose keys are written to
+        slots ``b..b+rows-1``. Decode (``decode_mask``): rows are the batch, T = 1, keys are
+        written at column ``pos`` of each row's slot and attention reads columns
+        ``[0, width)`` of every slot under ``decode_mask`` (B, width).
         """
         n, t = ids.shape
         hd = self.head_dim
@@ -1333,12 +1343,15 @@ class _SlotBatch:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             if decode_mask is None:
-                assert prefill_at is not None
-                self.k[i][prefill_at : prefill_at + n, :, :t] = k
-                self.v[i][prefill_at : prefill_at + n, :, :t] = v
+                assert prefill_at is not None and packing is not None
+                index, rows_n, width = packing
+                q, k, v = (_unpack(x, index, rows_n, width) for x in (q, k, v))
+                self.k[i][prefill_at : prefill_at + rows_n, :, :width] = k
+                self.v[i][prefill_at : prefill_at + rows_n, :, :width] = v
                 o = F.scaled_dot_product_attention(
                     q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True
                 )
+                o = o.transpose(1, 2).reshape(rows_n * width, -1)[index].view(n, t, -1)
             else:
                 self.k[i][rows, :, self.pos] = k[:, :, 0]
                 self.v[i][rows, :, self.pos] = v[:, :, 0]
@@ -1349,8 +1362,8 @@ class _SlotBatch:
                 qg = q.reshape(-1, groups, hd)
                 scores = torch.baddbmm(bias, qg, keys.transpose(1, 2), alpha=self.scaling)
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-                o = torch.bmm(probs, values).view(n, -1, 1, hd)
-            h = h.add_(_matmul(o.transpose(1, 2).reshape(n, t, -1), o_w))
+                o = torch.bmm(probs, values).view(n, -1, 1, hd).transpose(1, 2).reshape(n, t, -1)
+            h = h.add_(_matmul(o, o_w))
             gate_up = _matmul(layer.post_attention_layernorm(h), gate_up_w)
             act = layer.mlp.act_fn(gate_up[..., : self.mlp_size]).mul_(
                 gate_up[..., self.mlp_size :]
@@ -1383,6 +1396,14 @@ class _SlotBatch:
             packed.append(_pack(self.model.lm_head))
             self._packed = packed
         return self._packed
+
+
+def _unpack(x: torch.Tensor, index: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """Packed (1, heads, T, hd) to right-padded (rows, heads, width, hd); padding is zeros."""
+    heads, hd = x.shape[1], x.shape[3]
+    out = x.new_zeros(rows * width, heads, hd)
+    out[index] = x[0].transpose(0, 1)
+    return out.view(rows, width, heads, hd).transpose(1, 2)
 
 
 def _pack(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
