@@ -14,9 +14,10 @@ per prompt (EOS is ignored on both sides), so tokens/s compare like for like:
   (``python -m rl_core.rollout.server``, a process of its own, as a training run starts it;
   with ``--in-process`` a server thread), driven by
   :class:`rl_core.rollout.client.SyncSGLangClient` ``generate_groups``;
-- ``engine_baseline`` (``--baseline-tree PATH``): the ``engine`` backend run from another
-  checkout (e.g. ``git worktree add --detach /tmp/before HEAD`` before a change), in the same
-  rounds, so a before/after ratio is not skewed by load drifting between two invocations.
+- ``engine_baseline`` / ``engine_http_baseline`` (``--baseline-tree PATH``): the ``engine``
+  / ``http`` backend run from another checkout (e.g. ``git worktree add --detach /tmp/before
+  HEAD`` before a change), in the same rounds, so a before/after ratio is not skewed by load
+  drifting between two invocations.
 
 Every measurement runs in a fresh process of its own (``--in-process`` runs all backends in
 this one): torch's OpenMP pool belongs to the thread that first runs a parallel op, so two
@@ -253,6 +254,7 @@ BACKEND_NAMES = {
     "engine": "engine",
     "http": "engine_http",
     "engine_base": "engine_baseline",  # the engine from --baseline-tree
+    "http_base": "engine_http_baseline",  # the HTTP engine from --baseline-tree
 }
 
 
@@ -273,7 +275,8 @@ def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
         result.update(_measure_in_process(model_dir, prompts, args, result))
     else:
         runs: dict[str, list[dict[str, float]]] = {BACKEND_NAMES[b]: [] for b in args.backends}
-        rounds = [*args.backends, *(["engine_base"] if args.baseline_tree else [])]
+        based = [f"{b}_base" for b in args.backends if b in ("engine", "http")]
+        rounds = [*args.backends, *(based if args.baseline_tree else [])]
         runs.update({BACKEND_NAMES[b]: [] for b in rounds})
         for _ in range(args.repeats):
             for backend in rounds:
@@ -284,7 +287,8 @@ def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
             result.pop("engine_kv_layout", None)
         result.update(summarize(runs))
     base = result.get("hf_generate")
-    for key in ("hf_generate_static", "engine", "engine_http", "engine_baseline"):
+    for key in ("hf_generate_static", "engine", "engine_http", "engine_baseline",
+                "engine_http_baseline"):  # fmt: skip
         if base and key in result:
             m = result[key]
             m["ratio_vs_hf"] = m["tokens_per_s"] / base["tokens_per_s"]
@@ -293,8 +297,10 @@ def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
                 for r, h in zip(m["runs"], base["runs"], strict=True)
             ]
             m["ratio_vs_hf_paired_median"] = statistics.median(paired)
-    if "engine" in result and "engine_baseline" in result:
-        new, old = result["engine"], result["engine_baseline"]
+    for key in ("engine", "engine_http"):
+        if key not in result or f"{key}_baseline" not in result:
+            continue
+        new, old = result[key], result[f"{key}_baseline"]
         new["ratio_vs_baseline"] = new["tokens_per_s"] / old["tokens_per_s"]
         new["ratio_vs_baseline_paired_median"] = statistics.median(
             a["tokens_per_s"] / b["tokens_per_s"]
@@ -314,8 +320,8 @@ def _run_worker(
 
     out = workdir / f"worker-{size}-{backend}.json"
     root = Path(__file__).resolve().parents[1]
-    if backend == "engine_base":  # the same worker, from the baseline checkout
-        backend, root = "engine", args.baseline_tree.resolve()
+    if backend.endswith("_base"):  # the same worker, from the baseline checkout
+        backend, root = backend.removesuffix("_base"), args.baseline_tree.resolve()
     argv = [
         sys.executable, "-m", "benchmarks.rollout_throughput", "--worker", backend,
         "--model-dir", str(model_dir), "--model", size, "--out", str(out),
@@ -455,12 +461,13 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 f"{paired:>13}"
             )
     for r in results:
-        m = r.get("engine", {})
-        if "ratio_vs_baseline" in m:
-            print(
-                f"{r['model']:<6} engine / engine_baseline: {m['ratio_vs_baseline']:.2f} "
-                f"(paired {m['ratio_vs_baseline_paired_median']:.2f})"
-            )
+        for key in ("engine", "engine_http"):
+            m = r.get(key, {})
+            if "ratio_vs_baseline" in m:
+                print(
+                    f"{r['model']:<6} {key} / {key}_baseline: {m['ratio_vs_baseline']:.2f} "
+                    f"(paired {m['ratio_vs_baseline_paired_median']:.2f})"
+                )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
