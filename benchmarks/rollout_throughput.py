@@ -274,10 +274,9 @@ def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
     if args.in_process:
         result.update(_measure_in_process(model_dir, prompts, args, result))
     else:
-        runs: dict[str, list[dict[str, float]]] = {BACKEND_NAMES[b]: [] for b in args.backends}
         based = [f"{b}_base" for b in args.backends if b in ("engine", "http")]
         rounds = [*args.backends, *(based if args.baseline_tree else [])]
-        runs.update({BACKEND_NAMES[b]: [] for b in rounds})
+        runs: dict[str, list[dict[str, float]]] = {BACKEND_NAMES[b]: [] for b in rounds}
         for _ in range(args.repeats):
             for backend in rounds:
                 record = _run_worker(backend, model_dir, size, args, workdir)
