@@ -22,8 +22,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+# ``grpoflow`` as this checkout's code runs it (``python -m grpoflow.cli`` from ROOT), not
+# whatever an installed ``grpoflow`` script next to the interpreter imports.
+GRPOFLOW = [sys.executable, "-m", "grpoflow.cli"]
 
 __all__ = [
+    "GRPOFLOW",
     "RESULTS",
     "ROOT",
     "GrpoflowRun",
@@ -67,7 +71,7 @@ def run_meta(module: str, argv: Sequence[str] | None) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "git_head": git("rev-parse", "HEAD"),
-        "git_dirty_files": git("status", "--porcelain", "--", "rl_core", "flows", "tasks"),
+        "git_dirty_files": git("status", "--porcelain", "--", "rl_core", "flows", "tasks", "grpoflow"),
     }
 
 
@@ -150,9 +154,8 @@ def run_grpoflow_train(
     ``env`` is added to this process's environment (e.g. a ``PREFECT_HOME`` of its own).
     The output goes to ``log_path`` (or is captured and shown only on failure).
     """
-    grpoflow = Path(sys.executable).parent / "grpoflow"
     argv = [
-        str(grpoflow), "train", str(config), "--quiet", "--no-resume",
+        *GRPOFLOW, "train", str(config), "--quiet", "--no-resume",
         f"storage.root={storage_root}", f"run_name={run_name}", *overrides,
     ]  # fmt: skip
     full_env = {**os.environ, **(env or {})}

@@ -3,16 +3,16 @@
 Two ways to run the same GRPO steps (same config, seed, prompts, engine, trainer), each in a
 fresh process, ``--repeats`` rounds in turn:
 
-- ``pipeline``: ``grpoflow train`` as users run it (``flows.cli.main`` in the worker
+- ``pipeline``: ``grpoflow train`` as users run it (``grpoflow.cli.main`` in the worker
   process): the Prefect flow on Prefect's ephemeral API (a ``PREFECT_HOME`` of the
   benchmark's own), MLflow tracking into the run's SQLite store, the embedded engine
   process behind SGLang's HTTP API, the run directory's metrics, ledger and checkpoint;
 - ``bare``: a plain Python loop over the ``rl_core`` functions the tasks call, with no
   Prefect and no MLflow: :func:`rl_core.planes.bring_up_planes` (the same HTTP engine and
   :class:`~rl_core.training.torch_trainer.TorchTrainer`), then per step
-  ``rollout_groups`` -> ``score_samples`` -> ``advantages_for`` -> ``to_train_batch`` ->
-  reference log-probs -> ``train_step`` -> ``LocalPlanes.sync_weights`` (the same verified
-  sync to the same engine).
+  ``rollout_groups`` -> ``score_samples`` -> ``advantages_for`` -> ``Batch.from_samples`` ->
+  old/reference log-probs -> ``train_step`` -> ``Planes.sync_weights`` (the same verified
+  :func:`~rl_core.weight_sync.sync_weights` to the same engine).
 
 Per step (steps 2..N; step 1 pays warm-up) it takes the wall time between consecutive steps
 and the phases each step times itself. Overhead = pipeline wall - bare wall, also as a share
@@ -20,10 +20,13 @@ of the pipeline's step. The goal of issue 10: at most 5 % of the step on the 25M
 config and at most 50 ms per step.
 
 The pipeline worker also profiles where its overhead goes, by wrapping (timers only) every
-Prefect task's call and body (call - body = Prefect's machinery per task run), the tracking
-tasks' bodies (MLflow), the progress artifact update, the run directory writes and the
-console line, and by reading the CPU time each process and each named Python thread used
-per step (the ephemeral Prefect API server is a process of its own on these same cores).
+Prefect task's call and body (call - body = Prefect's machinery per task run), the MLflow
+tracking in the step (``log_step``, which queues the step's metrics for the tracker's
+sender thread, and the ``log-checkpoint`` task's body), and the bookkeeping of
+:meth:`flows.run.Run.record_step` (the progress artifact update, the samples table rows, the
+run directory writes and the console line), and by reading the CPU time each process and
+each named Python thread used per step (the ephemeral Prefect API server is a process of its
+own on these same cores).
 
 Configs: ``tiny`` (``configs/tiny-cpu.yaml`` as it is: the 1.7M demo model, 32 prompts x 8)
 and ``25m`` (the same with the embedded model built at hidden 512, 8 layers, 8/4 heads, MLP
@@ -65,12 +68,14 @@ MODEL_25M = [
     "model.tiny_kv_heads=4", "model.tiny_intermediate_size=1408", "model.tiny_sft_steps=0",
     "model.name=grpoflow-25m",
 ]  # fmt: skip
-# The tasks of the step loop (the rest run once per run: setup, evaluation, export).
+# The tasks of the step loop (the rest run once per run: setup, evaluation, export). The
+# step's metrics reach MLflow through ``log_step``, a plain function (profiled as
+# "tracking"), not a task.
 STEP_TASKS = {
     "rollout", "reward", "advantages", "logprobs", "train", "sync-weights",
-    "release-rollout-memory", "checkpoint", "log-metrics", "log-checkpoint",
+    "release-rollout-memory", "checkpoint", "log-checkpoint",
 }  # fmt: skip
-TRACKING_TASKS = {"log-metrics", "log-checkpoint"}
+TRACKING_TASKS = {"log-checkpoint"}
 VARIANTS = ("pipeline", "bare", "pipeline_before")
 
 
@@ -135,7 +140,7 @@ def _thread_kind(name: str) -> str:
 def _process_kind(cmd: str) -> str:
     if "prefect.server" in cmd or "prefect server" in cmd:
         return "prefect-api-server"
-    if "rl_core.rollout.server" in cmd:
+    if "rl_core.engine.server" in cmd:
         return "engine"
     if "mlflow" in cmd:
         return "mlflow"
@@ -171,17 +176,29 @@ class Profile:
         return run
 
 
-def install_profile(profile: Profile) -> None:
-    """Wrap Prefect's task calls and bodies and the flow loop's own work in timers."""
-    import prefect.tasks
-    from prefect.tasks import Task
+def _task_modules() -> list[Any]:
+    """The modules holding the flow's Prefect tasks: ``tasks.*`` and every submodule of the
+    ``tasks.tracking`` package."""
+    import importlib
+    import pkgutil
 
-    import flows.grpo_train as gt
     import tasks.checkpoint
     import tasks.evaluate
     import tasks.setup
     import tasks.step
     import tasks.tracking
+
+    tracking = [importlib.import_module(f"tasks.tracking.{m.name}")
+                for m in pkgutil.iter_modules(tasks.tracking.__path__)]  # fmt: skip
+    return [tasks.step, tasks.tracking, *tracking, tasks.checkpoint, tasks.setup, tasks.evaluate]
+
+
+def install_profile(profile: Profile) -> None:
+    """Wrap Prefect's task calls and bodies and the flow loop's own work in timers."""
+    import prefect.tasks
+    from prefect.tasks import Task
+
+    import flows.run as fr
     from rl_core.rundir import RunDir
 
     call = Task.__call__
@@ -195,14 +212,16 @@ def install_profile(profile: Profile) -> None:
 
     prefect.tasks.Task.__call__ = timed_call  # type: ignore[method-assign]
     seen: set[int] = set()
-    for module in (tasks.step, tasks.tracking, tasks.checkpoint, tasks.setup, tasks.evaluate):
+    for module in _task_modules():
         for obj in vars(module).values():
             if isinstance(obj, Task) and id(obj) not in seen:
                 seen.add(id(obj))
                 obj.fn = profile.timed("task_body", obj.name, obj.fn)
-    gt.update_progress_artifact = profile.timed("flow", "progress-artifact",
-                                                gt.update_progress_artifact)  # fmt: skip
-    gt.sample_rows = profile.timed("flow", "sample-rows", gt.sample_rows)
+    # Run.record_step's helpers, looked up in flows.run's namespace at each call.
+    fr.update_progress_artifact = profile.timed("flow", "progress-artifact",
+                                                fr.update_progress_artifact)  # fmt: skip
+    fr.sample_rows = profile.timed("flow", "sample-rows", fr.sample_rows)
+    fr.log_step = profile.timed("tracking", "log-step", fr.log_step)
     log_metrics, log_samples = RunDir.log_metrics, RunDir.log_samples
 
     def logged_metrics(self: RunDir, step: int, metrics: dict[str, Any]) -> None:
@@ -214,28 +233,27 @@ def install_profile(profile: Profile) -> None:
 
     RunDir.log_metrics = logged_metrics  # type: ignore[method-assign]
     RunDir.log_samples = profile.timed("flow", "rundir-ledger", log_samples)  # type: ignore[method-assign]
-    console = gt._console
-
-    def timed_console(show: bool) -> Callable[[str], None]:
-        return profile.timed("flow", "console", console(show))
-
-    gt._console = timed_console
+    fr.Run.say = profile.timed("flow", "console", fr.Run.say)  # type: ignore[method-assign]
 
 
 def as_before() -> None:
     """The pipeline as it was before the orchestration optimisations of issue 10, restored
     from outside: the flow hands the step's samples and batches to its tasks unwrapped (Prefect
     walks every sample's token lists with ``visit_collection`` while resolving parameters and
-    looking for upstream task inputs) and updates the progress artifact at every step."""
+    looking for upstream task inputs) and updates the progress artifact at every step.
+    (The other two optimisations are not undone: the step's metrics leave through the
+    tracker's background sender, and the checksum is XXH3; see docs/benchmarks.md.)"""
     import flows.grpo_train as gt
+    import flows.rollouts as ro
+    import flows.run as fr
 
-    gt.opaque = lambda value: value
-    gt._PROGRESS_EVERY_S = 0.0
+    gt.opaque = ro.opaque = lambda value: value
+    fr._PROGRESS_EVERY_S = 0.0
 
 
 def pipeline_worker(args: argparse.Namespace) -> dict[str, Any]:
     """``grpoflow train`` in this process, with the profile installed; its run and profile."""
-    from flows import cli
+    from grpoflow import cli
 
     cli._env_defaults()
     profile = Profile()
@@ -260,17 +278,13 @@ def pipeline_worker(args: argparse.Namespace) -> dict[str, Any]:
 def bare_worker(args: argparse.Namespace) -> dict[str, Any]:
     """The same steps as plain calls into ``rl_core``: no Prefect, no MLflow."""
     from rl_core.config import load_config
-    from rl_core.data import PromptSampler, generate_splits
-    from rl_core.grpo import (
-        advantages_for,
-        rollout_groups,
-        score_samples,
-        summarize_samples,
-        to_train_batch,
-    )
+    from rl_core.data.sampler import PromptSampler
+    from rl_core.data.synthetic import generate_splits
+    from rl_core.engine.sampling import SamplingParams
+    from rl_core.grpo import advantages_for, rollout_groups, score_samples, summarize_samples
     from rl_core.models.hub import snapshot_model
     from rl_core.planes import bring_up_planes, get_planes, tear_down
-    from rl_core.rollout.sampler import SamplingParams
+    from rl_core.types import Batch
 
     cfg = load_config(str(CONFIG), overrides_for(args.size, args.steps, args.prompts_25m))
     model_path = snapshot_model(cfg.model, cfg.data, cfg.storage.cache_dir).path
@@ -304,7 +318,7 @@ def bare_worker(args: argparse.Namespace) -> dict[str, Any]:
             m.update(summarize_samples(samples, r.n_samples))
             m["time/reward"] = time.perf_counter() - t
             adv = advantages_for(samples, r.n_samples, cfg.algorithm.advantage)
-            batch = to_train_batch(samples, adv, p.pad_token_id)
+            batch = Batch.from_samples(samples, adv, p.pad_token_id)
             t = time.perf_counter()
             if p.trainer.needs_old_logp:
                 batch.old_logp = p.trainer.compute_logprobs(batch)
@@ -349,12 +363,15 @@ def attribute(rows: list[dict[str, Any]], events: list[dict[str, Any]],
     bodies: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     flow: dict[str, float] = defaultdict(float)
+    queued = 0.0  # log_step: the step's metrics and samples table onto the sender's queue
     for e in inside:
         if e["kind"] == "task_call":
             calls[e["name"]] += e["s"]
             counts[e["name"]] += 1
         elif e["kind"] == "task_body":
             bodies[e["name"]] += e["s"]
+        elif e["kind"] == "tracking":
+            queued += e["s"]
         else:
             flow[e["name"]] += e["s"]
     per_task = {
@@ -365,7 +382,7 @@ def attribute(rows: list[dict[str, Any]], events: list[dict[str, Any]],
     }  # fmt: skip
     step_names = [k for k in calls if k in STEP_TASKS]
     prefect_tasks = sum(calls[k] - bodies[k] for k in step_names) / n
-    tracking = sum(bodies[k] for k in step_names if k in TRACKING_TASKS) / n
+    tracking = (queued + sum(bodies[k] for k in step_names if k in TRACKING_TASKS)) / n
     cpu_rows = [c for c in cpu if rows[0]["step"] <= c["step"] <= rows[-1]["step"]]
     cpu_mean: dict[str, float] = defaultdict(float)
     for c in cpu_rows:
@@ -529,7 +546,7 @@ def print_report(results: dict[str, Any]) -> None:
         prof = r["profiled"]
         lines = [["Prefect task machinery (call - body, step tasks)",
                   1000 * prof["prefect_task_machinery_s"]],
-                 ["MLflow (log-metrics, log-checkpoint bodies)", 1000 * prof["mlflow_tracking_s"]]]
+                 ["MLflow (log_step, log-checkpoint body)", 1000 * prof["mlflow_tracking_s"]]]
         lines += [[f"flow loop: {k}", 1000 * v] for k, v in prof["flow_loop_s"].items()]
         print(f"\n{size}: profiled overhead per step (medians over the pipeline runs)")
         print(format_table(["what", "ms/step"], lines))

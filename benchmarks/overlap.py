@@ -39,7 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import GRPOFLOW, ROOT
+
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "overlap.json"
 VARIANTS: dict[str, list[str]] = {
     "sync": [],
@@ -62,11 +63,10 @@ def run_variant(
         "tracking.backend=none", "eval.every=0", f"eval.num_examples={eval_examples}",
         "eval.pass_k_examples=0", "checkpoint.every=0", *extra,
     ]  # fmt: skip
-    grpoflow = Path(sys.executable).parent / "grpoflow"
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     subprocess.run(
-        [str(grpoflow), "train", str(ROOT / "configs" / "tiny-cpu.yaml"), "--quiet",
+        [*GRPOFLOW, "train", str(ROOT / "configs" / "tiny-cpu.yaml"), "--quiet",
          "--no-resume", *overrides],
         check=True, cwd=ROOT, timeout=1800,
     )  # fmt: skip

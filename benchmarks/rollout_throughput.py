@@ -8,12 +8,13 @@ per prompt (EOS is ignored on both sides), so tokens/s compare like for like:
 - ``hf_generate``: ``model.generate`` on left-padded batches of ``--batch`` prompts (its
   default ``DynamicCache``); ``hf_generate_static`` (``--backends ... hf_static``): the same
   with ``cache_implementation="static"``;
-- ``engine``: :class:`rl_core.rollout.engine.EmbeddedEngine` in-process, every prompt
+- ``engine``: :class:`rl_core.engine.core.EmbeddedEngine` in-process, every prompt
   submitted at once with ``max_running_requests = --batch``;
 - ``engine_http`` (``--http``): the same engine behind the SGLang-protocol HTTP server
-  (``python -m rl_core.rollout.server``, a process of its own, as a training run starts it;
+  (``python -m rl_core.engine.server``, a process of its own, as a training run starts it;
   with ``--in-process`` a server thread), driven by
-  :class:`rl_core.rollout.client.SyncSGLangClient` ``generate_groups``;
+  :class:`rl_core.rollout.client.SyncSGLangClient`: one concurrent ``/generate`` request
+  per sample (``SGLangClient.generate``), each with its own ``sampling_seed``;
 - ``engine_baseline`` / ``engine_http_baseline`` (``--baseline-tree PATH``): the ``engine``
   / ``http`` backend run from another checkout (e.g. ``git worktree add --detach /tmp/before
   HEAD`` before a change), in the same rounds, so a before/after ratio is not skewed by load
@@ -197,8 +198,8 @@ def hf_runner(
 
 
 def _engine_requests(prompts: list[list[int]], args: argparse.Namespace, tag: str) -> list:
-    from rl_core.rollout.engine import GenerateRequest
-    from rl_core.rollout.sampler import SamplingParams
+    from rl_core.engine.core import GenerateRequest
+    from rl_core.engine.sampling import SamplingParams
 
     return [
         GenerateRequest(
@@ -228,21 +229,28 @@ def engine_runner(engine: Any, prompts: list[list[int]], args: argparse.Namespac
 
 
 def http_runner(url: str, prompts: list[list[int]], args: argparse.Namespace) -> Callable:
-    """``generate_groups`` (one HTTP request per sample) against the served engine."""
+    """One concurrent HTTP request per sample against the served engine; each
+    :class:`~rl_core.types.Sample` comes back with the engine's token ids and log-probs."""
+    import asyncio
+
     from rl_core.rollout.client import SyncSGLangClient
 
     client = SyncSGLangClient(url)
-    params = {
-        "temperature": args.temperature,
-        "max_new_tokens": args.max_new_tokens,
-        "ignore_eos": True,
-    }
-    seeds = [[args.seed + i] for i in range(len(prompts))]
+    params = [
+        {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+         "ignore_eos": True, "sampling_seed": args.seed + i}
+        for i in range(len(prompts))
+    ]  # fmt: skip
+
+    async def generate_all() -> list[Any]:
+        calls = [client.aio.generate(p, sp, return_logprob=True)
+                 for p, sp in zip(prompts, params, strict=True)]  # fmt: skip
+        return list(await asyncio.gather(*calls))
 
     def run() -> int:
-        res = client.generate_groups(prompts, 1, params, seeds, return_logprob=True)
-        assert all(len(r.output_ids) == args.max_new_tokens for r in res)
-        return sum(len(r.output_ids) for r in res)
+        res = client.run(generate_all(), timeout_s=3600)
+        assert all(len(r.completion_ids) == args.max_new_tokens for r in res)
+        return sum(len(r.completion_ids) for r in res)
 
     run.close = client.close  # type: ignore[attr-defined]
     return run
@@ -386,7 +394,7 @@ def _runners(
     info: dict[str, Any],
 ) -> dict[str, Callable[[], int]]:
     """The runners of ``backends``; what must be closed goes to ``info["_closers"]``."""
-    from rl_core.rollout.engine import EmbeddedEngine
+    from rl_core.engine.core import EmbeddedEngine
 
     closers = info.setdefault("_closers", [])
     runners: dict[str, Callable[[], int]] = {}
@@ -404,7 +412,7 @@ def _runners(
         if "engine" in backends:
             runners["engine"] = engine_runner(engine, prompts, args)
         if "http" in backends:
-            from rl_core.rollout.server import serve_in_thread
+            from rl_core.engine.server import serve_in_thread
 
             server = serve_in_thread(engine)
             closers.append(server.stop)
@@ -417,8 +425,8 @@ def _server_process_runner(
     model_dir: Path, prompts: list[list[int]], args: argparse.Namespace, info: dict[str, Any]
 ) -> Callable[[], int]:
     """``engine_http`` as the flow runs it: the engine server in its own process
-    (``python -m rl_core.rollout.server``), this process only the HTTP client."""
-    from rl_core.rollout.sglang_launcher import (
+    (``python -m rl_core.engine.server``), this process only the HTTP client."""
+    from rl_core.rollout.launch import (
         free_port,
         start_process,
         stop_process,
@@ -427,7 +435,7 @@ def _server_process_runner(
 
     port = free_port()
     cmd = [
-        sys.executable, "-m", "rl_core.rollout.server", "--model", str(model_dir),
+        sys.executable, "-m", "rl_core.engine.server", "--model", str(model_dir),
         "--port", str(port), "--max-running-requests", str(args.batch),
         "--num-threads", str(args.threads), "--kv-layout", args.kv_layout,
         "--log-level", "warning", "--parent-pid", str(os.getpid()),
@@ -563,7 +571,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if k not in ("quiet",)
         },
     }
-    from rl_core.rollout import engine as engine_module
+    from rl_core.engine import core as engine_module
 
     meta["engine_module"] = engine_module.__file__
     meta["git_head"] = _git("rev-parse", "HEAD")

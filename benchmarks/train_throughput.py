@@ -59,17 +59,19 @@ BACKENDS = ("torch", "megatron")
 
 def make_batch(
     vocab: int, batch: int, response_len: int, seed: int, pad_id: int = 0
-) -> Any:  # noqa: ANN401 - a TrainBatch
-    """A GRPO batch as the rollout would hand it over: prompts of 16-48 random tokens,
-    ``response_len`` response tokens each, rollout log-probs and random advantages."""
-    from rl_core.training.batch import build_train_batch
+) -> Any:  # noqa: ANN401 - a rl_core.types.Batch
+    """A GRPO batch as the rollout would hand it over: one :class:`~rl_core.types.Sample` per
+    sequence (a prompt of 16-48 random tokens, ``response_len`` response tokens, rollout
+    log-probs), laid out by :meth:`~rl_core.types.Batch.from_samples` with random advantages."""
+    from rl_core.types import Batch, Sample
 
     g = torch.Generator().manual_seed(seed + 1)
     prompts = make_prompts(batch, 16, 48, vocab, seed)
     responses = [torch.randint(2, vocab, (response_len,), generator=g).tolist() for _ in prompts]
     logps = [(-torch.rand(response_len, generator=g) * 5).tolist() for _ in prompts]
     adv = torch.randn(batch, generator=g)
-    return build_train_batch(prompts, responses, logps, adv, pad_id)
+    samples = [Sample(p, r, lp) for p, r, lp in zip(prompts, responses, logps, strict=True)]
+    return Batch.from_samples(samples, adv, pad_id)
 
 
 def batch_tokens(batch: Any, micro: int) -> dict[str, int]:  # noqa: ANN401

@@ -19,20 +19,26 @@ Modes, each timed from the sender's tensors to tensors the receiver owns:
   stays in the page cache: what ``rollout.weight_sync=disk`` does on one node), the loaded
   (memory-mapped) tensors copied into the receiver's preallocated ones, as an engine's
   ``load_state_dict`` does;
-- ``object_store``: ``ray.put`` of the numpy arrays (:func:`rl_core.rollout.ray_engines.
-  tensors_to_arrays`) in this process, ``ray.get`` in an actor (another process, zero-copy
-  out of shared memory) and :func:`~rl_core.rollout.ray_engines.arrays_to_tensors` there,
-  as ``EngineActor.load_weights`` starts; ``object_store_product``: the whole of
-  ``load_weights``' local work, i.e. also its safetensors write and the server's read;
+- ``object_store``: ``ray.put`` of the numpy arrays (:func:`rl_core.weight_sync.source.
+  to_arrays`, what ``WeightSource.put_weights`` puts) in this process, ``ray.get`` in an
+  actor (another process, zero-copy out of shared memory) and
+  :func:`~rl_core.weight_sync.source.from_arrays` there, as ``EngineActor.load_weights``
+  starts; ``object_store_product``: the whole of ``load_weights``' local work, i.e. also its
+  safetensors write and the server's read;
 - ``distributed``: a gloo broadcast, one per tensor, from this process (rank 0) to a
   receiver process (rank 1) over a group built by :mod:`rl_core.weight_sync.process_group`
-  (``broadcast_named_tensors`` / ``receive_named_tensors``); the clock stops when the
+  (``broadcast_named_tensors`` / ``receive_named_tensors``, told the tensors'
+  :meth:`~rl_core.weight_sync.source.WeightSource.weight_layout`); the clock stops when the
   receiver acknowledges the last tensor. Group setup is timed apart.
 
 With ``--product`` (25m only) it also times the product's whole sync,
-``HttpRollout.sync_from`` (pause, update, checksum verification, resume) from a
-:class:`~rl_core.training.torch_trainer.TorchTrainer` to one embedded engine process, for
-``rollout.weight_sync=disk`` and ``distributed``.
+:func:`rl_core.weight_sync.sync_weights` (stage, pause, load, checksum verification,
+resume) from a :class:`~rl_core.training.torch_trainer.TorchTrainer` to one embedded engine
+process, through the transport :func:`rl_core.planes.start_rollout` picks for
+``rollout.weight_sync=disk`` (:class:`~rl_core.weight_sync.transports.DiskSync`) and
+``distributed`` (:class:`~rl_core.weight_sync.broadcast.BroadcastSync`, the group opened in
+the warm-up sync). ``object_store`` has no product mode: its transport needs engines that
+are Ray actors (``cluster.mode: ray``).
 
 Each (payload, mode) runs in a fresh process: a warm-up transfer, then ``--repeats`` timed
 ones; figures are medians. Bytes/s = payload bytes / seconds; the goal of issue 10 is
@@ -195,9 +201,9 @@ class _Receiver:
     """The engine side of the object-store path, in a Ray actor (another process)."""
 
     def take(self, arrays: dict[str, Any]) -> int:
-        from rl_core.rollout.ray_engines import arrays_to_tensors
+        from rl_core.weight_sync.source import from_arrays
 
-        tensors = arrays_to_tensors(arrays)
+        tensors = from_arrays(arrays)
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def take_as_product(self, arrays: dict[str, Any], staging: str) -> int:
@@ -205,10 +211,10 @@ class _Receiver:
         server then reads them (``/update_weights_from_disk``)."""
         from safetensors.torch import load_file, save_file
 
-        from rl_core.rollout.ray_engines import arrays_to_tensors
+        from rl_core.weight_sync.source import from_arrays
 
         path = Path(staging) / "model.safetensors"
-        save_file(arrays_to_tensors(arrays), str(path))
+        save_file(from_arrays(arrays), str(path))
         got = load_file(str(path))
         path.unlink()
         return sum(t.numel() * t.element_size() for t in got.values())
@@ -218,7 +224,7 @@ def bench_object_store(w: dict[str, torch.Tensor], repeats: int, threads: int,
                        product: bool, work: Path) -> list[dict[str, float]]:  # fmt: skip
     import ray
 
-    from rl_core.rollout.ray_engines import tensors_to_arrays
+    from rl_core.weight_sync.source import to_arrays
 
     ray.init(num_cpus=threads, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}},
@@ -229,7 +235,7 @@ def bench_object_store(w: dict[str, torch.Tensor], repeats: int, threads: int,
 
         def run() -> dict[str, float]:
             t0 = time.perf_counter()
-            ref = ray.put(tensors_to_arrays(w))
+            ref = ray.put(to_arrays(w))
             t1 = time.perf_counter()
             call = (actor.take_as_product.remote(ref, str(work)) if product
                     else actor.take.remote(ref))  # fmt: skip
@@ -247,13 +253,20 @@ def bench_object_store(w: dict[str, torch.Tensor], repeats: int, threads: int,
 def bench_distributed(w: dict[str, torch.Tensor], repeats: int, size: str, threads: int,
                       work: Path) -> tuple[list[dict[str, float]], float]:  # fmt: skip
     """Rank 0 here, rank 1 a receiver process; returns the timings and the group setup s."""
+    from rl_core.rollout.launch import free_port
     from rl_core.weight_sync import process_group as pg
-    from rl_core.weight_sync.broadcast import free_endpoint, weight_meta
+    from rl_core.weight_sync.source import WeightSource
 
-    names, dtypes, shapes = weight_meta(w)
+    class Sender(WeightSource):
+        def export_weights(self) -> dict[str, torch.Tensor]:
+            return w
+
+    layout = Sender().weight_layout()  # what the engines are told, in broadcast order
     meta = work / "meta.json"
-    meta.write_text(json.dumps({"names": names, "dtypes": dtypes, "shapes": shapes}))
-    host, port = free_endpoint("127.0.0.1")
+    meta.write_text(json.dumps({"names": list(layout), "dtypes": [d for d, _ in layout.values()],
+                                "shapes": [s for _, s in layout.values()]}))  # fmt: skip
+    host = "127.0.0.1"
+    port = free_port(host)
     argv = [sys.executable, "-m", "benchmarks.weight_sync", "--worker", "receiver",
             "--size", size, "--port", str(port), "--meta", str(meta),
             "--repeats", str(repeats), "--threads", str(threads)]  # fmt: skip
@@ -294,12 +307,14 @@ def receiver_main(args: argparse.Namespace) -> None:
 
 
 def bench_product(mode: str, repeats: int, work: Path) -> list[dict[str, float]]:
-    """``HttpRollout.sync_from`` of a TorchTrainer on the 25m model to one embedded engine."""
+    """``sync_weights`` of a TorchTrainer on the 25m model to one embedded engine, through
+    the transport ``rollout.weight_sync`` configures."""
     from benchmarks.rollout_throughput import build_model_dir
     from rl_core.config import load_config
     from rl_core.models.hub import snapshot_model
     from rl_core.planes import start_rollout
     from rl_core.training.torch_trainer import TorchTrainer
+    from rl_core.weight_sync import sync_weights, weights_checksum
 
     model_dir, _ = build_model_dir("25m", work / "model")
     base = load_config(str(ROOT / "configs" / "tiny-cpu.yaml"), [])
@@ -312,26 +327,28 @@ def bench_product(mode: str, repeats: int, work: Path) -> list[dict[str, float]]
                       [f"model.path={model_dir}", f"rollout.weight_sync={sync}",
                        "algorithm.kl_coef=0"])  # fmt: skip
     trainer = TorchTrainer(model_dir, cfg.train, cfg.algorithm)
-    from rl_core.weight_sync import weights_checksum
-
     weights = trainer.export_weights()
     weights_checksum(weights)
     t0 = time.perf_counter()
     weights_checksum(weights)
     checksum_s = time.perf_counter() - t0  # each sync hashes on the trainer and the engine
     del weights
-    rollout = start_rollout(cfg, model_dir, work / "run")
+    plane, transport = start_rollout(cfg, model_dir, work / "run")
     try:
         version = iter(range(1, 1 << 20))
 
         def run() -> dict[str, float]:
-            m = rollout.sync_from(trainer, next(version))
+            m = sync_weights(trainer, plane, transport, next(version))
             parts = {k: float(v) for k, v in m.items() if k != "sync_seconds"}
+            if hasattr(transport, "num_buckets"):  # distributed: POSTs per engine and sync
+                parts["sync_buckets"] = float(transport.num_buckets)
             return {**parts, "checksum_one_side_s": checksum_s}
 
         return repeat(run, repeats)
     finally:
-        rollout.close()
+        transport.close()
+        plane.close()
+        trainer.shutdown()
 
 
 # ------------------------------------------------------------------------------ driver
@@ -390,7 +407,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", nargs="+", choices=["25m", "200m"], default=["25m", "200m"])
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--product", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time HttpRollout.sync_from (25m; disk and distributed)")
+                   help="also time the product's sync_weights (25m; disk and distributed)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="smoke run: 25m, 2 repeats, no product")

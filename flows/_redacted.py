@@ -1,18 +1,18 @@
 """Flows whose parameters reach the Prefect API with their secrets masked.
 
-Prefect stores a flow run's parameters as it is given them, and its UI and API show them to
-anyone who can read the workspace. A credential typed into an override
+Prefect stores a flow run's parameters as given, and its UI and API show them to anyone who
+can read the workspace: a credential typed into an override
 (``storage.s3_endpoint_url=http://user:pass@host``, ``cluster.env={WANDB_API_KEY: ...}``)
 would be stored there. :class:`RedactedFlow` masks them in ``serialize_parameters``, the one
-place Prefect turns a flow's parameters into what it sends (creating a flow run or a
-subflow run, a worker submitting one); the flow function itself is still called with the
-real values, never with the serialized ones.
+place Prefect turns parameters into what it sends (creating a flow or subflow run, a worker
+submitting one); the flow function is still called with the real values.
 
-What is masked, by :func:`tasks.tracking.redact` and :func:`tasks.tracking.redact_config`:
-an override whose key's last part looks secret (``*token*``, ``*key*``, ``*password*``, ...),
-entries under such keys in an override's mapping value (``cluster.env={...}``), and in every
-string ``user:pass@`` in URLs, AWS key ids, the values of secret-named environment variables
-and ``token=``-style assignments.
+What is masked is what :mod:`rl_core.secrets` masks everywhere else (no rule of its own here;
+an override is only read as ``key=value``): an override whose key looks secret
+(:func:`~rl_core.secrets.is_secret_name`), every ``cluster.env`` value but the known-harmless
+settings, the value after a secret-named flag in an argument list, and in every string
+``user:pass@`` in URLs, AWS key ids, HF tokens, the values of secret-named environment
+variables and ``token=``-style assignments.
 
 What it cannot mask: parameters of a *deployment* run (``prefect deployment run --param``,
 the UI's run form) are stored by the Prefect server before any code of ours runs. Keep
@@ -31,14 +31,12 @@ from typing import Any, ParamSpec, TypeVar
 import yaml
 from prefect import Flow
 
-from tasks.tracking import _is_secret_name, redact, redact_config
+from rl_core.secrets import MASK, redact, redact_config
 
 __all__ = ["RedactedFlow", "redact_override", "redact_parameters", "redacted_flow"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-_MASK = "***"
 _OVERRIDE = re.compile(r"^\s*[\w\-]+(?:\.[\w\-]+)*\s*=")  # ``section.key=value``
 
 
@@ -53,33 +51,27 @@ def _parse(raw: str) -> Any:
 def redact_override(item: str) -> str:
     """``key=value`` with the value masked where it holds a secret; unchanged otherwise.
 
-    ``storage.s3_endpoint_url=http://u:p@h`` -> ``storage.s3_endpoint_url=http://***:***@h``;
-    ``cluster.env={HF_TOKEN: x, A: '1'}`` -> ``cluster.env={"HF_TOKEN": "***", "A": "1"}``.
+    ``storage.s3_endpoint_url=http://u:p@h`` -> ``storage.s3_endpoint_url=http://***@h``;
+    ``cluster.env={HF_TOKEN: x, OMP_NUM_THREADS: '2'}`` ->
+    ``cluster.env={"HF_TOKEN": "***", "OMP_NUM_THREADS": "2"}``.
     """
     if not _OVERRIDE.match(item):
         return redact(item)
     key, raw = item.split("=", 1)
-    name = key.strip()
-    if raw.strip() and _is_secret_name(name.rsplit(".", 1)[-1]):
-        return f"{key}={_MASK}"
-    value = _parse(raw)
-    if isinstance(value, dict | list):
-        masked = redact_config({name: value})[name]
-        if masked != value:
-            return f"{key}={json.dumps(masked, default=str)}"
+    masked = redact_config({key.strip(): (value := _parse(raw))})[key.strip()]
+    if masked == MASK and value != MASK:
+        return f"{key}={MASK}"
+    if isinstance(value, dict | list) and masked != value:
+        return f"{key}={json.dumps(masked, default=str)}"
     return redact(item)
 
 
 def _redact_value(name: str, value: Any) -> Any:
-    if isinstance(value, str):
-        if value and _is_secret_name(name):
-            return _MASK  # a secret-named parameter or mapping entry
-        return redact_override(value) if _OVERRIDE.match(value) else redact(value)
+    if isinstance(value, str) and _OVERRIDE.match(value):
+        return redact_override(value)
     if isinstance(value, list | tuple):
         return [_redact_value(name, v) for v in value]
-    if isinstance(value, dict):
-        return {k: _redact_value(str(k), v) for k, v in value.items()}
-    return value
+    return redact_config({name: value})[name]
 
 
 def redact_parameters(parameters: dict[str, Any]) -> dict[str, Any]:

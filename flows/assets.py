@@ -29,12 +29,8 @@ def prepare_data_flow(
 
 
 @redacted_flow(name="download-model")
-def download_model(
-    config: str | None = None,
-    overrides: list[str] | None = None,
-    uri: str | None = None,
-    revision: str | None = None,
-) -> str:
+def download_model(config: str | None = None, overrides: list[str] | None = None,
+                   uri: str | None = None, revision: str | None = None) -> str:
     """Fetch and verify ``uri`` (default: the config's ``model.path``); returns the local path.
 
     ``revision``: a hub branch, tag or commit (default: the config's, else ``main``). Run it

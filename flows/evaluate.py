@@ -24,6 +24,7 @@ from prefect.artifacts import create_markdown_artifact
 from flows._redacted import redacted_flow
 from rl_core.config import ExperimentConfig, load_config
 from rl_core.planes import tear_down
+from rl_core.preflight import preflight
 from rl_core.report import format_eval
 from tasks.evaluate import artifact_key, evaluate_policy
 from tasks.setup import bring_up, fetch_model, prepare_data
@@ -32,18 +33,15 @@ __all__ = ["evaluate", "registry_evaluation_key"]
 
 
 @redacted_flow(name="evaluate")
-def evaluate(
-    config: str | None = None,
-    overrides: list[str] | None = None,
-    model: str | None = None,
-    work_dir: str | None = None,
-    registry: bool = False,
-) -> dict[str, Any]:
+def evaluate(config: str | None = None, overrides: list[str] | None = None,
+             model: str | None = None, work_dir: str | None = None, registry: bool = False,
+             step: int = 0) -> dict[str, Any]:
     """Evaluate ``model`` (default: the config's ``model.path``) on the config's eval set.
 
     ``work_dir`` holds the engines' logs (default: ``<storage.root>/evaluations/<name>-<time>``).
     ``registry=True``: evaluate the registered model ``model.name``'s candidate and champion
     and promote the candidate when it is better (module docstring, docs/deployments.md).
+    ``step``: the training step the model is from (the training flow's final evaluation).
     """
     if registry:
         return _evaluate_registry(config, overrides or [], work_dir)
@@ -51,30 +49,34 @@ def evaluate(
         model = _registered_model_dir(load_config(config, overrides or []), model)
     extra = [f"model.path={model}"] if model else []
     cfg = load_config(config, [*(overrides or []), *extra])
+    preflight(cfg, model=False)
     data = prepare_data(cfg.data, cfg.storage.cache_dir)
     model_path = fetch_model(cfg.model, cfg.data, cfg.storage.cache_dir)
+    preflight(cfg, model_path=model_path, data=False)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     work_dir = work_dir or str(Path(cfg.storage.root) / "evaluations" / f"{cfg.name}-{stamp}")
     planes = bring_up(cfg, model_path, data, work_dir, with_trainer=False)
     try:
-        result = evaluate_policy(planes, 0)
+        result = evaluate_policy(planes, step)
     finally:
         tear_down(planes)
-    result["model"] = model_path
+    result.update(model=model_path, weight_version=step)
     get_run_logger().info(format_eval(result))
     return result
 
 
 def registry_evaluation_key(cfg: ExperimentConfig, eval_digest: str) -> str:
     """The key under which a version's evaluation on this config's held-out set is
-    recorded: the same set evaluated the same way is never evaluated twice."""
+    recorded: the same set evaluated the same way (sampling and reward) is never evaluated
+    twice."""
     from tasks.registry import evaluation_key
 
-    e = cfg.eval
+    e, r = cfg.eval, cfg.reward
     return evaluation_key(eval_digest, {
         "num_examples": e.num_examples, "pass_k": e.pass_k, "pass_k_examples": e.pass_k_examples,
         "temperature": e.temperature, "max_new_tokens": e.max_new_tokens, "seed": cfg.seed,
-    })  # fmt: skip
+        "reward": r.fn, "pass_threshold": r.pass_threshold,
+    })
 
 
 def _tracking_uri(cfg: ExperimentConfig) -> str:
@@ -128,7 +130,7 @@ def _evaluate_registry(
     summary: dict[str, Any] = {"registered_model": name, "versions": {}, "promoted": False}
     if not versions:
         log.info("registry: %s has neither %r nor %r: nothing to evaluate", name, cand_alias,
-                 champ_alias)  # fmt: skip
+                 champ_alias)
         summary["reason"] = "nothing registered"
         return summary
     data = prepare_data(cfg.data, cfg.storage.cache_dir)
@@ -144,21 +146,19 @@ def _evaluate_registry(
         if recorded is None:
             path = fetch_registered_model(uri, name, v.version, cfg.storage.cache_dir)
             result = evaluate(config=config, overrides=overrides, model=path,
-                              work_dir=str(base / f"v{v.version}"))  # fmt: skip
+                              work_dir=str(base / f"v{v.version}"))
             recorded = record_evaluation(uri, v, key, result)
         scores[v.version] = recorded
         log.info("registry: %s v%s (%s): %s", name, v.version, v.alias,
-                 "recorded earlier" if cached[v.version] else "evaluated now")  # fmt: skip
+                 "recorded earlier" if cached[v.version] else "evaluated now")
     decision = decide(versions.get(cand_alias), versions.get(champ_alias), scores,
-                      metric=e.promotion_metric, margin=e.promotion_margin)  # fmt: skip
+                      metric=e.promotion_metric, margin=e.promotion_margin)
     if decision.promote:
         promote(uri, versions[cand_alias], champ_alias, decision)
     log.info("registry: %s", decision.reason)
-    create_markdown_artifact(
-        comparison_markdown(name, versions, scores, cached, decision, key),
-        key=artifact_key("registry", name),
-        description=f"{name}: candidate vs champion",
-    )
+    create_markdown_artifact(comparison_markdown(name, versions, scores, cached, decision, key),
+                             key=artifact_key("registry", name),
+                             description=f"{name}: candidate vs champion")
     summary.update(
         versions={a: v.version for a, v in versions.items()},
         scores=scores,

@@ -1,4 +1,5 @@
-"""Where each GRPO step's samples come from: generated in the step, or ahead of it.
+"""Where each GRPO step's samples come from: generated in the step, ahead of it, or in more
+rounds.
 
 ``rollout.max_staleness = 0`` (the default): step ``t`` generates its samples, then trains,
 then syncs the weights, in turn (fully synchronous, on-policy).
@@ -11,8 +12,9 @@ Step ``t+j`` then trains on samples from weights at most ``k`` versions old; eve
 carries its ``weight_version`` and :meth:`Rollouts.take` refuses one older than the bound
 (the TIS correction uses the engine's log-probs recorded with it).
 
-Dynamic sampling (DAPO, ``algorithm.dynamic_sampling``) draws extra prompt batches for the
-step being trained (:meth:`Rollouts.extra`).
+Dynamic sampling (DAPO, ``algorithm.dynamic_sampling``): :meth:`Rollouts.informative` keeps
+the groups whose rewards differ and draws more prompt batches until the step has
+``train.prompts_per_step`` of them (or the rounds run out).
 
 Every prompt batch drawn stays in ``pending`` until its step has trained and is written into
 the checkpoint with the sampler's position (:meth:`state_dict`): a resume regenerates the
@@ -24,9 +26,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rl_core.data import PromptSampler
-from rl_core.planes import PlanesHandle
-from tasks.step import StepSamples, rollout
+from prefect.utilities.annotations import opaque
+
+from rl_core.data.sampler import PromptSampler
+from rl_core.grpo import split_informative_groups, summarize_samples
+from rl_core.planes import PlanesHandle, get_planes
+from tasks.step import StepSamples, reward, rollout
 
 __all__ = ["Rollouts", "StalenessError"]
 
@@ -40,13 +45,12 @@ class StalenessError(RuntimeError):
 class Rollouts:
     """The prompt sampler, the batches drawn ahead, and the rollouts in flight."""
 
-    def __init__(
-        self, planes: PlanesHandle, sampler: PromptSampler, max_staleness: int, steps: int
-    ) -> None:
+    def __init__(self, planes: PlanesHandle) -> None:
+        p = get_planes(planes)
+        cfg = p.config
         self.planes = planes
-        self.sampler = sampler
-        self.max_staleness = max_staleness
-        self.steps = steps
+        self.sampler = PromptSampler(len(p.train_records), cfg.train.prompts_per_step, cfg.seed)
+        self.max_staleness, self.steps = cfg.rollout.max_staleness, cfg.train.steps
         self.pending: dict[int, list[int]] = {}  # step -> prompt indices drawn, not trained
         self._futures: dict[int, Any] = {}
 
@@ -59,24 +63,46 @@ class Rollouts:
         """Step ``step``'s samples: the rollout submitted ahead, or one run now."""
         future = self._futures.pop(step, None)
         samples = future.result() if future is not None else rollout(
-            self.planes, self._indices(step), step
-        )
+            self.planes, self._indices(step), step)
         # Before step t trains, the trainer's policy is version t-1.
         ages = [step - 1 - s.weight_version for s in samples.samples]
         if ages and max(ages) > self.max_staleness:
             raise StalenessError(
                 f"step {step}: samples from weight version {step - 1 - max(ages)} are "
-                f"{max(ages)} versions old, beyond rollout.max_staleness={self.max_staleness}"
-            )
+                f"{max(ages)} versions old, beyond rollout.max_staleness={self.max_staleness}")
         samples.metrics["staleness_max"] = float(max(ages, default=0))
         samples.metrics["staleness_mean"] = float(sum(ages) / len(ages)) if ages else 0.0
         return samples
 
-    def extra(self, step: int) -> StepSamples:
-        """Another prompt batch for step ``step`` (dynamic sampling), generated now."""
-        indices = self.sampler.next_batch()
-        self.pending[step] = self._indices(step) + indices
-        return rollout(self.planes, indices, step)
+    def informative(self, scored: StepSamples, step: int) -> StepSamples:
+        """DAPO's dynamic sampling: keep the groups whose rewards differ, roll out more prompt
+        batches until ``train.prompts_per_step`` such groups exist (or
+        ``algorithm.dynamic_sampling_max_rounds`` run out), and train on exactly that many;
+        the rest go to the ledger as not trained."""
+        cfg = get_planes(self.planes).config
+        n, want = cfg.rollout.n_samples, cfg.train.prompts_per_step * cfg.rollout.n_samples
+        generated = list(scored.samples)
+        kept, dropped = split_informative_groups(scored.samples, n)
+        rounds = 1
+        while len(kept) < want and rounds < cfg.algorithm.dynamic_sampling_max_rounds:
+            indices = self.sampler.next_batch()
+            self.pending[step] = self._indices(step) + indices
+            more = reward(self.planes, opaque(rollout(self.planes, indices, step)), step)
+            rounds += 1
+            generated += more.samples
+            k, d = split_informative_groups(more.samples, n)
+            kept, dropped = kept + k, dropped + d
+        kept, surplus = kept[:want], kept[want:]
+        tokens = sum(len(s.completion_ids) for s in generated) or 1
+        untrained = sum(len(s.completion_ids) for s in dropped + surplus)
+        metrics = {**scored.metrics, **summarize_samples(generated, n),  # the policy's rewards
+                   "dynamic_sampling_rounds": float(rounds),
+                   "dynamic_sampling_kept_groups": float(len(kept) // n),
+                   "dynamic_sampling_zero_var_groups": float(len(dropped) // n),
+                   "dynamic_sampling_surplus_groups": float(len(surplus) // n),
+                   # share of generated response tokens kept out of training (no gradient)
+                   "dynamic_sampling_untrained_token_frac": untrained / tokens}
+        return StepSamples(step, kept, metrics, dropped=dropped + surplus)
 
     def prefetch(self, step: int) -> None:
         """Submit the rollouts of steps ``step+1 .. step+k`` that are not in flight yet."""
@@ -93,11 +119,6 @@ class Rollouts:
         """Step ``step`` has trained: its prompts are consumed."""
         self.pending.pop(step, None)
 
-    def reset(self, planes: PlanesHandle) -> None:
-        """After a plane rebuild: forget the rollouts in flight (their engines are gone)."""
-        self.planes = planes
-        self._futures.clear()
-
     def state_dict(self) -> dict[str, Any]:
         """The sampler's position and the batches drawn but not trained (JSON-able)."""
         pending = [[step, list(idx)] for step, idx in sorted(self.pending.items())]
@@ -111,4 +132,4 @@ class Rollouts:
         self._futures.clear()
         if self.pending:
             log.info("regenerating the prompt batches drawn ahead for steps %s",
-                     sorted(self.pending))  # fmt: skip
+                     sorted(self.pending))

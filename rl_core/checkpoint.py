@@ -2,29 +2,23 @@
 
 Layout of one checkpoint (``<dir>/step-000020/``)::
 
-    model/              the policy in HF format (safetensors, tokenizer): transformers and
-                        SGLang load it as is
+    model/              the policy in HF format (safetensors, tokenizer), loadable as is
     trainer_state.pt    optimizer, LR scheduler, optimizer-step counter
     rng.pt              python, numpy and torch RNG states
     state.json          step, weight_version, data-sampler state, tracking run id, digests
     MANIFEST.json       written last: every file with its size and SHA-256
 
-Everything is written into ``step-000020.partial-<nonce>/`` first; the manifest is written
-last and the directory is then renamed into place, so a crash at any point leaves either
-nothing or a partial directory that :func:`latest_checkpoint` never returns. The last
-``keep_last`` complete checkpoints are kept.
+Everything is written into ``step-000020.partial-<nonce>/``, the manifest last, and the
+directory is then renamed into place: a crash leaves nothing or a partial directory that
+:func:`latest_checkpoint` never returns. The last ``keep_last`` complete checkpoints are kept.
 
-The root may also be an ``s3://bucket/prefix`` (``checkpoint.uri``, through
-:mod:`rl_core.storage`): the checkpoint is written locally as above (in
-``<cache_dir>/checkpoints/``), then uploaded to ``<uri>/step-000020/`` with its manifest
-uploaded last, so a prefix without ``MANIFEST.json`` is an interrupted upload that is never
-listed, loaded or resumed from. Keep-last-K applies in S3 too (older complete checkpoints, and
-incomplete ones older than the newest complete one, are deleted). :func:`fetch_checkpoint`
-downloads one (every file's SHA-256 checked) into the local cache before it is loaded; the
-copy just uploaded is kept there, so a restart on the same machine downloads nothing.
+An ``s3://`` root (``checkpoint.uri``, via :mod:`rl_core.storage`) is written locally as above
+(``<cache_dir>/checkpoints/``), then uploaded manifest last: a prefix without ``MANIFEST.json``
+is an interrupted upload, never listed, loaded or resumed from (pruned once older than the
+newest complete one). :func:`fetch_checkpoint` downloads one, every SHA-256 checked; the copy
+just uploaded stays in the cache, so a restart on the same machine downloads nothing.
 
-Never imports Prefect or MLflow; never logs or raises a message that was not redacted
-(:func:`rl_core.storage.redact`).
+Never imports Prefect or MLflow; never logs or raises a message that was not redacted.
 """
 
 from __future__ import annotations
@@ -47,25 +41,18 @@ import numpy as np
 import torch
 
 from rl_core import storage
+from rl_core.secrets import RedactFilter, redact
 
 __all__ = [
-    "CheckpointError",
-    "CheckpointState",
-    "capture_rng",
-    "fetch_checkpoint",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "load_checkpoint_state",
-    "prune",
-    "restore_rng",
-    "verify_checkpoint",
+    "CheckpointError", "CheckpointState", "capture_rng", "fetch_checkpoint", "latest_checkpoint",
+    "list_checkpoints", "load_checkpoint_state", "prune", "restore_rng", "verify_checkpoint",
     "write_checkpoint",
 ]
 
 log = logging.getLogger(__name__)
-log.addFilter(storage.RedactFilter())
+log.addFilter(RedactFilter())
 
-MANIFEST = "MANIFEST.json"
+MANIFEST = storage.MANIFEST
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
@@ -88,11 +75,8 @@ class CheckpointState:
 
 def capture_rng() -> dict[str, Any]:
     """Python, numpy and torch RNG states (what a resumed run must continue from)."""
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state()}
 
 
 def restore_rng(state: dict[str, Any]) -> None:
@@ -101,67 +85,38 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def write_checkpoint(
-    root: str | Path,
-    state: CheckpointState,
-    write_payload: Callable[[Path], None],
-    *,
-    keep_last: int = 2,
-    cache_dir: str | Path | None = None,
-) -> Path | str:
+def write_checkpoint(root: str | Path, state: CheckpointState,
+                     write_payload: Callable[[Path], None], *, keep_last: int = 2,
+                     cache_dir: str | Path | None = None) -> Path | str:
     """Write a checkpoint for ``state.step`` under ``root`` and commit it atomically.
 
-    ``write_payload(tmp_dir)`` writes the heavy files (model, trainer state) into the
-    temporary directory; this function adds the RNG and run state, the manifest last, then
-    renames the directory into place and prunes old checkpoints. Returns the checkpoint's
-    directory (its ``s3://`` URI when ``root`` is in S3).
-
-    For an ``s3://`` root the checkpoint is written under ``<cache_dir>/checkpoints/``
-    (default :func:`rl_core.storage.default_cache_dir`), uploaded with the manifest last, and
-    the local copy is kept there as the cache :func:`fetch_checkpoint` reads first.
-    """
+    ``write_payload(tmp_dir)`` writes the heavy files (model, trainer state); this adds the RNG
+    and run state, the manifest last, renames the directory into place and prunes. Returns the
+    directory, or for an S3 root its URI (staged under ``<cache_dir>/checkpoints/``, default
+    :func:`rl_core.storage.default_cache_dir`; the local copy stays as the cache)."""
     if storage.is_remote(root):
         return _write_remote(str(root), state, write_payload, keep_last, cache_dir)
-    root = Path(root)
-    final = _commit_local(root, state, write_payload)
+    final, _ = _commit_local(Path(root), state, write_payload)
     prune(root, keep_last)
     return final
 
 
-def _commit_local(
-    root: Path,
-    state: CheckpointState,
-    write_payload: Callable[[Path], None],
-    label: str = "checkpoint",
-) -> Path:
+def _commit_local(root: Path, state: CheckpointState, write_payload: Callable[[Path], None],
+                  label: str = "checkpoint") -> tuple[Path, dict[str, Any]]:
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(state.step)
-    tmp = root / f"{final.name}.partial-{uuid.uuid4().hex[:8]}"
     started = time.perf_counter()
-    tmp.mkdir()
+    (tmp := root / f"{final.name}.partial-{uuid.uuid4().hex[:8]}").mkdir()
     try:
         write_payload(tmp)
         torch.save(capture_rng(), tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
-        files = {
-            str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-            for p in sorted(tmp.rglob("*"))
-            if p.is_file()
-        }
-        manifest = {"step": state.step, "created": time.time(), "files": files}
-        with (tmp / MANIFEST).open("w") as f:
+        manifest = {"step": state.step, **storage.build_manifest(tmp)}
+        with (tmp / MANIFEST).open("w") as f:  # synced: the rename below publishes it
             json.dump(manifest, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
@@ -171,22 +126,16 @@ def _commit_local(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info(
-        "%s step %d -> %s (%.1f MB, %.2fs)",
-        label,
-        state.step,
-        final,
-        sum(f["bytes"] for f in files.values()) / 1e6,
-        time.perf_counter() - started,
-    )
-    return final
+    size = sum(f["bytes"] for f in manifest["files"].values()) / 1e6
+    log.info("%s step %d -> %s (%.1f MB, %.2fs)", label, state.step, final, size,
+             time.perf_counter() - started)
+    return final, manifest
 
 
 def _cache_root(root: str, cache_dir: str | Path | None) -> Path:
     """``<cache_dir>/checkpoints/<digest of the root URI>``: one local copy per S3 root."""
     base = Path(cache_dir) if cache_dir is not None else storage.default_cache_dir()
-    key = hashlib.sha256(root.rstrip("/").encode()).hexdigest()[:16]
-    return base / "checkpoints" / key
+    return base / "checkpoints" / hashlib.sha256(root.rstrip("/").encode()).hexdigest()[:16]
 
 
 def _keep_only(cache_root: Path, name: str | None) -> None:
@@ -197,26 +146,19 @@ def _keep_only(cache_root: Path, name: str | None) -> None:
 
 
 def _storage_failure(root: str, exc: storage.StorageError) -> CheckpointError:
-    return CheckpointError(storage.redact(f"checkpoint.uri={root}: {exc}"))
+    return CheckpointError(redact(f"checkpoint.uri={root}: {exc}"))
 
 
-def _write_remote(
-    root: str,
-    state: CheckpointState,
-    write_payload: Callable[[Path], None],
-    keep_last: int,
-    cache_dir: str | Path | None,
-) -> str:
+def _write_remote(root: str, state: CheckpointState, write_payload: Callable[[Path], None],
+                  keep_last: int, cache_dir: str | Path | None) -> str:
     cache_root = _cache_root(root, cache_dir)
     for stale in cache_root.glob("staging-*"):  # left by a writer that was killed
         shutil.rmtree(stale, ignore_errors=True)
     staging = cache_root / f"staging-{uuid.uuid4().hex[:8]}"
     target = storage.join(root, step_dir_name(state.step))
     try:
-        local = _commit_local(staging, state, write_payload, "checkpoint (staged for upload)")
-        manifest = json.loads((local / MANIFEST).read_text())
-        # A re-run of the same step replaces it: the old manifest goes first, so the prefix
-        # is never "complete" with a mix of old and new files.
+        local, manifest = _commit_local(staging, state, write_payload, "checkpoint (to upload)")
+        # A re-run replaces the step, old manifest first: old and new never read as complete.
         storage.delete(storage.join(target, MANIFEST))
         storage.delete_prefix(target)
         storage.upload_dir(local, target, manifest=manifest)
@@ -232,87 +174,64 @@ def _write_remote(
 
 def _remote_steps(root: str) -> list[tuple[int, str, bool]]:
     """(step, URI, complete) of every ``step-*`` prefix under ``root``, oldest first."""
-    out = []
-    for name in storage.list_dirs(root):
-        m = _STEP_DIR.match(name)
-        if m:
-            uri = storage.join(root, name)
-            out.append((int(m.group(1)), uri, storage.exists(storage.join(uri, MANIFEST))))
-    return sorted(out)
+    steps = [(int(m.group(1)), storage.join(root, name)) for name in storage.list_dirs(root)
+             if (m := _STEP_DIR.match(name))]
+    return sorted((step, uri, storage.exists(storage.join(uri, MANIFEST))) for step, uri in steps)
 
 
 def list_checkpoints(root: str | Path) -> list[Path] | list[str]:
-    """Complete checkpoints (those with a manifest) under ``root``, oldest first.
-
-    Local directories as Paths; for an ``s3://`` root, their URIs.
-    """
+    """Complete checkpoints (with a manifest) under ``root``, oldest first: Paths, or URIs in S3."""
     if storage.is_remote(root):
         try:
             return [uri for _, uri, complete in _remote_steps(str(root)) if complete]
         except storage.StorageError as exc:
             raise _storage_failure(str(root), exc) from None
-    root = Path(root)
-    if not root.is_dir():
+    if not (root := Path(root)).is_dir():
         return []
-    found = []
-    for p in root.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and p.is_dir() and (p / MANIFEST).is_file():
-            found.append((int(m.group(1)), p))
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _STEP_DIR.match(p.name)) and p.is_dir() and (p / MANIFEST).is_file()]
     return [p for _, p in sorted(found)]
 
 
 def latest_checkpoint(root: str | Path) -> Path | str | None:
-    """The newest complete checkpoint, or None. Partial directories are never returned.
-
-    For an ``s3://`` root: the URI of the newest ``step-*`` prefix whose manifest exists (an
-    upload interrupted before its manifest is skipped); pass it to :func:`fetch_checkpoint`.
-    """
-    if storage.is_remote(root):
-        root = str(root)
-        try:
-            names = [n for n in storage.list_dirs(root) if _STEP_DIR.match(n)]
-            for name in sorted(names, key=lambda n: int(n.split("-", 1)[1]), reverse=True):
-                uri = storage.join(root, name)
-                if storage.exists(storage.join(uri, MANIFEST)):
-                    return uri
-                log.info("skipping %s: no %s (an interrupted upload)", uri, MANIFEST)
-        except storage.StorageError as exc:
-            raise _storage_failure(root, exc) from None
-        return None
-    done = list_checkpoints(root)
-    return done[-1] if done else None
+    """The newest complete checkpoint (with a manifest), or None; never a partial one or an
+    interrupted upload. For an ``s3://`` root its URI: pass it to :func:`fetch_checkpoint`."""
+    if not storage.is_remote(root):
+        return done[-1] if (done := list_checkpoints(root)) else None
+    root = str(root)
+    try:
+        names = [n for n in storage.list_dirs(root) if _STEP_DIR.match(n)]
+        for name in sorted(names, key=lambda n: int(n.split("-", 1)[1]), reverse=True):
+            if storage.exists(storage.join(uri := storage.join(root, name), MANIFEST)):
+                return uri
+            log.info("skipping %s: no %s (an interrupted upload)", uri, MANIFEST)
+    except storage.StorageError as exc:
+        raise _storage_failure(root, exc) from None
+    return None
 
 
 def prune(root: str | Path, keep_last: int) -> None:
-    """Keep the newest ``keep_last`` complete checkpoints; drop stale partial directories.
-
-    In S3, "partial" means a ``step-*`` prefix without a manifest that is older than the
-    newest complete checkpoint (a newer one may still be uploading).
-    """
+    """Keep the newest ``keep_last`` complete checkpoints; drop stale partial directories (in S3
+    those older than the newest complete checkpoint: a newer one may still be uploading)."""
     if storage.is_remote(root):
         _prune_remote(str(root), keep_last)
         return
     done = list_checkpoints(root)
-    for p in done[: max(0, len(done) - keep_last)]:
-        shutil.rmtree(p, ignore_errors=True)
-    for p in Path(root).glob("step-*.partial-*"):
+    for p in [*done[: max(0, len(done) - keep_last)], *Path(root).glob("step-*.partial-*")]:
         shutil.rmtree(p, ignore_errors=True)
 
 
 def _prune_remote(root: str, keep_last: int) -> None:
     try:
         steps = _remote_steps(root)
-        complete = [(step, uri) for step, uri, ok in steps if ok]
-        if not complete:
+        if not (complete := [(step, uri) for step, uri, ok in steps if ok]):
             return
-        newest = complete[-1][0]
         for _, uri in complete[: max(0, len(complete) - keep_last)]:
             storage.delete(storage.join(uri, MANIFEST))  # invisible first, then gone
             storage.delete_prefix(uri)
             log.info("pruned %s (checkpoint.keep_last=%d)", uri, keep_last)
         for step, uri, ok in steps:
-            if not ok and step < newest:
+            if not ok and step < complete[-1][0]:
                 storage.delete_prefix(uri)
                 log.info("removed %s: an upload interrupted before its manifest", uri)
     except storage.StorageError as exc:
@@ -320,20 +239,15 @@ def _prune_remote(root: str, keep_last: int) -> None:
 
 
 def fetch_checkpoint(path: str | Path, cache_dir: str | Path | None = None) -> Path:
-    """A local, verified directory of the checkpoint at ``path``.
-
-    A local path is returned as is. An ``s3://`` checkpoint is downloaded (every file checked
-    against its manifest) into ``<cache_dir>/checkpoints/`` unless the copy there already has
-    the same manifest and still verifies; one copy per root is kept.
-    """
+    """A local, verified directory of the checkpoint at ``path``: a local path as is; an
+    ``s3://`` one downloaded (each file checked) into ``<cache_dir>/checkpoints/`` unless the
+    copy there has the same manifest and still verifies. One copy per root is kept."""
     if not storage.is_remote(path):
         return Path(path)
-    uri = str(path).rstrip("/")
-    parent, _, name = uri.rpartition("/")
+    parent, _, name = (uri := str(path).rstrip("/")).rpartition("/")
     if not _STEP_DIR.match(name):
         raise CheckpointError(f"{uri}: not a checkpoint (expected .../step-NNNNNN)")
-    cache_root = _cache_root(parent, cache_dir)
-    local = cache_root / name
+    local = (cache_root := _cache_root(parent, cache_dir)) / name
     try:
         remote = storage.read_manifest(uri)
         if local.is_dir():
@@ -345,12 +259,8 @@ def fetch_checkpoint(path: str | Path, cache_dir: str | Path | None = None) -> P
                 log.warning("the local copy of %s is unusable (%s); downloading", uri, exc)
         storage.download_dir(uri, local)
     except storage.ManifestMissing:
-        raise CheckpointError(
-            storage.redact(
-                f"{uri}: no {MANIFEST}, so this checkpoint is incomplete (an interrupted "
-                "upload); not resuming from it"
-            )
-        ) from None
+        raise CheckpointError(redact(f"{uri}: no {MANIFEST}, so this checkpoint is incomplete (an "
+                                     "interrupted upload); not resuming from it")) from None
     except storage.StorageError as exc:
         raise _storage_failure(uri, exc) from None
     _keep_only(cache_root, name)
@@ -358,21 +268,17 @@ def fetch_checkpoint(path: str | Path, cache_dir: str | Path | None = None) -> P
 
 
 def verify_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Check every file against the manifest; returns the manifest.
-
-    For an ``s3://`` checkpoint this checks that the manifest exists and every file it lists
-    is there with its size; SHA-256s are checked when :func:`fetch_checkpoint` downloads it.
-    """
+    """Check every file against the manifest; returns it. In S3 only sizes (SHA-256s are checked
+    when :func:`fetch_checkpoint` downloads it)."""
     if storage.is_remote(path):
         return _verify_remote(str(path))
-    path = Path(path)
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = json.loads(((path := Path(path)) / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: no readable {MANIFEST} ({exc})") from exc
     for name, meta in manifest["files"].items():
-        f = path / name
-        if not f.is_file() or f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:
+        if not (f := path / name).is_file() or f.stat().st_size != meta["bytes"] or (
+                storage.file_sha256(f) != meta["sha256"]):
             raise CheckpointError(f"{path}: {name} does not match the manifest; not resuming")
     return manifest
 
@@ -387,25 +293,18 @@ def _verify_remote(uri: str) -> dict[str, Any]:
         raise _storage_failure(uri, exc) from None
     for name, meta in manifest["files"].items():
         if sizes.get(name) != meta["bytes"]:
-            raise CheckpointError(
-                storage.redact(f"{uri}: {name} is missing or not the size its manifest records")
-            )
+            raise CheckpointError(redact(f"{uri}: {name} is missing or not its manifest's size"))
     return manifest
 
 
 def load_checkpoint_state(
     path: str | Path, *, cache_dir: str | Path | None = None
 ) -> tuple[CheckpointState, dict[str, Any]]:
-    """The run state and RNG states of a verified checkpoint.
-
-    An ``s3://`` checkpoint is fetched first (:func:`fetch_checkpoint`); callers that also
-    load the weights should call :func:`fetch_checkpoint` themselves and pass the local path.
-    """
+    """The run state and RNG states of a verified checkpoint (an ``s3://`` one fetched first;
+    callers that load the weights too fetch it themselves and pass the local path)."""
     if storage.is_remote(path):
         path = fetch_checkpoint(path, cache_dir)  # verified while downloading
     else:
-        path = Path(path)
-        verify_checkpoint(path)
+        verify_checkpoint(path := Path(path))
     state = CheckpointState(**json.loads((path / "state.json").read_text()))
-    rng = torch.load(path / "rng.pt", weights_only=False)
-    return state, rng
+    return state, torch.load(path / "rng.pt", weights_only=False)

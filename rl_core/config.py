@@ -17,23 +17,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = [
-    "ConfigError",
-    "ExperimentConfig",
-    "apply_overrides",
-    "config_digest",
-    "flatten",
-    "load_config",
-]
+__all__ = ["ConfigError", "ExperimentConfig", "apply_overrides", "config_digest", "flatten",
+           "load_config"]
 
 
 class ConfigError(ValueError):
@@ -48,15 +35,10 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     """The policy model to start from."""
-
-    path: str = Field(
-        "embedded:tiny",
-        min_length=1,
-        description="HF hub id, local HF directory, or `embedded:tiny` to build the demo model.",
-    )
+    path: str = Field("embedded:tiny", min_length=1, description="HF hub id, local HF directory, "
+        "or `embedded:tiny` to build the demo model.")
     revision: str | None = Field(
-        None, description="Hub branch, tag or commit (default: main); cached by commit sha."
-    )
+        None, description="Hub branch, tag or commit (default: main); cached by commit sha.")
     name: str = Field("grpoflow-tiny", description="Registered model name for the final export.")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = False
@@ -69,19 +51,14 @@ class ModelConfig(_Section):
     tiny_vocab_size: int = Field(384, ge=64)
     tiny_sft_steps: int = Field(600, ge=0, description="Cap on warm-start supervised steps.")
     tiny_target_accuracy: float = Field(
-        0.3, gt=0.0, le=1.0, description="Warm start stops at this held-out greedy accuracy."
-    )
+        0.3, gt=0.0, le=1.0, description="Warm start stops at this held-out greedy accuracy.")
     seed: int = 0
 
 
 class DataConfig(_Section):
     """Where prompts come from and how they are rendered."""
-
-    source: str = Field(
-        "synthetic",
-        min_length=1,
-        description="`synthetic`, an HF dataset name, a local dataset dir, .jsonl or .parquet.",
-    )
+    source: str = Field("synthetic", min_length=1, description="`synthetic`, an HF dataset name, a "
+        "local dataset dir, .jsonl or .parquet.")
     subset: str | None = None
     train_split: str = "train"
     eval_split: str = "test"
@@ -90,11 +67,14 @@ class DataConfig(_Section):
     answer_field: str = Field("answer", min_length=1)
     id_field: str | None = Field("id", description="null: ids are content hashes.")
     max_train_examples: int | None = Field(
-        None, ge=1, description="Use only the first N training records (any source)."
-    )
+        None, ge=1, description="Use only the first N training records (any source).")
     max_bad_fraction: float = Field(0.0, ge=0.0, le=1.0)
     system_prompt: str | None = None
-    use_chat_template: bool | None = None
+    use_chat_template: bool | None = Field(None, description="null: the tokenizer's chat template "
+        "when it has one, else `plain_template`; true: require it; false: always `plain_template`.")
+    plain_template: str = Field("Question: {question}\nAnswer:", description="The prompt without a "
+        "chat template; `{question}` is replaced by the question (nothing else is formatted, so "
+        "other braces are kept).")
     max_prompt_tokens: int = Field(256, ge=1)
     # Synthetic generator knobs.
     synthetic_train_size: int = Field(3000, ge=1)
@@ -106,109 +86,85 @@ class DataConfig(_Section):
 
     def synthetic_knobs(self) -> dict[str, Any]:
         """The generator's knobs, as :func:`rl_core.data.generate_splits` takes them."""
-        return {
-            "digits": tuple(self.synthetic_digits),
-            "operations": tuple(self.synthetic_operations),
-            "steps": tuple(self.synthetic_steps),
-        }
+        return {"digits": tuple(self.synthetic_digits),
+                "operations": tuple(self.synthetic_operations),
+                "steps": tuple(self.synthetic_steps)}
 
     @model_validator(mode="after")
-    def _check_ranges(self) -> DataConfig:
+    def _check_fields(self) -> DataConfig:
         for name in ("synthetic_digits", "synthetic_steps"):
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi:
                 raise ValueError(f"{name} must be (low, high) with 1 <= low <= high, got {lo, hi}")
-        return self
-
-    @model_validator(mode="after")
-    def _check_fields(self) -> DataConfig:
         if self.question_field == self.answer_field:
             raise ValueError(
                 f"question_field and answer_field are both {self.question_field!r}; they must "
-                "name two different columns"
-            )
+                "name two different columns")
         if self.id_field is not None and self.id_field in (self.question_field, self.answer_field):
             raise ValueError(
                 f"id_field {self.id_field!r} is also the question or answer column; name the id "
-                "column, or set id_field: null to use content-hash ids"
-            )
+                "column, or set id_field: null to use content-hash ids")
         if not self.source.strip():
             raise ValueError("source is blank; use synthetic, a file, a directory or a hub name")
         return self
 
+    @field_validator("plain_template")
+    @classmethod
+    def _check_plain_template(cls, template: str) -> str:
+        if "{question}" not in template:
+            raise ValueError(f"must contain '{{question}}' where the question goes (e.g. "
+                             f"'Question: {{question}}\\nAnswer:'), got {template!r}")
+        return template
+
 
 class RolloutConfig(_Section):
     """The rollout plane: which engines sample, how many, and with what sampling parameters."""
-
-    engine: Literal["embedded", "sglang", "local"] = Field(
-        "embedded",
-        description="`embedded`: grpoflow's engine processes behind SGLang's HTTP API (CPU); "
-        "`sglang`: real SGLang servers (GPU); `local`: in-process sampler, no HTTP (debugging).",
-    )
+    engine: Literal["embedded", "sglang", "local"] = Field("embedded", description="`embedded`: "
+        "grpoflow's engine processes behind SGLang's HTTP API (CPU); `sglang`: real SGLang servers "
+        "(GPU); `local`: the same engine core in the flow's process, no HTTP.")
     n_samples: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
-    max_staleness: int = Field(
-        0,
-        ge=0,
-        description="Overlap rollout and training: step t+k's samples are generated while "
-        "step t trains, from weights at most k versions old (0 = synchronous). TIS is on by "
-        "default when > 0 (algorithm.tis_cap 2.0).",
-    )
+    max_staleness: int = Field(0, ge=0, description="Overlap rollout and training: step t+k's "
+        "samples are generated while step t trains, from weights at most k versions old (0 = "
+        "synchronous). TIS is on by default when > 0 (algorithm.tis_cap 2.0).")
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
     max_new_tokens: int = Field(32, ge=1)
     stop: list[str] = []
     stop_token_ids: list[int] = []
-    micro_batch_size: int = Field(256, ge=1, description="Sequences decoded together (local).")
     timeout_s: float = Field(600.0, gt=0, description="Bound on one step's generation.")
     # HTTP engines (embedded / sglang)
     num_engines: int = Field(1, ge=1, description="Engine processes (each a full model copy).")
     router: bool | None = Field(
-        None, description="Put sglang-router in front; default: on when num_engines > 1."
-    )
+        None, description="Put sglang-router in front; default: on when num_engines > 1.")
     engine_threads: int | None = Field(
-        None, ge=1, description="torch threads per embedded engine; default: cores / engines."
-    )
-    max_running_requests: int = Field(256, ge=1, description="Per engine (embedded).")
+        None, ge=1, description="torch threads per embedded engine; default: cores / engines.")
+    max_running_requests: int = Field(256, ge=1, description="Per engine (embedded, local).")
     request_batch_size: int = Field(
-        16, ge=1, description="Samples per /generate request; 1 = one request per sample."
-    )
+        16, ge=1, description="Samples per /generate request; 1 = one request per sample.")
     weight_sync: Literal["disk", "object_store", "distributed"] = Field(
-        "disk",
-        description="`disk`: trainer writes safetensors, engines reload them (one node or a "
-        "shared filesystem); `object_store`: through Ray's object store (cluster.mode ray); "
+        "disk", description="`disk`: trainer writes safetensors, engines reload them (one node "
+        "or a shared filesystem); `object_store`: through Ray's object store (cluster.mode ray); "
         "`distributed`: the trainer's rank 0 broadcasts to every engine over a "
-        "torch.distributed group (SGLang's /update_weights_from_distributed).",
-    )
+        "torch.distributed group (SGLang's /update_weights_from_distributed).")
     weight_sync_backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto",
-        description="Collective backend of weight_sync=distributed; auto: nccl (RCCL on ROCm) "
-        "when trainer and engines have GPUs on Ray, else gloo.",
-    )
-    release_memory_while_training: bool | None = Field(
-        None,
-        description="Engines release weights and KV cache after the rollout and take them "
-        "back for the weight sync (colocated planes time-sharing GPUs); None: on when "
-        "cluster.placement is colocated on Ray with GPUs.",
-    )
+        "auto", description="Collective backend of weight_sync=distributed; auto: nccl (RCCL on "
+        "ROCm) when trainer and engines have GPUs on Ray, else gloo.")
+    release_memory_while_training: bool | None = Field(None, description="Engines release weights "
+        "and KV cache after the rollout and take them back for the weight sync (colocated planes "
+        "time-sharing GPUs); None: on when cluster.placement is colocated on Ray with GPUs.")
     weight_sync_bucket_mb: float = Field(
-        512.0,
-        gt=0,
-        description="weight_sync=distributed: tensors per /update_weights_from_distributed "
-        "call, by size (bounds the engine's receive buffers).",
-    )
+        512.0, gt=0, description="weight_sync=distributed: tensors per "
+        "/update_weights_from_distributed call, by size (bounds the engine's receive buffers).")
     weight_sync_timeout_s: float = Field(
-        300.0, gt=0, description="Bound on one weight sync (and on each collective in it)."
-    )
+        300.0, gt=0, description="Bound on one weight sync (and on each collective in it).")
     startup_timeout_s: float = Field(300.0, gt=0)
     health_interval_s: float = Field(5.0, gt=0)
     health_timeout_s: float = Field(
-        20.0, gt=0, description="Bound on one health probe of an engine (/health_generate)."
-    )
-    health_failure_threshold: int = Field(
-        3, ge=1, description="Failed probes in a row that get an engine restarted and "
-        "re-synced (a hung engine is replaced after about this many x health_timeout_s).",
-    )
+        20.0, gt=0, description="Bound on one health probe of an engine (/health_generate).")
+    health_failure_threshold: int = Field(3, ge=1, description="Failed probes in a row that get an "
+        "engine restarted and re-synced (a hung engine is replaced after about this many x "
+        "health_timeout_s).")
     sglang_tp: int = Field(1, ge=1, description="Tensor parallelism of each SGLang server.")
     sglang_mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
     sglang_platform: Literal["cuda", "rocm"] = "cuda"
@@ -216,48 +172,36 @@ class RolloutConfig(_Section):
 
 
 class MegatronConfig(_Section):
-    """The megatron-core backend's parallel layout (``train.backend: megatron``).
-
-    ``tp * pp * dp`` must equal the trainer ranks (``cluster.trainer_ranks`` on Ray, 1 in
-    ``cluster.mode: local``); docs/megatron.md.
-    """
-
+    """The megatron-core backend's parallel layout (``train.backend: megatron``): ``tp * pp * dp``
+    must equal the trainer ranks (``cluster.trainer_ranks`` on Ray, 1 in ``cluster.mode: local``);
+    docs/megatron.md."""
     tp: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
-        1, description="Tensor parallelism (divides heads and KV heads); auto: the planner's."
-    )
+        1, description="Tensor parallelism (divides heads and KV heads); auto: the planner's.")
     pp: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
-        1, description="Pipeline parallelism (divides the layers); auto: the planner's."
-    )
+        1, description="Pipeline parallelism (divides the layers); auto: the planner's.")
     dp: int | None = Field(
-        None, ge=1, description="Data parallelism; default: trainer ranks / (tp * pp)."
-    )
+        None, ge=1, description="Data parallelism; default: trainer ranks / (tp * pp).")
     sequence_parallel: bool = Field(
-        False, description="Not supported yet (needs the Transformer Engine layer spec)."
-    )
+        False, description="Not supported yet (needs the Transformer Engine layer spec).")
     distributed_optimizer: bool = Field(False, description="ZeRO-1: shard optimizer state over dp.")
     recompute: Literal["none", "selective", "full"] = Field(
-        "none", description="Activation recomputation (full: every layer, uniform)."
-    )
+        "none", description="Activation recomputation (full: every layer, uniform).")
     recompute_num_layers: int = Field(1, ge=1)
     vocab_divisible_by: int = Field(
-        128, ge=1, description="Pad the vocabulary to a multiple of this * tp (masked out)."
-    )
+        128, ge=1, description="Pad the vocabulary to a multiple of this * tp (masked out).")
 
 
 class TrainConfig(_Section):
     """The training plane and the loop around it."""
-
     backend: Literal["torch", "megatron"] = Field(
-        "torch", description="`torch` (HF model, DDP/FSDP2) or `megatron` (megatron-core)."
-    )
+        "torch", description="`torch` (HF model, DDP/FSDP2) or `megatron` (megatron-core).")
     megatron: MegatronConfig = MegatronConfig()
     steps: int = Field(60, ge=0)
     prompts_per_step: int = Field(32, ge=1)
     lr: float = Field(1e-4, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[
-        Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]
-    ] = (0.9, 0.999)
+    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)],
+                 Annotated[float, Field(ge=0.0, lt=1.0)]] = (0.9, 0.999)
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
@@ -267,14 +211,12 @@ class TrainConfig(_Section):
     micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads.")
     max_plane_restarts: int = Field(
-        1, ge=0, description="Rebuilds from the latest checkpoint after a step fails."
-    )
+        1, ge=0, description="Rebuilds from the latest checkpoint after a step fails.")
     seed: int = 0
 
 
 class AlgorithmConfig(_Section):
     """The GRPO objective and its variants (Dr.GRPO, DAPO, GSPO, TIS)."""
-
     advantage: Literal["grpo", "drgrpo"] = "grpo"
     kl_coef: float = Field(0.0, ge=0.0)
     kl_kind: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
@@ -282,42 +224,32 @@ class AlgorithmConfig(_Section):
     clip_high: float = Field(0.2, ge=0.0)
     dual_clip: float | None = Field(None, gt=1.0)
     ratio_type: Literal["token", "sequence"] = "token"
-    loss_agg: Literal[
-        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-    ] = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                      "seq-mean-token-sum-norm"] = "token-mean"
     entropy_coef: float = Field(0.0, ge=0.0)
     tis_cap: float | None = Field(None, gt=0.0, description="Truncated IS cap; None = off.")
     tis_level: Literal["token", "sequence"] = "token"
     dynamic_sampling: bool = Field(
-        False,
-        description="DAPO: drop groups whose rewards are all equal (no gradient) and sample "
-        "more prompts until the step has train.prompts_per_step informative groups.",
-    )
+        False, description="DAPO: drop groups whose rewards are all equal (no gradient) and "
+        "sample more prompts until the step has train.prompts_per_step informative groups.")
     dynamic_sampling_max_rounds: int = Field(
-        4, ge=1, description="Rollout rounds per step at most (then train on what was kept)."
-    )
+        4, ge=1, description="Rollout rounds per step at most (then train on what was kept).")
 
 
 class RewardConfig(_Section):
     """How completions are scored."""
-
     fn: str = Field("gsm8k", description="`gsm8k`, `format`, or `package.module:function`.")
     format_weight: float = Field(0.0, ge=0.0)
     timeout_s: float = Field(
-        5.0, gt=0.0, description="Bound on one sample's reward call; a timeout scores 0."
-    )
+        5.0, gt=0.0, description="Bound on one sample's reward call; a timeout scores 0.")
     memory_limit_mb: int | None = Field(
-        4096,
-        ge=64,
-        description="Address-space limit (RLIMIT_AS) of each worker process running a custom "
-        "reward function; an allocation past it scores that sample 0. null: no limit.",
-    )
+        4096, ge=64, description="Address-space limit (RLIMIT_AS) of each worker process running "
+        "a custom reward function; an allocation past it scores that sample 0. null: no limit.")
+    pass_threshold: float = Field(1.0, description="A completion counts as correct (accuracy, eval "
+        "pass@k) when the reward function scores it at least this (format bonus excluded).")
     max_failed_steps: int = Field(
-        3,
-        ge=0,
-        description="Fail the run when the reward function fails every sample of this many "
-        "consecutive steps (0: never; such steps score 0 and the run goes on).",
-    )
+        3, ge=0, description="Fail the run when the reward function fails every sample of this "
+        "many consecutive steps (0: never; such steps score 0 and the run goes on).")
 
     @field_validator("fn")
     @classmethod
@@ -328,16 +260,13 @@ class RewardConfig(_Section):
         module, sep, attr = spec.partition(":")
         names = [*module.split("."), *attr.split(".")]
         if not sep or ":" in attr or not all(n.isidentifier() for n in names):
-            raise ValueError(
-                f"{fn!r} is neither a builtin ('gsm8k', 'format') nor a dotted path "
-                "'package.module:function' (e.g. my_rewards.math:score)"
-            )
+            raise ValueError(f"{fn!r} is neither a builtin ('gsm8k', 'format') nor a dotted path "
+                             "'package.module:function' (e.g. my_rewards.math:score)")
         return fn
 
 
 class EvalConfig(_Section):
     """Held-out evaluation: greedy pass@1 and sampled pass@k."""
-
     every: int = Field(10, ge=0, description="Evaluate every N steps; 0 = only before/after.")
     num_examples: int = Field(200, ge=1)
     pass_k: int = Field(4, ge=1)
@@ -345,17 +274,14 @@ class EvalConfig(_Section):
     temperature: float = Field(1.0, ge=0.0)
     max_new_tokens: int | None = Field(None, ge=1)
     promotion_metric: Literal["pass_at_1", "pass_at_k"] = Field(
-        "pass_at_1", description="What the scheduled evaluation compares (candidate vs champion)."
-    )
+        "pass_at_1", description="What the scheduled evaluation compares (candidate vs champion).")
     promotion_margin: float = Field(
-        0.01, ge=0.0, description="The candidate must beat the champion by more than this."
-    )
+        0.01, ge=0.0, description="The candidate must beat the champion by more than this.")
     champion_alias: str = Field("champion", min_length=1)
 
 
 class CheckpointConfig(_Section):
     """Where checkpoints go and how often."""
-
     every: int = Field(0, ge=0, description="Save every N steps; 0 = only at the end.")
     keep_last: int = Field(2, ge=1)
     uri: str | None = Field(None, description="Defaults to <run_dir>/checkpoints.")
@@ -363,21 +289,13 @@ class CheckpointConfig(_Section):
 
 class ClusterConfig(_Section):
     """Where the planes run: this process and local engines, or Ray actors."""
-
     mode: Literal["local", "ray"] = Field(
-        "local",
-        description="`local`: trainer in the flow process, engines as local processes; "
-        "`ray`: both planes as Ray actors (docs/architecture.md).",
-    )
-    address: str | None = Field(
-        None,
-        description="Ray to join (`auto`, `host:port`, `ray://host:port`); None starts a local "
-        "Ray bound to 127.0.0.1 for the run.",
-    )
-    placement: Literal["colocated", "disaggregated"] = Field(
-        "colocated",
-        description="Planes share devices (time-sliced) or get separate device pools.",
-    )
+        "local", description="`local`: trainer in the flow process, engines as local processes; "
+        "`ray`: both planes as Ray actors (docs/architecture.md).")
+    address: str | None = Field(None, description="Ray to join (`auto`, `host:port`, "
+        "`ray://host:port`); None starts a local Ray bound to 127.0.0.1 for the run.")
+    placement: Literal["colocated", "disaggregated"] = Field("colocated", description="Planes "
+        "share devices (time-sliced) or get separate device pools.")
     trainer_ranks: int = Field(1, ge=1, description="Data-parallel trainer actors (Ray).")
     cpus_per_trainer: float = Field(1.0, ge=0)
     gpus_per_trainer: float = Field(0.0, ge=0)
@@ -386,29 +304,22 @@ class ClusterConfig(_Section):
     num_cpus: int | None = Field(None, ge=1, description="CPUs of a local Ray (default: all).")
     timeout_s: float = Field(300.0, gt=0, description="Bound on Ray start, placement, calls.")
     env: dict[str, str | None] = Field(
-        default_factory=dict,
-        description="Environment for every engine and trainer process, over the platform "
-        "presets (docs/platforms.md); a null value removes a preset.",
-    )
+        default_factory=dict, description="Environment for every engine and trainer process, "
+        "over the platform presets (docs/platforms.md); a null value removes a preset.")
 
 
 class StorageConfig(_Section):
     """Durable storage root for data, models and checkpoints."""
-
     root: str = Field("runs", description="Local directory (or s3:// once storage lands).")
     cache_dir: str = Field(".cache/grpoflow", description="Prepared data and built models.")
-    s3_endpoint_url: str | None = Field(
-        None,
-        description="S3-compatible endpoint (MinIO, Ceph, R2); default: AWS_ENDPOINT_URL or AWS.",
-    )
+    s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, Ceph, "
+                                        "R2); default: AWS_ENDPOINT_URL or AWS.")
 
 
 class TrackingConfig(_Section):
     """MLflow, the system of record: params, per-step metrics, checkpoints, the registry."""
-
     backend: Literal["none", "mlflow"] = Field(
-        "mlflow", description="`mlflow`: a SQLite store in the run directory unless `uri` is set."
-    )
+        "mlflow", description="`mlflow`: a SQLite store in the run directory unless `uri` is set.")
     uri: str | None = Field(None, description="Tracking URI; default: MLFLOW_TRACKING_URI.")
     experiment: str | None = Field(None, description="Default: the config's `name`.")
     samples_every: int = Field(10, ge=0, description="Sample-generation table every K steps.")
@@ -418,17 +329,14 @@ class TrackingConfig(_Section):
     register_model: bool = Field(True, description="Register the final model as `model.name`.")
     alias: str = Field("candidate", description="Alias given to each new registered version.")
     checkpoint_artifacts: bool = Field(
-        True, description="Log local checkpoints as artifacts (s3:// ones by reference only)."
-    )
-    flush_timeout_s: float = Field(
-        120.0, ge=0, description="At the end, wait this long for unsent metrics to reach "
-        "MLflow; what is left goes to <run_dir>/mlflow-unsent-metrics.jsonl (replayable)."
-    )
+        True, description="Log local checkpoints as artifacts (s3:// ones by reference only).")
+    flush_timeout_s: float = Field(120.0, ge=0, description="At the end, wait this long for unsent "
+        "metrics to reach MLflow; what is left goes to <run_dir>/mlflow-unsent-metrics.jsonl "
+        "(replayable).")
 
 
 class ExperimentConfig(_Section):
     """A whole GRPO experiment."""
-
     name: str = "grpoflow"
     run_name: str | None = Field(None, description="Defaults to `<name>-<timestamp>`.")
     seed: int = 0
@@ -449,32 +357,26 @@ class ExperimentConfig(_Section):
         if self.algorithm.advantage == "grpo" and self.rollout.n_samples < 2:
             raise ValueError(
                 "rollout.n_samples must be >= 2 for GRPO advantages (a group of one has no "
-                "baseline); set rollout.n_samples=2 or more"
-            )
+                "baseline); set rollout.n_samples=2 or more")
         if self.algorithm.clip_low > self.algorithm.clip_high and self.algorithm.clip_high > 0:
             # DAPO's clip-higher raises clip_high; a lower high bound is almost always a typo.
-            raise ValueError(
-                f"algorithm.clip_low ({self.algorithm.clip_low}) must not exceed "
-                f"algorithm.clip_high ({self.algorithm.clip_high})"
-            )
+            raise ValueError(f"algorithm.clip_low ({self.algorithm.clip_low}) must not exceed "
+                             f"algorithm.clip_high ({self.algorithm.clip_high})")
         c, r = self.cluster, self.rollout
         nccl = r.weight_sync_backend == "nccl" or (
-            r.weight_sync_backend == "auto" and c.gpus_per_trainer > 0 and c.gpus_per_engine > 0
-        )
+            r.weight_sync_backend == "auto" and c.gpus_per_trainer > 0 and c.gpus_per_engine > 0)
         if (r.weight_sync == "distributed" and c.mode == "ray" and c.placement == "colocated"
-                and nccl):  # fmt: skip
+                and nccl):
             raise ValueError(
                 "rollout.weight_sync=distributed with cluster.placement=colocated on GPUs puts "
                 "trainer rank 0 and an engine on one device, which NCCL/RCCL refuse "
                 "('Duplicate GPU detected'); use rollout.weight_sync=disk (or object_store), "
-                "or cluster.placement=disaggregated"
-            )
+                "or cluster.placement=disaggregated")
         if r.weight_sync == "object_store" and c.mode != "ray":
             raise ValueError(
                 "rollout.weight_sync=object_store moves weights through Ray's object store, "
                 f"but cluster.mode={c.mode!r} runs no Ray; use rollout.weight_sync=disk, or "
-                "cluster.mode=ray"
-            )
+                "cluster.mode=ray")
         if self.train.backend == "megatron":
             self._check_megatron()
         if self.rollout.max_staleness > 0:
@@ -482,8 +384,7 @@ class ExperimentConfig(_Section):
                 raise ValueError(
                     "rollout.max_staleness > 0 generates while the trainer trains, so the "
                     "engines cannot release their memory meanwhile: set "
-                    "rollout.release_memory_while_training=false (or max_staleness=0)"
-                )
+                    "rollout.release_memory_while_training=false (or max_staleness=0)")
             if "tis_cap" not in self.algorithm.model_fields_set:
                 # Off-policy samples: correct them by truncated importance sampling unless the
                 # config says otherwise (tis_cap: null turns it off explicitly).
@@ -492,8 +393,7 @@ class ExperimentConfig(_Section):
         if rollouts % self.train.mini_batches:
             raise ValueError(
                 f"train.prompts_per_step * rollout.n_samples ({rollouts}) must be divisible by "
-                f"train.mini_batches ({self.train.mini_batches})"
-            )
+                f"train.mini_batches ({self.train.mini_batches})")
         return self
 
     def _check_megatron(self) -> None:
@@ -504,30 +404,22 @@ class ExperimentConfig(_Section):
                 "train.megatron.sequence_parallel is not supported yet: the backend builds "
                 "megatron's local (pure PyTorch) layer spec, whose torch RMSNorm megatron "
                 "refuses under sequence parallelism; it needs the Transformer Engine spec "
-                "(GPU, docs/megatron.md). Set it to false"
-            )
+                "(GPU, docs/megatron.md). Set it to false")
         if "auto" in (m.tp, m.pp):
             return  # the planner's layout, checked when the trainer starts
-        where = (
-            f"cluster.trainer_ranks ({ranks})" if c.mode == "ray"
-            else "the one trainer of cluster.mode=local"
-        )  # fmt: skip
+        where = (f"cluster.trainer_ranks ({ranks})" if c.mode == "ray"
+                 else "the one trainer of cluster.mode=local")
         if ranks % (m.tp * m.pp):
             raise ValueError(
                 f"train.megatron.tp * train.megatron.pp ({m.tp} * {m.pp}) must divide {where}; "
                 + ("use cluster.mode=ray with cluster.trainer_ranks = tp * pp * dp"
-                   if c.mode == "local" else "change cluster.trainer_ranks or tp/pp")
-            )  # fmt: skip
+                   if c.mode == "local" else "change cluster.trainer_ranks or tp/pp"))
         dp = ranks // (m.tp * m.pp)
         if m.dp is not None and m.dp != dp:
             raise ValueError(
                 f"train.megatron.tp * pp * dp = {m.tp} * {m.pp} * {m.dp} = {m.tp * m.pp * m.dp}, "
                 f"but there are {ranks} trainer ranks ({where}); leave train.megatron.dp unset "
-                "to derive it"
-            )
-
-
-# --------------------------------------------------------------------------- loading
+                "to derive it")
 
 
 def _format_error(err: ValidationError, origin: str) -> str:
@@ -537,12 +429,10 @@ def _format_error(err: ValidationError, origin: str) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
-            parent = _section_for(e["loc"][:-1])
-            if parent is not None:
+            if (parent := _section_for(e["loc"][:-1])) is not None:
                 msg += f"; allowed keys: {', '.join(sorted(parent.model_fields))}"
         elif e["type"] == "literal_error":
-            allowed = e.get("ctx", {}).get("expected")
-            msg = f"got {e.get('input')!r}; allowed values: {allowed}"
+            msg = f"got {e.get('input')!r}; allowed values: {e.get('ctx', {}).get('expected')}"
         elif e["type"] == "value_error":
             msg = msg.removeprefix("Value error, ")  # our validators name the value themselves
         elif "input" in e and not isinstance(e["input"], dict):
@@ -575,10 +465,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     out = json.loads(json.dumps(data))
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(
-                f"override {item!r} is not of the form section.key=value "
-                "(for example algorithm.kl_coef=0.001)"
-            )
+            raise ConfigError(f"override {item!r} is not of the form section.key=value "
+                              "(for example algorithm.kl_coef=0.001)")
         key, raw = item.split("=", 1)
         parts = [p for p in key.strip().split(".") if p]
         if not parts:
@@ -588,16 +476,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
                 raise ConfigError(
-                    f"override {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section"
-                )
+                    f"override {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
             node = child
         node[parts[-1]] = _parse_value(raw)
     return out
 
 
-def load_config(
-    path: str | Path | None = None, overrides: list[str] | None = None
-) -> ExperimentConfig:
+def load_config(path: str | Path | None = None,
+                overrides: list[str] | None = None) -> ExperimentConfig:
     """Load a YAML config (or the defaults when ``path`` is None) and apply overrides."""
     data: dict[str, Any] = {}
     origin = "defaults"
@@ -611,8 +497,7 @@ def load_config(
             raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
-        data = loaded or {}
-        origin = str(p)
+        data, origin = loaded or {}, str(p)
     if overrides:
         data = apply_overrides(data, overrides)
         origin += " + overrides " + " ".join(overrides)

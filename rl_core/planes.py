@@ -1,11 +1,12 @@
-"""The two planes of a run (rollout engines + trainer) and the verified sync between them.
+"""The two planes of a run (rollout plane + trainer), the transport between them, the prompts.
 
 Prefect tasks never carry models in their results: the flow brings the planes up once and
-passes a small :class:`PlanesHandle` around; tasks resolve it here. The rollout plane is a
-pool of engine processes behind SGLang's HTTP API (``rollout.engine: embedded`` on CPU,
-``sglang`` on GPUs) or, for debugging, an in-process engine (``local``). In local cluster
-mode the planes live in this process's registry; on Ray the handle holds actor handles
-instead, with the same methods.
+passes a small :class:`PlanesHandle` around; tasks resolve it with :func:`get_planes`. The
+rollout plane is any :class:`~rl_core.interfaces.RolloutPlane` (engines behind SGLang's HTTP
+API, or the engine core in this process), the trainer any
+:class:`~rl_core.interfaces.Trainer` (in this process, or ranks on Ray), the transport one
+:class:`~rl_core.interfaces.WeightSync`: the config picks each once, here, and nothing below
+asks which it got.
 
 Never imports Prefect or MLflow.
 """
@@ -25,27 +26,16 @@ from transformers import AutoTokenizer
 
 from rl_core.cluster.platform import platform_env
 from rl_core.config import ExperimentConfig
-from rl_core.data import Record, encode_prompts
+from rl_core.data.prompts import encode_prompts
+from rl_core.data.records import Record
+from rl_core.interfaces import RolloutPlane, Trainer, WeightSync
 from rl_core.models import eos_token_ids
-from rl_core.models.hub import check_context_length
 from rl_core.rewards import RewardRunner
-from rl_core.rollout.local import LocalEngine
-from rl_core.rollout.pool import EnginePool
-from rl_core.rollout.remote import HttpRollout, embedded_engine_command
-from rl_core.rollout.sglang_launcher import SGLangLaunchConfig, sglang_engine_command, sglang_env
-from rl_core.training.torch_trainer import TorchTrainer
+from rl_core.weight_sync import sync_weights
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "LocalPlanes",
-    "PlanesHandle",
-    "bring_up_local",
-    "bring_up_planes",
-    "get_planes",
-    "start_rollout",
-    "tear_down",
-]
+__all__ = ["Planes", "PlanesHandle", "bring_up_planes", "get_planes", "start_rollout", "tear_down"]
 
 
 @dataclass(frozen=True)
@@ -56,16 +46,13 @@ class PlanesHandle:
 
 
 @dataclass
-class LocalPlanes:
-    """The rollout plane, the trainer and the tokenized prompt sets of one run.
-
-    ``rollout`` is an :class:`~rl_core.rollout.remote.HttpRollout` (engines behind SGLang's
-    HTTP API, the default) or a :class:`~rl_core.rollout.local.LocalEngine` (in-process).
-    """
+class Planes:
+    """The rollout plane, its weight transport, the trainer and the tokenized prompt sets."""
 
     config: ExperimentConfig
-    rollout: HttpRollout | LocalEngine
-    trainer: TorchTrainer | Any | None  # a TrainerGroup on Ray; None: evaluation only
+    rollout: RolloutPlane
+    weights: WeightSync
+    trainer: Trainer | None  # None: evaluation only
     tokenizer: Any
     pad_token_id: int
     train_records: list[Record]
@@ -83,25 +70,23 @@ class LocalPlanes:
         return self.rollout.weight_version
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        """Push the trainer's weights to the rollout plane as ``version``; verify checksums."""
+        """Push the trainer's weights to the rollout plane as ``version``, verified."""
         if self.trainer is None:
             raise RuntimeError("these planes were brought up without a trainer")
-        released = isinstance(self.rollout, HttpRollout) and self.rollout.memory_released
-        if not released:
-            return self.rollout.sync_from(self.trainer, version)
-        # Time-shared devices: weights back first (the update writes into them), the KV
-        # cache after the update.
+        if not self.rollout.memory_released:
+            return sync_weights(self.trainer, self.rollout, self.weights, version)
+        # Time-shared devices: weights back first (the update writes into them), KV cache after.
         t0 = time.perf_counter()
         self.rollout.resume_memory(["weights"])
-        metrics = self.rollout.sync_from(self.trainer, version)
+        metrics = sync_weights(self.trainer, self.rollout, self.weights, version)
         self.rollout.resume_memory(["kv_cache"])
-        total = time.perf_counter() - t0
-        return {**metrics, "resume_memory_seconds": total - metrics.get("sync_seconds", 0.0)}
+        resumed = time.perf_counter() - t0 - metrics["sync_seconds"]
+        return {**metrics, "resume_memory_seconds": resumed}
 
     def release_rollout_memory(self) -> dict[str, float]:
         """Colocated planes: the engines free weights and KV cache for the trainer (until
         :meth:`sync_weights`). A no-op unless ``time_share``."""
-        if not self.time_share or not isinstance(self.rollout, HttpRollout):
+        if not self.time_share:
             return {}
         t0 = time.perf_counter()
         self.rollout.release_memory()
@@ -109,101 +94,79 @@ class LocalPlanes:
 
     def close(self) -> None:
         self.reward_runner.close()
-        rollout = self.rollout if isinstance(self.rollout, HttpRollout) else None
-        _close_all(rollout, self.trainer, self.placement, self.cluster)
+        _close_all(self.weights, self.rollout, self.trainer, self.placement, self.cluster)
 
 
-_REGISTRY: dict[str, LocalPlanes] = {}
+_REGISTRY: dict[str, Planes] = {}
 
 
 def _encode_within_limit(
     tokenizer: Any, records: list[Record], cfg: ExperimentConfig
 ) -> tuple[list[Record], list[list[int]], int]:
-    ids = encode_prompts(
-        tokenizer,
-        [r.question for r in records],
-        system_prompt=cfg.data.system_prompt,
-        use_chat_template=cfg.data.use_chat_template,
-    )
-    keep = [i for i, p in enumerate(ids) if len(p) <= cfg.data.max_prompt_tokens]
+    d = cfg.data
+    ids = encode_prompts(tokenizer, [r.question for r in records], system_prompt=d.system_prompt,
+                         use_chat_template=d.use_chat_template, plain_template=d.plain_template)
+    keep = [i for i, p in enumerate(ids) if len(p) <= d.max_prompt_tokens]
     return [records[i] for i in keep], [ids[i] for i in keep], len(records) - len(keep)
 
 
 def start_rollout(
     cfg: ExperimentConfig, model_path: str | Path, work_dir: str | Path, placement: Any = None
-) -> HttpRollout | LocalEngine:
-    """The rollout plane ``rollout.engine`` asks for, started and serving ``model_path``.
-
-    With a Ray ``placement`` (:class:`~rl_core.cluster.ray_cluster.PlanePlacement`) every
-    engine is a Ray actor in its slot; otherwise a local process.
-    """
+) -> tuple[RolloutPlane, WeightSync]:
+    """The rollout plane ``rollout.engine`` asks for, serving ``model_path``, and the transport
+    ``rollout.weight_sync`` names. With a Ray ``placement`` every engine is a Ray actor."""
     r = cfg.rollout
     if r.engine == "local":
-        return LocalEngine(
-            model_path,
-            dtype=cfg.model.dtype,
-            trust_remote_code=cfg.model.trust_remote_code,
-            micro_batch_size=r.micro_batch_size,
-        )
+        from rl_core.rollout.inprocess import InProcessPlane
+        from rl_core.weight_sync.transports import TensorSync
+
+        plane = InProcessPlane(model_path, dtype=cfg.model.dtype, timeout_s=r.timeout_s,
+                               max_running_requests=r.max_running_requests,
+                               trust_remote_code=cfg.model.trust_remote_code)
+        return plane, TensorSync(plane)
+    from rl_core.rollout.http import HttpPlane
+    from rl_core.rollout.launch import embedded_engine_command, sglang_engine
+    from rl_core.rollout.pool import EnginePool
+
     work_dir = Path(work_dir)
     if r.engine == "embedded":
         threads = r.engine_threads or max(1, (os.cpu_count() or 1) // r.num_engines)
         command = embedded_engine_command(
-            model_path,
-            dtype=cfg.model.dtype,
-            num_threads=threads,
+            model_path, dtype=cfg.model.dtype, num_threads=threads,
             max_running_requests=r.max_running_requests,
-            trust_remote_code=cfg.model.trust_remote_code,
-        )
+            trust_remote_code=cfg.model.trust_remote_code)
         env = {"OMP_NUM_THREADS": str(threads), **platform_env("cpu", cfg.cluster.env)}
     else:
-        launch = SGLangLaunchConfig(
-            model_path=str(model_path),
-            tp=r.sglang_tp,
-            mem_fraction_static=r.sglang_mem_fraction_static,
-            enable_memory_saver=cfg.cluster.placement == "colocated",
-            dtype="auto" if cfg.model.dtype == "float32" else cfg.model.dtype,
-            trust_remote_code=cfg.model.trust_remote_code,
-            extra_args=list(r.sglang_extra_args),
-            platform=r.sglang_platform,
-        )
-        command = sglang_engine_command(launch)
-        env = sglang_env(launch, overrides=cfg.cluster.env)
+        command, env = sglang_engine(cfg, model_path)
     launcher = None
     if placement is not None:
         from rl_core.rollout.ray_engines import RayActorLauncher
 
-        launcher = RayActorLauncher(
-            command,
-            [slot.actor_options() for slot in placement.engines],
-            env=env,
-            start_timeout_s=r.startup_timeout_s,
-        )
+        launcher = RayActorLauncher(command, [s.actor_options() for s in placement.engines],
+                                    env=env, start_timeout_s=r.startup_timeout_s)
     pool = EnginePool(
-        None if launcher else command,
-        r.num_engines,
-        launcher=launcher,
-        log_dir=work_dir / "engines",
-        env=env,
+        None if launcher else command, r.num_engines, launcher=launcher,
+        log_dir=work_dir / "engines", env=env,
         router=r.num_engines > 1 if r.router is None else r.router,
-        health_interval_s=r.health_interval_s,
-        health_timeout_s=r.health_timeout_s,
-        failure_threshold=r.health_failure_threshold,
-        startup_timeout_s=r.startup_timeout_s,
+        health_interval_s=r.health_interval_s, health_timeout_s=r.health_timeout_s,
+        failure_threshold=r.health_failure_threshold, startup_timeout_s=r.startup_timeout_s,
         client_kwargs={"read_timeout_s": r.timeout_s, "total_timeout_s": r.timeout_s},
     )
-    return HttpRollout(
-        pool,
-        model_path,
-        staging_dir=work_dir / "weight_sync",
-        request_batch_size=r.request_batch_size,
-        timeout_s=r.timeout_s,
-        trust_remote_code=cfg.model.trust_remote_code,
-        weight_sync=r.weight_sync,
-        weight_sync_backend=_weight_sync_backend(cfg),
-        weight_sync_timeout_s=r.weight_sync_timeout_s,
-        weight_sync_bucket_mb=r.weight_sync_bucket_mb,
-    ).start()
+    plane = HttpPlane(pool, request_batch_size=r.request_batch_size, timeout_s=r.timeout_s,
+                      weight_sync_timeout_s=r.weight_sync_timeout_s)
+    if r.weight_sync == "distributed":
+        from rl_core.weight_sync.broadcast import BroadcastSync
+
+        transport: Any = BroadcastSync(plane, _weight_sync_backend(cfg), r.weight_sync_timeout_s,
+                                       int(r.weight_sync_bucket_mb * 2**20))
+        plane.before_generate = transport.rejoin  # restarted engines rejoin before sampling
+    else:
+        from rl_core.weight_sync.transports import DiskSync, ObjectStoreSync
+
+        kind = ObjectStoreSync if r.weight_sync == "object_store" else DiskSync
+        transport = kind(plane, work_dir / "weight_sync", r.weight_sync_timeout_s)
+    pool.resync = transport.resync  # a restarted engine serves the current weights first
+    return plane.start(), transport
 
 
 def _time_share(cfg: ExperimentConfig) -> bool:
@@ -219,36 +182,28 @@ def _time_share(cfg: ExperimentConfig) -> bool:
 
 def _weight_sync_backend(cfg: ExperimentConfig) -> str:
     """``rollout.weight_sync_backend``, with ``auto`` resolved for the planes' devices."""
-    backend = cfg.rollout.weight_sync_backend
+    backend, c = cfg.rollout.weight_sync_backend, cfg.cluster
     if backend != "auto":
         return backend
-    c = cfg.cluster
     gpus = c.mode == "ray" and c.gpus_per_trainer > 0 and c.gpus_per_engine > 0
     return "nccl" if gpus else "gloo"
 
 
-def bring_up_planes(
-    cfg: ExperimentConfig,
-    model_path: str | Path,
-    train_records: list[Record],
-    eval_records: list[Record],
-    work_dir: str | Path,
-    *,
-    with_trainer: bool = True,
-) -> PlanesHandle:
+def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records: list[Record],
+                    eval_records: list[Record], work_dir: str | Path, *,
+                    with_trainer: bool = True) -> PlanesHandle:
     """Start the rollout plane and the trainer on ``model_path``; tokenize the prompt sets.
 
-    ``cluster.mode: local``: the trainer in this process, engines as local processes.
-    ``cluster.mode: ray``: a Ray cluster (started here, or joined at ``cluster.address``),
-    the planes placed by ``cluster.placement``, ``cluster.trainer_ranks`` trainer actors in
-    one process group and one actor per engine. ``work_dir`` (the run directory) holds the
-    engines' logs, the weight-sync staging and a local Ray's temp dir. ``with_trainer=False``
-    brings up the rollout plane alone (evaluation).
+    ``cluster.mode: local``: the trainer in this process, engines as local processes (or the
+    engine core in this process). ``cluster.mode: ray``: a Ray cluster (started here, or
+    joined at ``cluster.address``), the planes placed by ``cluster.placement``,
+    ``cluster.trainer_ranks`` trainer actors in one process group and one actor per engine.
+    ``work_dir`` (the run directory) holds the engines' logs, the weight-sync staging and a
+    local Ray's temp dir. ``with_trainer=False`` brings up the rollout plane alone.
     """
-    check_context_length(model_path, cfg)  # before anything starts: names the fields to fix
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
-    cluster = placement = trainer = rollout = None
+    cluster = placement = trainer = rollout = transport = None
     try:
         if cfg.cluster.mode == "ray":
             cluster, placement = _ray_cluster(cfg, work_dir, with_trainer)
@@ -259,8 +214,7 @@ def bring_up_planes(
         )
         pad_token_id = tokenizer.pad_token_id
         if pad_token_id is None:  # padding is masked out; any end-of-sequence id will do
-            model = getattr(trainer, "model", None)
-            pad_token_id = eos_token_ids(tokenizer, model, model_path)[0]
+            pad_token_id = eos_token_ids(tokenizer, getattr(trainer, "model", None), model_path)[0]
         train_records, train_prompts, skipped = _encode_within_limit(tokenizer, train_records, cfg)
         if not train_records:
             raise ValueError(
@@ -268,38 +222,24 @@ def bring_up_planes(
                 f"{cfg.data.max_prompt_tokens}; raise it or shorten the prompts"
             )
         eval_records, eval_prompts, skip_eval = _encode_within_limit(tokenizer, eval_records, cfg)
-        rollout = start_rollout(cfg, model_path, work_dir, placement)
+        rollout, transport = start_rollout(cfg, model_path, work_dir, placement)
     except BaseException:
-        _close_all(rollout, trainer, placement, cluster)
+        _close_all(transport, rollout, trainer, placement, cluster)
         raise
     key = uuid.uuid4().hex
-    _REGISTRY[key] = LocalPlanes(
-        cfg,
-        rollout,
-        trainer,
-        tokenizer,
-        pad_token_id,
-        train_records,
-        train_prompts,
-        eval_records,
-        eval_prompts,
-        RewardRunner.from_config(cfg.reward),
-        skipped_long_prompts=skipped + skip_eval,
-        cluster=cluster,
-        placement=placement,
+    _REGISTRY[key] = Planes(
+        cfg, rollout, transport, trainer, tokenizer, pad_token_id, train_records, train_prompts,
+        eval_records, eval_prompts, RewardRunner.from_config(cfg.reward),
+        skipped_long_prompts=skipped + skip_eval, cluster=cluster, placement=placement,
         time_share=_time_share(cfg),
     )
     return PlanesHandle(key)
 
 
-def _start_trainer(cfg: ExperimentConfig, model_path: str | Path, placement: Any) -> Any:
+def _start_trainer(cfg: ExperimentConfig, model_path: str | Path, placement: Any) -> Trainer:
     """One trainer in this process, or ``cluster.trainer_ranks`` rank actors on Ray."""
-    kw = dict(
-        temperature=cfg.rollout.temperature,
-        max_response_len=cfg.rollout.max_new_tokens,
-        dtype=cfg.model.dtype,
-        trust_remote_code=cfg.model.trust_remote_code,
-    )
+    kw = dict(temperature=cfg.rollout.temperature, max_response_len=cfg.rollout.max_new_tokens,
+              dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
     train = cfg.train
     if train.backend == "megatron":
         from rl_core.training.megatron.layout import resolve_layout
@@ -313,6 +253,8 @@ def _start_trainer(cfg: ExperimentConfig, model_path: str | Path, placement: Any
             from rl_core.training.megatron import MegatronTrainer
 
             return MegatronTrainer(model_path, train, cfg.algorithm, **kw)
+        from rl_core.training.torch_trainer import TorchTrainer
+
         return TorchTrainer(model_path, train, cfg.algorithm, **kw)
     from rl_core.cluster.platform import detect_platform
     from rl_core.training.distributed import TrainerGroup
@@ -320,18 +262,12 @@ def _start_trainer(cfg: ExperimentConfig, model_path: str | Path, placement: Any
     gpu = cfg.cluster.gpus_per_trainer > 0
     kind = detect_platform().kind if gpu else "cpu"
     return TrainerGroup.start(
-        model_path,
-        train,
-        cfg.algorithm,
-        num_ranks=cfg.cluster.trainer_ranks,
+        model_path, train, cfg.algorithm, num_ranks=cfg.cluster.trainer_ranks,
         num_threads_per_rank=cfg.train.num_threads or 1,
         scheduling_strategies=[slot.scheduling_strategy for slot in placement.trainer],
         num_cpus_per_rank=placement.trainer[0].num_cpus,
-        num_gpus_per_rank=placement.trainer[0].num_gpus,
-        device="cuda" if gpu else "cpu",
-        env=platform_env(kind, cfg.cluster.env),
-        timeout_s=cfg.cluster.timeout_s,
-        **kw,
+        num_gpus_per_rank=placement.trainer[0].num_gpus, device="cuda" if gpu else "cpu",
+        env=platform_env(kind, cfg.cluster.env), timeout_s=cfg.cluster.timeout_s, **kw,
     )
 
 
@@ -344,12 +280,12 @@ def _ray_cluster(cfg: ExperimentConfig, work_dir: str | Path, with_trainer: bool
         trainer_ranks=c.trainer_ranks,
         cpus_per_trainer=c.cpus_per_trainer if with_trainer else 0.001,
         gpus_per_trainer=c.gpus_per_trainer if with_trainer else 0.0,
-        engines=cfg.rollout.num_engines,
-        cpus_per_engine=c.cpus_per_engine,
+        engines=cfg.rollout.num_engines, cpus_per_engine=c.cpus_per_engine,
         gpus_per_engine=c.gpus_per_engine,
     )
     need = need_for(resources, c.placement)
-    cluster = RayCluster.start(c, work_dir, need=need, num_cpus=c.num_cpus if not c.address else None)
+    cluster = RayCluster.start(c, work_dir, need=need,
+                               num_cpus=c.num_cpus if not c.address else None)
     try:
         placement = place_planes(resources, c.placement, timeout_s=c.timeout_s)
     except BaseException:
@@ -360,27 +296,20 @@ def _ray_cluster(cfg: ExperimentConfig, work_dir: str | Path, with_trainer: bool
     return cluster, placement
 
 
-def _close_all(rollout: Any, trainer: Any, placement: Any, cluster: Any) -> None:
+def _close_all(*things: Any) -> None:
     """Stop whatever was started, newest first; never raises (logs instead)."""
-    for what, thing, method in (
-        ("rollout plane", rollout, "close"),
-        ("trainer", trainer, "shutdown"),
-        ("placement", placement, "remove"),
-        ("ray", cluster, "shutdown"),
-    ):
-        fn = getattr(thing, method, None) if thing is not None else None
+    for thing in things:
+        fn = next((getattr(thing, m) for m in ("close", "shutdown", "remove")
+                   if thing is not None and hasattr(thing, m)), None)
         if fn is None:
             continue
         try:
             fn()
         except Exception:
-            log.exception("tear-down of the %s failed", what)
+            log.exception("tear-down of %s failed", type(thing).__name__)
 
 
-bring_up_local = bring_up_planes  # the name the local-only version had
-
-
-def get_planes(handle: PlanesHandle) -> LocalPlanes:
+def get_planes(handle: PlanesHandle) -> Planes:
     try:
         return _REGISTRY[handle.key]
     except KeyError:

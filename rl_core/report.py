@@ -15,15 +15,12 @@ _PHASES = ("rollout", "reward", "logprobs", "train", "sync")
 def format_step(step: int, total: int, m: Mapping[str, float]) -> str:
     """``step 12/60 | reward 0.41 acc 0.41 kl 0.0012 ent 0.53 len 14.2 | 1830 tok/s | ...``"""
     width = len(str(total))
-    phases = [ph for ph in _PHASES if f"time/{ph}" in m] + (
-        ["checkpoint"] if "time/checkpoint" in m else []
-    )
+    phases = [ph for ph in (*_PHASES, "checkpoint") if f"time/{ph}" in m]
     times = " ".join(f"{ph} {m[f'time/{ph}']:.2f}" for ph in phases)
     # The step's wall time when the flow measured it (an overlapped rollout ran during the
     # previous step's training, so the phases need not add up to it); else their sum.
-    total_s = m["time/step"] + m.get("time/checkpoint", 0.0) if "time/step" in m else sum(
-        m[f"time/{ph}"] for ph in phases
-    )
+    total_s = (m["time/step"] + m.get("time/checkpoint", 0.0) if "time/step" in m
+               else sum(m[f"time/{ph}"] for ph in phases))
     parts = [
         f"step {step:>{width}}/{total}",
         f"reward {m.get('reward_mean', 0.0):.3f}",
@@ -34,13 +31,10 @@ def format_step(step: int, total: int, m: Mapping[str, float]) -> str:
         f"{m.get('rollout_tokens_per_s', 0.0):.0f} tok/s",
         f"{total_s:.2f}s [{times}]",
     ]
-    extra = []
     if m.get("reward_errors") or m.get("reward_timeouts"):
-        extra.append(
-            f"reward errors {m.get('reward_errors', 0):.0f} "
-            f"timeouts {m.get('reward_timeouts', 0):.0f}"
-        )
-    return " | ".join(parts + extra)
+        parts.append(f"reward errors {m.get('reward_errors', 0):.0f} "
+                     f"timeouts {m.get('reward_timeouts', 0):.0f}")
+    return " | ".join(parts)
 
 
 def format_eval(result: Mapping) -> str:
@@ -48,11 +42,10 @@ def format_eval(result: Mapping) -> str:
     line = f"eval @ step {result['step']}: greedy pass@1 {result['pass_at_1']:.3f}"
     if result.get("pass_at_k") is not None:
         line += f" | pass@{result['k']} {result['pass_at_k']:.3f}"
-    line += (
-        f" | len {result['response_len_mean']:.1f} | trunc {result['truncation_rate']:.3f}"
-        f" | n={result['num_examples']}"
-    )
-    return line
+    line += (f" | len {result['response_len_mean']:.1f} | trunc {result['truncation_rate']:.3f}"
+             f" | n={result['num_examples']}")
+    failed = result.get("reward_errors", 0), result.get("reward_timeouts", 0)
+    return line + (" | reward errors {} timeouts {}".format(*failed) if any(failed) else "")
 
 
 def format_summary(summary: Mapping) -> str:
@@ -69,31 +62,22 @@ def format_summary(summary: Mapping) -> str:
     ]
     if first.get("pass_at_k") is not None and last.get("pass_at_k") is not None:
         lines.append(
-            f"held-out pass@{last['k']}: {first['pass_at_k']:.3f} -> {last['pass_at_k']:.3f}"
-        )
-    lines += [
-        f"run directory:  {summary['run_dir']}",
-        f"final model:    {summary['model_dir']} (Hugging Face format)",
-        f"metrics:        {summary['metrics_path']}",
-        "=" * 72,
-    ]
+            f"held-out pass@{last['k']}: {first['pass_at_k']:.3f} -> {last['pass_at_k']:.3f}")
+    lines += [f"run directory:  {summary['run_dir']}",
+              f"final model:    {summary['model_dir']} (Hugging Face format)",
+              f"metrics:        {summary['metrics_path']}", "=" * 72]
     return "\n".join(lines)
 
 
 def eval_markdown(result: Mapping, title: str) -> str:
     """An evaluation as a markdown report: the numbers, then a few sample generations."""
-    rows = [
-        ("step", result["step"]),
-        ("weight version", result["weight_version"]),
-        ("greedy pass@1", f"{result['pass_at_1']:.3f}"),
-    ]
+    rows = [("step", result["step"]), ("weight version", result["weight_version"]),
+            ("greedy pass@1", f"{result['pass_at_1']:.3f}")]
     if result.get("pass_at_k") is not None:
         rows.append((f"pass@{result['k']} (sampled)", f"{result['pass_at_k']:.3f}"))
-    rows += [
-        ("mean response length", f"{result['response_len_mean']:.1f}"),
-        ("truncation rate", f"{result['truncation_rate']:.3f}"),
-        ("problems", result["num_examples"]),
-    ]
+    rows += [("mean response length", f"{result['response_len_mean']:.1f}"),
+             ("truncation rate", f"{result['truncation_rate']:.3f}"),
+             ("problems", result["num_examples"])]
     lines = [f"# {title}", "", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
     if result.get("samples"):

@@ -3,7 +3,7 @@
 Layout::
 
     <storage.root>/<run_name>/
-        config.yaml        the resolved config
+        config.yaml        the resolved config, secrets masked (rl_core.secrets)
         metrics.jsonl      one JSON object per step
         evals.jsonl        evaluation results with sample generations
         samples.jsonl      the sample ledger: per step, each sample's uid, weight version, reward
@@ -17,7 +17,6 @@ Never imports Prefect or MLflow.
 from __future__ import annotations
 
 import json
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -25,34 +24,15 @@ from typing import Any
 import yaml
 
 from rl_core.config import ExperimentConfig
-from rl_core.storage import redact
+from rl_core.secrets import redact_config
 
 __all__ = ["RunDir"]
 
 
-_SECRET_NAME = re.compile(r"(?i)secret|passw|credential|token$|(?:^|_)(?:api_?)?key$|auth")
-
-
-def _redacted(value: Any, key: str = "") -> Any:
-    """The config as ``config.yaml`` keeps it: a string under a secret-looking name
-    (``cluster.env.WANDB_API_KEY``) is masked, every other string goes through
-    :func:`rl_core.storage.redact` (``user:pass@`` in URLs, key ids, secrets in the
-    environment). The file is a record for people; nothing reads it back."""
-    if isinstance(value, dict):
-        return {k: _redacted(v, str(k)) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_redacted(v, key) for v in value]
-    if isinstance(value, str) and value:
-        return "***" if _SECRET_NAME.search(key) else redact(value)
-    return value
-
-
 def _latest_run_name(root: Path, name: str) -> str | None:
     """The newest ``<name>-*`` run directory under ``root`` that holds a checkpoint."""
-    runs = sorted(
-        (p for p in root.glob(f"{name}-*") if (p / "checkpoints").is_dir()),
-        key=lambda p: p.stat().st_mtime,
-    )
+    runs = sorted((p for p in root.glob(f"{name}-*") if (p / "checkpoints").is_dir()),
+                  key=lambda p: p.stat().st_mtime)
     return runs[-1].name if runs else None
 
 
@@ -65,14 +45,11 @@ class RunDir:
         if name is None and resume_latest:
             name = _latest_run_name(root, cfg.name)
         self.name = name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        self.path = root / self.name
-        self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / "config.yaml").write_text(
-            yaml.safe_dump(_redacted(cfg.model_dump(mode="json")), sort_keys=False)
-        )
-        self.metrics_path = self.path / "metrics.jsonl"
-        self.evals_path = self.path / "evals.jsonl"
-        self.ledger_path = self.path / "samples.jsonl"
+        (path := root / self.name).mkdir(parents=True, exist_ok=True)
+        config = redact_config(cfg.model_dump(mode="json"))
+        (path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        self.path, self.metrics_path = path, path / "metrics.jsonl"
+        self.evals_path, self.ledger_path = path / "evals.jsonl", path / "samples.jsonl"
 
     @property
     def model_dir(self) -> Path:
@@ -86,11 +63,8 @@ class RunDir:
         """Drop metric and evaluation lines past ``step`` (work redone after a resume)."""
         for path in (self.metrics_path, self.evals_path, self.ledger_path):
             if path.is_file():
-                keep = [
-                    line
-                    for line in path.read_text(encoding="utf-8").splitlines()
-                    if line.strip() and json.loads(line)["step"] <= step
-                ]
+                keep = [line for line in path.read_text(encoding="utf-8").splitlines()
+                        if line.strip() and json.loads(line)["step"] <= step]
                 path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
 
     def read_evals(self) -> list[dict[str, Any]]:

@@ -1,29 +1,18 @@
 """One URI abstraction for durable storage: local paths and ``s3://bucket/prefix``.
 
-Every function takes a local path or an ``s3://`` URI and behaves the same for both, so data
-sources, model downloads and checkpoints never branch on where the bytes live. S3 goes through
-boto3, so any S3-compatible store works (MinIO, Ceph RGW, Cloudflare R2):
+Every function takes either and behaves the same for both, so data sources, model downloads
+and checkpoints never branch on where the bytes live. S3 goes through boto3, so any
+S3-compatible store works (MinIO, Ceph RGW, R2): endpoint ``AWS_ENDPOINT_URL_S3`` (see
+:func:`s3_env`), else ``AWS_ENDPOINT_URL``, else AWS; region ``AWS_REGION`` /
+``AWS_DEFAULT_REGION``; credentials from boto3's standard chain (never read, stored or logged
+here). Transfers: multipart, several files at once, bounded retries (botocore ``standard``
+mode), connect/read timeouts. Directories travel with a manifest (``MANIFEST.json``: each
+file's size and SHA-256) that :func:`upload_dir` writes last: a prefix without one is an
+interrupted upload, which :func:`download_dir` refuses; a download is verified in a temporary
+directory, then renamed into place. Errors and log lines are redacted
+(:func:`rl_core.secrets.redact`); errors name the URI, the operation and the fix.
 
-- endpoint: the ``endpoint_url`` argument, else ``AWS_ENDPOINT_URL_S3``, else
-  ``AWS_ENDPOINT_URL``, else AWS itself; region from ``AWS_REGION`` / ``AWS_DEFAULT_REGION``.
-- credentials: boto3's standard chain (environment, ``AWS_PROFILE`` and the shared files,
-  SSO, web identity, container and instance roles). This module never reads, stores or logs
-  a key itself.
-- transfers: multipart above a threshold (``TransferConfig``), several files at once, bounded
-  retries with backoff (botocore ``standard`` retry mode) and connect/read timeouts.
-
-Directories travel with a manifest (``MANIFEST.json``: every file's size and SHA-256).
-:func:`upload_dir` writes the manifest last, so a prefix without one is an interrupted upload
-and :func:`download_dir` refuses it; a download lands in a temporary directory, is checked
-file by file against the manifest and is then renamed into place, so the destination is
-either complete and verified or untouched.
-
-Every error raised and every line logged here passes through :func:`redact` first (access key
-ids, secrets present in the environment, ``user:pass@`` in URLs, presigned signatures), and
-errors name the URI, the operation and the fix.
-
-Never imports Prefect or MLflow; never deletes outside the prefix it is given (and never a
-whole bucket).
+Never imports Prefect or MLflow; never deletes outside the prefix it is given (nor a bucket).
 """
 
 from __future__ import annotations
@@ -33,7 +22,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
@@ -43,126 +31,28 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, NoReturn
 
+from rl_core.secrets import RedactFilter, redact
+
 __all__ = [
-    "MANIFEST",
-    "BucketNotFound",
-    "ChecksumMismatch",
-    "FileInfo",
-    "ManifestMissing",
-    "NotFound",
-    "RedactFilter",
-    "StorageError",
-    "Unreachable",
-    "build_manifest",
-    "default_cache_dir",
-    "delete",
-    "delete_prefix",
-    "download_dir",
-    "download_file",
-    "exists",
-    "fingerprint",
-    "is_remote",
-    "join",
-    "list_dirs",
-    "list_files",
-    "read_bytes",
-    "redact",
-    "read_manifest",
-    "reset_clients",
-    "resolve_endpoint",
-    "s3_env",
-    "stat",
-    "upload_dir",
-    "upload_file",
-    "write_bytes",
+    "MANIFEST", "BucketNotFound", "ChecksumMismatch", "FileInfo", "ManifestMissing", "NotFound",
+    "StorageError", "Unreachable", "build_manifest", "default_cache_dir", "delete", "delete_prefix",
+    "download_dir", "download_file", "exists", "file_sha256", "fingerprint", "is_remote", "join",
+    "list_dirs", "list_files", "read_bytes", "read_manifest", "reset_clients", "resolve_endpoint",
+    "s3_env", "stat", "upload_dir", "upload_file", "write_bytes",
 ]
 
 MANIFEST = "MANIFEST.json"
 MIB = 1 << 20
 # Multipart above 64 MiB in 64 MiB parts (S3's minimum part is 5 MiB; 10,000 parts at most,
 # so 64 MiB parts reach 625 GiB per file), 8 parts or files in flight.
-MULTIPART_THRESHOLD = 64 * MIB
-MULTIPART_CHUNKSIZE = 64 * MIB
+MULTIPART_THRESHOLD = MULTIPART_CHUNKSIZE = 64 * MIB
 MAX_CONCURRENCY = 8
 MAX_ATTEMPTS = 5  # per request, with botocore's exponential backoff and jitter
-CONNECT_TIMEOUT_S = 10
-READ_TIMEOUT_S = 120
-# Values of these variables are masked wherever they appear in a message.
-SECRET_ENV = (
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_SECURITY_TOKEN",
-    "AWS_ACCESS_KEY_ID",
-    "HF_TOKEN",
-    "HUGGING_FACE_HUB_TOKEN",
-    "MLFLOW_TRACKING_TOKEN",
-    "MLFLOW_TRACKING_PASSWORD",
-)
-_MIN_SECRET_LEN = 6  # shorter values would mask ordinary words
-
+CONNECT_TIMEOUT_S, READ_TIMEOUT_S = 10, 120
+PROGRESS_BAR_BYTES = 256 * MIB  # a tqdm bar for transfers at least this large (on a TTY)
 log = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------- redaction
-
-
-_ACCESS_KEY_RE = re.compile(
-    r"(?<![A-Z0-9])(?:AKIA|ASIA|AIDA|AROA|ABIA|ACCA)[A-Z0-9]{16}(?![A-Z0-9])"
-)
-_USERINFO_RE = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)[^/\s@:]*:[^/\s@]*@")
-_SIGNED_QUERY_RE = re.compile(
-    r"(?i)(?P<name>X-Amz-(?:Signature|Security-Token|Credential)|Signature|AWSAccessKeyId)"
-    r"=[^&\s\"']+"
-)
-_ASSIGNED_SECRET_RE = re.compile(
-    r"(?i)(?P<name>aws_secret_access_key|aws_session_token|secret_access_key|secret_key|password)"
-    r"(?P<sep>\s*[=:]\s*)['\"]?[^\s,;'\"]+['\"]?"
-)
-
-
-def redact(text: object) -> str:
-    """``text`` with credentials masked: safe for logs, errors, params and artifacts.
-
-    Masks AWS access key ids (``AKIA...``/``ASIA...``), the values of the secret variables in
-    :data:`SECRET_ENV` currently set (6 characters or more), ``user:pass@`` in URLs, presigned
-    URL signatures and ``secret_key=...``-style assignments.
-    """
-    out = str(text)
-    secrets = sorted(
-        {v for n in SECRET_ENV if len(v := os.environ.get(n, "")) >= _MIN_SECRET_LEN},
-        key=len,
-        reverse=True,
-    )
-    for secret in secrets:
-        out = out.replace(secret, "***")
-    out = _ACCESS_KEY_RE.sub(lambda m: m.group(0)[:4] + "****", out)
-    out = _USERINFO_RE.sub(r"\g<scheme>***:***@", out)
-    out = _SIGNED_QUERY_RE.sub(r"\g<name>=***", out)
-    return _ASSIGNED_SECRET_RE.sub(r"\g<name>\g<sep>***", out)
-
-
-class RedactFilter(logging.Filter):
-    """A logging filter that passes every record's message through :func:`redact`.
-
-    Attach it to a handler (``handler.addFilter(RedactFilter())``) to cover every logger that
-    reaches the handler; this module's own logger carries one.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            message = record.getMessage()
-        except Exception:  # noqa: BLE001 - a bad format string is the caller's bug; keep it
-            return True
-        record.msg, record.args = redact(message), None
-        if record.exc_info and record.exc_info[1] is not None and not record.exc_text:
-            record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
-        return True
-
-
 log.addFilter(RedactFilter())
-
-
-# ---------------------------------------------------------------- errors
+PathOrUri = str | os.PathLike[str]  # a local path or an s3:// URI
 
 
 class StorageError(RuntimeError):
@@ -193,18 +83,14 @@ def _raise(cls: type[StorageError], message: str) -> NoReturn:
     raise cls(redact(message))
 
 
-# ---------------------------------------------------------------- URIs
-
-
-def is_remote(uri: str | os.PathLike[str]) -> bool:
+def is_remote(uri: PathOrUri) -> bool:
     """Whether ``uri`` is an ``s3://`` URI (everything else is a local path)."""
     return isinstance(uri, str) and uri[:5].lower() == "s3://"
 
 
 def _split(uri: str) -> tuple[str, str]:
     """``s3://bucket/a/b`` -> ``("bucket", "a/b")``."""
-    rest = uri[5:]
-    bucket, _, key = rest.partition("/")
+    bucket, _, key = uri[5:].partition("/")
     if not bucket:
         _raise(StorageError, f"{uri}: no bucket name; an S3 URI looks like s3://bucket/prefix")
     return bucket, key
@@ -215,49 +101,28 @@ def _dir_key(key: str) -> str:
     return key.rstrip("/") + "/" if key.strip("/") else ""
 
 
-def join(uri: str | os.PathLike[str], *parts: str) -> str:
+def join(uri: PathOrUri, *parts: str) -> str:
     """``uri`` with ``parts`` appended (``/``-separated for S3, ``os.path.join`` locally)."""
     if not is_remote(uri):
         return str(Path(uri, *parts))
-    out = str(uri).rstrip("/")
-    for part in parts:
-        part = part.strip("/")
-        if part:
-            out += "/" + part
-    return out
+    return "/".join([str(uri).rstrip("/"), *(p.strip("/") for p in parts if p.strip("/"))])
 
 
 def default_cache_dir() -> Path:
-    """Where downloads are cached when no directory is given: ``$GRPOFLOW_CACHE_DIR``, else
-    ``.cache/grpoflow`` (``storage.cache_dir``'s default)."""
+    """Where downloads go by default: ``$GRPOFLOW_CACHE_DIR``, else ``.cache/grpoflow``."""
     return Path(os.environ.get("GRPOFLOW_CACHE_DIR") or ".cache/grpoflow")
 
 
-# ---------------------------------------------------------------- the S3 client
-
-
 def resolve_endpoint(endpoint_url: str | None = None) -> str | None:
-    """The S3 endpoint to use: the argument, ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``,
-    or None for AWS itself."""
-    for value in (
-        endpoint_url,
-        os.environ.get("AWS_ENDPOINT_URL_S3"),
-        os.environ.get("AWS_ENDPOINT_URL"),
-    ):
-        if value:
-            return value
-    return None
+    """The endpoint: the argument, ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, None (AWS)."""
+    env = os.environ
+    return endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None
 
 
 def s3_env(endpoint_url: str | None) -> dict[str, str]:
-    """Environment that points boto3 *and* MLflow's artifact store at ``endpoint_url``.
-
-    Apply it to ``os.environ`` (and to the environment of workers) when the config sets
-    ``storage.s3_endpoint_url``; empty when ``endpoint_url`` is None.
-    """
-    if not endpoint_url:
-        return {}
-    return {"AWS_ENDPOINT_URL_S3": endpoint_url, "MLFLOW_S3_ENDPOINT_URL": endpoint_url}
+    """Environment pointing boto3 and MLflow's artifact store at ``storage.s3_endpoint_url``."""
+    names = ("AWS_ENDPOINT_URL_S3", "MLFLOW_S3_ENDPOINT_URL")
+    return dict.fromkeys(names, endpoint_url) if endpoint_url else {}
 
 
 _clients: dict[tuple[Any, ...], Any] = {}
@@ -270,45 +135,6 @@ def reset_clients() -> None:
         _clients.clear()
 
 
-def _client(endpoint_url: str | None = None) -> Any:
-    """A cached boto3 S3 client (one per process, endpoint, region and profile)."""
-    endpoint = resolve_endpoint(endpoint_url)
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    cache_key = (os.getpid(), endpoint, region, os.environ.get("AWS_PROFILE"), _max_attempts())
-    with _clients_lock:
-        client = _clients.get(cache_key)
-        if client is not None:
-            return client
-        try:
-            import boto3
-            from botocore.config import Config
-        except ImportError:
-            _raise(StorageError, "s3:// URIs need boto3, which is not installed: pip install boto3")
-        options: dict[str, Any] = {
-            "retries": {"max_attempts": _max_attempts(), "mode": "standard"},
-            "connect_timeout": CONNECT_TIMEOUT_S,
-            "read_timeout": READ_TIMEOUT_S,
-            "max_pool_connections": MAX_CONCURRENCY * 2,
-        }
-        if endpoint:
-            # S3-compatible stores: path-style addressing (no bucket DNS names), and integrity
-            # checksums only where the API requires them (several stores reject the newer
-            # default trailers); grpoflow's manifests check SHA-256 end to end anyway.
-            options["s3"] = {"addressing_style": "path"}
-            if not os.environ.get("AWS_REQUEST_CHECKSUM_CALCULATION"):
-                options["request_checksum_calculation"] = "when_required"
-            if not os.environ.get("AWS_RESPONSE_CHECKSUM_VALIDATION"):
-                options["response_checksum_validation"] = "when_required"
-        client = boto3.session.Session().client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name=region or ("us-east-1" if endpoint else None),
-            config=Config(**options),
-        )
-        _clients[cache_key] = client
-        return client
-
-
 def _max_attempts() -> int:
     """``AWS_MAX_ATTEMPTS`` when set (boto3's own variable), else :data:`MAX_ATTEMPTS`."""
     try:
@@ -317,90 +143,96 @@ def _max_attempts() -> int:
         return MAX_ATTEMPTS
 
 
+def _client() -> Any:
+    """A cached boto3 S3 client (one per process, endpoint, region, profile and retry count)."""
+    import boto3  # a dependency; ``grpoflow doctor`` names the fix where it is missing
+    from botocore.config import Config
+
+    endpoint = resolve_endpoint()
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    cache_key = (os.getpid(), endpoint, region, os.environ.get("AWS_PROFILE"), _max_attempts())
+    with _clients_lock:
+        if cache_key in _clients:
+            return _clients[cache_key]
+        options: dict[str, Any] = dict(
+            retries={"max_attempts": _max_attempts(), "mode": "standard"},
+            connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
+            max_pool_connections=MAX_CONCURRENCY * 2)
+        if endpoint:
+            # S3-compatible stores: path-style addressing (no bucket DNS names), and integrity
+            # checksums only where the API requires them (several stores reject the newer
+            # default trailers); grpoflow's manifests check SHA-256 end to end anyway.
+            options["s3"] = {"addressing_style": "path"}
+            for option in ("request_checksum_calculation", "response_checksum_validation"):
+                if not os.environ.get(f"AWS_{option.upper()}"):
+                    options[option] = "when_required"
+        _clients[cache_key] = boto3.session.Session().client(
+            "s3", endpoint_url=endpoint, region_name=region or ("us-east-1" if endpoint else None),
+            config=Config(**options))
+        return _clients[cache_key]
+
+
 def _transfer_config(multipart_threshold: int | None, multipart_chunksize: int | None) -> Any:
     from boto3.s3.transfer import TransferConfig
 
-    return TransferConfig(
-        multipart_threshold=multipart_threshold or MULTIPART_THRESHOLD,
-        multipart_chunksize=multipart_chunksize or MULTIPART_CHUNKSIZE,
-        max_concurrency=MAX_CONCURRENCY,
-        use_threads=True,
-    )
+    return TransferConfig(multipart_threshold=multipart_threshold or MULTIPART_THRESHOLD,
+                          multipart_chunksize=multipart_chunksize or MULTIPART_CHUNKSIZE,
+                          max_concurrency=MAX_CONCURRENCY, use_threads=True)
 
 
 def _where(uri: str) -> str:
-    endpoint = resolve_endpoint()
-    return f"{uri} (endpoint {endpoint})" if endpoint else uri
+    return f"{uri} (endpoint {endpoint})" if (endpoint := resolve_endpoint()) else uri
+
+
+_MISSING = ("NoSuchKey", "404", "NotFound")
+_DENIED = ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+           "AllAccessDisabled")
+_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError")
+_NETWORK = ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+            "ConnectionClosedError", "ProxyConnectionError")
+
+
+def _code(exc: BaseException) -> tuple[str, str]:
+    """``(code or HTTP status, message)`` of a botocore ``ClientError``, else ``("", str(exc))``."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return "", str(exc)
+    err = response.get("Error", {}) or {}
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return str(err.get("Code", "") or status or ""), str(err.get("Message", "")) or str(exc)
 
 
 def _translate(op: str, uri: str, exc: BaseException) -> StorageError:
     """A boto3/botocore failure -> a StorageError naming the URI, the operation and the fix."""
-    where = _where(uri)
-    # boto3's upload_file wraps the ClientError (S3UploadFailedError): look through it.
-    inner = exc.__cause__ or exc.__context__
-    if type(exc).__name__ == "S3UploadFailedError" and inner is not None:
-        exc = inner
-    code, message = "", str(exc)
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        err = response.get("Error", {}) or {}
-        code = str(err.get("Code", ""))
-        message = str(err.get("Message", "")) or message
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if not code and status:
-            code = str(status)
-    name = type(exc).__name__
+    where, name = _where(uri), type(exc).__name__
+    if name == "S3UploadFailedError" and (exc.__cause__ or exc.__context__) is not None:
+        exc = exc.__cause__ or exc.__context__  # boto3's upload_file wraps the ClientError
+        name = type(exc).__name__
+    code, message = _code(exc)
     bucket = _split(uri)[0] if is_remote(uri) else ""
     if code == "NoSuchBucket":
-        return BucketNotFound(
-            redact(
-                f"{op} {where}: bucket {bucket!r} does not exist; create the bucket or fix the "
-                "URI in the config"
-            )
-        )
-    if code in ("NoSuchKey", "404", "NotFound"):
-        return NotFound(redact(f"{op} {where}: no such object; check the URI"))
-    if code in (
-        "AccessDenied",
-        "403",
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "AllAccessDisabled",
-    ):
-        return StorageError(
-            redact(
-                f"{op} {where}: access denied ({code}); check the credentials boto3 finds "
-                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or the machine's role), "
-                f"the bucket policy for {bucket!r}, and the endpoint (AWS_ENDPOINT_URL)"
-            )
-        )
-    if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
-        return StorageError(
-            redact(
-                f"{op} {where}: no usable S3 credentials ({name}); set AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or run with an instance/pod role"
-            )
-        )
-    if name in (
-        "EndpointConnectionError",
-        "ConnectTimeoutError",
-        "ReadTimeoutError",
-        "ConnectionClosedError",
-        "ProxyConnectionError",
-    ) or isinstance(exc, ConnectionError | TimeoutError):
-        return Unreachable(
-            redact(
-                f"{op} {where}: the S3 endpoint cannot be reached ({name}: {message}) after "
-                f"{_max_attempts()} attempts; check storage.s3_endpoint_url / AWS_ENDPOINT_URL and "
-                "this machine's network"
-            )
-        )
-    if code == "InvalidBucketName":
-        return StorageError(
-            redact(f"{op} {where}: invalid bucket name {bucket!r} (3-63 lowercase characters)")
-        )
-    detail = f"{code}: {message}" if code else f"{name}: {message}"
-    return StorageError(redact(f"{op} {where} failed: {detail}"))
+        cls, text = BucketNotFound, (f"bucket {bucket!r} does not exist; create the bucket or "
+                                     "fix the URI in the config")
+    elif code in _MISSING:
+        cls, text = NotFound, "no such object; check the URI"
+    elif code in _DENIED:
+        cls, text = StorageError, (f"access denied ({code}); check the credentials boto3 finds "
+                                   "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or the "
+                                   f"machine's role), the bucket policy for {bucket!r}, and the "
+                                   "endpoint (AWS_ENDPOINT_URL)")
+    elif name in _NO_CREDENTIALS:
+        cls, text = StorageError, (f"no usable S3 credentials ({name}); set AWS_ACCESS_KEY_ID "
+                                   "and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or run with an "
+                                   "instance/pod role")
+    elif name in _NETWORK or isinstance(exc, ConnectionError | TimeoutError):
+        cls, text = Unreachable, (f"the S3 endpoint cannot be reached ({name}: {message}) after "
+                                  f"{_max_attempts()} attempts; check storage.s3_endpoint_url / "
+                                  "AWS_ENDPOINT_URL and this machine's network")
+    elif code == "InvalidBucketName":
+        cls, text = StorageError, f"invalid bucket name {bucket!r} (3-63 lowercase characters)"
+    else:
+        return StorageError(redact(f"{op} {where} failed: {code or name}: {message}"))
+    return cls(redact(f"{op} {where}: {text}"))
 
 
 @contextlib.contextmanager
@@ -415,17 +247,6 @@ def _s3_errors(op: str, uri: str) -> Iterator[None]:
         raise _translate(op, uri, exc) from None
 
 
-def _is_missing(exc: BaseException) -> bool:
-    response = getattr(exc, "response", None)
-    if not isinstance(response, dict):
-        return False
-    code = str(response.get("Error", {}).get("Code", ""))
-    return code in ("NoSuchKey", "404", "NotFound")
-
-
-# ---------------------------------------------------------------- listing and small files
-
-
 @dataclass(frozen=True)
 class FileInfo:
     """One file under a prefix: its name relative to the prefix, size and version tag."""
@@ -435,199 +256,154 @@ class FileInfo:
     etag: str  # the S3 ETag; locally the modification time in ns
 
 
-def stat(uri: str | os.PathLike[str]) -> FileInfo:
+def stat(uri: PathOrUri) -> FileInfo:
     """Size and ETag of one object (or local file); :class:`NotFound` if there is none."""
     if not is_remote(uri):
-        p = Path(uri)
-        if not p.is_file():
+        if not (p := Path(uri)).is_file():
             _raise(NotFound, f"stat {p}: no such file")
-        st = p.stat()
-        return FileInfo(p.name, st.st_size, str(st.st_mtime_ns))
-    uri = str(uri)
-    bucket, key = _split(uri)
+        return FileInfo(p.name, p.stat().st_size, str(p.stat().st_mtime_ns))
+    bucket, key = _split(uri := str(uri))
     if not key or key.endswith("/"):
         _raise(NotFound, f"stat {_where(uri)}: a prefix, not an object")
     with _s3_errors("stat", uri):
-        try:
-            head = _client().head_object(Bucket=bucket, Key=key)
-        except Exception as exc:
-            if _is_missing(exc):
-                _raise(NotFound, f"stat {_where(uri)}: no such object")
-            raise
+        head = _client().head_object(Bucket=bucket, Key=key)
     return FileInfo(PurePosixPath(key).name, int(head["ContentLength"]), head["ETag"].strip('"'))
 
 
-def exists(uri: str | os.PathLike[str]) -> bool:
+def exists(uri: PathOrUri) -> bool:
     """Whether a file/object, or a directory/non-empty prefix, is at ``uri``."""
     if not is_remote(uri):
         return Path(uri).exists()
-    uri = str(uri)
-    bucket, key = _split(uri)
-    with _s3_errors("exists", uri):
-        if key and not key.endswith("/"):
-            try:
-                _client().head_object(Bucket=bucket, Key=key)
-                return True
-            except Exception as exc:
-                if not _is_missing(exc):
-                    raise
-        resp = _client().list_objects_v2(Bucket=bucket, Prefix=_dir_key(key), MaxKeys=1)
-    return bool(resp.get("KeyCount", 0))
+    with contextlib.suppress(NotFound):  # a missing bucket raises again from the listing
+        stat(uri)
+        return True
+    with _s3_errors("exists", uri := str(uri)):
+        return bool(next(_pages(uri, MaxKeys=1)).get("KeyCount", 0))
 
 
 def _pages(uri: str, **kwargs: Any) -> Iterator[dict[str, Any]]:
     bucket, key = _split(uri)
-    paginator = _client().get_paginator("list_objects_v2")
-    yield from paginator.paginate(Bucket=bucket, Prefix=_dir_key(key), **kwargs)
+    yield from _client().get_paginator("list_objects_v2").paginate(
+        Bucket=bucket, Prefix=_dir_key(key), **kwargs)
 
 
-def list_dirs(uri: str | os.PathLike[str]) -> list[str]:
+def list_dirs(uri: PathOrUri) -> list[str]:
     """Names of the immediate sub-directories (S3: common prefixes) of ``uri``, sorted."""
     if not is_remote(uri):
         p = Path(uri)
         return sorted(c.name for c in p.iterdir() if c.is_dir()) if p.is_dir() else []
-    uri = str(uri)
-    names: list[str] = []
-    with _s3_errors("list", uri):
-        for page in _pages(uri, Delimiter="/"):
-            for common in page.get("CommonPrefixes", []):
-                names.append(common["Prefix"].rstrip("/").rsplit("/", 1)[-1])
-    return sorted(names)
+    with _s3_errors("list", uri := str(uri)):
+        return sorted(c["Prefix"].rstrip("/").rsplit("/", 1)[-1]
+                      for page in _pages(uri, Delimiter="/")
+                      for c in page.get("CommonPrefixes", []))
 
 
-def list_files(uri: str | os.PathLike[str]) -> list[FileInfo]:
+def list_files(uri: PathOrUri) -> list[FileInfo]:
     """Every file under ``uri`` (recursively), names relative to it, sorted by name."""
     if not is_remote(uri):
         root = Path(uri)
-        if not root.is_dir():
-            return []
-        out = []
-        for f in sorted(root.rglob("*")):
-            if f.is_file():
-                st = f.stat()
-                out.append(
-                    FileInfo(f.relative_to(root).as_posix(), st.st_size, str(st.st_mtime_ns))
-                )
-        return out
-    uri = str(uri)
-    prefix = _dir_key(_split(uri)[1])
-    out = []
+        files = sorted(f for f in root.rglob("*") if f.is_file()) if root.is_dir() else []
+        return [FileInfo(f.relative_to(root).as_posix(), (st := f.stat()).st_size,
+                         str(st.st_mtime_ns)) for f in files]
+    prefix = _dir_key(_split(uri := str(uri))[1])
     with _s3_errors("list", uri):
-        for page in _pages(uri):
-            for obj in page.get("Contents", []):
-                name = obj["Key"][len(prefix) :]
-                if name and not name.endswith("/"):  # skip "directory marker" objects
-                    out.append(FileInfo(name, int(obj["Size"]), str(obj["ETag"]).strip('"')))
-    return sorted(out, key=lambda f: f.name)
+        objects = [o for page in _pages(uri) for o in page.get("Contents", [])]
+    return sorted((FileInfo(o["Key"][len(prefix):], int(o["Size"]), str(o["ETag"]).strip('"'))
+                   for o in objects if o["Key"][len(prefix):] and not o["Key"].endswith("/")),
+                  key=lambda f: f.name)  # skips "directory marker" objects; fmt: skip
 
 
-def fingerprint(uri: str | os.PathLike[str]) -> str:
-    """A digest that changes when anything at ``uri`` changes (names, sizes, ETags/mtimes).
-
-    Cheap (one listing, no download): use it to key caches of things derived from ``uri``.
-    """
+def fingerprint(uri: PathOrUri) -> str:
+    """A cache key for things derived from ``uri``: a digest of its names, sizes, ETags/mtimes."""
     try:
-        one = stat(uri)
-        entries = [["", one.size, one.etag]]
+        entries = [["", (one := stat(uri)).size, one.etag]]
     except NotFound:
         entries = [[f.name, f.size, f.etag] for f in list_files(uri)]
     blob = json.dumps([str(uri), entries], separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def read_bytes(uri: str | os.PathLike[str]) -> bytes:
+def read_bytes(uri: PathOrUri) -> bytes:
     """The content of a small file or object (manifests, state); :class:`NotFound` if none."""
     if not is_remote(uri):
-        p = Path(uri)
-        if not p.is_file():
-            _raise(NotFound, f"read {p}: no such file")
-        return p.read_bytes()
-    uri = str(uri)
-    bucket, key = _split(uri)
+        if not Path(uri).is_file():
+            _raise(NotFound, f"read {uri}: no such file")
+        return Path(uri).read_bytes()
+    bucket, key = _split(uri := str(uri))
     with _s3_errors("read", uri):
-        try:
-            return _client().get_object(Bucket=bucket, Key=key)["Body"].read()
-        except Exception as exc:
-            if _is_missing(exc):
-                _raise(NotFound, f"read {_where(uri)}: no such object")
-            raise
+        return _client().get_object(Bucket=bucket, Key=key)["Body"].read()
 
 
-def write_bytes(uri: str | os.PathLike[str], data: bytes) -> None:
+def _replace_atomically(dest: Path, write: Callable[[Path], Any], tag: str = "tmp") -> Path:
+    """``write(tmp)`` to a hidden temporary sibling of ``dest``, then rename it onto ``dest``."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{tag}-{uuid.uuid4().hex[:8]}")
+    try:
+        write(tmp)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with path.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_bytes(uri: PathOrUri, data: bytes) -> None:
     """Write a small file or object in one piece (locally: temp file, fsync, rename)."""
     if not is_remote(uri):
-        p = Path(uri)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.tmp-{uuid.uuid4().hex[:8]}")
-        try:
-            with tmp.open("wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
-        finally:
-            tmp.unlink(missing_ok=True)
+        _replace_atomically(Path(uri), lambda tmp: _write_synced(tmp, data))
         return
-    uri = str(uri)
-    bucket, key = _split(uri)
+    bucket, key = _split(uri := str(uri))
     with _s3_errors("write", uri):
         _client().put_object(Bucket=bucket, Key=key, Body=data)
 
 
-def delete(uri: str | os.PathLike[str]) -> None:
+def delete(uri: PathOrUri) -> None:
     """Delete one file or object; nothing happens if it does not exist."""
     if not is_remote(uri):
         Path(uri).unlink(missing_ok=True)
         return
-    uri = str(uri)
-    bucket, key = _split(uri)
+    bucket, key = _split(uri := str(uri))
     with _s3_errors("delete", uri):
         _client().delete_object(Bucket=bucket, Key=key)
 
 
-def delete_prefix(uri: str | os.PathLike[str]) -> int:
-    """Delete everything under the directory/prefix ``uri``; returns how many files went.
-
-    ``s3://b/ckpt/step-000002`` deletes ``step-000002/...`` only, never ``step-0000020/``.
-    Refuses a bucket root.
-    """
+def delete_prefix(uri: PathOrUri) -> int:
+    """Delete everything under the directory/prefix ``uri`` (never a bucket root); returns how
+    many files went. ``s3://b/c/step-000002`` deletes ``step-000002/...``, not ``step-0000020/``."""
     if not is_remote(uri):
-        p = Path(uri)
-        if p.is_dir():
-            count = sum(1 for f in p.rglob("*") if f.is_file())
-            shutil.rmtree(p)
-            return count
-        return 0
-    uri = str(uri)
-    bucket, key = _split(uri)
+        if not (p := Path(uri)).is_dir():
+            return 0
+        count = sum(f.is_file() for f in p.rglob("*"))
+        shutil.rmtree(p)
+        return count
+    bucket, key = _split(uri := str(uri))
     if not key.strip("/"):
         _raise(StorageError, f"delete {uri}: refusing to delete a whole bucket; name a prefix")
     deleted = 0
     with _s3_errors("delete", uri):
         for page in _pages(uri):
-            keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
-            if not keys:
+            if not (keys := [{"Key": obj["Key"]} for obj in page.get("Contents", [])]):
                 continue
             resp = _client().delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
-            errors = resp.get("Errors", [])
-            if errors:
-                first = errors[0]
-                _raise(
-                    StorageError,
-                    f"delete {_where(uri)}: {len(errors)} object(s) could not be deleted "
-                    f"(first: {first.get('Key')}: {first.get('Code')} {first.get('Message')}); "
-                    "check the credentials' s3:DeleteObject permission",
-                )
+            if errors := resp.get("Errors", []):
+                _raise(StorageError, f"delete {_where(uri)}: {len(errors)} object(s) could not "
+                       f"be deleted (first: {(first := errors[0]).get('Key')}: {first.get('Code')} "
+                       f"{first.get('Message')}); check the credentials' s3:DeleteObject "
+                       "permission")
             deleted += len(keys)
     return deleted
 
 
-# ---------------------------------------------------------------- files
-
-
-def _sha256(path: Path) -> str:
+def file_sha256(path: PathOrUri) -> str:
+    """The SHA-256 (hex) of a local file, read in 4 MiB chunks."""
     h = hashlib.sha256()
-    with path.open("rb") as f:
+    with Path(path).open("rb") as f:
         while chunk := f.read(4 * MIB):
             h.update(chunk)
     return h.hexdigest()
@@ -641,120 +417,116 @@ def _safe_name(name: str, uri: str) -> PurePosixPath:
     return rel
 
 
-def download_file(
-    uri: str | os.PathLike[str],
-    local: str | os.PathLike[str],
-    *,
-    multipart_threshold: int | None = None,
-    multipart_chunksize: int | None = None,
-) -> Path:
+def download_file(uri: PathOrUri, local: PathOrUri, *, multipart_threshold: int | None = None,
+                  multipart_chunksize: int | None = None) -> Path:
     """Copy one object (or file) to ``local``, atomically (temp name, then rename)."""
-    dest = Path(local)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.partial-{uuid.uuid4().hex[:8]}")
-    try:
-        if is_remote(uri):
-            uri = str(uri)
-            bucket, key = _split(uri)
-            with _s3_errors("download", uri):
-                try:
-                    _client().download_file(
-                        bucket,
-                        key,
-                        str(tmp),
-                        Config=_transfer_config(multipart_threshold, multipart_chunksize),
-                    )
-                except Exception as exc:
-                    if _is_missing(exc):
-                        _raise(NotFound, f"download {_where(uri)}: no such object")
-                    raise
-        else:
-            if not Path(uri).is_file():
-                _raise(NotFound, f"copy {uri}: no such file")
-            shutil.copyfile(uri, tmp)
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return dest
+    if not is_remote(uri):
+        if not Path(uri).is_file():
+            _raise(NotFound, f"copy {uri}: no such file")
+        return _replace_atomically(Path(local), lambda tmp: shutil.copyfile(uri, tmp), "partial")
+    bucket, key = _split(uri := str(uri))
+    config = _transfer_config(multipart_threshold, multipart_chunksize)
+    with _s3_errors("download", uri):
+        return _replace_atomically(Path(local), lambda tmp: _client().download_file(
+            bucket, key, str(tmp), Config=config), "partial")
 
 
-def upload_file(
-    local: str | os.PathLike[str],
-    uri: str | os.PathLike[str],
-    *,
-    multipart_threshold: int | None = None,
-    multipart_chunksize: int | None = None,
-) -> None:
+def upload_file(local: PathOrUri, uri: PathOrUri, *, multipart_threshold: int | None = None,
+                multipart_chunksize: int | None = None) -> None:
     """Copy one local file to ``uri`` (multipart above the threshold)."""
-    src = Path(local)
-    if not src.is_file():
+    if not (src := Path(local)).is_file():
         _raise(NotFound, f"upload {src}: no such file")
     if not is_remote(uri):
         _copy_local(src, Path(uri))
         return
-    uri = str(uri)
-    bucket, key = _split(uri)
+    bucket, key = _split(uri := str(uri))
     with _s3_errors("upload", uri):
-        _client().upload_file(
-            str(src), bucket, key, Config=_transfer_config(multipart_threshold, multipart_chunksize)
-        )
+        _client().upload_file(str(src), bucket, key,
+                              Config=_transfer_config(multipart_threshold, multipart_chunksize))
 
 
 def _copy_local(src: Path, dest: Path) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
+    _replace_atomically(dest, lambda tmp: shutil.copyfile(src, tmp))
 
 
-# ---------------------------------------------------------------- directories
-
-
-def build_manifest(
-    local: str | os.PathLike[str], *, manifest_name: str = MANIFEST
-) -> dict[str, Any]:
-    """``{"created": ..., "files": {name: {"bytes", "sha256"}}}`` of every file under ``local``
-    (the manifest itself left out)."""
+def build_manifest(local: PathOrUri, *, manifest_name: str = MANIFEST) -> dict[str, Any]:
+    """``{"created", "files": {name: {"bytes", "sha256"}}}`` of the files under ``local``."""
     root = Path(local)
-    files = {
-        f.relative_to(root).as_posix(): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-        for f in sorted(root.rglob("*"))
-        if f.is_file() and f.relative_to(root).as_posix() != manifest_name
-    }
+    files = {f.relative_to(root).as_posix(): {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
+             for f in sorted(root.rglob("*"))
+             if f.is_file() and f.relative_to(root).as_posix() != manifest_name}
     return {"created": time.time(), "files": files}
 
 
-def _rate(nbytes: int, seconds: float) -> str:
+def _rate(nbytes: int, started: float) -> str:
+    seconds = time.perf_counter() - started
     return f"{nbytes / 1e6:.1f} MB in {seconds:.1f}s ({nbytes / 1e6 / max(seconds, 1e-6):.0f} MB/s)"
 
 
-def upload_dir(
-    local: str | os.PathLike[str],
-    uri: str | os.PathLike[str],
-    *,
-    manifest_name: str = MANIFEST,
-    manifest: Mapping[str, Any] | None = None,
-    multipart_threshold: int | None = None,
-    multipart_chunksize: int | None = None,
-) -> dict[str, Any]:
-    """Upload every file under ``local`` to the prefix ``uri``; the manifest goes LAST.
+@contextlib.contextmanager
+def _progress(total: int, label: str) -> Iterator[list[Any]]:
+    """s3transfer subscribers moving a tqdm bar (off without a TTY) from PROGRESS_BAR_BYTES up."""
+    if total < PROGRESS_BAR_BYTES:
+        yield []
+        return
+    from s3transfer.subscribers import BaseSubscriber
+    from tqdm import tqdm
 
-    The manifest (``{"files": {name: {"bytes", "sha256"}}, ...}``) is computed here, or the
-    caller passes ``manifest`` when it has just computed one (a checkpoint); then only sizes
-    are re-checked. Any manifest already at the destination is deleted first, so while the upload
-    runs the prefix reads as incomplete. Files already there and not in the new manifest are
-    left alone (they are ignored by :func:`download_dir`). Returns the manifest.
-    """
-    src = Path(local)
+    class _Bar(BaseSubscriber):
+        def on_progress(self, future: Any, bytes_transferred: int, **kwargs: Any) -> None:
+            bar.update(bytes_transferred)
+
+    with tqdm(total=total, unit="B", unit_scale=True, desc=redact(label), disable=None,
+              leave=False) as bar:
+        yield [_Bar()]
+
+
+def _transfer(op: str, uri: str, local: Path, names: list[str], total: int,
+              *multipart: int | None) -> None:
+    """Upload or download ``names`` between the directory ``local`` and ``uri`` (S3: several at
+    once); one that ``uri`` lacks is :class:`NotFound` locally, :class:`ChecksumMismatch` in S3."""
+    if not is_remote(uri):
+        for n in names:
+            if op == "download" and not (Path(uri) / n).is_file():
+                _raise(NotFound, f"copy {uri}: {n} is listed in the manifest but missing")
+            pair = (local / n, Path(uri) / n)
+            _copy_local(*(pair if op == "upload" else pair[::-1]))
+        return
+    from boto3.s3.transfer import create_transfer_manager
+
+    bucket, key = _split(uri)
+    prefix, config = _dir_key(key), _transfer_config(*multipart)
+    with (_s3_errors(op, uri), _progress(total, f"{op} {uri}") as subs,
+          create_transfer_manager(_client(), config) as manager):
+        for n in names:  # where a download lands (an upload's directories exist)
+            (local / n).parent.mkdir(parents=True, exist_ok=True)
+        futures = {n: manager.upload(str(local / n), bucket, prefix + n, subscribers=subs)
+                   if op == "upload" else
+                   manager.download(bucket, prefix + n, str(local / n), subscribers=subs)
+                   for n in names}
+        for name, future in futures.items():
+            try:
+                future.result()
+            except Exception as exc:
+                if op == "download" and _code(exc)[0] in _MISSING:
+                    _raise(ChecksumMismatch, f"download {_where(uri)}: {name} is listed in the "
+                           "manifest but missing; the upload is damaged, so it is not used: "
+                           "upload the directory again")
+                raise
+
+
+def upload_dir(local: PathOrUri, uri: PathOrUri, *, manifest_name: str = MANIFEST,
+               manifest: Mapping[str, Any] | None = None, multipart_threshold: int | None = None,
+               multipart_chunksize: int | None = None) -> dict[str, Any]:
+    """Upload every file under ``local`` to the prefix ``uri``, the manifest LAST; returns it.
+
+    The manifest is computed here, or passed by a caller that just computed one (a checkpoint;
+    only sizes are re-checked). One already at ``uri`` is deleted first: the prefix reads as
+    incomplete during the upload. Files there that the new manifest omits are left alone."""
+    src, uri = Path(local), str(uri)
     if not src.is_dir():
         _raise(NotFound, f"upload {src}: no such directory")
-    uri = str(uri)
-    if manifest is None:
-        manifest = build_manifest(src, manifest_name=manifest_name)
-    manifest = dict(manifest)
+    manifest = dict(manifest or build_manifest(src, manifest_name=manifest_name))
     files: dict[str, dict[str, Any]] = manifest["files"]
     for name, meta in files.items():
         path = src / _safe_name(name, str(src))
@@ -765,37 +537,13 @@ def upload_dir(
     log.info("uploading %d files (%.1f MB) from %s to %s", len(files), total / 1e6, src, uri)
     manifest_uri = join(uri, manifest_name)
     delete(manifest_uri)  # from here on the destination reads as incomplete
-    if is_remote(uri):
-        bucket, key = _split(uri)
-        prefix = _dir_key(key)
-        from boto3.s3.transfer import create_transfer_manager
-
-        config = _transfer_config(multipart_threshold, multipart_chunksize)
-        with (
-            _s3_errors("upload", uri),
-            _progress(total, f"upload {uri}") as progress,
-            create_transfer_manager(_client(), config) as manager,
-        ):
-            futures = [
-                manager.upload(
-                    str(src / name), bucket, prefix + name, subscribers=progress.subscribers()
-                )
-                for name in files
-            ]
-            for future in futures:
-                future.result()
-    else:
-        dest = Path(uri)
-        for name in files:
-            _copy_local(src / name, dest / name)
+    _transfer("upload", uri, src, list(files), total, multipart_threshold, multipart_chunksize)
     write_bytes(manifest_uri, json.dumps(manifest, indent=1, sort_keys=True).encode())
-    log.info(
-        "uploaded %s: %s, manifest written last", uri, _rate(total, time.perf_counter() - started)
-    )
+    log.info("uploaded %s: %s, manifest written last", uri, _rate(total, started))
     return manifest
 
 
-def read_manifest(uri: str | os.PathLike[str], *, manifest_name: str = MANIFEST) -> dict[str, Any]:
+def read_manifest(uri: PathOrUri, *, manifest_name: str = MANIFEST) -> dict[str, Any]:
     """The manifest of the directory ``uri``; :class:`ManifestMissing` if it has none."""
     uri = str(uri)
     try:
@@ -803,17 +551,13 @@ def read_manifest(uri: str | os.PathLike[str], *, manifest_name: str = MANIFEST)
     except BucketNotFound:
         raise
     except NotFound:
-        _raise(
-            ManifestMissing,
-            f"{_where(uri)} has no {manifest_name}: it is an interrupted or foreign upload and "
-            "is not used; upload it again (grpoflow writes the manifest last)",
-        )
+        _raise(ManifestMissing, f"{_where(uri)} has no {manifest_name}: an interrupted or foreign "
+               "upload, not used; upload it again (grpoflow writes the manifest last)")
     try:
         manifest = json.loads(raw)
-        files = manifest["files"]
-        if not isinstance(files, dict):
+        if not isinstance(manifest["files"], dict):
             raise TypeError("files is not a mapping")
-        for name, meta in files.items():
+        for name, meta in manifest["files"].items():
             _safe_name(name, uri)
             if not isinstance(meta["bytes"], int) or not isinstance(meta["sha256"], str):
                 raise TypeError(f"{name}: bytes must be an integer and sha256 a string")
@@ -822,177 +566,55 @@ def read_manifest(uri: str | os.PathLike[str], *, manifest_name: str = MANIFEST)
     return manifest
 
 
-def download_dir(
-    uri: str | os.PathLike[str],
-    local: str | os.PathLike[str],
-    *,
-    manifest_name: str = MANIFEST,
-    require_manifest: bool = True,
-    include: Callable[[str], bool] | None = None,
-    multipart_threshold: int | None = None,
-    multipart_chunksize: int | None = None,
-) -> dict[str, Any]:
-    """Download the directory ``uri`` into ``local``, verified, atomically.
-
-    With a manifest, exactly the files it lists are fetched and each one's size and SHA-256
-    must match (:class:`ChecksumMismatch` names the file otherwise); the manifest is written
-    into ``local`` too. Without one, :class:`ManifestMissing` is raised, unless
-    ``require_manifest=False`` (a directory grpoflow did not upload, such as a base model
-    synced by other tools): then every listed file is fetched and its size checked against
-    the listing. ``include(name)`` narrows the files fetched. Everything lands in a temporary
-    sibling directory first and is renamed onto ``local`` (replacing it) only when complete.
-    Returns the manifest (with ``"verified": "sha256"`` or ``"size"``).
-    """
-    uri = str(uri)
-    dest = Path(local)
+def download_dir(uri: PathOrUri, local: PathOrUri, *, manifest_name: str = MANIFEST,
+                 require_manifest: bool = True, include: Callable[[str], bool] | None = None,
+                 multipart_threshold: int | None = None,
+                 multipart_chunksize: int | None = None) -> dict[str, Any]:
+    """Download the directory ``uri`` into ``local``, verified, atomically (a temporary sibling
+    is renamed onto ``local`` when complete). The files its manifest lists must match in
+    size and SHA-256 (:class:`ChecksumMismatch` names one that does not); the manifest is
+    copied too. Without one, :class:`ManifestMissing`, unless ``require_manifest=False`` (a
+    directory from other tools, e.g. a synced base model: sizes are checked against the
+    listing). ``include(name)`` narrows the files. Returns the manifest with ``"verified":``
+    ``"sha256"`` or ``"size"``."""
+    uri, dest = str(uri), Path(local)
     try:
-        manifest = read_manifest(uri, manifest_name=manifest_name)
-        verified = "sha256"
+        manifest, verified = read_manifest(uri, manifest_name=manifest_name), "sha256"
     except ManifestMissing:
         if require_manifest or exists(join(uri, manifest_name)):
             raise
-        listing = list_files(uri)
-        if not listing:
+        if not (listing := list_files(uri)):
             _raise(NotFound, f"download {_where(uri)}: nothing there; check the URI")
-        manifest = {"files": {f.name: {"bytes": f.size} for f in listing}}
-        verified = "size"
-    files: dict[str, dict[str, Any]] = {
-        name: meta for name, meta in manifest["files"].items() if include is None or include(name)
-    }
+        manifest, verified = {"files": {f.name: {"bytes": f.size} for f in listing}}, "size"
+    files = {n: m for n, m in manifest["files"].items() if include is None or include(n)}
+    for name in files:  # before anything is written (a listing's names are unchecked)
+        _safe_name(name, uri)
     total = sum(int(m["bytes"]) for m in files.values())
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.partial-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
+    (tmp := dest.with_name(f".{dest.name}.partial-{uuid.uuid4().hex[:8]}")).mkdir()
     started = time.perf_counter()
     log.info("downloading %d files (%.1f MB) from %s to %s", len(files), total / 1e6, uri, dest)
+    damaged = ("the stored copy is damaged or was overwritten since the upload, so it is not "
+               "used: upload the directory again")
     try:
-        _fetch(uri, tmp, files, multipart_threshold, multipart_chunksize, total)
+        _transfer("download", uri, tmp, list(files), total, multipart_threshold,
+                  multipart_chunksize)
         for name, meta in files.items():
-            path = tmp / _safe_name(name, uri)
-            size = path.stat().st_size
-            if size != int(meta["bytes"]):
-                _raise(
-                    ChecksumMismatch,
-                    f"download {_where(uri)}: {name} has {size} bytes, the manifest says "
-                    f"{meta['bytes']}; the stored copy is damaged or was overwritten since the upload, "
-                    "so it is not used: upload the directory again",
-                )
-            if "sha256" in meta and _sha256(path) != meta["sha256"]:
-                _raise(
-                    ChecksumMismatch,
-                    f"download {_where(uri)}: {name} does not match its SHA-256 in "
-                    f"{manifest_name}; the stored copy is damaged or was overwritten since the "
-                    "upload, so it is not used: upload the directory again",
-                )
+            if (size := (path := tmp / name).stat().st_size) != int(meta["bytes"]):
+                _raise(ChecksumMismatch, f"download {_where(uri)}: {name} has {size} bytes, the "
+                       f"manifest says {meta['bytes']}; {damaged}")
+            if "sha256" in meta and file_sha256(path) != meta["sha256"]:
+                _raise(ChecksumMismatch, f"download {_where(uri)}: {name} does not match its "
+                       f"SHA-256 in {manifest_name}; {damaged}")
         if verified == "sha256":
             (tmp / manifest_name).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        aside = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
         if dest.exists():
-            aside = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
             os.rename(dest, aside)
-            os.rename(tmp, dest)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.rename(tmp, dest)
+        os.rename(tmp, dest)
+        shutil.rmtree(aside, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info(
-        "downloaded %s: %s, verified (%s)",
-        uri,
-        _rate(total, time.perf_counter() - started),
-        verified,
-    )
+    log.info("downloaded %s: %s, verified (%s)", uri, _rate(total, started), verified)
     return {**manifest, "verified": verified}
-
-
-def _fetch(
-    uri: str,
-    tmp: Path,
-    files: Mapping[str, Any],
-    multipart_threshold: int | None,
-    multipart_chunksize: int | None,
-    total: int,
-) -> None:
-    if not is_remote(uri):
-        for name in files:
-            source = Path(uri) / name
-            if not source.is_file():
-                _raise(NotFound, f"copy {uri}: {name} is listed in the manifest but missing")
-            _copy_local(source, tmp / name)
-        return
-    bucket, key = _split(uri)
-    prefix = _dir_key(key)
-    from boto3.s3.transfer import create_transfer_manager
-
-    config = _transfer_config(multipart_threshold, multipart_chunksize)
-    for name in files:
-        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-    with (
-        _s3_errors("download", uri),
-        _progress(total, f"download {uri}") as progress,
-        create_transfer_manager(_client(), config) as manager,
-    ):
-        futures = {
-            name: manager.download(
-                bucket, prefix + name, str(tmp / name), subscribers=progress.subscribers()
-            )
-            for name in files
-        }
-        for name, future in futures.items():
-            try:
-                future.result()
-            except Exception as exc:
-                if _is_missing(exc):
-                    _raise(
-                        ChecksumMismatch,
-                        f"download {_where(uri)}: {name} is listed in the manifest but missing; "
-                        "the upload is damaged, so it is not used: upload the directory again",
-                    )
-                raise
-
-
-# ---------------------------------------------------------------- progress
-
-
-class _Progress:
-    """A tqdm bar for transfers large enough to take a while (off when stderr is no TTY)."""
-
-    def __init__(self, total: int, label: str) -> None:
-        self.bar = None
-        if total >= 256 * MIB:
-            from tqdm import tqdm
-
-            self.bar = tqdm(
-                total=total,
-                unit="B",
-                unit_scale=True,
-                desc=redact(label),
-                disable=None,
-                leave=False,
-            )
-
-    def subscribers(self) -> list[Any]:
-        if self.bar is None:
-            return []
-        from s3transfer.subscribers import BaseSubscriber
-
-        bar = self.bar
-
-        class _Sub(BaseSubscriber):
-            def on_progress(self, future: Any, bytes_transferred: int, **kwargs: Any) -> None:
-                bar.update(bytes_transferred)
-
-        return [_Sub()]
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-@contextlib.contextmanager
-def _progress(total: int, label: str) -> Iterator[_Progress]:
-    progress = _Progress(total, label)
-    try:
-        yield progress
-    finally:
-        progress.close()

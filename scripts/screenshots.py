@@ -49,6 +49,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# ``grpoflow`` as this checkout runs it (``python -m grpoflow.cli`` from ROOT), whatever an
+# installed ``grpoflow`` script next to the interpreter would import.
+GRPOFLOW = [sys.executable, "-m", "grpoflow.cli"]
 CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
 SHARED_CACHE = ROOT / ".cache" / "grpoflow"
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
@@ -313,7 +316,7 @@ def _grpoflow(args: list[str], env: dict[str, str], log_path: Path, timeout: flo
     log(f"grpoflow {' '.join(args)}  (up to {timeout:.0f}s; output in {log_path})")
     with log_path.open("w") as err:
         proc = subprocess.Popen(
-            [str(BIN / "grpoflow"), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+            [*GRPOFLOW, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
             stderr=err, text=True, start_new_session=True,
         )  # fmt: skip
         service = Service(f"grpoflow {args[0]}", proc, log_path)

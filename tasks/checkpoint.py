@@ -27,22 +27,10 @@ from rl_core.planes import PlanesHandle, get_planes
 __all__ = ["restore_checkpoint", "save_checkpoint"]
 
 
-@task(
-    name="checkpoint",
-    task_run_name="checkpoint-step-{step}",
-    timeout_seconds=1800,
-    retries=2,
-    retry_delay_seconds=[2, 10],
-    cache_policy=NO_CACHE,
-)
-def save_checkpoint(
-    planes: PlanesHandle,
-    root: str,
-    step: int,
-    sampler_state: dict[str, Any],
-    train_digest: str,
-    tracking_run_id: str | None = None,
-) -> dict[str, float]:
+@task(name="checkpoint", task_run_name="checkpoint-step-{step}", timeout_seconds=1800, retries=2,
+      retry_delay_seconds=[2, 10], cache_policy=NO_CACHE)
+def save_checkpoint(planes: PlanesHandle, root: str, step: int, sampler_state: dict[str, Any],
+                    train_digest: str, tracking_run_id: str | None = None) -> dict[str, float]:
     """Write a complete checkpoint for ``step`` (idempotent: a re-run replaces it)."""
     p = get_planes(planes)
     started = time.perf_counter()
@@ -51,21 +39,11 @@ def save_checkpoint(
         p.trainer.save_state(tmp)
         p.tokenizer.save_pretrained(tmp / "model")
 
-    state = CheckpointState(
-        step=step,
-        weight_version=p.weight_version,
-        sampler=sampler_state,
-        config_digest=config_digest(p.config),
-        train_digest=train_digest,
-        tracking_run_id=tracking_run_id,
-    )
-    commit_checkpoint(
-        root,
-        state,
-        payload,
-        keep_last=p.config.checkpoint.keep_last,
-        cache_dir=p.config.storage.cache_dir,
-    )
+    state = CheckpointState(step=step, weight_version=p.weight_version, sampler=sampler_state,
+                            config_digest=config_digest(p.config), train_digest=train_digest,
+                            tracking_run_id=tracking_run_id)
+    commit_checkpoint(root, state, payload, keep_last=p.config.checkpoint.keep_last,
+                      cache_dir=p.config.storage.cache_dir)
     return {"time/checkpoint": time.perf_counter() - started}
 
 

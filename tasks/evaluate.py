@@ -15,34 +15,21 @@ from rl_core.report import eval_markdown
 __all__ = ["artifact_key", "evaluate_policy", "export_model"]
 
 
-@task(
-    name="evaluate",
-    task_run_name="evaluate-step-{step}",
-    timeout_seconds=1800,
-    retries=1,
-    retry_delay_seconds=5,
-    cache_policy=NO_CACHE,
-)
+@task(name="evaluate", task_run_name="evaluate-step-{step}", timeout_seconds=1800, retries=1,
+      retry_delay_seconds=5, cache_policy=NO_CACHE)
 def evaluate_policy(planes: PlanesHandle, step: int) -> dict:
-    """Greedy pass@1 and sampled pass@k of the rollout plane's current weights."""
+    """Greedy pass@1 and sampled pass@k of the rollout plane's current weights, scored by
+    the run's reward function."""
     p = get_planes(planes)
     cfg = p.config
-    result = evaluate(
-        p.rollout,
-        p.eval_records,
-        p.eval_prompts,
-        max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-        k=cfg.eval.pass_k,
-        k_examples=cfg.eval.pass_k_examples,
-        temperature=cfg.eval.temperature,
-        seed=cfg.seed,
-    )
+    e = cfg.eval
+    result = evaluate(p.rollout, p.eval_records, p.eval_prompts, p.reward_runner,
+                      max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens, k=e.pass_k,
+                      k_examples=e.pass_k_examples, temperature=e.temperature, seed=cfg.seed)
     out = {"step": step, "weight_version": p.weight_version, **result.to_dict()}
-    create_markdown_artifact(
-        markdown=eval_markdown(out, f"{cfg.name}: evaluation at step {step}"),
-        key=artifact_key("eval", cfg.name),
-        description=f"held-out evaluation at step {step}",
-    )
+    create_markdown_artifact(markdown=eval_markdown(out, f"{cfg.name}: evaluation at step {step}"),
+                             key=artifact_key("eval", cfg.name),
+                             description=f"held-out evaluation at step {step}")
     return out
 
 

@@ -17,8 +17,9 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rl_core import storage
-from rl_core.config import DataConfig, ExperimentConfig, ModelConfig
-from rl_core.data import generate_splits, load_records, read_parquet, write_parquet
+from rl_core.config import ConfigError, DataConfig, ExperimentConfig, ModelConfig
+from rl_core.data.sources import load_records, read_parquet, write_parquet
+from rl_core.data.synthetic import generate_splits
 from rl_core.models.hub import snapshot_model
 from rl_core.planes import PlanesHandle, bring_up_planes
 
@@ -47,25 +48,18 @@ def _source_fingerprint(source: str) -> str:
         st = p.stat()
         return f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}"
     if p.is_dir():
-        parts = sorted(
-            f"{f.relative_to(p)}:{f.stat().st_size}:{f.stat().st_mtime_ns}"
-            for f in p.rglob("*")
-            if f.is_file()
-        )
+        parts = sorted(f"{f.relative_to(p)}:{f.stat().st_size}:{f.stat().st_mtime_ns}"
+                       for f in p.rglob("*") if f.is_file())
         return f"{p.resolve()}:" + ",".join(parts)
     return source
 
 
 def data_key(data: DataConfig) -> str:
     """The digest of everything that determines the prepared data."""
-    blob = json.dumps(
-        {
-            "config": data.model_dump(mode="json"),
-            "source": _source_fingerprint(data.source),
-            "eval_source": _source_fingerprint(data.eval_source or data.source),
-        },
-        sort_keys=True,
-    )
+    blob = json.dumps({"config": data.model_dump(mode="json"),
+                       "source": _source_fingerprint(data.source),
+                       "eval_source": _source_fingerprint(data.eval_source or data.source)},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -81,53 +75,40 @@ def prepare_data(data: DataConfig, cache_dir: str) -> PreparedData:
         return PreparedData(**{**meta, "cached": True})
     started = time.perf_counter()
     if data.source == "synthetic":
-        train, test = generate_splits(
-            data.synthetic_train_size,
-            data.synthetic_test_size,
-            data.seed,
-            **data.synthetic_knobs(),
-        )
+        train, test = generate_splits(data.synthetic_train_size, data.synthetic_test_size,
+                                      data.seed, **data.synthetic_knobs())
         train = train[: data.max_train_examples]  # the warm start still saw the whole split
     else:
-        fields = dict(
-            subset=data.subset,
-            question_field=data.question_field,
-            answer_field=data.answer_field,
-            id_field=data.id_field,
-            max_bad_fraction=data.max_bad_fraction,
-            cache_dir=cache_dir,
-        )
-        train = load_records(
-            data.source, data.train_split, limit=data.max_train_examples, **fields
-        )
+        fields = dict(subset=data.subset, question_field=data.question_field,
+                      answer_field=data.answer_field, id_field=data.id_field,
+                      max_bad_fraction=data.max_bad_fraction, cache_dir=cache_dir)
+        train = load_records(data.source, data.train_split, limit=data.max_train_examples,
+                             **fields)
         test = load_records(data.eval_source or data.source, data.eval_split, **fields)
     out.mkdir(parents=True, exist_ok=True)
     prepared = PreparedData(
-        train_path=str(out / "train.parquet"),
-        eval_path=str(out / "eval.parquet"),
+        train_path=str(out / "train.parquet"), eval_path=str(out / "eval.parquet"),
         train_digest=write_parquet(train, out / "train.parquet"),
         eval_digest=write_parquet(test, out / "eval.parquet"),
-        num_train=len(train),
-        num_eval=len(test),
-        source=data.source,
-        cached=False,
-    )
+        num_train=len(train), num_eval=len(test), source=data.source, cached=False)
     # meta.json last: a directory without it is an interrupted preparation, redone next time.
     tmp = meta_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(prepared), indent=2))
     os.replace(tmp, meta_path)
-    log.info(
-        "data: %d train / %d eval records from %s in %.1fs -> %s",
-        len(train),
-        len(test),
-        data.source,
-        time.perf_counter() - started,
-        out,
-    )
+    log.info("data: %d train / %d eval records from %s in %.1fs -> %s", len(train), len(test),
+             data.source, time.perf_counter() - started, out)
     return prepared
 
 
-@task(name="fetch-model", timeout_seconds=3600, retries=2, retry_delay_seconds=10)
+def _not_a_config_error(task: object, task_run: object, state: object) -> bool:
+    """Retry a fetch (the hub, S3), unless what failed is the model itself (a ConfigError:
+    remote code, a mismatched tokenizer): another attempt would fail the same way."""
+    failure = state.result(raise_on_failure=False)  # type: ignore[attr-defined]
+    return not isinstance(failure, ConfigError)
+
+
+@task(name="fetch-model", timeout_seconds=3600, retries=2, retry_delay_seconds=10,
+      retry_condition_fn=_not_a_config_error)
 def fetch_model(
     model: ModelConfig, data: DataConfig, cache_dir: str, revision: str | None = None
 ) -> str:
@@ -139,9 +120,8 @@ def fetch_model(
     """
     log = get_run_logger()
     started = time.perf_counter()
-    snap = snapshot_model(
-        model, data, cache_dir, revision=revision, token=os.environ.get("HF_TOKEN")
-    )
+    token = os.environ.get("HF_TOKEN")
+    snap = snapshot_model(model, data, cache_dir, revision=revision, token=token)
     what = f"{snap.source}@{snap.revision[:12]}" if snap.revision else snap.source
     where = f"{snap.path} (content key {snap.key}, verified)"
     if snap.offline:
@@ -158,13 +138,8 @@ def fetch_model(
 
 
 @task(name="bring-up-planes", timeout_seconds=1800, cache_policy=NO_CACHE)
-def bring_up(
-    cfg: ExperimentConfig,
-    model_path: str,
-    data: PreparedData,
-    work_dir: str,
-    with_trainer: bool = True,
-) -> PlanesHandle:
+def bring_up(cfg: ExperimentConfig, model_path: str, data: PreparedData, work_dir: str,
+             with_trainer: bool = True) -> PlanesHandle:
     """Start the rollout engines and the trainer on ``model_path`` (logs under ``work_dir``)."""
     train = read_parquet(data.train_path)
     test = read_parquet(data.eval_path)[: cfg.eval.num_examples]

@@ -18,30 +18,14 @@ from typing import Any, TypeVar
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from rl_core.grpo import (
-    Sample,
-    advantages_for,
-    rollout_groups,
-    score_samples,
-    summarize_samples,
-    to_train_batch,
-)
+from rl_core.engine.sampling import SamplingParams
+from rl_core.grpo import advantages_for, rollout_groups, score_samples, summarize_samples
 from rl_core.planes import PlanesHandle, get_planes
 from rl_core.rewards import RewardFunctionError
-from rl_core.rollout.sampler import SamplingParams
-from rl_core.training.batch import TrainBatch
+from rl_core.types import Batch, Sample
 
-__all__ = [
-    "StepSamples",
-    "StepTaskError",
-    "compute_advantages",
-    "compute_logprobs",
-    "release_rollout_memory",
-    "reward",
-    "rollout",
-    "sync_weights",
-    "train",
-]
+__all__ = ["StepSamples", "StepTaskError", "compute_advantages", "compute_logprobs",
+           "release_rollout_memory", "reward", "rollout", "sync_weights", "train"]
 
 _RETRY = dict(retries=2, retry_delay_seconds=[2, 10], cache_policy=NO_CACHE)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -88,12 +72,8 @@ class StepSamples:
     def ledger(self) -> list[dict]:
         """One small row per sample: what was consumed, by which weights, how it scored,
         and whether it was trained on."""
-        return [
-            {"uid": s.uid, "weight_version": s.weight_version, "reward": s.reward,
-             "tokens": len(s.output_ids), "trained": trained}
-            for samples, trained in ((self.samples, True), (self.dropped, False))
-            for s in samples
-        ]
+        return [s.ledger_row(True) for s in self.samples] + [
+            s.ledger_row(False) for s in self.dropped]
 
 
 @task(name="rollout", task_run_name="rollout-step-{step}", timeout_seconds=1800, **_RETRY)
@@ -101,32 +81,19 @@ class StepSamples:
 def rollout(planes: PlanesHandle, indices: list[int], step: int) -> StepSamples:
     """Generate ``rollout.n_samples`` completions for each prompt in ``indices``."""
     p = get_planes(planes)
-    cfg = p.config
+    r = p.config.rollout
     started = time.perf_counter()
-    params = SamplingParams(
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        stop=list(cfg.rollout.stop),
-        stop_token_ids=list(cfg.rollout.stop_token_ids),
-    )
+    params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                            max_new_tokens=r.max_new_tokens, stop=list(r.stop),
+                            stop_token_ids=list(r.stop_token_ids))
     samples = rollout_groups(
-        p.rollout,
-        [p.train_records[i] for i in indices],
-        [p.train_prompts[i] for i in indices],
-        n=cfg.rollout.n_samples,
-        params=params,
-        step=step,
-        seed=cfg.seed,
+        p.rollout, [p.train_records[i] for i in indices], [p.train_prompts[i] for i in indices],
+        n=r.n_samples, params=params, step=step, seed=p.config.seed,
     )
     seconds = time.perf_counter() - started
-    tokens = sum(len(s.output_ids) for s in samples)
-    return StepSamples(
-        step,
-        samples,
-        {"time/rollout": seconds, "rollout_tokens_per_s": tokens / max(seconds, 1e-9)},
-    )
+    tokens = sum(len(s.completion_ids) for s in samples)
+    return StepSamples(step, samples, {"time/rollout": seconds,
+                                       "rollout_tokens_per_s": tokens / max(seconds, 1e-9)})
 
 
 def _not_a_failing_reward_function(task: Any, task_run: Any, state: Any) -> bool:
@@ -136,38 +103,24 @@ def _not_a_failing_reward_function(task: Any, task_run: Any, state: Any) -> bool
     return not isinstance(getattr(exc, "__cause__", None), RewardFunctionError)
 
 
-@task(
-    name="reward",
-    task_run_name="reward-step-{step}",
-    timeout_seconds=900,
-    retry_condition_fn=_not_a_failing_reward_function,
-    **_RETRY,
-)
+@task(name="reward", task_run_name="reward-step-{step}", timeout_seconds=900,
+      retry_condition_fn=_not_a_failing_reward_function, **_RETRY)
 @_named("reward")
 def reward(planes: PlanesHandle, batch: StepSamples, step: int) -> StepSamples:
     """Score every sample; failures of the reward function score 0 and are counted."""
     p = get_planes(planes)
     started = time.perf_counter()
     result = score_samples(batch.samples, p.reward_runner, step=step)
-    metrics = dict(batch.metrics)
-    metrics.update(summarize_samples(batch.samples, p.config.rollout.n_samples))
-    metrics.update(
-        {
-            "reward_errors": float(result.num_errors),
-            "reward_timeouts": float(result.num_timeouts),
-            "reward_failed_streak": float(result.failed_streak),
-            "time/reward": time.perf_counter() - started,
-        }
-    )
+    metrics = {**batch.metrics, **summarize_samples(batch.samples, p.config.rollout.n_samples)}
+    metrics.update({"reward_errors": float(result.num_errors),
+                    "reward_timeouts": float(result.num_timeouts),
+                    "reward_failed_streak": float(result.failed_streak),
+                    "time/reward": time.perf_counter() - started})
     return StepSamples(step, batch.samples, metrics)
 
 
-@task(
-    name="release-rollout-memory",
-    task_run_name="release-rollout-memory-step-{step}",
-    timeout_seconds=300,
-    **_RETRY,
-)
+@task(name="release-rollout-memory", task_run_name="release-rollout-memory-step-{step}",
+      timeout_seconds=300, **_RETRY)
 @_named("release-rollout-memory")
 def release_rollout_memory(planes: PlanesHandle, step: int) -> dict[str, float]:
     """Colocated planes: the engines free their weights and KV cache for the trainer; the
@@ -175,43 +128,36 @@ def release_rollout_memory(planes: PlanesHandle, step: int) -> dict[str, float]:
     return get_planes(planes).release_rollout_memory()
 
 
-@task(
-    name="advantages",
-    task_run_name="advantages-step-{step}",
-    timeout_seconds=300,
-    cache_policy=NO_CACHE,
-)
+@task(name="advantages", task_run_name="advantages-step-{step}", timeout_seconds=300,
+      cache_policy=NO_CACHE)
 @_named("advantages")
-def compute_advantages(planes: PlanesHandle, batch: StepSamples, step: int) -> TrainBatch:
+def compute_advantages(planes: PlanesHandle, batch: StepSamples, step: int) -> Batch:
     """Group-relative advantages laid out as a training batch."""
     p = get_planes(planes)
     cfg = p.config
     adv = advantages_for(batch.samples, cfg.rollout.n_samples, cfg.algorithm.advantage)
-    return to_train_batch(batch.samples, adv, p.pad_token_id)
+    return Batch.from_samples(batch.samples, adv, p.pad_token_id)
 
 
 @task(name="logprobs", task_run_name="logprobs-step-{step}", timeout_seconds=1800, **_RETRY)
 @_named("logprobs")
-def compute_logprobs(
-    planes: PlanesHandle, batch: TrainBatch, step: int
-) -> tuple[TrainBatch, dict[str, float]]:
+def compute_logprobs(planes: PlanesHandle, batch: Batch, step: int) -> tuple[Batch, dict]:
     """Old-policy and reference log-probs, where the objective needs them."""
-    p = get_planes(planes)
+    trainer = get_planes(planes).trainer
     started = time.perf_counter()
-    if p.trainer.needs_old_logp:
-        batch.old_logp = p.trainer.compute_logprobs(batch)
-    if p.trainer.has_ref_model:
-        batch.ref_logp = p.trainer.compute_logprobs(batch, reference=True)
+    if trainer.needs_old_logp:
+        batch.old_logp = trainer.compute_logprobs(batch)
+    if trainer.has_ref_model:
+        batch.ref_logp = trainer.compute_logprobs(batch, reference=True)
     return batch, {"time/logprobs": time.perf_counter() - started}
 
 
 @task(name="train", task_run_name="train-step-{step}", timeout_seconds=3600, cache_policy=NO_CACHE)
 @_named("train")
-def train(planes: PlanesHandle, batch: TrainBatch, step: int) -> dict[str, float]:
+def train(planes: PlanesHandle, batch: Batch, step: int) -> dict[str, float]:
     """One GRPO update (``mini_batches * ppo_epochs`` optimizer steps); never retried."""
-    p = get_planes(planes)
     started = time.perf_counter()
-    metrics = p.trainer.train_step(batch)
+    metrics = get_planes(planes).trainer.train_step(batch)
     metrics["time/train"] = time.perf_counter() - started
     return metrics
 

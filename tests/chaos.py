@@ -2,7 +2,7 @@
 
 :class:`EngineChaos` is a background thread that, while a training flow runs in this
 process, picks one of the flow's engine processes (children of this process running
-``rl_core.rollout.server``) and either SIGKILLs it (a crash: the pool restarts and re-syncs
+``rl_core.engine.server``) and either SIGKILLs it (a crash: the pool restarts and re-syncs
 it) or SIGSTOPs it (a hang: it accepts connections and never answers; the pool's health
 monitor must replace it). Which fault, which engine and when come from a seeded
 ``random.Random``, or from a fixed per-step ``plan``. Only one engine is faulted at a time:
@@ -31,7 +31,7 @@ import psutil
 
 log = logging.getLogger(__name__)
 
-ENGINE_MODULE = "rl_core.rollout.server"
+ENGINE_MODULE = "rl_core.engine.server"
 
 
 @dataclass

@@ -78,6 +78,16 @@ def tiny_tokenizer():
     )
 
 
+def make_batch(prompts, responses, logprobs, advantages, pad_id: int = PAD_ID):
+    """A :class:`rl_core.types.Batch` of samples given as parallel lists."""
+    from rl_core.types import Batch, Sample
+
+    if not len(prompts) == len(responses) == len(logprobs):
+        raise ValueError("prompts, responses and log-probs differ in length")
+    samples = [Sample(list(p), list(r), list(lp)) for p, r, lp in zip(prompts, responses, logprobs, strict=True)]
+    return Batch.from_samples(samples, advantages, pad_id)
+
+
 @pytest.fixture
 def one_thread():
     """One torch thread for the test (light on shared machines; opt in with usefixtures)."""
@@ -148,13 +158,13 @@ def tiny_cache(tmp_path_factory) -> Path:
 def demo_model(tiny_cache: Path) -> Path:
     """The demo's tiny model (configs/tiny-cpu.yaml), built once per session (~1 min)."""
     from rl_core.config import load_config
-    from rl_core.models.hub import resolve_model
+    from rl_core.models.hub import snapshot_model
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        path, _ = resolve_model(cfg.model, cfg.data, tiny_cache)
+        path = snapshot_model(cfg.model, cfg.data, tiny_cache).path
     finally:
         torch.set_num_threads(threads)
     return path

@@ -1,7 +1,15 @@
-"""Helpers for the embedded-engine tests: a tiny HF model on disk and a gloo trainer process.
+"""Helpers for the embedded-engine tests: a tiny HF model on disk, the reference every sample
+is checked against, and a gloo trainer process.
 
-Imported by tests/test_engine.py, tests/test_engine_server.py and tests/conformance/.
-Everything is built locally; nothing is downloaded.
+Imported by tests/test_engine.py, tests/test_engine_server.py, tests/test_sampler.py,
+tests/test_http_fuzz.py and tests/conformance/. Everything is built locally; nothing is
+downloaded.
+
+The reference (:func:`assert_matches_hf`) is ``transformers`` and the sampler, one sample at
+a time and without any KV cache: one unpadded forward pass over prompt + output gives the
+logits that scored every output position, ``sample_next`` on those logits with the request's
+seed and the position must give the output token, and ``log_softmax(logits / T)`` its
+log-prob. A sample that passes is what a batch of one, run step by step, would have drawn.
 
 The saved model gets a character-level byte-BPE tokenizer rather than conftest's WordLevel
 one: transformers 5's ``AutoTokenizer`` rebuilds any qwen2 checkpoint's tokenizer as a
@@ -20,6 +28,8 @@ from pathlib import Path
 
 import torch
 from conftest import EOS_ID, PAD_ID, TINY_VOCAB, UNK_ID, tiny_qwen2
+
+from rl_core.engine.sampling import SamplingParams, sample_next
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -109,3 +119,43 @@ def bucket_meta(named: dict[str, torch.Tensor]) -> tuple[list[str], list[str], l
         [str(t.dtype).removeprefix("torch.") for _, t in items],
         [list(t.shape) for _, t in items],
     )
+
+
+def hf_reference(model, prompt: list[int], output: list[int],
+                 params: SamplingParams) -> tuple[list[int], torch.Tensor]:  # fmt: skip
+    """(tokens, log-probs) the engine must report for ``output`` (see the module docstring):
+    token ``t`` is ``sample_next`` on the logits of ``prompt + output[:t]`` with the request's
+    seed at position ``t``; its log-prob ``log_softmax(logits / T)`` (unscaled when greedy)."""
+    n = len(output)
+    if n == 0:
+        return [], torch.zeros(0)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([list(prompt) + list(output)])).logits[0].float()
+    logits = logits[len(prompt) - 1 : len(prompt) - 1 + n]
+    p = params
+    tokens, _ = sample_next(
+        logits, torch.full((n,), float(p.temperature)), torch.full((n,), int(p.top_k)),
+        torch.full((n,), float(p.top_p)), torch.full((n,), float(p.min_p)),
+        torch.full((n,), p.seed or 0, dtype=torch.long), torch.arange(n))  # fmt: skip
+    logp = torch.log_softmax(logits / (p.temperature or 1.0), dim=-1)
+    return tokens.tolist(), logp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
+
+
+def assert_matches_hf(out, model, prompt: list[int], params: SamplingParams, *,
+                      eos: int | None = EOS_ID, finished: bool = True) -> None:  # fmt: skip
+    """``out`` (a GenerateOutput) is the sample :func:`hf_reference` draws: same tokens, log-probs
+    to 1e-5; if ``finished`` (not aborted), it ends at its first stop token or at
+    ``max_new_tokens`` with SGLang's finish reason (stop strings are checked by their tests)."""
+    tokens, logp = hf_reference(model, prompt, out.output_ids, params)
+    assert out.output_ids == tokens
+    torch.testing.assert_close(torch.tensor(out.output_logprobs), logp, atol=1e-5, rtol=0)
+    if not finished or params.stop:
+        return
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos or eos is None else {eos})
+    assert not stops & set(out.output_ids[:-1]), "generation ran past a stop token"
+    n = len(out.output_ids)
+    if n and out.output_ids[-1] in stops:
+        assert out.finish_reason == {"type": "stop", "matched": out.output_ids[-1]}
+    else:
+        assert out.finish_reason == {"type": "length", "length": n}
+        assert n == params.max_new_tokens

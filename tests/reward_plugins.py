@@ -124,6 +124,11 @@ def address_space_limit(completion: str, answer: str) -> float:
     return -1.0 if soft == resource.RLIM_INFINITY else soft / (1024 * 1024)
 
 
+def partial_credit(completion: str, answer: str) -> float:
+    """Partial credit: the number on the completion's first line (``"0.5\n#### 3"`` -> 0.5)."""
+    return float(completion.split("\n", 1)[0])
+
+
 def pid_reward(completion: str, answer: str) -> float:
     return float(os.getpid())
 

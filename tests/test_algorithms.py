@@ -7,14 +7,13 @@ import math
 import pytest
 import torch
 
-from rl_core.algorithms import (
+from rl_core.algorithms.advantages import group_advantages
+from rl_core.algorithms.losses import (
     KL_KINDS,
     LOSS_AGG_MODES,
     aggregate_loss,
     compute_grpo_loss,
     entropy_from_logits,
-    group_advantages,
-    group_reward_stats,
     gspo_ratio,
     kl_penalty,
     logprobs_from_logits,
@@ -92,22 +91,6 @@ def test_advantage_errors() -> None:
         group_advantages(torch.zeros(4), 2, mode="ppo")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"shape \(B,\)"):
         group_advantages(torch.zeros(2, 2), 2)
-
-
-def test_group_reward_stats() -> None:
-    # rewards [1,0,1,1, 1,1,1,1]: mean 7/8 = .875
-    # deviations: one -.875, seven +.125 -> sum sq = .765625 + 7 * .015625 = .875
-    # unbiased std = sqrt(.875 / 7) = sqrt(.125); group 2 is constant -> zero_std_frac .5
-    stats = group_reward_stats(torch.tensor([1.0, 0, 1, 1, 1, 1, 1, 1]), 4)
-    assert set(stats) == {"mean", "std", "zero_std_frac"}
-    assert all(isinstance(v, float) for v in stats.values())
-    assert close(stats["mean"], 0.875)
-    assert close(stats["std"], math.sqrt(0.125))
-    assert close(stats["zero_std_frac"], 0.5)
-    one = group_reward_stats(torch.tensor([2.0]), 1)
-    assert one == {"mean": 2.0, "std": 0.0, "zero_std_frac": 1.0}
-    with pytest.raises(ValueError):
-        group_reward_stats(torch.zeros(3), 2)
 
 
 # ======================================================================================

@@ -24,7 +24,8 @@ import pytest
 from engine_helpers import char_tokenizer, save_tiny_model
 
 from rl_core.config import ConfigError, load_config
-from rl_core.data import DataValidationError, Record, load_records, read_parquet
+from rl_core.data.records import DataValidationError, Record
+from rl_core.data.sources import load_records, read_parquet
 from rl_core.models.hub import ModelError, download_model, verify_model_dir
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml"
@@ -364,64 +365,3 @@ def test_prompts_longer_than_the_limit_are_skipped_and_counted() -> None:
     assert [r.id for r in kept] == ["short", "short2"]
     assert skipped == 1
     assert all(len(p) <= 12 for p in prompts)
-
-
-def _context_config(directory: Path, limit: int, **extra: object) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(
-        json.dumps({"model_type": "qwen2", "max_position_embeddings": limit, **extra})
-    )
-    return directory
-
-
-def test_sequences_longer_than_the_context_are_refused_at_start_up(
-    model_dir: Path, monkeypatch
-) -> None:
-    """data.max_prompt_tokens + rollout.max_new_tokens over max_position_embeddings (256 for
-    the test model) fails before anything starts, naming both fields, the model and the fix."""
-    from rl_core import planes
-    from rl_core.models.hub import check_context_length
-
-    cfg = load_config(TINY, ["data.max_prompt_tokens=240", "rollout.max_new_tokens=32"])
-    with pytest.raises(ModelError) as info:
-        check_context_length(model_dir, cfg)
-    message = str(info.value)
-    wanted = ["data.max_prompt_tokens=240", "rollout.max_new_tokens=32", "= 272 tokens",
-              str(model_dir), "(256 tokens", "at most 256", "lower data.max_prompt_tokens"]  # fmt: skip
-    for fragment in wanted:
-        assert fragment in message, (fragment, message)
-    # bring-up checks first: no engine, trainer or Ray is started for a config that cannot run
-    started: list[str] = []
-    monkeypatch.setattr(planes, "start_rollout", lambda *a, **k: started.append("rollout"))
-    monkeypatch.setattr(planes, "_start_trainer", lambda *a, **k: started.append("trainer"))
-    with pytest.raises(ModelError, match="rollout.max_new_tokens=32"):
-        planes.bring_up_planes(cfg, model_dir, [], [], model_dir)
-    assert started == []
-    # exactly the window fits; eval.max_new_tokens is checked when set
-    assert check_context_length(model_dir, load_config(TINY, ["data.max_prompt_tokens=224"])) == 256
-    longer_eval = load_config(TINY, ["data.max_prompt_tokens=224", "eval.max_new_tokens=64"])
-    with pytest.raises(ModelError, match=r"eval.max_new_tokens=64 = 288 tokens"):
-        check_context_length(model_dir, longer_eval)
-
-
-def test_context_length_follows_rope_scaling_and_may_be_unknown(tmp_path: Path) -> None:
-    from rl_core.models.hub import check_context_length, context_length
-
-    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
-    assert context_length(_context_config(tmp_path / "yarn", 256, rope_scaling=yarn)) == 1024
-    nested = {"text_config": {"max_position_embeddings": 128}}
-    (tmp_path / "vl").mkdir()
-    (tmp_path / "vl" / "config.json").write_text(json.dumps(nested))
-    assert context_length(tmp_path / "vl") == 128
-    (tmp_path / "none").mkdir()
-    (tmp_path / "none" / "config.json").write_text("{}")
-    cfg = load_config(TINY, ["data.max_prompt_tokens=100000"])
-    assert check_context_length(tmp_path / "none", cfg) is None  # no limit named: not checked
-
-
-def test_the_demo_config_fits_the_demo_model(tmp_path: Path) -> None:
-    from rl_core.models.hub import check_context_length, tiny_spec_for
-
-    cfg = load_config(TINY)
-    limit = tiny_spec_for(cfg.model, cfg.data).max_position_embeddings
-    assert check_context_length(_context_config(tmp_path / "tiny", limit), cfg) == limit

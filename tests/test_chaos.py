@@ -144,8 +144,9 @@ def _check_engines(seen: dict[str, Any], steps: int, chaos: EngineChaos) -> None
 def _check_rewards(run_dir: Path, log: Path, summary: dict[str, Any]) -> Counter:
     injected = _reward_faults(log)
     metrics = _rows(run_dir / "metrics.jsonl")
-    errors = sum(m["reward_errors"] for m in metrics)
-    timeouts = sum(m["reward_timeouts"] for m in metrics)
+    evals = _rows(run_dir / "evals.jsonl")  # evaluations score with the run's reward too
+    errors = sum(m["reward_errors"] for m in metrics) + sum(e["reward_errors"] for e in evals)
+    timeouts = sum(m["reward_timeouts"] for m in metrics) + sum(e["reward_timeouts"] for e in evals)
     assert injected["raise"] and injected["hang"] and injected["oom"], injected
     if summary["plane_restarts"] == 0:  # a rebuilt plane scores redone steps again
         assert errors == injected["raise"] + injected["oom"], (errors, injected)
@@ -173,15 +174,22 @@ def test_an_engine_hung_during_a_weight_update_is_taken_out_and_replaced(tmp_pat
         resync=lambda url: push([url], p.weight_version), monitor=False, health_timeout_s=1,
         failure_threshold=2, stop_timeout_s=1, startup_timeout_s=60,
     )  # fmt: skip
+    def update(version: str, timeout_s: float = 60) -> None:
+        with p.paused(timeout_s=timeout_s) as urls:
+            push(urls, version)
+            p.weight_version = version
+
     with p:
         hung, good = p.engines
-        p.weight_update(1, update=push)
+        update("1")
         os.kill(hung.proc.pid, signal.SIGSTOP)  # accepts connections, never answers
-        with pytest.raises(WeightSyncError, match="did not finish within 3"):
-            p.weight_update(2, update=push, timeout_s=3)
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError, match="pause_generation .* did not finish within 3"):
+            update("2", timeout_s=3)
+        assert time.monotonic() - t0 < 10  # the pause's bound, not a control call's 120 s
         assert not hung.in_service and good.in_service
         assert p.client.weight_version(url=good.url) == "1"  # resumed, not half-updated
-        p.weight_update(2, update=push, timeout_s=10)  # the task's retry: the others move
+        update("2", timeout_s=10)  # the task's retry: the others move
         assert p.check_health() == [0]  # the monitor's next pass replaces the hung engine
         assert hung.in_service and hung.restarts == 1
         assert [p.client.weight_version(url=e.url) for e in p.engines] == ["2", "2"]

@@ -123,6 +123,24 @@ def test_override_value_may_contain_equals_sign():
     assert cfg.data.system_prompt == "answer after '####' (a=b)"
 
 
+def test_plain_template_is_a_field_with_a_default_and_needs_the_question():
+    assert load_config(None).data.plain_template == "Question: {question}\nAnswer:"
+    cfg = load_config(None, ["data.plain_template=Problem {question} =>"])
+    assert cfg.data.plain_template == "Problem {question} =>"
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["data.plain_template=Answer this"])
+    message = str(info.value)
+    assert "data.plain_template: must contain '{question}' where the question goes" in message
+    assert "'Answer this'" in message  # the value given
+
+
+def test_plain_template_from_yaml_keeps_other_braces(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text('data:\n  use_chat_template: false\n  plain_template: "Q: {question}\\nA ({x}):"\n')
+    cfg = load_config(path)
+    assert cfg.data.plain_template == "Q: {question}\nA ({x}):" and cfg.data.use_chat_template is False
+
+
 def test_override_creates_missing_sections():
     cfg = load_config(None, ["checkpoint.every=5", "eval.max_new_tokens=64"])
     assert cfg.checkpoint.every == 5

@@ -19,21 +19,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rl_core.data import (
+from rl_core.config import ConfigError, load_config
+from rl_core.data.prompts import encode_prompts, render_prompt
+from rl_core.data.records import (
+    MAX_LISTED_PROBLEMS,
     DataValidationError,
-    PromptSampler,
     Record,
-    encode_prompts,
-    generate_arithmetic,
-    generate_splits,
-    load_records,
-    read_parquet,
     records_digest,
-    render_prompt,
     validate_records,
-    write_parquet,
 )
-from rl_core.data.records import MAX_LISTED_PROBLEMS
+from rl_core.data.sampler import PromptSampler
+from rl_core.data.sources import load_records, read_parquet, write_parquet
+from rl_core.data.synthetic import generate_arithmetic, generate_splits
 from rl_core.rewards import parse_number
 
 ROWS = [
@@ -429,10 +426,26 @@ def test_render_prompt_plain_template() -> None:
     assert render_prompt(tok, "What is 1 + 2?") == "Question: What is 1 + 2?\nAnswer:"
     assert render_prompt(tok, "x {y}", plain_template="Q {question} A") == "Q x {y} A"
     assert render_prompt(tok, "x", system_prompt="Be brief.") == "Be brief.\n\nQuestion: x\nAnswer:"
-    with pytest.raises(ValueError, match="data.use_chat_template"):
+    with pytest.raises(ConfigError, match="data.use_chat_template is true but the tokenizer"):
         render_prompt(tok, "x", use_chat_template=True)
-    with pytest.raises(ValueError, match=r"\{question\}"):
+    with pytest.raises(ConfigError, match=r"data.plain_template must contain '\{question\}'"):
         render_prompt(tok, "x", plain_template="no placeholder")
+
+
+def test_data_plain_template_renders_the_prompt_without_a_chat_template() -> None:
+    """``data.plain_template`` from a config: only ``{question}`` is replaced (other braces
+    stay), the system prompt goes first; with a chat template it is used only when
+    ``data.use_chat_template`` is false."""
+    cfg = load_config(None, ["data.plain_template=Solve: {question}\nShow {work}, then '####'.",
+                             "data.system_prompt=Be brief."])  # fmt: skip
+    d = cfg.data
+    plain = render_prompt(_tiny_tokenizer(None), "1 + 2?", system_prompt=d.system_prompt,
+                          use_chat_template=d.use_chat_template, plain_template=d.plain_template)
+    assert plain == "Be brief.\n\nSolve: 1 + 2?\nShow {work}, then '####'."
+    chat = _tiny_tokenizer(CHAT_TEMPLATE)
+    assert render_prompt(chat, "1 + 2?", plain_template=d.plain_template).startswith("<|user|>")
+    forced = render_prompt(chat, "1 + 2?", use_chat_template=False, plain_template=d.plain_template)
+    assert forced == "Solve: 1 + 2?\nShow {work}, then '####'."
 
 
 def test_render_prompt_chat_template() -> None:

@@ -25,7 +25,7 @@ import pytest
 import yaml
 from engine_helpers import free_port
 
-from flows.deploy import work_pools
+from grpoflow.deploy import work_pools
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
@@ -144,7 +144,7 @@ def test_deploy_run_and_schedule_on_a_real_server(
     prefect_server, demo_model: Path, tiny_cache: Path, tmp_path: Path
 ) -> None:
     url, env = prefect_server
-    out = _run([sys.executable, "-m", "flows.cli", "deploy"], env)
+    out = _run([sys.executable, "-m", "grpoflow.cli", "deploy"], env)
     assert "work pool 'grpoflow-process' created" in out, out
     worker = _Proc(
         "worker",

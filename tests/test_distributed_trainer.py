@@ -14,11 +14,10 @@ import time
 import pytest
 import ray
 import torch
-from conftest import PAD_ID
+from conftest import PAD_ID, make_batch
 from engine_helpers import save_tiny_model
 
 from rl_core.config import AlgorithmConfig, TrainConfig
-from rl_core.training.batch import TrainBatch, build_train_batch
 from rl_core.training.distributed import (
     TrainerGroup,
     TrainerRankError,
@@ -26,6 +25,7 @@ from rl_core.training.distributed import (
     shard_for_training,
 )
 from rl_core.training.torch_trainer import TorchTrainer
+from rl_core.types import Batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,7 +59,7 @@ def tied_model_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-tied"), seed=1, tie=True)
 
 
-def random_batch(n: int, seed: int) -> TrainBatch:
+def random_batch(n: int, seed: int) -> Batch:
     """Prompts of 1-5 tokens, responses of 1-11: uneven token counts on every rank."""
     g = torch.Generator().manual_seed(seed)
 
@@ -70,7 +70,7 @@ def random_batch(n: int, seed: int) -> TrainBatch:
     prompts = [ids(1, 6) for _ in range(n)]
     responses = [ids(1, 12) for _ in range(n)]
     logps = [(-torch.rand(len(r), generator=g) * 3).tolist() for r in responses]
-    return build_train_batch(prompts, responses, logps, torch.randn(n, generator=g), PAD_ID)
+    return make_batch(prompts, responses, logps, torch.randn(n, generator=g), PAD_ID)
 
 
 def start_group(path, train: TrainConfig, algo: AlgorithmConfig, **kw) -> TrainerGroup:
@@ -90,7 +90,7 @@ def assert_metrics_close(got: dict, expected: dict, step: int) -> None:
         assert got[k] == pytest.approx(expected[k], rel=1e-5, abs=1e-5), (step, k)
 
 
-def prepare(trainer, batch: TrainBatch) -> TrainBatch:
+def prepare(trainer, batch: Batch) -> Batch:
     """What the loop does before train_step: old and reference log-probs where needed."""
     if trainer.needs_old_logp:
         batch.old_logp = trainer.compute_logprobs(batch)
@@ -162,6 +162,7 @@ def test_ranks_make_the_single_rank_update(
         check_logprobs(group, single)
         check_training(group, single, algo)
         check_checkpoints(group, single, tmp_path)
+        check_weight_source(group, tmp_path)
     finally:
         group.shutdown()
 
@@ -230,6 +231,36 @@ def check_checkpoints(group: TrainerGroup, single: TorchTrainer, tmp_path) -> No
     assert_weights_close(group.export_weights(), single.export_weights(), atol=1e-5)
 
 
+def check_weight_source(group: TrainerGroup, tmp_path) -> None:
+    """The transports' trainer side runs on the ranks: rank 0 writes (disk) or puts (object
+    store) the weights and takes their checksum there; only the checksum, an object
+    reference and the layout come back to this process, never the weights."""
+    from rl_core.models import read_weights
+    from rl_core.weight_sync import weights_checksum
+    from rl_core.weight_sync.source import from_arrays
+    from rl_core.weight_sync.transports import DiskSync
+
+    weights = group.export_weights()  # for the comparison only
+    expected = weights_checksum(weights)
+    assert group.write_weights(tmp_path / "written") == expected
+    written = read_weights(tmp_path / "written")
+    assert all(torch.equal(written[k], weights[k]) for k in written)
+    ref, checksum, nbytes = group.put_weights()
+    assert checksum == expected and nbytes == sum(t.numel() * t.element_size() for t in weights.values())
+    assert weights_checksum(from_arrays(ray.get(ref))) == expected
+    assert group.weight_layout() == {k: (str(t.dtype).removeprefix("torch."), list(t.shape))
+                                     for k, t in weights.items()}  # fmt: skip
+
+    class NoPull:  # the group, minus the one method that moves weights here
+        def __getattr__(self, name):  # noqa: ANN001, ANN204
+            if name == "export_weights":
+                raise AssertionError("the disk transport pulled the weights to the driver")
+            return getattr(group, name)
+
+    staged = DiskSync(None, tmp_path / "staging", 60).stage(NoPull(), 3)
+    assert staged.checksum == expected and staged.payload.name == "v000003"
+
+
 # ------------------------------------------------------------------------- failure
 
 
@@ -271,11 +302,10 @@ def test_calls_are_bounded_and_name_the_rank(ray_session):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
 def test_weights_cross_the_object_store_as_numpy(ray_session, dtype):
-    from rl_core.training.distributed import _from_numpy, _to_numpy
+    from rl_core.weight_sync.source import from_arrays, to_arrays
 
     t = (torch.randn(3, 5) * 100).to(dtype)
-    a, name = _to_numpy(t)
-    got = _from_numpy(*ray.get(ray.put((a, name))))
+    got = from_arrays(ray.get(ray.put(to_arrays({"w": t}))))["w"]
     assert got.dtype == dtype
     torch.testing.assert_close(got, t, atol=0, rtol=0)
 

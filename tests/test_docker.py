@@ -419,7 +419,7 @@ def test_cpu_image_installs_the_cpu_torch_wheel_before_grpoflow():
 
 
 def test_cpu_image_runs_the_demo_as_an_unprivileged_user():
-    from flows.cli import build_parser, cmd_train
+    from grpoflow.cli import build_parser, cmd_train
 
     df = load("cpu")
     assert df.cmd == ["grpoflow", "train", "configs/tiny-cpu.yaml"]
@@ -445,7 +445,7 @@ def test_cpu_image_runs_the_demo_as_an_unprivileged_user():
 
 @pytest.mark.parametrize("kind", sorted(DOCKERFILES))
 def test_default_commands_parse_with_the_cli(kind):
-    from flows.cli import build_parser
+    from grpoflow.cli import build_parser
 
     cmd = load(kind).cmd
     assert cmd[0] == "grpoflow"
@@ -459,8 +459,8 @@ def test_dockerignore_keeps_local_state_out_and_the_code_in():
     patterns = dockerignore_patterns()
     excluded = [".venv/bin/python", "runs/tiny-cpu-1/metrics.jsonl", ".git/HEAD",
                 ".cache/grpoflow/models/x", "docker/.env", "rl_core/__pycache__/x.pyc"]  # fmt: skip
-    kept = ["pyproject.toml", "README.md", "rl_core/config.py", "flows/cli.py",
-            "tasks/tracking.py", "configs/tiny-cpu.yaml", "docker/.env.example"]  # fmt: skip
+    kept = ["pyproject.toml", "README.md", "rl_core/config.py", "grpoflow/cli.py",
+            "tasks/tracking/run.py", "configs/tiny-cpu.yaml", "docker/.env.example"]  # fmt: skip
     for rel in excluded:
         assert dockerignored(rel, patterns), f".dockerignore should exclude {rel}"
     for rel in kept:

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flows import doctor
+from grpoflow import doctor
 from rl_core.cluster.platform import detect_platform
 
 ROOT = Path(__file__).resolve().parents[1]

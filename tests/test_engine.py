@@ -1,8 +1,9 @@
-"""Tests for rl_core.rollout.engine: the continuous-batching engine over a tiny Qwen2 on disk.
+"""Tests for rl_core.engine.core: the continuous-batching engine over a tiny Qwen2 on disk.
 
-References: ``rl_core.rollout.sampler.generate`` with the same seeds (tokens exact, log-probs
-to 1e-5), Hugging Face ``generate`` (greedy), a full forward pass (log-probs), and
-``weights_checksum`` of the state dict a weight update delivers. Requests are injected at
+References: ``engine_helpers.assert_matches_hf`` (every sample is the one ``transformers``
+and the sampler draw for it alone, without a KV cache: tokens exact, log-probs to 1e-5),
+Hugging Face ``generate`` (greedy), a full forward pass (log-probs), and ``weights_checksum``
+of the state dict a weight update delivers. Requests are injected at
 exact decode steps through the engine's ``on_step`` hook, so "joins while others decode"
 and "abort / pause mid-generation" are deterministic, not timing-dependent.
 """
@@ -10,6 +11,7 @@ and "abort / pause mid-generation" are deterministic, not timing-dependent.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import threading
 import time
@@ -20,6 +22,7 @@ import pytest
 import torch
 from conftest import EOS_ID, PAD_ID, TINY_VOCAB, hf_greedy
 from engine_helpers import (
+    assert_matches_hf,
     bucket_meta,
     free_port,
     save_tiny_model,
@@ -29,14 +32,15 @@ from engine_helpers import (
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rl_core.rollout.engine import (
+from rl_core.engine.core import (
     EmbeddedEngine,
     EngineRequestError,
     EngineStateError,
     GenerateOutput,
     GenerateRequest,
 )
-from rl_core.rollout.sampler import Completion, SamplingParams, generate
+from rl_core.engine.protocol import model_info, server_info
+from rl_core.engine.sampling import SamplingParams
 from rl_core.weight_sync import weights_checksum
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -88,18 +92,8 @@ def make_engine(model_dir):
         eng.close()
 
 
-def _ref(model, prompt, params: SamplingParams, tokenizer=None) -> Completion:
-    return generate(
-        model, [prompt], [params], eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, tokenizer=tokenizer
-    )[0]
-
-
-def _same(out: GenerateOutput, ref: Completion) -> None:
-    assert out.output_ids == ref.output_ids
-    torch.testing.assert_close(
-        torch.tensor(out.output_logprobs), torch.tensor(ref.output_logprobs), atol=1e-5, rtol=0
-    )
-    assert out.finish_reason == ref.finish_reason
+def _same(out: GenerateOutput, model, req: GenerateRequest) -> None:
+    assert_matches_hf(out, model, req.input_ids, req.params)
 
 
 def _wait_for(cond: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
@@ -155,7 +149,7 @@ def test_requests_joining_mid_decode_match_the_sampler(make_engine, ref_model, k
     assert len(running_at_join) == 5 and min(running_at_join) >= 3  # joined a live batch
     assert eng.stats["max_batch"] >= 5
     for i, p in enumerate(prompts):
-        _same(outs[i], _ref(ref_model, p, params[i]))
+        _same(outs[i], ref_model, req(i))
         assert outs[i].prompt_tokens == len(p)
         assert outs[i].completion_tokens == len(outs[i].output_ids)
         assert outs[i].cached_tokens == 0 and outs[i].weight_version == "default"
@@ -234,26 +228,27 @@ def test_scoring_request_reproduces_rollout_logprobs(make_engine):
     assert gen.input_logprobs is None  # not asked for
 
 
-def test_stop_strings_and_stop_token_ids_match_the_sampler(make_engine, ref_model, tok):
+def test_stop_strings_and_stop_token_ids_end_generation(make_engine, ref_model, tok):
     eng = make_engine()
-    free = _ref(ref_model, PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=12))
-    out = free.output_ids
-    stop_id = out[4]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    out = hf_greedy(ref_model, PROMPTS[0], 12, eos=None)
+    stop_id = next(t for i, t in enumerate(out) if i >= 2 and t not in out[:i])
+    cut = out.index(stop_id) + 1
     pair = tok.decode(out[5:7], skip_special_tokens=False)
-    params = [
-        SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[stop_id]),
-        SamplingParams(temperature=0.0, max_new_tokens=12, stop=[pair]),
-        SamplingParams(temperature=0.0, max_new_tokens=12, stop=["zzz"]),
-        SamplingParams(
-            temperature=0.0, max_new_tokens=12, stop_token_ids=[stop_id], ignore_eos=True
-        ),
-    ]
+    with_id = dataclasses.replace(greedy, stop_token_ids=[stop_id])
+    params = [with_id, dataclasses.replace(with_id, ignore_eos=False),
+              dataclasses.replace(greedy, stop=[pair]), dataclasses.replace(greedy, stop=["zzz"])]
     reqs = [GenerateRequest(f"s{i}", PROMPTS[0], p) for i, p in enumerate(params)]
-    for p, got in zip(params, eng.generate_sync(reqs), strict=True):
-        _same(got, _ref(ref_model, PROMPTS[0], p, tokenizer=tok))
-    assert eng.generate_sync([reqs[0].__class__("again", PROMPTS[0], params[0])])[
-        0
-    ].finish_reason == {"type": "stop", "matched": stop_id}
+    outs = eng.generate_sync(reqs)
+    for r, got in zip(reqs, outs, strict=True):
+        _same(got, ref_model, r)  # ignore_eos keeps explicit stop_token_ids
+    by_id, _, by_str, never = outs
+    assert by_id.output_ids == out[:cut] and by_id.finish_reason["matched"] == stop_id
+    # A stop string ends generation at the first token whose text completes it.
+    text = [tok.decode(out[:i], skip_special_tokens=False) for i in range(13)]
+    assert by_str.output_ids == out[: next(i for i, t in enumerate(text) if pair in t)]
+    assert by_str.finish_reason == {"type": "stop", "matched": pair}
+    assert never.output_ids == out and never.finish_reason == {"type": "length", "length": 12}
 
 
 # ------------------------------------------------------------------------- budgets
@@ -274,8 +269,8 @@ def test_kv_budget_and_running_cap_are_respected(make_engine, ref_model):
     reqs = [GenerateRequest(f"kv{i}", p, params[i]) for i, p in enumerate(prompts)]
     outs = eng.generate_sync(reqs)
     assert max(reserved) <= 40 and max(running) == 2  # each reserves prompt + 12 <= 18 tokens
-    for p, prm, out in zip(prompts, params, outs, strict=True):
-        _same(out, _ref(ref_model, p, prm))
+    for r, out in zip(reqs, outs, strict=True):
+        _same(out, ref_model, r)
     with pytest.raises(EngineRequestError, match="max_total_tokens=40"):
         eng.submit(GenerateRequest("big", [5] * 10, SamplingParams(max_new_tokens=31)))
 
@@ -386,15 +381,14 @@ def test_slot_layout_reuses_freed_slots_and_grows_in_place(make_engine, ref_mode
         for i, n in enumerate(lengths)
     ]
     reqs = [GenerateRequest(f"f{i}", p, params[i]) for i, p in enumerate(prompts)]
-    for p, prm, out in zip(prompts, params, eng.generate_sync(reqs), strict=True):
-        _same(out, _ref(ref_model, p, prm))
+    first = eng.generate_sync(reqs)
+    for r, out in zip(reqs, first, strict=True):
+        _same(out, ref_model, r)
     slots, _, columns, _ = eng._kv.k[0].shape
     assert slots == 4
     assert columns <= max(len(r.input_ids) + r.params.max_new_tokens for r in reqs)
     again = [GenerateRequest(f"a{i}", r.input_ids, r.params) for i, r in enumerate(reqs)]
-    assert [o.output_ids for o in eng.generate_sync(again)] == [
-        _ref(ref_model, r.input_ids, r.params).output_ids for r in reqs
-    ]
+    assert [o.output_ids for o in eng.generate_sync(again)] == [o.output_ids for o in first]
     assert eng.flush_cache() and eng._kv.k == []
 
 
@@ -420,15 +414,8 @@ def test_abort_running_request_keeps_partial_tokens(make_engine, ref_model):
     assert aborted == [1]
     assert out_v.finish_reason["type"] == "abort" and out_v.finish_reason["message"] == "Aborted"
     assert out_v.completion_tokens == len(out_v.output_ids) == 6  # prefill token + 5 steps
-    full = _ref(ref_model, victim.input_ids, victim.params)
-    assert out_v.output_ids == full.output_ids[:6]
-    torch.testing.assert_close(
-        torch.tensor(out_v.output_logprobs),
-        torch.tensor(full.output_logprobs[:6]),
-        atol=1e-5,
-        rtol=0,
-    )
-    _same(out_o, _ref(ref_model, other.input_ids, other.params))
+    assert_matches_hf(out_v, ref_model, victim.input_ids, victim.params, finished=False)
+    _same(out_o, ref_model, other)
 
 
 def test_abort_waiting_and_abort_all(make_engine):
@@ -469,7 +456,7 @@ def test_pause_in_place_keeps_state_and_resumes_identically(make_engine, ref_mod
     eng.resume()
     for r, f in zip(reqs, futures, strict=True):
         out = f.result(timeout=WAIT)
-        _same(out, _ref(ref_model, r.input_ids, r.params))
+        _same(out, ref_model, r)
         assert out.num_retractions == 0
     assert eng.flush_cache() is True
 
@@ -486,7 +473,7 @@ def test_pause_retract_recomputes_and_resumes_identically(make_engine, ref_model
     eng.resume()
     for r, f in zip(reqs, futures, strict=True):
         out = f.result(timeout=WAIT)
-        _same(out, _ref(ref_model, r.input_ids, r.params))
+        _same(out, ref_model, r)
         assert out.num_retractions == 1
 
 
@@ -503,7 +490,7 @@ def test_pause_abort_returns_partials_and_queues_new_requests(make_engine, ref_m
     time.sleep(0.1)
     assert not fut.done() and eng.load()["num_waiting_reqs"] == 1
     eng.resume()
-    _same(fut.result(timeout=WAIT), _ref(ref_model, later.input_ids, later.params))
+    _same(fut.result(timeout=WAIT), ref_model, later)
 
 
 def test_async_generate_and_cancellation_aborts(make_engine, ref_model):
@@ -524,9 +511,7 @@ def test_async_generate_and_cancellation_aborts(make_engine, ref_model):
         return ok, eng.load()["num_waiting_reqs"]
 
     ok, waiting = asyncio.run(asyncio.wait_for(run(), WAIT))
-    _same(
-        ok, _ref(ref_model, PROMPTS[0], SamplingParams(max_new_tokens=8, seed=5, ignore_eos=True))
-    )
+    _same(ok, ref_model, _long("x", PROMPTS[0], seed=5, n=8))
     assert waiting == 0  # the cancelled request left the queue
 
 
@@ -554,7 +539,7 @@ def test_release_and_resume_memory_mid_run_keeps_outputs(make_engine, ref_model)
     assert eng.memory_released == {"weights": False, "kv_cache": False}
     for r, f in zip(reqs, futures, strict=True):
         out = f.result(timeout=WAIT)
-        _same(out, _ref(ref_model, r.input_ids, r.params))
+        _same(out, ref_model, r)
         assert out.num_retractions == 1
     assert eng.checksum() == before
     with pytest.raises(EngineRequestError, match="unknown memory tags"):
@@ -566,18 +551,15 @@ def test_release_and_resume_memory_mid_run_keeps_outputs(make_engine, ref_model)
 
 def test_update_weights_from_disk(make_engine, model_dir2, ref_model, ref_model2):
     eng = make_engine()
-    params = SamplingParams(max_new_tokens=10, seed=3, ignore_eos=True)
-    _same(
-        eng.generate_sync([GenerateRequest("a", PROMPTS[0], params)])[0],
-        _ref(ref_model, PROMPTS[0], params),
-    )
+    req = _long("a", PROMPTS[0], seed=3, n=10)
+    _same(eng.generate_sync([req])[0], ref_model, req)
     checksum = eng.update_weights_from_disk(model_dir2, weight_version=3)
     assert checksum == eng.checksum() == weights_checksum(ref_model2.state_dict())
-    assert eng.weight_version == "3" and eng.model_info()["weight_version"] == "3"
-    out = eng.generate_sync([GenerateRequest("b", PROMPTS[0], params)])[0]
-    _same(out, _ref(ref_model2, PROMPTS[0], params))
+    assert eng.weight_version == "3"
+    out = eng.generate_sync([dataclasses.replace(req, rid="b")])[0]
+    _same(out, ref_model2, req)
     assert out.weight_version == "3"
-    assert eng.model_info()["model_path"] == str(model_dir2)
+    assert eng.model_path == str(model_dir2)
 
 
 def test_update_weights_from_disk_rejects_mismatches(make_engine, model_dir2, tmp_path):
@@ -613,14 +595,26 @@ def test_update_weights_from_tensors_in_buckets(make_engine, ref_model2):
         {k: new[k] for k in names[len(names) // 2 :]}, weight_version="7"
     )
     assert checksum == weights_checksum(ref_model2.state_dict()) and eng.weight_version == "7"
-    params = SamplingParams(max_new_tokens=8, seed=9)
-    _same(
-        eng.generate_sync([GenerateRequest("a", PROMPTS[1], params)])[0],
-        _ref(ref_model2, PROMPTS[1], params),
-    )
+    req = GenerateRequest("a", PROMPTS[1], SamplingParams(max_new_tokens=8, seed=9))
+    _same(eng.generate_sync([req])[0], ref_model2, req)
     with pytest.raises(EngineRequestError, match="unknown names"):
         eng.update_weights_from_tensors({"nope": torch.zeros(1)})
     assert eng.update_weight_version(8) == "8" and eng.weight_version == "8"
+
+
+def test_checksum_is_cached_and_recomputed_when_weights_are_applied(make_engine, ref_model,
+                                                                    ref_model2):  # fmt: skip
+    eng = make_engine()
+    loaded = weights_checksum(ref_model.state_dict())
+    assert eng.checksum() == loaded
+    with torch.no_grad():  # behind the engine's back: the cached value is what it serves
+        eng.model.lm_head.weight[0, 0] += 1.0
+    assert eng.checksum() == loaded
+    eng.release_memory(["weights"])
+    eng.resume_memory(["weights"])  # the same bytes come back: nothing to recompute
+    assert eng.checksum() == loaded
+    new = weights_checksum(ref_model2.state_dict())
+    assert eng.update_weights_from_tensors(ref_model2.state_dict()) == eng.checksum() == new
 
 
 def test_tied_model_disk_update_and_memory_release(make_engine, tmp_path):
@@ -634,11 +628,8 @@ def test_tied_model_disk_update_and_memory_release(make_engine, tmp_path):
     eng.resume_memory(["weights"])
     assert checksum == eng.checksum() == weights_checksum(model_b.state_dict())
     assert eng.model.lm_head.weight is eng.model.model.embed_tokens.weight
-    params = SamplingParams(max_new_tokens=8, seed=4)
-    _same(
-        eng.generate_sync([GenerateRequest("t", PROMPTS[0], params)])[0],
-        _ref(model_b, PROMPTS[0], params),
-    )
+    req = GenerateRequest("t", PROMPTS[0], SamplingParams(max_new_tokens=8, seed=4))
+    _same(eng.generate_sync([req])[0], model_b, req)
 
 
 def test_distributed_update_from_a_gloo_trainer_process(
@@ -669,11 +660,8 @@ def test_distributed_update_from_a_gloo_trainer_process(
             trainer.kill()
             trainer.wait(timeout=WAIT)
     assert checksum == weights_checksum(ref_model2.state_dict()) and eng.weight_version == "12"
-    params = SamplingParams(max_new_tokens=8, seed=10)
-    _same(
-        eng.generate_sync([GenerateRequest("d", PROMPTS[4], params)])[0],
-        _ref(ref_model2, PROMPTS[4], params),
-    )
+    req = GenerateRequest("d", PROMPTS[4], SamplingParams(max_new_tokens=8, seed=10))
+    _same(eng.generate_sync([req])[0], ref_model2, req)
     with pytest.raises(EngineStateError, match="no weight update group"):
         eng.update_weights_from_distributed(names, dtypes, shapes, group_name="wg")
     with pytest.raises(EngineRequestError, match="needs an accelerator"):
@@ -718,10 +706,10 @@ def test_duplicate_rid_and_closed_engine(make_engine):
 
 def test_info_and_load_reports(make_engine, model_dir):
     eng = make_engine(max_total_tokens=1000, max_running_requests=8)
-    info = eng.model_info()
+    info = model_info(eng)
     assert info["model_path"] == str(model_dir) and info["is_generation"] is True
     assert info["architectures"] == ["Qwen2ForCausalLM"] and info["weight_version"] == "default"
-    server = eng.server_info()
+    server = server_info(eng)
     for key in ("tp_size", "pp_size", "dp_size", "ep_size"):
         assert server[key] == 1
     assert server["disaggregation_mode"] == "null" and server["context_length"] == 256

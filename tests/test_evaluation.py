@@ -1,7 +1,7 @@
 """Tests for rl_core.evaluation, rl_core.grpo's step helpers and rl_core.weight_sync.
 
-The rollout engine is a fake that returns canned completions, so every number here is
-computed by hand.
+The rollout plane here is a stand-in that returns canned completions, so every number is
+computed by hand; the rewards are the real runner (builtin and a custom plugin).
 """
 
 from __future__ import annotations
@@ -14,27 +14,26 @@ import pytest
 import torch
 from conftest import tiny_qwen2
 
-from rl_core.data import Record
+from rl_core.data.records import Record
+from rl_core.engine.sampling import SamplingParams
 from rl_core.evaluation import EvalResult, evaluate, pass_at_k
-from rl_core.grpo import (
-    Sample,
-    advantages_for,
-    rollout_groups,
-    sample_seed,
-    summarize_samples,
-)
-from rl_core.rollout.sampler import Completion, SamplingParams
+from rl_core.grpo import advantages_for, rollout_groups, sample_seed, summarize_samples
+from rl_core.rewards import RewardRunner
+from rl_core.types import Sample
 from rl_core.weight_sync import WeightSyncError, weights_checksum
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+GSM8K = RewardRunner("gsm8k")
+
+
 class FakeEngine:
-    """Implements the RolloutEngine protocol with a canned response function."""
+    """The generation side of the RolloutPlane interface with a canned response function."""
 
     def __init__(
         self,
-        respond: Callable[[int, list[int], SamplingParams], Completion],
+        respond: Callable[[int, list[int], SamplingParams], Sample],
         weight_version: int = 0,
     ) -> None:
         self.respond = respond
@@ -43,17 +42,20 @@ class FakeEngine:
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
-    ) -> list[Completion]:
+    ) -> list[Sample]:
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         self.calls.append(([list(p) for p in prompts], list(params)))
         pairs = enumerate(zip(prompts, params, strict=True))
-        return [self.respond(i, list(p), sp) for i, (p, sp) in pairs]
+        out = [self.respond(i, list(p), sp) for i, (p, sp) in pairs]
+        for s in out:
+            s.weight_version = self.weight_version
+        return out
 
 
-def completion(prompt, text, length, stop=True) -> Completion:
+def completion(prompt, text, length, stop=True) -> Sample:
     reason = {"type": "stop", "matched": 1} if stop else {"type": "length", "length": length}
-    return Completion(list(prompt), [7] * length, [-0.5] * length, reason, text)
+    return Sample(list(prompt), [7] * length, [-0.5] * length, reason, text=text)
 
 
 # ----------------------------------------------------------------------------- pass@k
@@ -115,7 +117,7 @@ SAMPLED = {0: [True, False], 1: [False, False], 2: [True, True]}
 
 
 def _respond(k: int):
-    def respond(i: int, prompt: list[int], p: SamplingParams) -> Completion:
+    def respond(i: int, prompt: list[int], p: SamplingParams) -> Sample:
         rec = prompt[0] - 3
         if p.temperature == 0:
             text, length, stop = GREEDY[rec]
@@ -133,6 +135,7 @@ def test_evaluate_pass_at_1_and_k():
         engine,
         RECORDS,
         PROMPTS,
+        GSM8K,
         max_new_tokens=16,
         k=2,
         k_examples=3,
@@ -147,6 +150,7 @@ def test_evaluate_pass_at_1_and_k():
     assert result.num_examples == 4
     assert result.response_len_mean == pytest.approx(5.0)  # (2 + 4 + 6 + 8) / 4
     assert result.truncation_rate == pytest.approx(0.25)
+    assert result.reward_mean == pytest.approx(0.5)
     assert result.seconds >= 0
 
     # One greedy call over every record, one sampled call over the first k_examples.
@@ -165,26 +169,13 @@ def test_evaluate_pass_at_1_and_k():
         {"question": "question 0?", "completion": "#### 10", "answer": "10", "correct": "True"},
         {"question": "question 1?", "completion": "so #### 11", "answer": "11", "correct": "True"},
     ]
-    metrics = result.as_metrics()
-    assert metrics == {
-        "eval/pass@1": pytest.approx(0.5),
-        "eval/pass@2": pytest.approx(2 / 3),
-        "eval/response_len_mean": pytest.approx(5.0),
-        "eval/truncation_rate": pytest.approx(0.25),
-    }
-    assert result.as_metrics("val/").keys() == {
-        "val/pass@1",
-        "val/pass@2",
-        "val/response_len_mean",
-        "val/truncation_rate",
-    }
     assert result.to_dict()["pass_at_k"] == pytest.approx(2 / 3)
 
 
 def test_evaluate_seeds_are_reproducible_and_depend_on_seed():
     def seeds(seed: int) -> list[int]:
         engine = FakeEngine(_respond(2))
-        evaluate(engine, RECORDS, PROMPTS, max_new_tokens=4, k=2, k_examples=3, seed=seed)
+        evaluate(engine, RECORDS, PROMPTS, GSM8K, max_new_tokens=4, k=2, k_examples=3, seed=seed)
         return [p.seed for p in engine.calls[1][1]]
 
     assert seeds(0) == seeds(0)
@@ -194,20 +185,41 @@ def test_evaluate_seeds_are_reproducible_and_depend_on_seed():
 def test_evaluate_without_sampling():
     for k, k_examples in ((1, 64), (4, 0)):
         engine = FakeEngine(_respond(k))
-        result = evaluate(engine, RECORDS, PROMPTS, max_new_tokens=8, k=k, k_examples=k_examples)
+        result = evaluate(engine, RECORDS, PROMPTS, GSM8K, max_new_tokens=8, k=k,
+                          k_examples=k_examples)  # fmt: skip
         assert result.pass_at_k is None
-        assert len(engine.calls) == 1
-        assert "eval/pass@1" in result.as_metrics()
-        assert not any(
-            key.startswith("eval/pass@") and key != "eval/pass@1" for key in result.as_metrics()
-        )
+        assert len(engine.calls) == 1 and result.pass_at_1 == pytest.approx(0.5)
 
 
-def test_evaluate_handles_missing_text():
-    engine = FakeEngine(lambda i, p, sp: Completion(p, [1], [-0.1], {"type": "stop"}, None))
-    result = evaluate(engine, RECORDS[:2], PROMPTS[:2], max_new_tokens=4, k=1)
+def test_evaluate_handles_empty_text():
+    engine = FakeEngine(lambda i, p, sp: Sample(p, [1], [-0.1], {"type": "stop"}))
+    result = evaluate(engine, RECORDS[:2], PROMPTS[:2], GSM8K, max_new_tokens=4, k=1)
     assert result.pass_at_1 == 0.0
     assert result.samples[0]["completion"] == ""
+
+
+def test_evaluation_scores_with_the_runs_own_reward_function():
+    """A run with a custom reward (``reward.fn: package.module:function``) is evaluated by
+    that function in its sandbox, not by GSM8K: here the plugin passes every completion that
+    says "yes", whatever the reference answer, and the format of r0/r1 (right by GSM8K)
+    counts for nothing."""
+    texts = {0: "#### 10", 1: "#### 11", 2: "yes", 3: "yes indeed"}
+    engine = FakeEngine(lambda i, p, sp: completion(p, texts[p[0] - 3], 2))
+    with RewardRunner("eval_reward_plugin:says_yes", timeout_s=10) as custom:
+        assert custom.isolated  # the same sandbox (a worker process) as in training
+        result = evaluate(engine, RECORDS, PROMPTS, custom, max_new_tokens=4, k=1)
+        assert custom.failed_streak == 0  # evaluations never count towards the fault budget
+    assert result.pass_at_1 == pytest.approx(0.5) and result.reward_mean == pytest.approx(0.5)
+    assert [row["correct"] for row in result.samples] == ["False", "False", "True", "True"]
+    assert (result.reward_errors, result.reward_timeouts) == (0, 0)
+    with RewardRunner("reward_plugins:raising_reward", timeout_s=10) as broken:
+        failing = evaluate(engine, RECORDS, PROMPTS, broken, max_new_tokens=4, k=1)
+    assert (failing.pass_at_1, failing.reward_errors) == (0.0, 4)  # counted, never raised
+    from rl_core.report import format_eval
+
+    assert "reward errors 4 timeouts 0" in format_eval({**failing.to_dict(), "step": 3})
+    by_gsm8k = evaluate(engine, RECORDS, PROMPTS, GSM8K, max_new_tokens=4, k=1)
+    assert [row["correct"] for row in by_gsm8k.samples] == ["True", "True", "False", "False"]
 
 
 # ----------------------------------------------------------------------- grpo helpers
@@ -237,11 +249,11 @@ def test_rollout_groups_layout():
     records = [Record("r0", "q0", "#### 1"), Record("r1", "q1", "#### 2")]
     prompt_ids = [[3, 4], [5]]
 
-    def respond(i: int, prompt: list[int], p: SamplingParams) -> Completion:
+    def respond(i: int, prompt: list[int], p: SamplingParams) -> Sample:
         out = [prompt[-1], 10 + i]
-        text = None if i == 5 else f"text{i}"
+        text = "" if i == 5 else f"text{i}"
         reason = {"type": "length", "length": 2} if i == 1 else {"type": "stop", "matched": 1}
-        return Completion(prompt, out, [-0.1 * (i + 1)] * 2, reason, text)
+        return Sample(prompt, out, [-0.1 * (i + 1)] * 2, reason, text=text)
 
     engine = FakeEngine(respond, weight_version=7)
     params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=5, stop=["\n"])
@@ -262,7 +274,7 @@ def test_rollout_groups_layout():
     assert [s.answer for s in samples] == ["#### 1"] * 3 + ["#### 2"] * 3
     assert all(s.weight_version == 7 for s in samples)
     assert samples[4].prompt_ids == [5]
-    assert samples[4].output_ids == [5, 14]
+    assert samples[4].completion_ids == [5, 14]
     assert samples[4].logprobs == pytest.approx([-0.5, -0.5])
     assert samples[0].text == "text0" and samples[5].text == ""
     assert samples[1].truncated and not samples[0].truncated
@@ -279,7 +291,7 @@ def _samples(rewards, lengths, truncated=()) -> list[Sample]:
                 group=0,
                 record_id=f"r{i}",
                 prompt_ids=[1],
-                output_ids=[2] * n,
+                completion_ids=[2] * n,
                 logprobs=[-1.0] * n,
                 finish_reason=reason,
                 text="",
@@ -408,7 +420,7 @@ def test_weight_sync_error_is_a_runtime_error():
 
 
 def test_checksum_algorithm_is_named_so_mixed_versions_are_told_apart():
-    from rl_core.rollout.remote import _algorithm
+    from rl_core.rollout.http import _algorithm
 
     assert _algorithm(weights_checksum(_weights())) == "xxh3-128"
     assert _algorithm("ab" * 32) == "sha256"  # what engines of earlier versions served

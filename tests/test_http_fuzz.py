@@ -30,8 +30,8 @@ from engine_helpers import save_tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rl_core.rollout.engine import EmbeddedEngine
-from rl_core.rollout.server import ServerThread, create_app
+from rl_core.engine.core import EmbeddedEngine
+from rl_core.engine.server import ServerThread, create_app
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -169,13 +169,6 @@ HOSTILE = [
     ("/release_memory_occupation", {"tags": ["no_such_tag"]}, 400, "unknown memory tags"),
     ("/destroy_weights_update_group", {"group_name": ["x"]}, 400, "group_name must be"),
     ("/update_weights_from_disk", {"model_path": "/"}, 400, "safetensors"),
-    (
-        "/update_weights_from_tensor",
-        {"load_format": "grpoflow_safetensors_b64", "serialized_named_tensors": ["not base64!"]},
-        400,
-        "not base64",
-    ),  # fmt: skip
-    ("/update_weights_from_tensor", {"load_format": "pickle"}, 400, "never unpickles"),
     (
         "/init_weights_update_group",
         {"master_address": "127.0.0.1", "master_port": 99999, "rank_offset": 1, "world_size": 2},

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PAD_ID, tiny_qwen2
+from conftest import PAD_ID, make_batch, tiny_qwen2
 
 from rl_core.config import AlgorithmConfig, ConfigError, MegatronConfig, TrainConfig, load_config
-from rl_core.training.batch import TrainBatch, build_train_batch
 from rl_core.training.megatron.convert import hf_to_mcore, mcore_to_hf, merge_tp
 from rl_core.training.megatron.model import arch_from_hf
 from rl_core.training.torch_trainer import TorchTrainer
+from rl_core.types import Batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,7 +36,7 @@ TOL = 1e-5
 ALGO = AlgorithmConfig(entropy_coef=0.01, clip_high=0.28)
 
 
-def batch_of(n: int = 8, seed: int = 1) -> TrainBatch:
+def batch_of(n: int = 8, seed: int = 1) -> Batch:
     g = torch.Generator().manual_seed(seed)
 
     def ids(lo: int, hi: int) -> list[int]:
@@ -45,7 +45,7 @@ def batch_of(n: int = 8, seed: int = 1) -> TrainBatch:
     prompts = [ids(2, 6) for _ in range(n)]
     responses = [ids(1, 9) for _ in range(n)]
     logps = [(-torch.rand(len(r), generator=g) * 3).tolist() for r in responses]
-    return build_train_batch(prompts, responses, logps, torch.randn(n, generator=g), PAD_ID)
+    return make_batch(prompts, responses, logps, torch.randn(n, generator=g), PAD_ID)
 
 
 def train_cfg(backend: str = "megatron", **megatron) -> TrainConfig:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from rl_core.config import load_config
-from rl_core.data import generate_splits
-from rl_core.models.hub import ModelError, resolve_model, tiny_spec_for, verify_model_dir
+from rl_core.data.synthetic import generate_splits
+from rl_core.models.hub import ModelError, snapshot_model, tiny_spec_for, verify_model_dir
 from rl_core.models.tiny import TinyModelSpec, bootstrap_tiny_model, greedy_accuracy
 from rl_core.weight_sync import weights_checksum
 
@@ -102,4 +102,4 @@ def test_model_references_that_are_neither_dirs_nor_hub_ids(tmp_path: Path) -> N
     for path in ("./missing/dir", "/abs/missing", "just-a-name", "a/b/c", "gs://bucket/m"):
         bad = load_config(None, [f"model.path={path}"])
         with pytest.raises(ModelError, match="neither an existing directory nor a hub id"):
-            resolve_model(bad.model, bad.data, tmp_path)
+            snapshot_model(bad.model, bad.data, tmp_path)

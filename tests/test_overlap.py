@@ -19,7 +19,8 @@ import pytest
 
 from flows.grpo_train import grpo_train
 from rl_core.config import load_config
-from rl_core.grpo import Sample, split_informative_groups
+from rl_core.grpo import split_informative_groups
+from rl_core.types import Sample
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "tiny-cpu.yaml")
@@ -45,7 +46,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 def _sample(reward: float, i: int) -> Sample:
     return Sample(
-        uid=str(i), group=0, record_id="r", prompt_ids=[1], output_ids=[2], logprobs=[-1.0],
+        uid=str(i), group=0, record_id="r", prompt_ids=[1], completion_ids=[2], logprobs=[-1.0],
         finish_reason={"type": "stop"}, text="", answer="", weight_version=0, reward=reward,
     )  # fmt: skip
 

@@ -161,7 +161,7 @@ def test_a_registered_model_is_fetched_evaluated_once_and_promoted(
     import mlflow
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tasks.tracking import _global_tracking_uri, _pip_requirements
+    from tasks.registry import global_tracking_uri, pip_requirements
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = registry_client(uri)
@@ -172,11 +172,11 @@ def test_a_registered_model_is_fetched_evaluated_once_and_promoted(
         "tokenizer": AutoTokenizer.from_pretrained(demo_model),
     }
     # the registry store looks the logged model up through the global tracking URI
-    with _global_tracking_uri(uri):
+    with global_tracking_uri(uri):
         with mlflow.start_run(run_id=run_id):
             info = mlflow.transformers.log_model(
                 components, name="model", task="text-generation",
-                pip_requirements=_pip_requirements(),
+                pip_requirements=pip_requirements(),
             )  # fmt: skip
         client.create_registered_model(NAME)
         version = str(

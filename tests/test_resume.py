@@ -36,7 +36,7 @@ pytest_plugins = ["s3_server"]
 
 def _argv(tmp: Path, cache: Path, run_name: str, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "flows.cli", "train", DEMO, "--quiet",
+        sys.executable, "-m", "grpoflow.cli", "train", DEMO, "--quiet",
         f"storage.root={tmp}", f"storage.cache_dir={cache}", f"run_name={run_name}",
         f"train.steps={STEPS}", "train.prompts_per_step=8", "rollout.n_samples=4",
         "checkpoint.every=2", "eval.every=0", "eval.num_examples=16", "eval.pass_k_examples=0",
@@ -89,6 +89,8 @@ def test_sigkill_mid_step_then_resume_is_exact(
         bucket = request.getfixturevalue("s3_bucket")  # also points boto3 at the server
         extra = ["data.max_train_examples=16", f"checkpoint.uri=s3://{bucket}/checkpoints"]
         elsewhere = tmp_path / "another-machine"
+    else:  # the same exactness through the in-process plane (the other variant: over HTTP)
+        extra = ["rollout.engine=local"]
     env = _env()
     done = subprocess.run(
         _argv(tmp_path, tiny_cache, "straight", *extra), env=env, cwd=ROOT, timeout=600,
@@ -170,7 +172,8 @@ def test_resume_without_checkpoint_fails_clearly(
 
 
 def _in_process(tmp: Path, cache: Path, run_name: str, *extra: str) -> list[str]:
-    return _argv(tmp, cache, run_name, *extra)[6:]  # the overrides only
+    """The overrides only, for a flow run in this process (on the in-process plane)."""
+    return [*_argv(tmp, cache, run_name, *extra)[6:], "rollout.engine=local"]
 
 
 def test_a_lost_trainer_is_rebuilt_from_the_checkpoint(

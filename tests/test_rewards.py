@@ -369,29 +369,6 @@ def test_load_reward_fn_uninspectable_callable() -> None:
     assert load_reward_fn("builtins:max")("a", "b") == "b"
 
 
-# ----------------------------------------------------------------------------- RewardResult
-
-
-def test_reward_result_metrics() -> None:
-    result = RewardResult(scores=[1.0, 0.0, 0.5, 0.5], correct=[True, False, False, True])
-    assert result.accuracy == 0.5
-    assert result.mean == 0.5
-    metrics = result.metrics()
-    assert metrics["reward/mean"] == 0.5
-    assert metrics["reward/std"] == pytest.approx((0.125) ** 0.5)
-    assert metrics["reward/accuracy"] == 0.5
-    assert metrics["reward/num_errors"] == 0.0
-    empty = RewardResult(scores=[], correct=[]).metrics(prefix="r_")
-    assert empty == {
-        "r_mean": 0.0,
-        "r_std": 0.0,
-        "r_accuracy": 0.0,
-        "r_num_errors": 0.0,
-        "r_num_timeouts": 0.0,
-        "r_failed_streak": 0.0,
-    }
-
-
 # ----------------------------------------------------------------------------- RewardRunner
 
 
@@ -420,7 +397,7 @@ def test_runner_builtin_guards_bad_inputs() -> None:
 def test_runner_format_spec() -> None:
     result = RewardRunner("format").score(["#### 5", "5"], ["1", "5"])
     assert result.scores == [1.0, 0.0]
-    assert result.correct == [False, True]
+    assert result.correct == [True, False]  # correct: the function scored >= pass_threshold
 
 
 def test_runner_validates_arguments() -> None:
@@ -477,7 +454,7 @@ def test_runner_raising_fn_scores_zero_and_caps_messages() -> None:
     with RewardRunner("reward_plugins:raising_reward") as runner:
         result = runner.score([f"#### {i}" for i in range(7)], [str(i) for i in range(7)])
     assert result.scores == [0.0] * 7
-    assert result.correct == [True] * 7  # accuracy does not depend on the custom function
+    assert result.correct == [False] * 7  # a sample the function failed on is never correct
     assert result.num_errors == 7
     assert len(result.errors) == 5
     assert result.errors[0] == "sample 0: RuntimeError: boom on '#### 0'"
@@ -921,7 +898,6 @@ def test_unbounded_allocation_is_stopped_and_the_worker_keeps_scoring() -> None:
         assert result.scores == [1.0, 0.0, 1.0]
         assert (result.num_errors, result.num_timeouts) == (1, 0)
         assert "MemoryError" in result.errors[0]
-        assert result.metrics()["reward/num_errors"] == 1.0
         # The blocks were freed with the frame: the same worker scores the next step.
         assert runner.worker_pids == [pid]
         assert runner.score(["GROW", "#### 4"], ["1", "4"]).scores == [0.0, 1.0]
@@ -935,7 +911,6 @@ def test_every_sample_failing_k_steps_in_a_row_fails_with_the_function_named() -
             result = runner.score(["FAIL a", "FAIL b"], ["1", "2"])
             assert result.scores == [0.0, 0.0] and result.all_failed
             assert result.failed_streak == step == runner.failed_streak
-            assert result.metrics()["reward/failed_streak"] == float(step)
         with pytest.raises(runner_mod.RewardFunctionError) as info:
             runner.score(["FAIL c", "FAIL d"], ["1", "2"])
         err = info.value
@@ -992,6 +967,45 @@ def test_hangs_count_as_failed_samples_and_zero_turns_the_budget_off() -> None:
         for _ in range(5):
             assert runner.score(["a"], ["1"]).scores == [0.0]
         assert runner.failed_streak == 5
+
+
+@pytest.mark.timeout(30)
+def test_correct_means_the_function_scored_at_least_pass_threshold() -> None:
+    """Partial credit: correct iff the function's score >= pass_threshold, the format bonus
+    excluded (it would lift 0.5 to 1.5 and 0.9 to 1.9, above any threshold here)."""
+    from rl_core.config import RewardConfig
+
+    completions = ["0.25", "0.5\n#### 3", "0.9\n#### 3", "1.0"]
+    answers = ["3"] * 4
+    with RewardRunner("reward_plugins:partial_credit", pass_threshold=0.5, format_weight=1.0) as r:
+        result = r.score(completions, answers)
+        assert result.scores == [0.25, 1.5, 1.9, 1.0]
+        assert result.correct == [False, True, True, True]
+    cfg = RewardConfig(fn="reward_plugins:partial_credit", format_weight=1.0)  # default 1.0
+    with RewardRunner.from_config(cfg) as r:
+        assert r.pass_threshold == 1.0
+        assert r.score(completions, answers).correct == [False, False, False, True]
+    with RewardRunner.from_config(cfg.model_copy(update={"pass_threshold": 0.9})) as r:
+        assert r.score(completions, answers).correct == [False, False, True, True]
+    with RewardRunner("reward_plugins:raise_on_marker", pass_threshold=0.0) as r:
+        assert r.score(["FAIL"], ["1"]).correct == [False]  # a failed call is never correct
+
+
+@pytest.mark.timeout(30)
+def test_budget_false_calls_stay_out_of_the_fault_budget() -> None:
+    """Evaluation scores with budget=False: a call where every sample fails neither advances
+    nor resets the streak, and never raises RewardFunctionError."""
+    with RewardRunner("reward_plugins:raise_on_marker", max_failed_steps=2) as runner:
+        assert runner.score(["FAIL"], ["1"], step=1).failed_streak == 1
+        for _ in range(3):
+            ev = runner.score(["FAIL a", "FAIL b"], ["1", "2"], budget=False)
+            assert ev.all_failed and ev.num_errors == 2 and ev.failed_streak == 0
+            assert runner.failed_streak == 1
+        ok = runner.score(["#### 2"], ["2"], budget=False)  # a scored eval does not reset it
+        assert ok.scores == [1.0] and runner.failed_streak == 1
+        assert runner.stats()["all_failed_calls"] == 1
+        with pytest.raises(runner_mod.RewardFunctionError, match="2 consecutive steps"):
+            runner.score(["FAIL"], ["1"], step=2)
 
 
 def test_reward_function_error_survives_pickling_and_bad_budgets_are_refused() -> None:

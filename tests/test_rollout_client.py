@@ -23,16 +23,17 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from rollout_helpers import agenerate_groups, generate_groups
 
 from rl_core.rollout.client import (
     RolloutRequestError,
     RolloutUnavailableError,
-    SampleResult,
     SGLangClient,
     SyncSGLangClient,
 )
+from rl_core.rollout.launch import free_port
 from rl_core.rollout.pool import EnginePool
-from rl_core.rollout.sglang_launcher import free_port
+from rl_core.types import Sample
 
 FAST = {"backoff_base_s": 0.01, "backoff_max_s": 0.05}
 
@@ -206,7 +207,7 @@ def test_5xx_is_retried_with_backoff_until_success(caplog):
     ):
         r = client.generate([5, 6], SP)
     assert state["calls"]["generate"] == 3
-    assert r.output_ids == [5, 0] and r.output_logprobs == [-0.5, -0.5]
+    assert r.completion_ids == [5, 0] and r.logprobs == [-0.5, -0.5]
     retries = [m for m in caplog.messages if "retry" in m]
     assert len(retries) == 2 and "HTTP 500: engine overloaded" in retries[0]
 
@@ -251,7 +252,7 @@ def test_connection_refused_fails_over_to_another_engine():
     dead = closed_port_url()
     with ThreadServer(app) as srv, SyncSGLangClient([dead, srv.url], **FAST) as client:
         results = [client.generate([i + 3], SP) for i in range(6)]
-    assert all(r.base_url == srv.url for r in results)
+    assert all(r.meta["base_url"] == srv.url for r in results)
     assert state["calls"]["generate"] == 6
 
 
@@ -261,10 +262,10 @@ def test_round_robin_and_failover_on_5xx():
     bad, state_bad = fake_engine(fail_first=10**6, fail_status=503)
     with ThreadServer(good_a) as a, ThreadServer(good_b) as b, ThreadServer(bad) as c:
         with SyncSGLangClient([a.url, b.url], **FAST) as client:
-            urls = Counter(client.generate([3], SP).base_url for _ in range(8))
+            urls = Counter(client.generate([3], SP).meta["base_url"] for _ in range(8))
         assert urls == {a.url: 4, b.url: 4}
         with SyncSGLangClient([c.url, a.url], engine_cooldown_s=60, **FAST) as client:
-            assert {client.generate([3], SP).base_url for _ in range(5)} == {a.url}
+            assert {client.generate([3], SP).meta["base_url"] for _ in range(5)} == {a.url}
         # the failed engine cools down instead of being tried first by every request
         assert state_bad["calls"]["generate"] == 1
 
@@ -272,7 +273,7 @@ def test_round_robin_and_failover_on_5xx():
 def test_concurrency_limit_is_respected():
     app, state = fake_engine(delay_s=0.1)
     with ThreadServer(app) as srv, SyncSGLangClient(srv.url, max_concurrency=3) as client:
-        out = client.generate_groups([[3], [4]], 6, SP)
+        out = generate_groups(client, [[3], [4]], 6, SP)
     assert len(out) == 12
     assert state["max_inflight"] == 3
 
@@ -281,12 +282,12 @@ def test_generate_groups_is_prompt_major_with_one_seed_per_sample():
     app, state = fake_engine()
     seeds = [[11, 12, 13], [21, 22, 23]]
     with ThreadServer(app) as srv, SyncSGLangClient(srv.url) as client:
-        out = client.generate_groups([[7, 1], [8, 1]], 3, SP, seeds)
-    assert [r.output_ids for r in out] == [[7, 11], [7, 12], [7, 13], [8, 21], [8, 22], [8, 23]]
+        out = generate_groups(client, [[7, 1], [8, 1]], 3, SP, seeds)
+    assert [r.completion_ids for r in out] == [[7, 11], [7, 12], [7, 13], [8, 21], [8, 22], [8, 23]]
     assert all(b["return_logprob"] is True and isinstance(b["rid"], str) for b in state["bodies"])
-    assert len({r.rid for r in out}) == 6
+    assert len({r.meta["id"] for r in out}) == 6
     with SyncSGLangClient(srv.url) as client, pytest.raises(ValueError, match="seeds"):
-        client.generate_groups([[1]], 2, SP, [[1]])
+        generate_groups(client, [[1]], 2, SP, [[1]])
 
 
 def test_generate_batch_is_one_request():
@@ -295,7 +296,7 @@ def test_generate_batch_is_one_request():
         out = client.generate_batch(
             [[4], [5]], [{**SP, "sampling_seed": 1}, {**SP, "sampling_seed": 2}]
         )
-    assert [r.output_ids for r in out] == [[4, 1], [5, 2]]
+    assert [r.completion_ids for r in out] == [[4, 1], [5, 2]]
     assert state["calls"]["generate"] == 1
 
 
@@ -334,7 +335,7 @@ def test_control_calls_report_success_false_and_need_a_target():
             client.flush_cache(url=srv.url)
 
 
-def test_sample_result_parses_sglang_response():
+def test_a_sglang_response_becomes_a_sample():
     body = {
         "text": " 4",
         "output_ids": [9, 1],
@@ -347,25 +348,23 @@ def test_sample_result_parses_sglang_response():
             "output_token_logprobs": [[-0.25, 9, None], [-1.5, 1, None]],
         },
     }
-    r = SampleResult.from_response(body, "http://e", None)
-    assert (r.output_ids, r.output_logprobs, r.weight_version, r.rid) == (
-        [9, 1],
-        [-0.25, -1.5],
-        "5",
-        "r1",
-    )
+    r = Sample.from_sglang([3, 4, 5], body)
+    assert (r.prompt_ids, r.completion_ids, r.logprobs, r.text) == ([3, 4, 5], [9, 1], [-0.25, -1.5], " 4")
+    assert (r.meta["weight_version"], r.meta["id"], r.loss_mask, r.reward) == ("5", "r1", None, 0.0)
     assert not r.truncated and not r.aborted
+    plain = Sample.from_sglang([3], {"output_ids": [7], "meta_info": {}})  # no log-probs asked
+    assert (plain.completion_ids, plain.logprobs, plain.finish_reason) == ([7], [], {})
 
 
 def test_async_client_in_its_own_loop():
     app, _ = fake_engine()
 
-    async def main(url: str) -> list[SampleResult]:
+    async def main(url: str) -> list[Sample]:
         async with SGLangClient(url) as client:
-            return await client.generate_groups([[3]], 2, SP, [[1, 2]])
+            return await agenerate_groups(client, [[3]], 2, SP, [[1, 2]])
 
     with ThreadServer(app) as srv:
-        assert [r.output_ids for r in asyncio.run(main(srv.url))] == [[3, 1], [3, 2]]
+        assert [r.completion_ids for r in asyncio.run(main(srv.url))] == [[3, 1], [3, 2]]
 
 
 def test_sync_client_repeated_calls_and_clean_shutdown():
@@ -374,7 +373,7 @@ def test_sync_client_repeated_calls_and_clean_shutdown():
     with ThreadServer(app) as srv:
         client = SyncSGLangClient(srv.url)
         for i in range(20):
-            assert client.generate([i + 3], SP).output_ids[0] == i + 3
+            assert client.generate([i + 3], SP).completion_ids[0] == i + 3
         thread = client._thread
         client.close()
         client.close()  # idempotent
@@ -386,7 +385,7 @@ def test_sync_client_repeated_calls_and_clean_shutdown():
 
 # ---------------------------------------------------------------- the embedded engine
 
-SERVE = "import sys; from rl_core.rollout.server import main; sys.exit(main(sys.argv[1:]))"
+SERVE = "import sys; from rl_core.engine.server import main; sys.exit(main(sys.argv[1:]))"
 
 
 def engine_command(model_dir: Path) -> Callable[[int, int], list[str]]:
@@ -438,8 +437,8 @@ class Engines:
 def engines(tiny_dirs, tmp_path_factory):
     import torch
 
-    from rl_core.rollout.engine import EmbeddedEngine
-    from rl_core.rollout.server import serve_in_thread
+    from rl_core.engine.core import EmbeddedEngine
+    from rl_core.engine.server import serve_in_thread
 
     threads = torch.get_num_threads()
     pool = EnginePool(
@@ -468,31 +467,31 @@ GEN = {"max_new_tokens": 8, "temperature": 1.0}
 
 def test_engine_sample_has_the_training_fields(client, engines):
     r = client.generate([5, 6, 7], GEN)
-    assert r.base_url in engines.urls
-    assert 1 <= len(r.output_ids) == len(r.output_logprobs) == r.completion_tokens <= 8
-    assert all(lp <= 0 for lp in r.output_logprobs)
+    assert r.meta["base_url"] in engines.urls
+    assert 1 <= len(r.completion_ids) == len(r.logprobs) == r.meta["completion_tokens"] <= 8
+    assert all(lp <= 0 for lp in r.logprobs)
     assert r.finish_reason["type"] in ("length", "stop")
-    assert (r.prompt_tokens, r.weight_version) == (3, "default")
-    assert isinstance(r.text, str) and r.rid
+    assert (r.meta["prompt_tokens"], r.meta["weight_version"]) == (3, "default")
+    assert isinstance(r.text, str) and r.meta["id"]
 
 
 def test_engine_seeded_groups_are_reproducible_across_engines(client, engines):
     prompts, seeds = [[5, 6], [7, 8, 9]], [[1, 2, 3], [4, 5, 6]]
-    first = client.generate_groups(prompts, 3, {**GEN, "ignore_eos": True}, seeds)
+    first = generate_groups(client, prompts, 3, {**GEN, "ignore_eos": True}, seeds)
     with SyncSGLangClient(engines.urls[::-1]) as other_order:
-        again = other_order.generate_groups(prompts, 3, {**GEN, "ignore_eos": True}, seeds)
-    assert [r.output_ids for r in first] == [r.output_ids for r in again]
+        again = generate_groups(other_order, prompts, 3, {**GEN, "ignore_eos": True}, seeds)
+    assert [r.completion_ids for r in first] == [r.completion_ids for r in again]
     for a, b in zip(first, again, strict=True):
-        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-5)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
     # round robin put each sample on the other engine the second time
-    assert all(a.base_url != b.base_url for a, b in zip(first, again, strict=True))
-    assert len({tuple(r.output_ids) for r in first[:3]}) > 1  # seeds differ within a group
+    assert all(a.meta["base_url"] != b.meta["base_url"] for a, b in zip(first, again, strict=True))
+    assert len({tuple(r.completion_ids) for r in first[:3]}) > 1  # seeds differ within a group
     batch = client.generate_batch(
         prompts,
         [{**GEN, "ignore_eos": True, "sampling_seed": s[0]} for s in seeds],
         rid=None,
     )
-    assert [r.output_ids for r in batch] == [first[0].output_ids, first[3].output_ids]
+    assert [r.completion_ids for r in batch] == [first[0].completion_ids, first[3].completion_ids]
 
 
 def test_engine_rejects_bad_requests_with_its_message(client):
@@ -514,7 +513,7 @@ def test_engine_info_and_control_calls(client, engines):
     client.flush_cache(url=url, wait_s=10)
     client.resume(url=url)
     client.abort(abort_all=True)
-    assert client.generate([5], GEN).output_ids
+    assert client.generate([5], GEN).completion_ids
 
 
 def test_engine_weight_update_from_disk_sets_the_version(client, engines, tiny_dirs):
@@ -525,8 +524,8 @@ def test_engine_weight_update_from_disk_sets_the_version(client, engines, tiny_d
         client.update_weights_from_disk(str(step1), 1, url=url)
         assert client.weight_version(url=url) == "1"
     after = [client.generate([5, 6], seeded) for _ in range(2)]
-    assert {r.weight_version for r in after} == {"1"}
-    assert after[0].output_ids == after[1].output_ids != before.output_ids
+    assert {r.meta["weight_version"] for r in after} == {"1"}
+    assert after[0].completion_ids == after[1].completion_ids != before.completion_ids
 
 
 def test_killing_an_engine_mid_batch_loses_no_request(engines, caplog):
@@ -547,7 +546,7 @@ def test_killing_an_engine_mid_batch_loses_no_request(engines, caplog):
         killer = threading.Thread(target=kill_when_busy)
         killer.start()
         with caplog.at_level(logging.WARNING, "rl_core.rollout.client"):
-            out = client.generate_groups(
+            out = generate_groups(client,
                 [[5 + i] for i in range(n_prompts)],
                 n,
                 {**GEN, "max_new_tokens": 48, "ignore_eos": True},
@@ -555,7 +554,7 @@ def test_killing_an_engine_mid_batch_loses_no_request(engines, caplog):
         killer.join(30)
     assert engines.pool.engines[0].proc.poll() is not None, "the victim engine was not killed"
     assert len(out) == n_prompts * n
-    assert all(len(r.output_ids) == 48 and r.finish_reason["type"] == "length" for r in out)
+    assert all(len(r.completion_ids) == 48 and r.finish_reason["type"] == "length" for r in out)
     # the victim's requests were running when it died: the survivor served them too
-    assert sum(r.base_url == survivor for r in out) > len(out) // 2
+    assert sum(r.meta["base_url"] == survivor for r in out) > len(out) // 2
     assert any(victim in m and "retry" in m for m in caplog.messages)

@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from rollout_helpers import generate_groups, update_from_disk
 from test_rollout_client import (
     FAST,
     SP,
@@ -49,7 +50,7 @@ def test_router_spreads_work_and_manages_workers(tmp_path, fake_pair):
         with SyncSGLangClient(router.url) as client:
             results = [client.generate([i + 3], SP) for i in range(8)]
             assert all(
-                r.base_url == router.url and r.output_ids[0] == i + 3 for i, r in enumerate(results)
+                r.meta["base_url"] == router.url and r.completion_ids[0] == i + 3 for i, r in enumerate(results)
             )
             assert state_a["calls"]["generate"] - before[0] == 4
             assert state_b["calls"]["generate"] - before[1] == 4
@@ -106,22 +107,22 @@ def test_router_sends_work_to_both_engines(pool):
     # label each engine's weights so every sample says which engine produced it
     for url, label in zip(pool.engine_urls, ("engine-a", "engine-b"), strict=True):
         client.update_weight_version(label, url=url)
-    out = client.generate_groups([[5, 6], [7, 8]], 4, GEN)
-    assert {r.base_url for r in out} == {pool.url}
-    assert sorted(r.weight_version for r in out) == ["engine-a"] * 4 + ["engine-b"] * 4
+    out = generate_groups(client, [[5, 6], [7, 8]], 4, GEN)
+    assert {r.meta["base_url"] for r in out} == {pool.url}
+    assert sorted(r.meta["weight_version"] for r in out) == ["engine-a"] * 4 + ["engine-b"] * 4
 
 
 def test_weight_update_moves_every_engine_or_fails_loudly(pool, tiny_dirs):  # noqa: F811
     client = pool.client
-    pool.weight_update(1, model_path=tiny_dirs[1])
+    update_from_disk(pool, 1, tiny_dirs[1])
     assert [client.weight_version(url=u) for u in pool.engine_urls] == ["1", "1"]
-    assert {r.weight_version for r in client.generate_groups([[5]], 4, GEN)} == {"1"}
+    assert {r.meta["weight_version"] for r in generate_groups(client, [[5]], 4, GEN)} == {"1"}
     with pytest.raises(WeightSyncError, match="update_weights_from_disk failed"):
-        pool.weight_update(2, model_path="/nonexistent/ckpt")
+        update_from_disk(pool, 2, "/nonexistent/ckpt")
     # the failed update resumed every engine and left the served version alone
     assert pool.weight_version == "1"
     assert [client.weight_version(url=u) for u in pool.engine_urls] == ["1", "1"]
-    assert len(client.generate_groups([[5]], 2, GEN)) == 2
+    assert len(generate_groups(client, [[5]], 2, GEN)) == 2
 
 
 def test_killed_engine_loses_nothing_and_comes_back_resynced(pool, tiny_dirs):  # noqa: F811
@@ -129,7 +130,7 @@ def test_killed_engine_loses_nothing_and_comes_back_resynced(pool, tiny_dirs):  
     re-syncs it to the current weight_version and puts it back behind the router."""
     victim = pool.engines[0]
     client = pool.client
-    pool.weight_update(3, model_path=tiny_dirs[1])
+    update_from_disk(pool, 3, tiny_dirs[1])
     with SyncSGLangClient(victim.url) as probe:
 
         def kill_when_busy() -> None:
@@ -142,10 +143,10 @@ def test_killed_engine_loses_nothing_and_comes_back_resynced(pool, tiny_dirs):  
 
         killer = threading.Thread(target=kill_when_busy)
         killer.start()
-        out = client.generate_groups([[5 + i] for i in range(6)], 4, {**GEN, "max_new_tokens": 48})
+        out = generate_groups(client, [[5 + i] for i in range(6)], 4, {**GEN, "max_new_tokens": 48})
         killer.join(30)
     assert victim.proc.poll() is not None or victim.restarts >= 1, "victim was not killed"
-    assert len(out) == 24 and all(len(r.output_ids) == 48 for r in out)
+    assert len(out) == 24 and all(len(r.completion_ids) == 48 for r in out)
 
     deadline = time.monotonic() + 90
     while not (victim.restarts >= 1 and victim.in_service):
@@ -155,8 +156,8 @@ def test_killed_engine_loses_nothing_and_comes_back_resynced(pool, tiny_dirs):  
     assert client.weight_version(url=victim.url) == "3"
     assert sorted(pool.router.list_workers()) == sorted(pool.engine_urls)
     before = client.server_info(url=victim.url)["internal_states"][0]["decode_steps"]
-    out = client.generate_groups([[5], [6]], 4, GEN)
-    assert {r.weight_version for r in out} == {"3"}
+    out = generate_groups(client, [[5], [6]], 4, GEN)
+    assert {r.meta["weight_version"] for r in out} == {"3"}
     assert client.server_info(url=victim.url)["internal_states"][0]["decode_steps"] > before
 
 
@@ -215,7 +216,9 @@ def test_pool_restarts_a_hung_engine_and_resyncs_before_service(tmp_path):
     )
     with p:
         e = p.engines[0]
-        p.weight_update(5, update=push)
+        with p.paused() as urls:
+            push(urls, "5")
+            p.weight_version = "5"
         with p._sync_lock:  # a weight update in progress: the monitor leaves engines alone
             assert p.check_health() == []
 

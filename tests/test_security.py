@@ -197,7 +197,7 @@ def test_servers_grpoflow_launches_or_advises_bind_loopback() -> None:
 
     launch = re.compile(r"prefect\W+server\W+start|mlflow\W+server")
     found = []
-    for folder in ("flows", "tasks", "rl_core", "scripts"):
+    for folder in ("flows", "grpoflow", "tasks", "rl_core", "scripts"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             lines = path.read_text().splitlines()
             for i, line in enumerate(lines):

@@ -7,13 +7,11 @@ import sys
 
 import pytest
 
-from rl_core.rollout.sglang_launcher import (
-    PLATFORM_ENV_PRESETS,
+from rl_core.cluster.platform import PLATFORM_ENV_PRESETS, platform_env
+from rl_core.rollout.launch import (
     SGLangLaunchConfig,
     build_sglang_command,
     free_port,
-    launch_sglang,
-    platform_env,
     sglang_engine_command,
     sglang_env,
     start_process,
@@ -196,11 +194,13 @@ def test_launch_real_sglang_server(tmp_path, tiny_model, tiny_tok):
         skip_server_warmup=True,
         extra_args=["--disable-cuda-graph"],
     )
-    proc = launch_sglang(cfg, tmp_path / "sglang.log", timeout_s=600)
+    log = tmp_path / "sglang.log"
+    proc = start_process(build_sglang_command(cfg), log, env=sglang_env(cfg))
     try:
+        wait_healthy(cfg.url, timeout_s=600, proc=proc, log_path=log)
         with SyncSGLangClient(cfg.url) as client:
             r = client.generate([3, 4, 5], {"max_new_tokens": 4, "temperature": 1.0})
-            assert len(r.output_ids) == len(r.output_logprobs) >= 1
+            assert len(r.completion_ids) == len(r.logprobs) >= 1
             assert client.weight_version() == "default"
     finally:
         stop_process(proc, timeout_s=30)

@@ -1,7 +1,8 @@
-"""MLflow tracking (tasks/tracking.py) against a real ``mlflow server`` and the embedded
+"""MLflow tracking (the tasks/tracking package) against a real ``mlflow server`` and the embedded
 SQLite default: params, batched per-step metrics, samples tables, nested evaluations,
 checkpoints, the registered model (alias ``candidate``, loaded back and generating), resume,
-and redaction of secrets from the store, the artifacts and the logs.
+and secrets kept out of the store, the artifacts and the logs (the rule itself:
+tests/test_secrets.py).
 
 The server keeps its artifacts in S3: a bucket on the session's moto server (a real HTTP S3
 endpoint), behind the server's artifact proxy, as a team's tracking server would.
@@ -27,9 +28,10 @@ from prefect import flow  # noqa: E402
 from s3_server import S3Server  # noqa: E402
 
 from rl_core.config import load_config  # noqa: E402
-from rl_core.grpo import Sample  # noqa: E402
+from rl_core.types import Sample  # noqa: E402
 from tasks import tracking  # noqa: E402
 from tasks.setup import PreparedData  # noqa: E402
+from tasks.tracking import sender  # noqa: E402
 
 STEPS = 4
 
@@ -150,7 +152,7 @@ def _step_metrics(step: int) -> dict[str, float]:
 def _samples(step: int, n: int = 4) -> list[Sample]:
     return [
         Sample(uid=f"{step}:r{i // 2}:{i % 2}", group=i // 2, record_id=f"r{i // 2}",
-               prompt_ids=[10 + i, 11, 12], output_ids=[13, 14], logprobs=[-1.0, -1.0],
+               prompt_ids=[10 + i, 11, 12], completion_ids=[13, 14], logprobs=[-1.0, -1.0],
                finish_reason={"type": "stop"}, text=f"answer {i}", answer="3",
                weight_version=step - 1, reward=float(i % 2), correct=bool(i % 2))
         for i in range(n)
@@ -212,24 +214,6 @@ def test_metric_names_and_eval_metrics() -> None:
     assert m["eval/pass_at_1"] == 0.5 and m["eval/pass_at_4"] == pytest.approx(0.7)
     assert set(m) == {"eval/pass_at_1", "eval/pass_at_4", "eval/response_len_mean",
                       "eval/truncation_rate", "eval/seconds", "eval/num_examples"}  # fmt: skip
-
-
-def test_redact(monkeypatch) -> None:
-    monkeypatch.setenv("SOME_SERVICE_TOKEN", "tok-0123456789")
-    monkeypatch.setenv("PWD", "/home/someone/project")  # the shell's cwd is not a secret
-    r = tracking.redact
-    assert r("s3://user:pa55@bucket/x") == "s3://***@bucket/x"
-    assert "AKIAABCDEFGHIJKLMNOP" not in r("id AKIAABCDEFGHIJKLMNOP here")
-    assert r("https://h/x.jsonl?token=abc&n=1") == "https://h/x.jsonl?token=***&n=1"
-    assert r("uses tok-0123456789 inside") == "uses *** inside"
-    assert r("max_new_tokens 32, plain text") == "max_new_tokens 32, plain text"
-    assert r("sqlite:////home/someone/project/mlflow.db").endswith("/project/mlflow.db")
-    cfg = tracking.redact_config(
-        {"cluster": {"env": {"AWS_SECRET_ACCESS_KEY": "x/y+z", "OMP_NUM_THREADS": "2"}},
-         "rollout": {"max_new_tokens": 32}, "data": {"id_field": "id"}}
-    )  # fmt: skip
-    assert cfg["cluster"]["env"] == {"AWS_SECRET_ACCESS_KEY": "***", "OMP_NUM_THREADS": "2"}
-    assert cfg["rollout"]["max_new_tokens"] == 32 and cfg["data"]["id_field"] == "id"
 
 
 # ---------------------------------------------------------------------------- server
@@ -380,7 +364,7 @@ def test_resume_reattaches(prefect_harness, mlflow_server: MlflowServer, tmp_pat
         tracking.log_step(h, step, _step_metrics(step))
     tracking.log_evaluation(h, 2, _eval(2, 0.2))
     tracking.log_evaluation(h, 3, _eval(3, 0.3))  # past the checkpoint: redone after resume
-    tracking._TRACKERS.pop(h.run_id).stop_system_metrics()  # the process dies mid-run
+    sender.drop_tracker(h.run_id).stop_system_metrics()  # the process dies mid-run
     client = _client(mlflow_server.url)
     assert client.get_run(h.run_id).info.status == "RUNNING"
 
@@ -487,14 +471,14 @@ def test_secrets_never_reach_mlflow(
     for k, v in secrets.items():
         monkeypatch.setenv(k, v)
     in_config = ["pw-in-url-9f8e7d", "tok-query-5a4b3c2d1e", "wandb-key-0f1e2d3c4b5a",
-                 "ckpt-pass-4242"]  # fmt: skip
+                 "ckpt-pass-4242", "s3cr3t-value-123"]  # fmt: skip
     source = f"https://data.example.com/gsm8k.jsonl?token={in_config[1]}&split=x"
     cfg = _cfg(
         "trk-secrets",
         f"storage.root=s3://alice:{in_config[0]}@bucket/runs",
         f"data.source={source}",
         f"checkpoint.uri=s3://{secrets['AWS_ACCESS_KEY_ID']}:x@bucket/ckpt",
-        f"cluster.env={{WANDB_API_KEY: {in_config[2]}, "
+        f"cluster.env={{WANDB_API_KEY: {in_config[2]}, MY_SERVICE_CREDS: {in_config[4]}, "
         f"AWS_SECRET_ACCESS_KEY: {secrets['AWS_SECRET_ACCESS_KEY']}, OMP_NUM_THREADS: '1'}}",
     )
     cwd = tmp_path / "cwd"
@@ -518,6 +502,8 @@ def test_secrets_never_reach_mlflow(
     run = client.get_run(h.run_id)
     assert run.data.params["data.source"].endswith("?token=***&split=x")
     assert run.data.params["cluster.env.WANDB_API_KEY"] == "***"
+    assert run.data.params["cluster.env.MY_SERVICE_CREDS"] == "***"  # env values by default
+    assert run.data.params["cluster.env.OMP_NUM_THREADS"] == "1"  # a known-harmless setting
     assert run.data.params["storage.root"] == "s3://***@bucket/runs"
     assert run.data.tags["checkpoint/latest"] == "s3://***@bucket/ckpts/step-000001"
 

@@ -1,4 +1,4 @@
-"""Tests for rl_core.training: the TrainBatch layout and the torch GRPO trainer.
+"""Tests for rl_core.training: the Batch layout and the torch GRPO trainer.
 
 A tiny random Qwen2 (and a word-level tokenizer) is saved once per session to a temporary
 HF directory; every trainer loads it from there, as the real flow does.
@@ -10,11 +10,11 @@ import math
 
 import pytest
 import torch
-from conftest import PAD_ID, tiny_qwen2, tiny_tokenizer
+from conftest import PAD_ID, make_batch, tiny_qwen2, tiny_tokenizer
 
 from rl_core.config import AlgorithmConfig, TrainConfig
-from rl_core.training.batch import TrainBatch, build_train_batch
 from rl_core.training.torch_trainer import TorchTrainer
+from rl_core.types import Batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,7 +40,7 @@ def make_trainer(path, algo: dict | None = None, **train) -> TorchTrainer:
     return TorchTrainer(path, cfg, AlgorithmConfig(**(algo or {})))
 
 
-def random_batch(n: int = 8, seed: int = 0) -> TrainBatch:
+def random_batch(n: int = 8, seed: int = 0) -> Batch:
     g = torch.Generator().manual_seed(seed)
 
     def ids(lo: int, hi: int) -> list[int]:
@@ -51,7 +51,7 @@ def random_batch(n: int = 8, seed: int = 0) -> TrainBatch:
     responses = [ids(1, 9) for _ in range(n)]
     logps = [(-torch.rand(len(r), generator=g) * 3).tolist() for r in responses]
     adv = torch.randn(n, generator=g)
-    return build_train_batch(prompts, responses, logps, adv, PAD_ID)
+    return make_batch(prompts, responses, logps, adv, PAD_ID)
 
 
 def params_of(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
@@ -64,7 +64,7 @@ def assert_params_close(a: dict, b: dict, atol: float) -> None:
         torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
 
 
-def seq_logp(trainer: TorchTrainer, batch: TrainBatch) -> torch.Tensor:
+def seq_logp(trainer: TorchTrainer, batch: Batch) -> torch.Tensor:
     """Summed response log-prob of every sample under the current policy."""
     return trainer.compute_logprobs(batch).sum(-1)
 
@@ -73,12 +73,12 @@ def seq_logp(trainer: TorchTrainer, batch: TrainBatch) -> torch.Tensor:
 
 
 def test_build_train_batch_layout():
-    b = build_train_batch(
+    b = make_batch(
         prompts=[[11, 12, 13], [14]],
         responses=[[21, 22], [23, 24, 25]],
-        rollout_logprobs=[[-0.1, -0.2], [-0.3, -0.4, -0.5]],
+        logprobs=[[-0.1, -0.2], [-0.3, -0.4, -0.5]],
         advantages=[1.5, -0.5],
-        pad_token_id=PAD_ID,
+        pad_id=PAD_ID,
     )
     assert b.input_ids.dtype == torch.int32
     assert b.attention_mask.dtype == torch.bool
@@ -107,28 +107,42 @@ def test_build_train_batch_layout():
 
 
 def test_build_train_batch_accepts_tensor_advantages():
-    b = build_train_batch([[1, 2]], [[3]], [[-1.0]], torch.tensor([0.25], dtype=torch.float64), 0)
+    b = make_batch([[1, 2]], [[3]], [[-1.0]], torch.tensor([0.25], dtype=torch.float64), 0)
     assert b.advantages.dtype == torch.float32
     assert b.response_mask.tolist() == [[False, True]]
 
 
 def test_build_train_batch_length_errors():
     with pytest.raises(ValueError, match="differ in length"):
-        build_train_batch([[1], [2]], [[3]], [[-1.0]], [0.0], 0)
-    with pytest.raises(ValueError, match="differ in length"):
-        build_train_batch([[1]], [[3]], [[-1.0]], [0.0, 1.0], 0)
-    with pytest.raises(ValueError, match=r"sample 1: 2 response tokens but 1 log-probs"):
-        build_train_batch([[1], [2]], [[3], [4, 5]], [[-1.0], [-1.0]], [0.0, 1.0], 0)
+        make_batch([[1], [2]], [[3]], [[-1.0]], [0.0], 0)
+    with pytest.raises(ValueError, match="1 samples but 2 advantages"):
+        make_batch([[1]], [[3]], [[-1.0]], [0.0, 1.0], 0)
+    with pytest.raises(ValueError, match=r"sample 1: 2 tokens but 1 log-probs"):
+        make_batch([[1], [2]], [[3], [4, 5]], [[-1.0], [-1.0]], [0.0, 1.0], 0)
+
+
+def test_the_loss_mask_keeps_tool_and_environment_tokens_out_of_the_loss():
+    """A multi-turn sample: completion = model turn, tool output, model turn. Only the
+    model's tokens are trained on and carry their rollout log-probs."""
+    from rl_core.types import Batch, Sample
+
+    s = Sample([1, 2], [10, 11, 20, 21, 12], [-0.1, -0.2, -9.0, -9.0, -0.3],
+               loss_mask=[1, 1, 0, 0, 1])
+    b = Batch.from_samples([s], [1.0], pad_id=0)
+    assert b.response_mask.tolist() == [[False, True, True, False, False, True]]
+    assert b.rollout_logp[0].tolist() == pytest.approx([0.0, -0.1, -0.2, 0.0, 0.0, -0.3])
+    with pytest.raises(ValueError, match="5 tokens but 2 mask values"):
+        Batch.from_samples([Sample([1], [3] * 5, [0.0] * 5, loss_mask=[1, 0])], [0.0], 0)
 
 
 def test_build_train_batch_rejects_empty_prompt():
     # With no prompt token nothing scores the first response token; the mask would be wrong.
     with pytest.raises(ValueError, match="prompt"):
-        build_train_batch([[1, 2], []], [[3], [4, 5]], [[-1.0], [-1.0, -2.0]], [0.0, 1.0], 0)
+        make_batch([[1, 2], []], [[3], [4, 5]], [[-1.0], [-1.0, -2.0]], [0.0, 1.0], 0)
 
 
 def test_select_trims_to_longest_selected_row():
-    b = build_train_batch(
+    b = make_batch(
         [[11, 12, 13], [14], [15, 16]],
         [[21, 22], [23, 24, 25], [26]],
         [[-0.1, -0.2], [-0.3, -0.4, -0.5], [-0.6]],
@@ -248,7 +262,7 @@ def test_needs_old_logp_truth_table(model_dir):
 
 
 def test_positive_advantage_raises_that_samples_logprob(model_dir):
-    batch = build_train_batch(
+    batch = make_batch(
         [[5, 6, 7], [5, 6, 7], [9, 10]],
         [[30, 31, 32, 1], [40, 41, 1], [50, 51]],
         [[-4.0] * 4, [-4.0] * 3, [-4.0] * 2],
@@ -338,7 +352,7 @@ def test_save_pretrained_loads_back(model_dir, tmp_path):
 # ------------------------------------------------------------------------ lr schedule
 
 
-def _lrs(trainer: TorchTrainer, batch: TrainBatch, n: int) -> list[float]:
+def _lrs(trainer: TorchTrainer, batch: Batch, n: int) -> list[float]:
     out = [trainer.scheduler.get_last_lr()[0]]
     for _ in range(n):
         metrics = trainer.train_step(batch)

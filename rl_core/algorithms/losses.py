@@ -1,23 +1,22 @@
 """Token-level policy-gradient losses for GRPO-style RL post-training.
 
-Everything here is a pure function on torch tensors: PPO/GRPO clipped surrogates (with
-DAPO clip-higher, dual clip and GSPO sequence ratios), KL penalties against a reference
-policy, loss aggregation (token-mean, seq-mean-*, Dr.GRPO), entropy and log-probs from
-logits, and truncated importance sampling between the rollout engine and the trainer.
-This module must never import prefect or mlflow, never touch models, optimizers or
-devices, and never do I/O: the trainer computes log-probs and calls these functions.
+Pure functions on torch tensors: PPO/GRPO clipped surrogates (with DAPO clip-higher, dual clip
+and GSPO sequence ratios), KL penalties against a reference policy, loss aggregation
+(token-mean, seq-mean-*, Dr.GRPO), entropy and log-probs from logits, and truncated importance
+sampling between the rollout engine and the trainer. Never imports prefect or mlflow, never
+touches models, optimizers or devices, never does I/O: the trainer computes log-probs and
+calls these functions.
 
 Conventions:
 
-* ``mask`` is a bool tensor of shape (B, T); True marks response tokens that count.
-  (Non-bool masks are accepted and converted with ``mask != 0``.)
-* ``logp``, ``old_logp``, ``ref_logp``, ``rollout_logp`` are float tensors of shape
-  (B, T): log pi(y_t | y_<t) under the current policy (with grad), the policy that
-  started this training step (no grad), the frozen reference, and the rollout engine.
-* Padded (masked-out) positions contribute nothing, and whatever they hold (inf, NaN,
-  garbage) never leaks into a value or a gradient: inputs are sanitised with
-  ``torch.where`` before any arithmetic, never by multiplying with the mask.
-* Functions returning a per-token matrix put exact zeros at masked positions.
+* ``mask`` is a bool (B, T) tensor, True on response tokens that count (non-bool masks are
+  converted with ``mask != 0``).
+* ``logp``, ``old_logp``, ``ref_logp``, ``rollout_logp`` are float (B, T) tensors of
+  log pi(y_t | y_<t) under the current policy (with grad), the policy that started this
+  training step (no grad), the frozen reference, and the rollout engine.
+* Masked-out positions contribute nothing, and whatever they hold (inf, NaN) never leaks into
+  a value or a gradient: inputs are sanitised with ``torch.where`` before any arithmetic,
+  never by multiplying with the mask. Per-token outputs hold exact zeros there.
 """
 
 from __future__ import annotations
@@ -28,47 +27,24 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = [
-    "KL_KINDS",
-    "LOSS_AGG_MODES",
-    "aggregate_loss",
-    "compute_grpo_loss",
-    "entropy_from_logits",
-    "gspo_ratio",
-    "kl_penalty",
-    "logprobs_from_logits",
-    "masked_mean",
-    "masked_sum",
-    "policy_loss",
-    "tis_weights",
-]
+__all__ = ["KL_KINDS", "LOSS_AGG_MODES", "aggregate_loss", "compute_grpo_loss",
+           "entropy_from_logits", "gspo_ratio", "kl_penalty", "logprobs_from_logits", "masked_mean",
+           "masked_sum", "policy_loss", "tis_weights"]
 
 KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
 LossAggMode = Literal[
-    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-]
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 RatioType = Literal["token", "sequence"]
 TISLevel = Literal["token", "sequence"]
 
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGG_MODES: tuple[str, ...] = (
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-)
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 RATIO_TYPES: tuple[str, ...] = ("token", "sequence")
 TIS_LEVELS: tuple[str, ...] = ("token", "sequence")
 
-# verl clamps the log-ratio before exp so a single wild token cannot overflow to inf.
-_LOG_RATIO_CLAMP = 20.0
-# verl's low_var_kl clamps the per-token KL estimate to [-10, 10].
-_LOW_VAR_KL_CLAMP = 10.0
-
-
-# --------------------------------------------------------------------------------------
-# helpers
-# --------------------------------------------------------------------------------------
+_LOG_RATIO_CLAMP = 20.0  # verl clamps log-ratios before exp so one wild token cannot overflow
+_LOW_VAR_KL_CLAMP = 10.0  # verl's low_var_kl clamps the per-token estimate to [-10, 10]
 
 
 def _as_mask(mask: Tensor) -> Tensor:
@@ -79,8 +55,7 @@ def _check_same_shape(mask: Tensor, **tensors: Tensor) -> None:
     for name, t in tensors.items():
         if t.shape != mask.shape:
             raise ValueError(
-                f"{name} has shape {tuple(t.shape)} but mask has shape {tuple(mask.shape)}"
-            )
+                f"{name} has shape {tuple(t.shape)} but mask has shape {tuple(mask.shape)}")
 
 
 def _fill(x: Tensor, mask: Tensor, value: float = 0.0) -> Tensor:
@@ -89,24 +64,18 @@ def _fill(x: Tensor, mask: Tensor, value: float = 0.0) -> Tensor:
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    r"""Sum of ``x`` over positions where ``mask`` is True.
+    r"""masked_sum(x, m) = sum_{i : m_i} x_i   (over all elements, or along ``dim``).
 
-    masked_sum(x, m) = sum_{i : m_i} x_i   (over all elements, or along ``dim``).
-
-    Masked-out entries are replaced by 0 with ``torch.where`` first, so inf/NaN there
-    neither leak into the value nor into the gradient.
+    Masked-out entries are replaced by 0 with ``torch.where`` first, so inf/NaN there leak
+    into neither the value nor the gradient.
     """
-    mask = _as_mask(mask)
-    filled = torch.where(mask, x, torch.zeros_like(x))
+    filled = torch.where(_as_mask(mask), x, torch.zeros_like(x))
     return filled.sum() if dim is None else filled.sum(dim=dim)
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    r"""Mean of ``x`` over positions where ``mask`` is True.
-
-    masked_mean(x, m) = sum_{i : m_i} x_i / |{i : m_i}|, and 0 (not NaN) when the mask
-    selects nothing (per slice when ``dim`` is given).
-    """
+    r"""masked_mean(x, m) = sum_{i : m_i} x_i / |{i : m_i}|, and 0 (not NaN) when the mask
+    selects nothing (per slice when ``dim`` is given)."""
     mask = _as_mask(mask)
     total = masked_sum(x, mask, dim)
     full_mask = torch.broadcast_to(mask, torch.broadcast_shapes(mask.shape, x.shape))
@@ -121,51 +90,32 @@ def _masked_max(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask.any(), top, torch.zeros_like(top))
 
 
-# --------------------------------------------------------------------------------------
-# ratios and surrogate losses
-# --------------------------------------------------------------------------------------
-
-
 def gspo_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    r"""GSPO sequence-level importance ratio, broadcast to tokens (GSPO-token form).
+    r"""GSPO sequence-level importance ratio, broadcast to tokens (GSPO-token form), (B, T).
 
     GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization") replaces the per-token
     ratio by the length-normalised sequence likelihood ratio::
 
         s_i     = exp( (1/|y_i|) sum_{t in mask_i} (logp_{i,t} - old_logp_{i,t}) )
-        r_{i,t} = sg(s_i) * exp(logp_{i,t} - sg(logp_{i,t}))
+        r_{i,t} = sg(s_i) * exp(logp_{i,t} - sg(logp_{i,t}))          (sg = stop-gradient)
 
-    where sg is stop-gradient. The value of r_{i,t} equals s_i at every position and its
-    gradient is d r_{i,t} / d logp_{i,t} = s_i (and 0 w.r.t. any other token), which is
-    the GSPO-token estimator; with a sequence-level advantage it reproduces GSPO's gradient.
-    As in verl, the mean log-ratio is clamped to [-20, 20] before exp.
-
-    Masked positions hold the row's value s_i (1.0 for a fully-masked row) and get zero
-    gradient. Typical GSPO clip ranges are tiny, e.g. clip_low=3e-4, clip_high=4e-4.
-
-    Returns:
-        Tensor (B, T).
+    r_{i,t} equals s_i everywhere and d r_{i,t} / d logp_{i,t} = s_i (0 w.r.t. other tokens):
+    the GSPO-token estimator, which with a sequence-level advantage reproduces GSPO's gradient.
+    As in verl, the mean log-ratio is clamped to [-20, 20] before exp. Masked positions hold
+    s_i (1.0 for a fully-masked row) with zero gradient. Typical clip ranges: 3e-4 / 4e-4.
     """
     mask = _as_mask(mask)
     _check_same_shape(mask, logp=logp, old_logp=old_logp)
-    logp = _fill(logp, mask)
-    old_logp = _fill(old_logp, mask)
+    logp, old_logp = _fill(logp, mask), _fill(old_logp, mask)
     log_ratio = logp - old_logp
     count = mask.sum(dim=-1).clamp(min=1).to(log_ratio.dtype)
     seq_log_ratio = (log_ratio.sum(dim=-1) / count).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    log_r = logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1)
-    return torch.exp(log_r)
+    return torch.exp(logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1))
 
 
 def policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    ratio_type: RatioType = "token",
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 0.2,
+    clip_high: float = 0.2, dual_clip: float | None = None, ratio_type: RatioType = "token",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     r"""Per-token PPO clipped surrogate loss (GRPO / DAPO / dual-clip / GSPO).
 
@@ -174,33 +124,22 @@ def policy_loss(
         ratio_{i,t} = exp(logp_{i,t} - old_logp_{i,t})        (ratio_type="token")
         L_{i,t}     = -min( ratio * A,  clip(ratio, 1 - clip_low, 1 + clip_high) * A )
 
-    * Asymmetric clip: DAPO's clip-higher (Yu et al. 2025) uses clip_high > clip_low
-      (e.g. 0.2 / 0.28) to keep exploration alive for low-probability tokens.
-    * Dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL"):
-      for A < 0, L = min(L, -dual_clip * A) = min(L, dual_clip * |A|), so a huge ratio on a
-      negative-advantage token cannot produce an unbounded loss. Requires dual_clip > 1.
-    * ratio_type="sequence" uses :func:`gspo_ratio` (GSPO, Zheng et al. 2025); pair it with
-      sequence-level advantages, clip ranges around 3e-4 / 4e-4 and usually
-      ``seq-mean-token-mean`` aggregation.
+    * DAPO clip-higher (Yu et al. 2025): clip_high > clip_low (e.g. 0.2 / 0.28) keeps
+      exploration alive for low-probability tokens.
+    * Dual clip (Ye et al. 2020): for A < 0, L = min(L, -dual_clip * A) = min(L, dual_clip*|A|),
+      so a huge ratio on a negative-advantage token cannot make the loss unbounded (dual_clip > 1).
+    * ratio_type="sequence" uses :func:`gspo_ratio` (GSPO); pair it with sequence-level
+      advantages, clip ranges around 3e-4 / 4e-4 and usually ``seq-mean-token-mean``.
 
-    As in verl, the token log-ratio is clamped to [-20, 20] before exp.
+    As in verl, the token log-ratio is clamped to [-20, 20] before exp. ``advantages`` is (B,)
+    (broadcast over T) or (B, T).
 
-    Args:
-        logp, old_logp: (B, T) float log-probs (current policy, step-start policy).
-        advantages: (B,) (broadcast over T) or (B, T).
-        mask: (B, T) bool.
-
-    Returns:
-        ``(loss, metrics)``: ``loss`` is (B, T) with zeros at masked positions (aggregate it
-        with :func:`aggregate_loss`); ``metrics`` are detached 0-dim tensors over masked
-        tokens:
-
-        * ``clip_frac``: fraction where the clipped branch was chosen strictly
-          (clip(ratio) * A < ratio * A); ``clip_frac_low`` (ratio < 1, i.e. A < 0 and
-          ratio < 1 - clip_low) + ``clip_frac_high`` (ratio > 1 + clip_high, A > 0).
-        * ``dual_clip_frac``: fraction where the dual-clip cap was strictly active.
-        * ``ratio_mean``, ``ratio_max``.
-        * ``ppo_kl``: masked mean of (old_logp - logp), the k1 estimate of KL(old || new).
+    Returns ``(loss, metrics)``: ``loss`` (B, T) with zeros at masked positions (reduce it with
+    :func:`aggregate_loss`); ``metrics`` detached 0-dim tensors over masked tokens:
+    ``clip_frac`` (clipped branch strictly chosen: clip(ratio) * A < ratio * A), split into
+    ``clip_frac_low`` (ratio < 1) and ``clip_frac_high`` (ratio > 1); ``dual_clip_frac``
+    (dual-clip cap strictly active); ``ratio_mean``, ``ratio_max``; ``ppo_kl`` = masked mean of
+    (old_logp - logp), the k1 estimate of KL(old || new).
     """
     mask = _as_mask(mask)
     _check_same_shape(mask, logp=logp, old_logp=old_logp)
@@ -215,67 +154,42 @@ def policy_loss(
     if advantages.dim() == 1 and advantages.shape[0] == mask.shape[0] and mask.dim() == 2:
         advantages = advantages.unsqueeze(-1).expand_as(mask)
     if advantages.shape != mask.shape:
-        raise ValueError(
-            f"advantages must have shape (B,) or (B, T) = {tuple(mask.shape)}, "
-            f"got {tuple(advantages.shape)}"
-        )
-
-    logp = _fill(logp, mask)
-    old_logp = _fill(old_logp, mask)
+        raise ValueError(f"advantages must have shape (B,) or (B, T) = {tuple(mask.shape)}, "
+                         f"got {tuple(advantages.shape)}")
+    logp, old_logp = _fill(logp, mask), _fill(old_logp, mask)
     adv = _fill(advantages.to(logp.dtype), mask)
-
     if ratio_type == "token":
-        log_ratio = (logp - old_logp).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-        ratio = torch.exp(log_ratio)
+        ratio = torch.exp((logp - old_logp).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
     else:
         ratio = gspo_ratio(logp, old_logp, mask)
-
     surr_unclipped = ratio * adv
     surr_clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     loss = -torch.minimum(surr_unclipped, surr_clipped)
-
     with torch.no_grad():
         clipped = (surr_clipped < surr_unclipped) & mask
-        clipped_low = clipped & (ratio < 1.0)
-        clipped_high = clipped & (ratio > 1.0)
-
+    dual_active = torch.zeros_like(mask)
     if dual_clip is not None:
-        cap = -dual_clip * adv
-        negative = adv < 0
+        cap, negative = -dual_clip * adv, adv < 0
         with torch.no_grad():
             dual_active = negative & (loss > cap) & mask
         loss = torch.where(negative, torch.minimum(loss, cap), loss)
-    else:
-        dual_active = torch.zeros_like(mask)
-
-    loss = _fill(loss, mask)
-
     with torch.no_grad():
         ratio_d = ratio.detach()
         metrics = {
             "clip_frac": masked_mean(clipped.float(), mask),
-            "clip_frac_low": masked_mean(clipped_low.float(), mask),
-            "clip_frac_high": masked_mean(clipped_high.float(), mask),
+            "clip_frac_low": masked_mean((clipped & (ratio < 1.0)).float(), mask),
+            "clip_frac_high": masked_mean((clipped & (ratio > 1.0)).float(), mask),
             "dual_clip_frac": masked_mean(dual_active.float(), mask),
-            "ratio_mean": masked_mean(ratio_d, mask),
-            "ratio_max": _masked_max(ratio_d, mask),
+            "ratio_mean": masked_mean(ratio_d, mask), "ratio_max": _masked_max(ratio_d, mask),
             "ppo_kl": masked_mean((old_logp - logp).detach(), mask),
         }
-    return loss, metrics
-
-
-# --------------------------------------------------------------------------------------
-# KL penalty
-# --------------------------------------------------------------------------------------
+    return _fill(loss, mask), metrics
 
 
 def kl_penalty(
-    logp: Tensor,
-    ref_logp: Tensor,
-    kind: KLKind = "low_var_kl",
-    mask: Tensor | None = None,
+    logp: Tensor, ref_logp: Tensor, kind: KLKind = "low_var_kl", mask: Tensor | None = None
 ) -> Tensor:
-    r"""Per-token estimate of KL(pi || pi_ref) from samples y ~ pi.
+    r"""Per-token (B, T) estimate of KL(pi || pi_ref) from samples y ~ pi.
 
     With r = ref_logp - logp = log(pi_ref / pi) (Schulman 2020, "Approximating KL
     Divergence", http://joschu.net/blog/kl-approx.html)::
@@ -288,17 +202,13 @@ def kl_penalty(
                      (verl's ``low_var_kl``: k3 made overflow-safe)
 
     Masked positions (when ``mask`` is given) are exactly 0 whatever they held.
-
-    Returns:
-        Tensor (B, T).
     """
     if kind not in KL_KINDS:
         raise ValueError(f"unknown KL kind {kind!r}; allowed: {KL_KINDS}")
     if mask is not None:
         mask = _as_mask(mask)
         _check_same_shape(mask, logp=logp, ref_logp=ref_logp)
-        logp = _fill(logp, mask)
-        ref_logp = _fill(ref_logp, mask)
+        logp, ref_logp = _fill(logp, mask), _fill(ref_logp, mask)
     r = ref_logp - logp
     if kind == "k1":
         kl = -r
@@ -309,22 +219,12 @@ def kl_penalty(
     else:
         r = r.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
         kl = (torch.exp(r) - r - 1.0).clamp(-_LOW_VAR_KL_CLAMP, _LOW_VAR_KL_CLAMP)
-    if mask is not None:
-        kl = _fill(kl, mask)
-    return kl
-
-
-# --------------------------------------------------------------------------------------
-# aggregation
-# --------------------------------------------------------------------------------------
+    return kl if mask is None else _fill(kl, mask)
 
 
 def aggregate_loss(
-    loss_mat: Tensor,
-    mask: Tensor,
-    mode: LossAggMode = "token-mean",
-    norm_const: float | None = None,
-    global_tokens: float | None = None,
+    loss_mat: Tensor, mask: Tensor, mode: LossAggMode = "token-mean",
+    norm_const: float | None = None, global_tokens: float | None = None,
     global_seqs: float | None = None,
 ) -> Tensor:
     r"""Reduce a per-token loss matrix (B, T) to a scalar.
@@ -338,76 +238,52 @@ def aggregate_loss(
                                   (original GRPO, DeepSeekMath; GSPO)
         seq-mean-token-sum      = (1/N_seq) sum_{i in S} sum_t m L
         seq-mean-token-sum-norm = sum_{i,t} m L / (N_seq * C)    (Dr.GRPO, Liu et al. 2025)
-                                  C = norm_const, default T = mask.shape[-1] (the max
-                                  response length, a constant, so long responses are not
-                                  down-weighted), N_seq = |S|
+                                  C = norm_const, default T = mask.shape[-1] (a constant, so
+                                  long responses are not down-weighted), N_seq = |S|
 
-    Gradient accumulation / data parallel: when a batch is split into micro-batches whose
-    losses are summed (and then divided by nothing), the result equals the full-batch
-    loss only if every micro-batch divides by the *full batch's* N_tok / N_seq. Pass those
-    as ``global_tokens`` (replaces N_tok in ``token-mean``) and ``global_seqs`` (replaces
-    N_seq in the ``seq-*`` modes); the argument not used by ``mode`` is ignored. Also note
-    that ``norm_const`` must then be the same constant on every micro-batch.
+    Gradient accumulation / data parallel: summed micro-batch losses equal the full-batch loss
+    only if every micro-batch divides by the *full batch's* N_tok / N_seq. Pass those as
+    ``global_tokens`` (replaces N_tok in ``token-mean``) and ``global_seqs`` (replaces N_seq in
+    the ``seq-*`` modes; the one ``mode`` does not use is ignored); ``norm_const`` must then
+    be the same on every micro-batch. An empty selection gives 0 (not NaN), still on the graph.
 
-    An empty selection gives 0 (not NaN), still connected to the graph.
-
-    Raises:
-        ValueError: unknown mode (the message lists the allowed ones), or a non-positive
-            ``norm_const`` / ``global_tokens`` / ``global_seqs``.
+    Raises ValueError on an unknown mode (listing the allowed ones) or a non-positive
+    ``norm_const`` / ``global_tokens`` / ``global_seqs``.
     """
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; allowed: {LOSS_AGG_MODES}")
-    for name, value in (
-        ("norm_const", norm_const),
-        ("global_tokens", global_tokens),
-        ("global_seqs", global_seqs),
-    ):
+    for name, value in (("norm_const", norm_const), ("global_tokens", global_tokens),
+                        ("global_seqs", global_seqs)):
         if value is not None and value <= 0:
             raise ValueError(f"{name} must be > 0, got {value}")
     mask = _as_mask(mask)
     _check_same_shape(mask, loss_mat=loss_mat)
-
     if mode == "token-mean":
         total = masked_sum(loss_mat, mask)
         if global_tokens is not None:
             return total / global_tokens
         return total / mask.sum().clamp(min=1).to(total.dtype)
-
     tokens_per_seq = mask.sum(dim=-1)
     seq_sums = masked_sum(loss_mat, mask, dim=-1)
     num_seqs: Tensor | float = (
-        float(global_seqs)
-        if global_seqs is not None
-        else (tokens_per_seq > 0).sum().clamp(min=1).to(seq_sums.dtype)
-    )
+        float(global_seqs) if global_seqs is not None
+        else (tokens_per_seq > 0).sum().clamp(min=1).to(seq_sums.dtype))
     if mode == "seq-mean-token-mean":
-        seq_vals = seq_sums / tokens_per_seq.clamp(min=1).to(seq_sums.dtype)
-        return seq_vals.sum() / num_seqs
+        return (seq_sums / tokens_per_seq.clamp(min=1).to(seq_sums.dtype)).sum() / num_seqs
     if mode == "seq-mean-token-sum":
         return seq_sums.sum() / num_seqs
     const = float(norm_const) if norm_const is not None else float(mask.shape[-1])
     return seq_sums.sum() / (num_seqs * const)
 
 
-# --------------------------------------------------------------------------------------
-# quantities from logits
-# --------------------------------------------------------------------------------------
-
-
 def entropy_from_logits(logits: Tensor) -> Tensor:
-    r"""Entropy of the categorical distribution softmax(z) at every position.
+    r"""Entropy of softmax(z) at every position: float32 (B, T) from (B, T, V) logits.
 
         H(z) = -sum_v p_v log p_v = logsumexp(z) - sum_v softmax(z)_v * z_v
 
-    (the form verl's ``entropy_from_logits`` uses: no log of a probability, so it is stable
-    for very peaked distributions). Computed in float32; entries with p_v == 0 (e.g.
-    z_v = -inf for a banned token) contribute exactly 0 with finite gradients.
-
-    Args:
-        logits: (B, T, V) (any leading shape; the last dim is the vocabulary).
-
-    Returns:
-        float32 tensor (B, T).
+    (verl's form: no log of a probability, so stable for very peaked distributions). Entries
+    with p_v == 0 (e.g. z_v = -inf for a banned token) contribute exactly 0 with finite
+    gradients.
     """
     z = logits.float()
     p = torch.softmax(z, dim=-1)
@@ -416,60 +292,41 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 
 def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
-    r"""Log-probability of ``labels`` under softmax(logits / temperature).
+    r"""Log-probability (float32, (B, T)) of ``labels`` under softmax(logits / temperature).
 
         logp_{b,t} = z_{b,t,y} / tau - logsumexp_v(z_{b,t,v} / tau),   y = labels_{b,t}
 
-    Equal to ``log_softmax(logits / tau).gather(-1, labels)`` but gathers first and
-    subtracts the logsumexp, so no (B, T, V) log-softmax is kept. Computed in float32
-    (the rollout engine samples with the same temperature, so the trainer must divide by
-    it too, or the ratios are biased).
-
-    Args:
-        logits: (B, T, V); labels: (B, T) integer token ids, all valid indices (padded
-            positions must hold a valid id, e.g. the pad id, and be masked downstream).
-
-    Returns:
-        float32 tensor (B, T).
+    Equals ``log_softmax(logits / tau).gather(-1, labels)`` without keeping a (B, T, V)
+    log-softmax. The rollout engine samples with the same temperature, so the trainer must
+    divide by it too or the ratios are biased. ``labels`` must all be valid ids (padded
+    positions hold e.g. the pad id and are masked downstream).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature
-    picked = z.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(z, dim=-1)
-
-
-# --------------------------------------------------------------------------------------
-# truncated importance sampling (rollout engine vs trainer mismatch)
-# --------------------------------------------------------------------------------------
+    return z.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
 
 
 def tis_weights(
-    old_logp: Tensor,
-    rollout_logp: Tensor,
-    mask: Tensor,
-    cap: float = 2.0,
+    old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float = 2.0,
     level: TISLevel = "token",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     r"""Truncated importance-sampling weights correcting rollout/trainer mismatch.
 
-    The rollout engine (vLLM/SGLang) samples with pi_rollout, which differs numerically
-    from the trainer's pi_old. TIS (Yao et al. 2025, "Your Efficient RL Framework Secretly
-    Brings You Off-Policy RL Training") reweights the policy-gradient loss by::
+    The rollout engine (vLLM/SGLang) samples with pi_rollout, numerically different from the
+    trainer's pi_old. TIS (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+    Off-Policy RL Training") reweights the policy-gradient loss by::
 
         token:    w_{i,t} = min( exp(old_logp_{i,t} - rollout_logp_{i,t}), cap )
         sequence: w_{i,t} = min( exp( sum_{t in mask_i} (old_logp - rollout_logp) ), cap )
                   (one weight per sequence, broadcast to its tokens)
 
-    ``w`` is detached (a constant coefficient). Masked positions get weight 0, so the
-    caller can multiply the per-token policy loss by ``w`` directly.
-
-    Returns:
-        ``(w, metrics)`` with ``w`` (B, T) and detached 0-dim metrics over masked tokens:
-        ``tis_mean``, ``tis_max``, ``tis_clip_frac`` (fraction of tokens whose raw weight
-        exceeded ``cap``) and ``rollout_trainer_logp_diff`` (mean |old_logp - rollout_logp|).
+    ``w`` (B, T) is detached and 0 at masked positions, so the caller multiplies the per-token
+    loss by it directly. Metrics (detached, 0-dim, over masked tokens): ``tis_mean``,
+    ``tis_max``, ``tis_clip_frac`` (raw weight > ``cap``) and ``rollout_trainer_logp_diff``
+    (mean |old_logp - rollout_logp|).
     """
     if level not in TIS_LEVELS:
         raise ValueError(f"unknown TIS level {level!r}; allowed: {TIS_LEVELS}")
@@ -483,70 +340,42 @@ def tis_weights(
             raw = torch.exp(log_ratio)
         else:
             raw = torch.exp(log_ratio.sum(dim=-1, keepdim=True)).expand_as(log_ratio)
-        capped = (raw > cap) & mask
         w = _fill(raw.clamp(max=cap), mask)
         metrics = {
-            "tis_mean": masked_mean(w, mask),
-            "tis_max": _masked_max(w, mask),
-            "tis_clip_frac": masked_mean(capped.float(), mask),
+            "tis_mean": masked_mean(w, mask), "tis_max": _masked_max(w, mask),
+            "tis_clip_frac": masked_mean(((raw > cap) & mask).float(), mask),
             "rollout_trainer_logp_diff": masked_mean(log_ratio.abs(), mask),
         }
     return w, metrics
 
 
-# --------------------------------------------------------------------------------------
-# composition
-# --------------------------------------------------------------------------------------
-
-
 def compute_grpo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    ref_logp: Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_kind: KLKind = "low_var_kl",
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    ratio_type: RatioType = "token",
-    loss_agg: LossAggMode = "token-mean",
-    norm_const: float | None = None,
-    entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
-    rollout_logp: Tensor | None = None,
-    tis_cap: float | None = None,
-    tis_level: TISLevel = "token",
-    global_tokens: float | None = None,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+    ref_logp: Tensor | None = None, kl_coef: float = 0.0, kl_kind: KLKind = "low_var_kl",
+    clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
+    ratio_type: RatioType = "token", loss_agg: LossAggMode = "token-mean",
+    norm_const: float | None = None, entropy: Tensor | None = None, entropy_coef: float = 0.0,
+    rollout_logp: Tensor | None = None, tis_cap: float | None = None,
+    tis_level: TISLevel = "token", global_tokens: float | None = None,
     global_seqs: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     r"""Full GRPO objective for one (micro-)batch.
 
         loss = agg(L_pg * w_tis) + kl_coef * agg(KL) - entropy_coef * agg(H)
 
-    with L_pg from :func:`policy_loss`, w_tis from :func:`tis_weights` (only when both
-    ``rollout_logp`` and ``tis_cap`` are given; otherwise w = 1), KL from
-    :func:`kl_penalty` against ``ref_logp`` applied as a loss term as in GRPO
-    (DeepSeekMath eq. 3), not folded into the reward, H the per-token entropy, and agg
-    :func:`aggregate_loss` with ``loss_agg``/``norm_const``/``global_tokens``/
-    ``global_seqs`` used for all three terms.
+    L_pg from :func:`policy_loss`; w_tis from :func:`tis_weights` (only when both
+    ``rollout_logp`` and ``tis_cap`` are given, else 1); KL from :func:`kl_penalty` against
+    ``ref_logp``, a loss term as in GRPO (DeepSeekMath eq. 3), not folded into the reward; H the
+    per-token entropy; agg :func:`aggregate_loss` with ``loss_agg``/``norm_const``/
+    ``global_tokens``/``global_seqs`` for all three terms. A term is only added when its
+    coefficient is non-zero; ``kl`` / ``entropy`` are still reported when given.
 
-    A term is only added when its coefficient is non-zero; ``kl`` / ``entropy`` are still
-    reported when ``ref_logp`` / ``entropy`` are given.
-
-    Returns:
-        ``(loss, metrics)``: ``loss`` a 0-dim tensor with grad; ``metrics`` python floats:
-        ``loss``, ``pg_loss`` (the aggregated policy term, i.e. with the global normalisers
-        when given), ``kl`` (masked mean of the per-token KL, if ``ref_logp``), ``entropy``
-        (masked mean, if ``entropy``), all :func:`policy_loss` metrics and, with TIS, all
-        :func:`tis_weights` metrics. Metrics other than ``loss``/``pg_loss`` are local to
-        this micro-batch.
-
-    Raises:
-        ValueError: ``kl_coef != 0`` without ``ref_logp``, or ``entropy_coef != 0``
-            without ``entropy``.
+    Returns ``(loss, metrics)``: a 0-dim loss with grad and python floats ``loss``, ``pg_loss``
+    (with the global normalisers when given), ``kl`` (masked mean, if ``ref_logp``),
+    ``entropy`` (masked mean, if ``entropy``), every :func:`policy_loss` metric and, with TIS,
+    every :func:`tis_weights` metric; all but ``loss``/``pg_loss`` are local to the micro-batch.
+    Raises ValueError for ``kl_coef != 0`` without ``ref_logp`` or ``entropy_coef != 0``
+    without ``entropy``.
     """
     if kl_coef != 0.0 and ref_logp is None:
         raise ValueError("kl_coef != 0 requires ref_logp")
@@ -555,46 +384,27 @@ def compute_grpo_loss(
     mask = _as_mask(mask)
 
     def agg(x: Tensor) -> Tensor:
-        return aggregate_loss(
-            x,
-            mask,
-            loss_agg,
-            norm_const=norm_const,
-            global_tokens=global_tokens,
-            global_seqs=global_seqs,
-        )
+        return aggregate_loss(x, mask, loss_agg, norm_const=norm_const,
+                              global_tokens=global_tokens, global_seqs=global_seqs)
 
-    pg_mat, pg_metrics = policy_loss(
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip=dual_clip,
-        ratio_type=ratio_type,
-    )
+    pg_mat, pg_metrics = policy_loss(logp, old_logp, advantages, mask, clip_low=clip_low,
+                                     clip_high=clip_high, dual_clip=dual_clip,
+                                     ratio_type=ratio_type)
     metrics: dict[str, float] = {k: v.item() for k, v in pg_metrics.items()}
-
     if rollout_logp is not None and tis_cap is not None:
         w, tis_metrics = tis_weights(old_logp, rollout_logp, mask, cap=tis_cap, level=tis_level)
         pg_mat = pg_mat * w
         metrics.update({k: v.item() for k, v in tis_metrics.items()})
-
-    pg_loss = agg(pg_mat)
-    loss = pg_loss
+    loss = pg_loss = agg(pg_mat)
     metrics["pg_loss"] = pg_loss.item()
-
     if ref_logp is not None:
         kl_mat = kl_penalty(logp, ref_logp, kind=kl_kind, mask=mask)
         metrics["kl"] = masked_mean(kl_mat.detach(), mask).item()
         if kl_coef != 0.0:
             loss = loss + kl_coef * agg(kl_mat)
-
     if entropy is not None:
         metrics["entropy"] = masked_mean(entropy.detach(), mask).item()
         if entropy_coef != 0.0:
             loss = loss - entropy_coef * agg(entropy)
-
     metrics["loss"] = loss.item()
     return loss, metrics

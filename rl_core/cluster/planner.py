@@ -1,30 +1,20 @@
 """The parallelism planner: from a model's shape, the sequence lengths and the device's memory,
-recommend TP/PP/DP for the rollout plane and the training plane, say why, and report the
-weight traffic each sync moves from the training layout to the rollout layout.
+recommend TP/PP/DP for the rollout and training planes, say why, and report the weight traffic
+each sync moves between the two layouts (the rules and their sources: docs/planner.md).
 
     python -m rl_core.cluster.planner --model qwen2.5-7b --device mi300x --devices 8
 
-The rules it encodes:
+Rollout: the smallest power-of-two TP at which the weights plus a KV budget of ``min_kv_seqs``
+full-length sequences fit SGLang's static memory, DP for the rest (one engine per device when
+the model fits one: no per-layer all-reduce in decode, :data:`TP1_RESULT`). Training: FSDP2
+first (16 bytes/param, sharded); Megatron TP/PP only where that does not fit a node or one
+micro-batch's activations do not fit. Weight sync: the full weights, once per rollout replica.
 
-- **Rollout: the smallest TP that fits, and DP for the rest.** TP is the smallest power of
-  two at which the weights plus a minimum KV budget (``min_kv_seqs`` full-length sequences)
-  fit in SGLang's static memory (``mem_fraction_static`` of the device); DP = devices / TP.
-  When the model fits one device that means TP=1 with one engine per device: a published
-  AMD/SGLang study of RL rollout on MI300X measured TP=1 with more DP replicas at
-  2.3-4.3x the throughput of larger TP for a 7B model (no per-layer all-reduce in decode,
-  one scheduler per device).
-- **Training: FSDP2 first.** Weights, gradients and Adam states (16 bytes per parameter)
-  are sharded across the training devices; Megatron TP/PP only where that does not fit in a
-  node (multi-node) or where one micro-batch's activations do not fit (long sequences).
-- **Weight sync** moves the full weights in the rollout dtype once per rollout replica.
-
-Memory is counted in GiB (2**30 bytes) with the device's nominal capacity read as GiB
-(an H100 "80 GB" reports 79.1 GiB: the headroom factors absorb the difference); link
-bandwidth in GB/s (1e9 bytes/s, per direction, per device, as vendors quote it).
-Every number is an estimate for choosing a layout, not a promise that a run will not OOM.
-
-Pure arithmetic on the standard library: never imports torch, Ray, Prefect or MLflow, and
-never touches a device or the network.
+Memory in GiB, reading nominal capacity as GiB (an H100 "80 GB" reports 79.1 GiB: the headroom
+factors absorb it); bandwidth in GB/s (1e9 bytes/s, per direction, per device, as vendors quote
+it). Every number is an estimate for choosing a layout, not a promise that a run will not OOM.
+Pure standard-library arithmetic: never imports torch, Ray, Prefect or MLflow, never touches a
+device or the network.
 """
 
 from __future__ import annotations
@@ -40,30 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = [
-    "DEVICES",
-    "MODEL_PRESETS",
-    "Device",
-    "ModelShape",
-    "Plan",
-    "Resharding",
-    "RolloutPlan",
-    "TrainingPlan",
-    "estimate_params",
-    "format_plan",
-    "fsdp_working_bytes",
-    "get_device",
-    "kv_bytes_per_token",
-    "load_model",
-    "main",
-    "plan",
-    "plan_to_dict",
-    "resharding",
-    "training_activation_bytes",
-]
+__all__ = ["DEVICES", "MODEL_PRESETS", "Device", "ModelShape", "Plan", "Resharding", "RolloutPlan",
+           "TrainingPlan", "estimate_params", "format_plan", "fsdp_working_bytes", "get_device",
+           "kv_bytes_per_token", "load_model", "main", "plan", "plan_to_dict", "resharding",
+           "training_activation_bytes"]
 
-GIB = 2**30
-GB = 10**9
+GIB, GB = 2**30, 10**9
 
 Placement = Literal["colocated", "disaggregated"]
 
@@ -72,35 +44,21 @@ Placement = Literal["colocated", "disaggregated"]
 TRAIN_BYTES_PER_PARAM = 16
 # Megatron with the distributed optimizer: bf16 weights 2 + fp32 main_grad 4 are split only
 # by TP x PP; fp32 master + m + v (12) are split by every device.
-MEGATRON_MODEL_BYTES_PER_PARAM = 6
-MEGATRON_OPTIM_BYTES_PER_PARAM = 12
+MEGATRON_MODEL_BYTES_PER_PARAM, MEGATRON_OPTIM_BYTES_PER_PARAM = 6, 12
 
 # The published result the rollout rule rests on (see docs/planner.md).
-TP1_RESULT = (
-    "a published AMD/SGLang study of RL rollout on MI300X measured TP=1 with more DP "
-    "replicas at 2.3-4.3x the rollout throughput of larger TP for a 7B model"
-)
-
-
-# ======================================================================================
-# Devices
-# ======================================================================================
+TP1_RESULT = ("a published AMD/SGLang study of RL rollout on MI300X measured TP=1 with more DP "
+              "replicas at 2.3-4.3x the rollout throughput of larger TP for a 7B model")
 
 
 @dataclass(frozen=True)
 class Device:
-    """One accelerator kind and the links around it.
-
-    ``memory_gib``: nominal capacity, read as GiB. ``link_gbps``: peak intra-node
-    device-to-device bandwidth per direction (NVLink / Infinity Fabric), GB/s.
-    ``network_gbps``: the per-device NIC between nodes (400 Gb/s = 50 GB/s).
-    ``pcie_gbps``: the host link (x16), which a colocated trainer's offload crosses.
-    ``max_tp``: the largest TP (CPU: 1; grpoflow's embedded engine and gloo trainer never
-    split a layer).
-    ``dtype_bytes``: the compute dtype the planes use there (CPU runs float32), or 0 to use
-    the model's own dtype.
-    """
-
+    """One accelerator kind and its links. ``memory_gib``: nominal capacity, read as GiB.
+    ``link_gbps``: peak intra-node device-to-device bandwidth per direction (NVLink / Infinity
+    Fabric), GB/s; ``network_gbps``: the per-device NIC between nodes (400 Gb/s = 50 GB/s);
+    ``pcie_gbps``: the host link (x16), which a colocated trainer's offload crosses. ``max_tp``:
+    the largest TP (CPU: 1; the embedded engine and gloo trainer never split a layer).
+    ``dtype_bytes``: the planes' compute dtype there (CPU runs float32), 0: the model's own."""
     name: str
     label: str
     memory_gib: float
@@ -117,65 +75,38 @@ class Device:
         return int(self.memory_gib * GIB)
 
 
-DEVICES: dict[str, Device] = {
-    d.name: d
-    for d in (
-        Device("h100", "NVIDIA H100 SXM 80GB", 80, "NVLink 4", 450, 50, 64),
-        Device("h200", "NVIDIA H200 SXM 141GB", 141, "NVLink 4", 450, 50, 64),
-        Device("b200", "NVIDIA B200 192GB", 192, "NVLink 5", 900, 50, 64),
-        Device("a100-80gb", "NVIDIA A100 SXM 80GB", 80, "NVLink 3", 300, 25, 32),
-        Device("a100-40gb", "NVIDIA A100 SXM 40GB", 40, "NVLink 3", 300, 25, 32),
-        Device("mi300x", "AMD Instinct MI300X 192GB", 192, "Infinity Fabric", 448, 50, 64),
-        Device("mi325x", "AMD Instinct MI325X 256GB", 256, "Infinity Fabric", 448, 50, 64),
-        Device("mi355x", "AMD Instinct MI355X 288GB", 288, "Infinity Fabric", 537.6, 50, 64),
-        Device(
-            "cpu",
-            "CPU (host memory; gloo)",
-            16,
-            "shared memory",
-            10,
-            1.25,
-            10,
-            devices_per_node=64,
-            max_tp=1,
-            dtype_bytes=4,
-        ),
-    )
-}
+DEVICES: dict[str, Device] = {d.name: d for d in (
+    Device("h100", "NVIDIA H100 SXM 80GB", 80, "NVLink 4", 450, 50, 64),
+    Device("h200", "NVIDIA H200 SXM 141GB", 141, "NVLink 4", 450, 50, 64),
+    Device("b200", "NVIDIA B200 192GB", 192, "NVLink 5", 900, 50, 64),
+    Device("a100-80gb", "NVIDIA A100 SXM 80GB", 80, "NVLink 3", 300, 25, 32),
+    Device("a100-40gb", "NVIDIA A100 SXM 40GB", 40, "NVLink 3", 300, 25, 32),
+    Device("mi300x", "AMD Instinct MI300X 192GB", 192, "Infinity Fabric", 448, 50, 64),
+    Device("mi325x", "AMD Instinct MI325X 256GB", 256, "Infinity Fabric", 448, 50, 64),
+    Device("mi355x", "AMD Instinct MI355X 288GB", 288, "Infinity Fabric", 537.6, 50, 64),
+    Device("cpu", "CPU (host memory; gloo)", 16, "shared memory", 10, 1.25, 10,
+           devices_per_node=64, max_tp=1, dtype_bytes=4),
+)}
 _DEVICE_ALIASES = {"a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100-40gb"}
 
 
 def get_device(name: str, *, memory_gib: float | None = None) -> Device:
     """A device from :data:`DEVICES` by name (case-insensitive; ``a100`` = ``a100-80gb``),
     with its memory optionally overridden (a CPU host's RAM, a partitioned GPU)."""
-    key = name.strip().lower()
-    key = _DEVICE_ALIASES.get(key, key)
-    if key not in DEVICES:
+    if (key := _DEVICE_ALIASES.get(k := name.strip().lower(), k)) not in DEVICES:
         raise ValueError(f"unknown device {name!r}: choose one of {', '.join(DEVICES)}")
+    if memory_gib is not None and memory_gib <= 0:
+        raise ValueError(f"memory_gib must be > 0, got {memory_gib}")
     dev = DEVICES[key]
-    if memory_gib is not None:
-        if memory_gib <= 0:
-            raise ValueError(f"memory_gib must be > 0, got {memory_gib}")
-        dev = dataclasses.replace(dev, memory_gib=memory_gib)
-    return dev
-
-
-# ======================================================================================
-# Models
-# ======================================================================================
+    return dev if memory_gib is None else dataclasses.replace(dev, memory_gib=memory_gib)
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The numbers of a decoder-only transformer that memory depends on.
-
-    ``params`` is the parameter count; left ``None`` it is estimated from the shape
-    (:func:`estimate_params`). ``intermediate`` is the dense MLP width; a mixture-of-experts
-    model sets ``experts``, ``expert_intermediate`` and ``experts_per_token`` instead (all
-    experts live in memory; ``experts_per_token`` of them run per token). ``dtype_bytes``:
-    the checkpoint's dtype (bf16 = 2).
-    """
-
+    """The numbers of a decoder-only transformer that memory depends on. ``params``: the parameter
+    count (None: :func:`estimate_params`). ``intermediate``: the dense MLP width; an MoE model sets
+    ``experts``, ``expert_intermediate`` and ``experts_per_token`` (all experts live in memory, the
+    top-k run per token). ``dtype_bytes``: the checkpoint's (bf16 = 2)."""
     name: str
     layers: int
     hidden: int
@@ -198,10 +129,8 @@ class ModelShape:
             if getattr(self, f) <= 0:
                 raise ValueError(f"model {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
         if self.heads % self.kv_heads:
-            raise ValueError(
-                f"model {self.name!r}: heads ({self.heads}) must be a multiple of kv_heads "
-                f"({self.kv_heads})"
-            )
+            raise ValueError(f"model {self.name!r}: heads ({self.heads}) must be a multiple of "
+                             f"kv_heads ({self.kv_heads})")
         if self.params is None:
             object.__setattr__(self, "params", estimate_params(self))
 
@@ -212,20 +141,18 @@ class ModelShape:
     @property
     def mlp_active_width(self) -> int:
         """The MLP width one token passes through (dense width, or top-k experts')."""
-        if self.experts:
-            return self.experts_per_token * self.expert_intermediate
-        return self.intermediate
+        return (self.experts_per_token * self.expert_intermediate if self.experts
+                else self.intermediate)
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one transformer layer (see :func:`estimate_params`)."""
+        """Parameters of one transformer layer: attention (with Qwen2's QKV biases), SwiGLU MLP
+    or experts + router, RMSNorms, Qwen3's q/k norms."""
         h, d = self.hidden, self.head_dim
         q, kv = self.heads * d, self.kv_heads * d
         attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
-        if self.experts:
-            mlp = self.experts * 3 * h * self.expert_intermediate + h * self.experts
-        else:
-            mlp = 3 * h * self.intermediate
+        mlp = (self.experts * 3 * h * self.expert_intermediate + h * self.experts
+               if self.experts else 3 * h * self.intermediate)
         return attn + mlp + 2 * h + (2 * d if self.qk_norm else 0)
 
     @property
@@ -233,57 +160,38 @@ class ModelShape:
         return self.vocab * self.hidden
 
     @classmethod
-    def from_hf_config(
-        cls, cfg: Mapping[str, Any], *, name: str = "", params: int | None = None
-    ) -> ModelShape:
+    def from_hf_config(cls, cfg: Mapping[str, Any], *, name: str = "",
+                       params: int | None = None) -> ModelShape:
         """From a Hugging Face ``config.json`` dict (Llama, Qwen2/2.5/3, Mistral, Qwen3-MoE,
-        Mixtral; a ``text_config`` sub-dict is used when the top level has no
-        ``hidden_size``). ``params`` overrides the estimate (which does not count shared
-        experts or dense layers inside an MoE stack)."""
+        Mixtral; its ``text_config`` when the top level has no ``hidden_size``). ``params``
+        overrides the estimate (which misses shared experts and dense layers of an MoE stack)."""
         if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), Mapping):
             cfg = cfg["text_config"]
         try:
-            hidden = int(cfg["hidden_size"])
-            layers = int(cfg["num_hidden_layers"])
-            heads = int(cfg["num_attention_heads"])
-            vocab = int(cfg["vocab_size"])
+            hidden, layers = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
+            heads, vocab = int(cfg["num_attention_heads"]), int(cfg["vocab_size"])
         except KeyError as e:
             raise ValueError(f"config.json of {name or 'model'} lacks {e.args[0]!r}") from None
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
         experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
         intermediate = int(cfg.get("intermediate_size") or 4 * hidden)
-        expert_intermediate = (
-            int(cfg.get("moe_intermediate_size") or intermediate) if experts else 0
-        )
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
         model_type = str(cfg.get("model_type", ""))
         return cls(
-            name=name or str(cfg.get("_name_or_path") or model_type or "model"),
-            layers=layers,
-            hidden=hidden,
-            heads=heads,
-            kv_heads=kv_heads,
-            head_dim=head_dim,
-            vocab=vocab,
-            intermediate=intermediate,
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            name=name or str(cfg.get("_name_or_path") or model_type or "model"), layers=layers,
+            hidden=hidden, heads=heads, kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads), vocab=vocab,
+            intermediate=intermediate, tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            experts=experts,
-            expert_intermediate=expert_intermediate,
-            experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
-            dtype_bytes=4 if dtype in ("float32", "torch.float32") else 2,
-            params=params,
-        )
+            qk_norm=model_type in ("qwen3", "qwen3_moe"), experts=experts,
+            expert_intermediate=experts and int(cfg.get("moe_intermediate_size") or intermediate),
+            experts_per_token=experts and int(cfg.get("num_experts_per_tok") or 0),
+            dtype_bytes=4 if dtype in ("float32", "torch.float32") else 2, params=params)
 
     @classmethod
     def from_directory(cls, path: str | Path) -> ModelShape:
-        """From a model directory: its ``config.json``, with the exact parameter count from
-        the safetensors index (``metadata.total_size`` bytes / dtype bytes) or from the
-        headers of ``*.safetensors`` files when present, else estimated."""
-        path = Path(path)
-        cfg_file = path / "config.json" if path.is_dir() else path
+        """From a model directory (or its ``config.json``), with the exact parameter count from the
+        safetensors index or the ``*.safetensors`` headers when present, else estimated."""
+        cfg_file = p / "config.json" if (p := Path(path)).is_dir() else p
         if not cfg_file.is_file():
             raise ValueError(f"no config.json at {cfg_file}")
         cfg = json.loads(cfg_file.read_text())
@@ -293,117 +201,67 @@ class ModelShape:
 
 
 def estimate_params(m: ModelShape) -> int:
-    """Parameters from the shape (exact for Llama/Qwen2-style dense models)::
-
-        attention = h*(H*d) + 2*h*(K*d) + (H*d)*h   [+ (H*d + 2*K*d) biases, Qwen2]
-        mlp       = 3*h*i                           (SwiGLU: gate, up, down)
-                  | E*3*h*i_e + h*E                 (MoE: E experts + router)
-        layer     = attention + mlp + 2*h           (two RMSNorms; + 2*d for Qwen3's q/k norms)
-        total     = L*layer + V*h*(1 if tied else 2) + h   (embedding, lm_head, final norm)
-
-    with h hidden, H heads, K kv heads, d head_dim, i intermediate, V vocab, L layers.
-    """
+    """Parameters from the shape, exact for Llama/Qwen2-style dense models (the formula:
+    docs/planner.md): ``layers`` x :attr:`ModelShape.layer_params`, the embedding and lm_head
+    (one matrix when tied), and the final norm."""
     embeddings = m.vocab * m.hidden * (1 if m.tied_embeddings else 2)
     return m.layers * m.layer_params + embeddings + m.hidden
 
 
 def _safetensors_params(directory: Path, dtype_bytes: int) -> int | None:
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
+    if (index := directory / "model.safetensors.index.json").is_file():
         total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
         return int(total) // dtype_bytes if total else None
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        return None
     count = 0
-    for f in files:
+    for f in sorted(directory.glob("*.safetensors")):
         with f.open("rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
-        for key, meta in header.items():
-            if key != "__metadata__":
-                count += math.prod(meta["shape"])
-    return count
+        count += sum(math.prod(meta["shape"]) for k, meta in header.items() if k != "__metadata__")
+    return count or None
 
 
-def _preset(name: str, **kw: Any) -> ModelShape:
-    return ModelShape(name=name, **kw)
-
-
-# The published shapes (config.json of each model on the Hugging Face hub).
-MODEL_PRESETS: dict[str, ModelShape] = {
-    m.name: m
-    for m in (
-        _preset("qwen2.5-0.5b", layers=24, hidden=896, heads=14, kv_heads=2, head_dim=64,
-                vocab=151936, intermediate=4864, tied_embeddings=True, qkv_bias=True),
-        _preset("qwen2.5-1.5b", layers=28, hidden=1536, heads=12, kv_heads=2, head_dim=128,
-                vocab=151936, intermediate=8960, tied_embeddings=True, qkv_bias=True),
-        _preset("qwen2.5-7b", layers=28, hidden=3584, heads=28, kv_heads=4, head_dim=128,
-                vocab=152064, intermediate=18944, qkv_bias=True),
-        _preset("qwen2.5-32b", layers=64, hidden=5120, heads=40, kv_heads=8, head_dim=128,
-                vocab=152064, intermediate=27648, qkv_bias=True),
-        _preset("qwen2.5-72b", layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128,
-                vocab=152064, intermediate=29568, qkv_bias=True),
-        _preset("qwen3-30b-a3b", layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128,
-                vocab=151936, intermediate=6144, qk_norm=True, experts=128,
-                expert_intermediate=768, experts_per_token=8),
-        _preset("llama-3.1-8b", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128,
-                vocab=128256, intermediate=14336),
-        _preset("llama-3.1-70b", layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128,
-                vocab=128256, intermediate=28672),
-    )
-}  # fmt: skip
+# The published shapes (config.json of each model on the Hugging Face hub), positionally: name,
+# layers, hidden, heads, kv_heads, head_dim, vocab, intermediate, tied_embeddings, qkv_bias.
+MODEL_PRESETS: dict[str, ModelShape] = {m.name: m for m in (
+    ModelShape("qwen2.5-0.5b", 24, 896, 14, 2, 64, 151936, 4864, True, True),
+    ModelShape("qwen2.5-1.5b", 28, 1536, 12, 2, 128, 151936, 8960, True, True),
+    ModelShape("qwen2.5-7b", 28, 3584, 28, 4, 128, 152064, 18944, qkv_bias=True),
+    ModelShape("qwen2.5-32b", 64, 5120, 40, 8, 128, 152064, 27648, qkv_bias=True),
+    ModelShape("qwen2.5-72b", 80, 8192, 64, 8, 128, 152064, 29568, qkv_bias=True),
+    ModelShape("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 151936, 6144, qk_norm=True, experts=128,
+               expert_intermediate=768, experts_per_token=8),
+    ModelShape("llama-3.1-8b", 32, 4096, 32, 8, 128, 128256, 14336),
+    ModelShape("llama-3.1-70b", 80, 8192, 64, 8, 128, 128256, 28672),
+)}
 
 
 def load_model(spec: str | Path) -> ModelShape:
     """A model directory or ``config.json`` path, else a preset name (case-insensitive;
     ``Qwen/Qwen2.5-7B-Instruct`` works too)."""
-    path = Path(spec)
-    if path.exists():
+    if (path := Path(spec)).exists():
         return ModelShape.from_directory(path)
     key = str(spec).strip().lower().rsplit("/", 1)[-1].removesuffix("-instruct")
-    key = key.removeprefix("meta-")
-    if key in MODEL_PRESETS:
+    if (key := key.removeprefix("meta-")) in MODEL_PRESETS:
         return MODEL_PRESETS[key]
-    raise ValueError(
-        f"unknown model {str(spec)!r}: not a directory or config.json, and not a preset "
-        f"({', '.join(MODEL_PRESETS)})"
-    )
-
-
-# ======================================================================================
-# Memory model
-# ======================================================================================
+    raise ValueError(f"unknown model {str(spec)!r}: not a directory or config.json, and not a "
+                     f"preset ({', '.join(MODEL_PRESETS)})")
 
 
 def kv_bytes_per_token(m: ModelShape, *, tp: int = 1, pp: int = 1, dtype_bytes: int = 2) -> int:
-    """KV cache bytes one token takes on one device of a TP x PP engine::
-
-        2 (K and V) * ceil(L / pp) * ceil(K / tp) * d * bytes
-
-    KV heads split across TP ranks; with more ranks than KV heads each rank keeps a copy.
-    """
+    """KV cache bytes one token takes on one device of a TP x PP engine: ``2 (K and V) * ceil(L /
+    pp) * ceil(K / tp) * d * bytes``. KV heads split across TP ranks; with more ranks than KV heads
+    each rank keeps a copy."""
     return 2 * math.ceil(m.layers / pp) * math.ceil(m.kv_heads / tp) * m.head_dim * dtype_bytes
 
 
-def training_activation_bytes(
-    m: ModelShape, *, micro_batch: int, seq_len: int, tp: int = 1, dtype_bytes: int = 2
-) -> int:
-    """Activations of one micro-batch with full activation recompute (per device)::
-
-        checkpoints = L * b * s * h * bytes               (each layer's input is kept)
-        one layer   = 2 * b * s * (4h + 2*H*d + 2*K*d + 4*i) * bytes
-                      (the layer being recomputed: norms' inputs and outputs, q/k/v,
-                       attention output, gate/up/act/product of the MLP; x2 for their
-                       gradients; flash attention, so no s^2 term)
-        logits      = b * s * V * (bytes + 8)             (logits, fp32 log-softmax and
-                                                           its gradient)
-
-    all divided by ``tp`` (tensor + sequence parallel split every term). ``i`` is the MLP
-    width one token passes through (top-k experts' for MoE).
-    """
-    tokens = micro_batch * seq_len
-    h, d = m.hidden, m.head_dim
+def training_activation_bytes(m: ModelShape, *, micro_batch: int, seq_len: int, tp: int = 1,
+                              dtype_bytes: int = 2) -> int:
+    """Activations of one micro-batch per device with full activation recompute and flash
+    attention (no s^2 term; the formula: docs/planner.md): every layer's input, the layer being
+    recomputed twice for its gradients (MoE: through the top-k experts' width), and the logits
+    with an fp32 log-softmax and its gradient; tensor + sequence parallelism divide by ``tp``."""
+    tokens, h, d = micro_batch * seq_len, m.hidden, m.head_dim
     checkpoints = m.layers * tokens * h * dtype_bytes
     per_token = 4 * h + 2 * m.heads * d + 2 * m.kv_heads * d + 4 * m.mlp_active_width
     one_layer = 2 * tokens * per_token * dtype_bytes
@@ -412,28 +270,18 @@ def training_activation_bytes(
 
 
 def fsdp_working_bytes(m: ModelShape, dtype_bytes: int = 2) -> int:
-    """FSDP's unsharded working set: the largest wrapped unit (a layer, or the embedding /
-    lm_head) gathered for the current and the prefetched unit, plus one unit of unsharded
-    gradients before its reduce-scatter: ``3 * max(layer, V*h) * bytes``."""
+    """FSDP's unsharded working set, ``3 * max(layer, V*h) * bytes``: the largest wrapped unit
+    gathered for the current and the prefetched unit, plus its gradients before reduce-scatter."""
     return 3 * max(m.layer_params, m.embedding_params) * dtype_bytes
-
-
-# ======================================================================================
-# Plans
-# ======================================================================================
 
 
 @dataclass(frozen=True)
 class RolloutPlan:
-    """The rollout plane's layout: ``dp`` SGLang engines of ``tp`` x ``pp`` devices each.
-
-    Per device: ``weight_bytes`` = P * bytes / (tp * pp) and ``kv_bytes`` = the KV pool,
-    ``mem_fraction_static`` * memory - weights. ``kv_tokens`` per replica = kv_bytes /
-    :func:`kv_bytes_per_token`; ``concurrent_seqs`` = dp * (kv_tokens // seq_len), full-length
-    sequences running at once across replicas; ``waves`` = ceil(rollout_batch /
-    concurrent_seqs) (1: the whole batch decodes at once).
-    """
-
+    """The rollout plane's layout: ``dp`` SGLang engines of ``tp`` x ``pp`` devices each. Per
+    device: ``weight_bytes`` = P * bytes / (tp * pp), ``kv_bytes`` = the KV pool
+    (``mem_fraction_static`` * memory - weights). ``kv_tokens`` per replica = kv_bytes /
+    :func:`kv_bytes_per_token`; ``concurrent_seqs`` = dp * (kv_tokens // seq_len) full-length
+    sequences at once; ``waves`` = ceil(rollout_batch / concurrent_seqs)."""
     devices: int
     tp: int
     pp: int
@@ -449,17 +297,12 @@ class RolloutPlan:
 
 @dataclass(frozen=True)
 class TrainingPlan:
-    """The training plane's layout.
-
-    ``backend``: ``fsdp2`` (grpoflow's torch backend) or ``megatron``. ``dp``: the
-    data-parallel degree; ``shard``: the FSDP shard group (``dp`` for a full shard, a node
-    for hybrid sharding; ``1`` for megatron). Per device: ``state_bytes`` (weights, grads,
-    optimizer), ``working_bytes`` (FSDP's gathered units), ``activation_bytes`` at
-    ``micro_batch``. ``min_devices``: the fewest devices on which a full FSDP shard of this
-    model fits at micro-batch 1. ``offload_seconds`` (colocated only): moving the state to
-    host memory and back once per step, 2 * state_bytes / (PCIe GB/s * efficiency).
-    """
-
+    """The training plane's layout. ``backend``: ``fsdp2`` (grpoflow's torch backend) or
+    ``megatron``; ``shard``: the FSDP shard group (``dp`` for a full shard, a node for hybrid
+    sharding, 1 for megatron). Per device: ``state_bytes`` (weights, grads, optimizer),
+    ``working_bytes`` (FSDP's gathered units), ``activation_bytes`` at ``micro_batch``.
+    ``min_devices``: the fewest devices on which a full FSDP shard fits at micro-batch 1.
+    ``offload_seconds`` (colocated only): moving the state to host memory and back per step."""
     devices: int
     backend: str
     tp: int
@@ -478,26 +321,13 @@ class TrainingPlan:
 
 @dataclass(frozen=True)
 class Resharding:
-    """Bytes one weight sync moves from the training layout to the rollout layout.
-
-    ``weight_bytes`` W = P * bytes, the full model in the rollout dtype. Every rollout
-    replica needs all of it: ``bytes_to_rollout`` = W * dp. Each rollout device keeps its
-    slice, ``bytes_per_rollout_device`` = W / (tp * pp) (SGLang's broadcast path hands every
-    rank the full tensor and each keeps its slice).
-
-    The training side first assembles full tensors inside the group that shards them:
-    ``gather_bytes_per_train_device`` = (W / pp) * (k - 1) / k, with k the FSDP shard group
-    (pp = 1), or for megatron the TP group of each pipeline stage (the stages send their own
-    layers). ``gather_seconds`` = that / (gather link GB/s * ``efficiency``), over
-    NVLink / Infinity Fabric when k fits a node, else the NIC.
-
-    ``transfer_seconds``: colocated, 0 (each device hands its engine its slice in place,
-    CUDA IPC); disaggregated, one pipelined broadcast of W from the training plane to all
-    replicas at once, W / (link GB/s * ``efficiency``), over NVLink / IF when both planes
-    share a node, else the NIC. ``seconds`` = gather + transfer: a bandwidth bound, before
-    per-tensor overheads.
-    """
-
+    """Bytes one weight sync moves from the training layout to the rollout layout (formulas:
+    docs/planner.md). ``weight_bytes`` W: the full model in the rollout dtype, which every rollout
+    replica needs (SGLang's broadcast path hands every rank full tensors). The training side first
+    all-gathers full tensors inside the group that shards them (FSDP's shard group, megatron's TP
+    group per stage), over NVLink / Infinity Fabric within a node, else the NIC.
+    ``transfer_seconds``: colocated 0 (handed over in place, CUDA IPC); disaggregated one pipelined
+    broadcast of W to all replicas. ``seconds``: gather + transfer, a bandwidth bound."""
     weight_bytes: int
     replicas: int
     bytes_to_rollout: int
@@ -516,7 +346,6 @@ class Resharding:
 @dataclass(frozen=True)
 class Plan:
     """A recommendation for both planes, with the reasons and the warnings."""
-
     model: ModelShape
     device: Device
     num_devices: int
@@ -540,11 +369,7 @@ def _gib(n: float) -> str:
 
 
 def _pow2_upto(n: int) -> list[int]:
-    out, k = [], 1
-    while k <= n:
-        out.append(k)
-        k *= 2
-    return out
+    return [2**i for i in range(n.bit_length())] if n >= 1 else []
 
 
 def _tp_ok(m: ModelShape, tp: int) -> bool:
@@ -552,185 +377,108 @@ def _tp_ok(m: ModelShape, tp: int) -> bool:
     return m.heads % tp == 0 and (m.kv_heads % tp == 0 or tp % m.kv_heads == 0)
 
 
-def _plan_rollout(
-    m: ModelShape,
-    dev: Device,
-    devices: int,
-    *,
-    seq_len: int,
-    rollout_batch: int,
-    dtype_bytes: int,
-    mem_fraction_static: float,
-    min_kv_seqs: int,
-    reasons: list[str],
-    warnings: list[str],
-) -> RolloutPlan:
-    static = int(dev.memory_bytes * mem_fraction_static)
-    min_tokens = min_kv_seqs * seq_len
+def _plan_rollout(m: ModelShape, dev: Device, devices: int, *, seq_len: int, rollout_batch: int,
+                  dtype_bytes: int, mem_fraction_static: float, min_kv_seqs: int,
+                  reasons: list[str], warnings: list[str]) -> RolloutPlan:
+    static, min_tokens = int(dev.memory_bytes * mem_fraction_static), min_kv_seqs * seq_len
     tps = [t for t in _pow2_upto(min(dev.max_tp, dev.devices_per_node, devices)) if _tp_ok(m, t)]
     candidates = [(t, 1) for t in tps]
     # Past a node's TP, SGLang's pipeline parallelism splits layers across nodes.
     candidates += [(tps[-1], p) for p in _pow2_upto(devices // tps[-1]) if 1 < p <= m.layers]
 
-    def pool(tp: int, pp: int) -> int:
-        return static - m.n_params * dtype_bytes // (tp * pp)
+    def weights_at(tp: int, pp: int) -> int:
+        return m.n_params * dtype_bytes // (tp * pp)
 
-    choice = None
-    for tp, pp in candidates:
-        if pool(tp, pp) >= min_tokens * kv_bytes_per_token(
-            m, tp=tp, pp=pp, dtype_bytes=dtype_bytes
-        ):
-            choice = (tp, pp)
-            break
+    def kv_token(tp: int, pp: int) -> int:
+        return kv_bytes_per_token(m, tp=tp, pp=pp, dtype_bytes=dtype_bytes)
+
+    choice = next(((tp, pp) for tp, pp in candidates
+                   if static - weights_at(tp, pp) >= min_tokens * kv_token(tp, pp)), None)
     fits = choice is not None
     tp, pp = choice or candidates[-1]
-    weights = m.n_params * dtype_bytes // (tp * pp)
-    kv = max(0, pool(tp, pp))
-    kv_tokens = kv // kv_bytes_per_token(m, tp=tp, pp=pp, dtype_bytes=dtype_bytes)
-    dp = devices // (tp * pp)
+    weights, dp = weights_at(tp, pp), devices // (tp * pp)
+    kv_tokens = (kv := max(0, static - weights)) // kv_token(tp, pp)
     concurrent = dp * (kv_tokens // seq_len)
     waves = math.ceil(rollout_batch / concurrent) if concurrent else 0
-
     where = f"{mem_fraction_static:g} x {dev.memory_gib:g} GiB = {_gib(static)} static memory"
     min_kv = f"a KV budget for {min_kv_seqs} sequences of {seq_len} tokens"
     if not fits:
-        warnings.append(
-            f"rollout does not fit: at TP={tp} PP={pp} the weights take {_gib(weights)} of "
-            f"{where} per device, leaving less than {min_kv}; use more or larger devices, "
-            "fp8 weights, or a shorter response_len"
-        )
+        warnings.append(f"rollout does not fit: at TP={tp} PP={pp} the weights take "
+                        f"{_gib(weights)} of {where} per device, leaving less than {min_kv}; use "
+                        "more or larger devices, fp8 weights, or a shorter response_len")
     elif tp == 1 and pp == 1:
-        reasons.append(
-            f"rollout TP=1, DP={dp}: the weights ({_gib(weights)}) and {min_kv} fit one "
-            f"device's {where}"
-            + (
-                ", so every device runs its own engine; larger TP would add an all-reduce "
-                "per layer per decoded token and leave fewer schedulers; " + TP1_RESULT
-                if dp > 1
-                else ""
-            )
-        )
+        more = (", so every device runs its own engine; larger TP would add an all-reduce per "
+                "layer per decoded token and leave fewer schedulers; " + TP1_RESULT)
+        reasons.append(f"rollout TP=1, DP={dp}: the weights ({_gib(weights)}) and {min_kv} fit "
+                       f"one device's {where}" + (more if dp > 1 else ""))
     else:
-        i = candidates.index((tp, pp))
-        ptp, ppp = candidates[i - 1]
+        ptp, ppp = candidates[candidates.index((tp, pp)) - 1]
+        w = weights_at(ptp, ppp)
         reasons.append(
             f"rollout TP={tp}" + (f" PP={pp}" if pp > 1 else "") + f", DP={dp}: at "
-            f"TP={ptp}" + (f" PP={ppp}" if ppp > 1 else "") + f" the weights "
-            f"({_gib(m.n_params * dtype_bytes // (ptp * ppp))} per device) leave "
-            f"{_gib(max(0, pool(ptp, ppp)))} of {where} for KV, less than {min_kv} "
-            f"({_gib(min_tokens * kv_bytes_per_token(m, tp=ptp, pp=ppp, dtype_bytes=dtype_bytes))})"
-        )
+            f"TP={ptp}" + (f" PP={ppp}" if ppp > 1 else "") + f" the weights ({_gib(w)} per "
+            f"device) leave {_gib(max(0, static - w))} of {where} for KV, less than {min_kv} "
+            f"({_gib(min_tokens * kv_token(ptp, ppp))})")
     if devices % (tp * pp):
-        warnings.append(
-            f"{devices % (tp * pp)} of {devices} rollout devices stay idle: "
-            f"{devices} is not a multiple of TP x PP = {tp * pp}"
-        )
+        warnings.append(f"{devices % (tp * pp)} of {devices} rollout devices stay idle: "
+                        f"{devices} is not a multiple of TP x PP = {tp * pp}")
     if fits and waves > 1:
         warnings.append(
             f"the KV cache holds {concurrent} sequences of {seq_len} tokens at once across "
             f"{dp} replica(s); a rollout batch of {rollout_batch} runs in >= {waves} waves "
-            "(more rollout devices, a shorter response_len or an fp8 KV cache would help)"
-        )
-    return RolloutPlan(
-        devices=devices,
-        tp=tp,
-        pp=pp,
-        dp=dp,
-        weight_bytes=weights,
-        kv_bytes=kv,
-        kv_tokens=kv_tokens,
-        concurrent_seqs=concurrent,
-        waves=waves,
-        fits=fits,
-        mem_fraction_static=mem_fraction_static,
-    )
+            "(more rollout devices, a shorter response_len or an fp8 KV cache would help)")
+    return RolloutPlan(devices=devices, tp=tp, pp=pp, dp=dp, weight_bytes=weights, kv_bytes=kv,
+                       kv_tokens=kv_tokens, concurrent_seqs=concurrent, waves=waves, fits=fits,
+                       mem_fraction_static=mem_fraction_static)
 
 
-def _plan_training(
-    m: ModelShape,
-    dev: Device,
-    devices: int,
-    *,
-    seq_len: int,
-    rollout_batch: int,
-    dtype_bytes: int,
-    headroom: float,
-    max_micro_batch: int,
-    reasons: list[str],
-    warnings: list[str],
-) -> TrainingPlan:
-    usable = int(dev.memory_bytes * headroom)
-    p = m.n_params
-    node = min(dev.devices_per_node, devices)
-    working = fsdp_working_bytes(m, dtype_bytes)
+def _plan_training(m: ModelShape, dev: Device, devices: int, *, seq_len: int, rollout_batch: int,
+                   dtype_bytes: int, headroom: float, max_micro_batch: int, reasons: list[str],
+                   warnings: list[str]) -> TrainingPlan:
+    usable, p = int(dev.memory_bytes * headroom), m.n_params
+    node, working = min(dev.devices_per_node, devices), fsdp_working_bytes(m, dtype_bytes)
 
     def act(mb: int, tp: int = 1) -> int:
-        return training_activation_bytes(
-            m, micro_batch=mb, seq_len=seq_len, tp=tp, dtype_bytes=dtype_bytes
-        )
+        return training_activation_bytes(m, micro_batch=mb, seq_len=seq_len, tp=tp,
+                                         dtype_bytes=dtype_bytes)
 
     def fsdp_state(shard: int) -> int:
         return TRAIN_BYTES_PER_PARAM * p // shard
 
     def megatron_state(tp: int, pp: int) -> int:
-        return (
-            MEGATRON_MODEL_BYTES_PER_PARAM * p // (tp * pp)
-            + MEGATRON_OPTIM_BYTES_PER_PARAM * p // devices
-        )
+        return (MEGATRON_MODEL_BYTES_PER_PARAM * p // (tp * pp)
+                + MEGATRON_OPTIM_BYTES_PER_PARAM * p // devices)
 
-    spare = usable - working - act(1)
-    min_devices = None
+    spare, min_devices = usable - working - act(1), None
     if spare > 0:
-        need = math.ceil(TRAIN_BYTES_PER_PARAM * p / spare)
-        per_node = dev.devices_per_node
-        min_devices = (
-            next(n for n in _pow2_upto(per_node) + [per_node] if n >= need)
-            if need <= per_node
-            else math.ceil(need / per_node) * per_node
-        )
+        need, per_node = math.ceil(TRAIN_BYTES_PER_PARAM * p / spare), dev.devices_per_node
+        min_devices = (next(n for n in _pow2_upto(per_node) + [per_node] if n >= need)
+                       if need <= per_node else math.ceil(need / per_node) * per_node)
 
-    def micro_batch(fixed: int, tp: int, dp: int) -> int:
-        cap = max(1, min(max_micro_batch, math.ceil(rollout_batch / dp)))
-        fitting = [b for b in _pow2_upto(cap) if fixed + act(b, tp) <= usable]
-        return fitting[-1] if fitting else 0
-
-    def result(
-        backend: str, tp: int, pp: int, shard: int, state: int, work: int, fits: bool = True
-    ) -> TrainingPlan:
+    def result(backend: str, tp: int, pp: int, shard: int, state: int, work: int,
+               fits: bool = True) -> TrainingPlan:
         dp = devices // (tp * pp)
-        mb = micro_batch(state + work, tp, dp) if fits else 0
+        cap = max(1, min(max_micro_batch, math.ceil(rollout_batch / dp)))
+        mb = max([b for b in _pow2_upto(cap) if state + work + act(b, tp) <= usable],
+                 default=0) if fits else 0
         return TrainingPlan(
-            devices=devices,
-            backend=backend,
-            tp=tp,
-            pp=pp,
-            dp=dp,
-            shard=shard,
-            state_bytes=state,
-            working_bytes=work,
-            activation_bytes=act(max(mb, 1), tp),
-            micro_batch=mb,
-            max_tokens_per_device=mb * seq_len,
-            fits=fits and mb > 0,
-            min_devices=min_devices,
-        )
+            devices=devices, backend=backend, tp=tp, pp=pp, dp=dp, shard=shard,
+            state_bytes=state, working_bytes=work, activation_bytes=act(max(mb, 1), tp),
+            micro_batch=mb, max_tokens_per_device=mb * seq_len, fits=fits and mb > 0,
+            min_devices=min_devices)
 
     state_txt = f"16 bytes/param x {p / 1e9:.2f}B params = {_gib(TRAIN_BYTES_PER_PARAM * p)}"
     # 1. FSDP2 within a node (full shard on one node; hybrid shard across nodes).
     if fsdp_state(node) + working + act(1) <= usable:
         plan_ = result("fsdp2", 1, 1, node, fsdp_state(node), working)
-        how = (
-            f"FSDP2 full shard over {devices} device(s)"
-            if node == devices
-            else f"FSDP2 hybrid shard: shard within each {node}-device node, replicate "
-            f"across {devices // node} nodes (per-layer all-gathers stay on {dev.interconnect})"
-        )
+        how = (f"FSDP2 full shard over {devices} device(s)" if node == devices
+               else f"FSDP2 hybrid shard: shard within each {node}-device node, replicate across "
+               f"{devices // node} nodes (per-layer all-gathers stay on {dev.interconnect})")
         reasons.append(
             f"training {how}: the weights, grads and Adam states ({state_txt}) take "
             f"{_gib(plan_.state_bytes)} per device, plus {_gib(working)} of gathered layers; "
             f"micro-batch {plan_.micro_batch} x {seq_len} tokens fits "
-            f"{headroom:g} x {dev.memory_gib:g} GiB"
-        )
+            f"{headroom:g} x {dev.memory_gib:g} GiB")
         return plan_
     # 2. The state fits a node but one micro-batch's activations do not: TP splits them.
     if fsdp_state(node) + working <= usable:
@@ -739,121 +487,76 @@ def _plan_training(
                 reasons.append(
                     f"training megatron TP={tp}: the state fits when sharded, but one "
                     f"sequence of {seq_len} tokens needs {_gib(act(1))} of activations; TP "
-                    f"with sequence parallelism splits them {tp} ways"
-                )
+                    f"with sequence parallelism splits them {tp} ways")
                 return result("megatron", tp, 1, 1, megatron_state(tp, 1), 0)
-        warnings.append(
-            f"training does not fit: one sequence of {seq_len} tokens needs {_gib(act(1))} "
-            "of activations even with recompute; use context parallelism or a shorter "
-            "response_len"
-        )
+        warnings.append(f"training does not fit: one sequence of {seq_len} tokens needs "
+                        f"{_gib(act(1))} of activations even with recompute; use context "
+                        "parallelism or a shorter response_len")
         return result("fsdp2", 1, 1, node, fsdp_state(node), working, fits=False)
     # 3. Across nodes: TP within a node, PP across nodes, the optimizer over everything.
     if devices > node:
         tp = max(t for t in _pow2_upto(min(dev.max_tp, node)) if _tp_ok(m, t))
         for pp in range(2, devices // tp + 1):
-            if devices % (tp * pp) or m.layers % pp:
-                continue
-            if megatron_state(tp, pp) + act(1, tp) <= usable:
+            if (not devices % (tp * pp) and not m.layers % pp
+                    and megatron_state(tp, pp) + act(1, tp) <= usable):
                 reasons.append(
                     f"training megatron TP={tp} PP={pp} DP={devices // (tp * pp)}: the state "
                     f"({state_txt}) does not fit one node even fully sharded "
                     f"({_gib(fsdp_state(node))} per device); TP inside a node and PP across "
                     f"nodes split the bf16 weights and fp32 grads (6 bytes/param) {tp * pp} "
                     f"ways and the distributed optimizer splits Adam (12 bytes/param) over "
-                    f"all {devices}: {_gib(megatron_state(tp, pp))} per device"
-                )
+                    f"all {devices}: {_gib(megatron_state(tp, pp))} per device")
                 return result("megatron", tp, pp, 1, megatron_state(tp, pp), 0)
         if fsdp_state(devices) + working + act(1) <= usable:
             reasons.append(
                 f"training FSDP2 full shard over all {devices} devices: the state "
                 f"({state_txt}) needs every device ({_gib(fsdp_state(devices))} each); "
-                "per-layer all-gathers cross the network, so expect slow steps"
-            )
+                "per-layer all-gathers cross the network, so expect slow steps")
             return result("fsdp2", 1, 1, devices, fsdp_state(devices), working)
-    more = (
-        f"needs >= {min_devices} {dev.name} devices"
-        if min_devices
-        else "cannot fit at any scale at this sequence length"
-    )
+    more = (f"needs >= {min_devices} {dev.name} devices" if min_devices
+            else "cannot fit at any scale at this sequence length")
     warnings.append(
         f"training does not fit on {devices} device(s): the state ({state_txt}) fully sharded "
         f"is {_gib(fsdp_state(devices))} per device of {headroom:g} x {dev.memory_gib:g} GiB; "
-        f"{more} (or offload the optimizer to host memory)"
-    )
+        f"{more} (or offload the optimizer to host memory)")
     return result("fsdp2", 1, 1, devices, fsdp_state(devices), working, fits=False)
 
 
-def resharding(
-    m: ModelShape,
-    dev: Device,
-    *,
-    placement: Placement,
-    num_devices: int,
-    rollout: RolloutPlan,
-    training: TrainingPlan,
-    dtype_bytes: int,
-    efficiency: float = 0.8,
-) -> Resharding:
+def resharding(m: ModelShape, dev: Device, *, placement: Placement, num_devices: int,
+               rollout: RolloutPlan, training: TrainingPlan, dtype_bytes: int,
+               efficiency: float = 0.8) -> Resharding:
     """The weight traffic of one sync (see :class:`Resharding` for the formulas)."""
     w = m.n_params * dtype_bytes
     k = training.shard if training.backend == "fsdp2" else training.tp
     gather = w // training.pp * (k - 1) // k
-    nic = "the network (per-device NIC)"
-    gather_link, gather_gbps = (
-        (nic, dev.network_gbps) if k > dev.devices_per_node else (dev.interconnect, dev.link_gbps)
-    )
+    nic = ("the network (per-device NIC)", dev.network_gbps)
+    local = (dev.interconnect, dev.link_gbps)
+    gather_link, gather_gbps = nic if k > dev.devices_per_node else local
     if placement == "colocated":
         link, link_gbps, transfer = "in place (same device)", 0.0, 0.0
     else:
-        across = num_devices > dev.devices_per_node
-        link, link_gbps = (nic, dev.network_gbps) if across else (dev.interconnect, dev.link_gbps)
+        link, link_gbps = nic if num_devices > dev.devices_per_node else local
         transfer = w / (link_gbps * GB * efficiency)
     gather_s = gather / (gather_gbps * GB * efficiency)
     return Resharding(
-        weight_bytes=w,
-        replicas=rollout.dp,
-        bytes_to_rollout=w * rollout.dp,
+        weight_bytes=w, replicas=rollout.dp, bytes_to_rollout=w * rollout.dp,
         bytes_per_rollout_device=w // (rollout.tp * rollout.pp),
-        gather_bytes_per_train_device=gather,
-        gather_link=gather_link,
-        gather_gbps=gather_gbps,
-        gather_seconds=gather_s,
-        link=link,
-        link_gbps=link_gbps,
-        transfer_seconds=transfer,
-        efficiency=efficiency,
-        seconds=gather_s + transfer,
-    )
+        gather_bytes_per_train_device=gather, gather_link=gather_link, gather_gbps=gather_gbps,
+        gather_seconds=gather_s, link=link, link_gbps=link_gbps, transfer_seconds=transfer,
+        efficiency=efficiency, seconds=gather_s + transfer)
 
 
-def plan(
-    model: ModelShape | str,
-    device: Device | str,
-    num_devices: int,
-    *,
-    prompt_len: int = 1024,
-    response_len: int = 2048,
-    rollout_batch: int = 512,
-    placement: Placement = "colocated",
-    rollout_devices: int | None = None,
-    mem_fraction_static: float = 0.85,
-    headroom: float = 0.9,
-    min_kv_seqs: int = 32,
-    max_micro_batch: int = 64,
-    link_efficiency: float = 0.8,
-) -> Plan:
-    """Recommend a layout for both planes.
-
-    ``rollout_batch``: sequences generated per step (prompts x samples per prompt).
-    ``placement``: ``colocated`` (both planes on all devices, taking turns: each releases its
-    memory while the other runs, as slime and verl do) or ``disaggregated`` (the rollout
-    plane gets ``rollout_devices``, default half, and training the rest).
-    ``mem_fraction_static``: SGLang's share of device memory for weights + KV pool (the rest
-    is activations and CUDA graphs). ``headroom``: the share training may fill.
-    ``min_kv_seqs``: the KV budget (in full-length sequences) below which a larger TP is
-    chosen.
-    """
+def plan(model: ModelShape | str, device: Device | str, num_devices: int, *,
+         prompt_len: int = 1024, response_len: int = 2048, rollout_batch: int = 512,
+         placement: Placement = "colocated", rollout_devices: int | None = None,
+         mem_fraction_static: float = 0.85, headroom: float = 0.9, min_kv_seqs: int = 32,
+         max_micro_batch: int = 64, link_efficiency: float = 0.8) -> Plan:
+    """Recommend a layout for both planes. ``rollout_batch``: sequences generated per step (prompts
+    x samples each). ``placement``: ``colocated`` (both planes on all devices, taking turns: each
+    frees its memory while the other runs, as slime and verl do) or ``disaggregated`` (rollout gets
+    ``rollout_devices``, default half; training the rest). ``mem_fraction_static``: SGLang's share
+    of memory for weights + KV pool (the rest: activations, CUDA graphs). ``headroom``: the share
+    training may fill. ``min_kv_seqs``: the KV budget (whole sequences) below which TP grows."""
     m = load_model(model) if isinstance(model, str) else model
     dev = get_device(device) if isinstance(device, str) else device
     if num_devices < 1:
@@ -870,110 +573,52 @@ def plan(
         n_roll = num_devices // 2 if rollout_devices is None else rollout_devices
         n_train = num_devices - n_roll
         if n_roll < 1 or n_train < 1:
-            raise ValueError(
-                f"disaggregated placement needs >= 1 device per plane: num_devices="
-                f"{num_devices}, rollout_devices={n_roll}"
-            )
+            raise ValueError(f"disaggregated placement needs >= 1 device per plane: num_devices="
+                             f"{num_devices}, rollout_devices={n_roll}")
     else:
         raise ValueError(f"placement must be 'colocated' or 'disaggregated', got {placement!r}")
-
-    dtype_bytes = dev.dtype_bytes or m.dtype_bytes
-    seq_len = prompt_len + response_len
-    reasons: list[str] = []
-    warnings: list[str] = []
-    roll = _plan_rollout(
-        m,
-        dev,
-        n_roll,
-        seq_len=seq_len,
-        rollout_batch=rollout_batch,
-        dtype_bytes=dtype_bytes,
-        mem_fraction_static=mem_fraction_static,
-        min_kv_seqs=min_kv_seqs,
-        reasons=reasons,
-        warnings=warnings,
-    )
-    train = _plan_training(
-        m,
-        dev,
-        n_train,
-        seq_len=seq_len,
-        rollout_batch=rollout_batch,
-        dtype_bytes=dtype_bytes,
-        headroom=headroom,
-        max_micro_batch=max_micro_batch,
-        reasons=reasons,
-        warnings=warnings,
-    )
-    sync = resharding(
-        m,
-        dev,
-        placement=placement,
-        num_devices=num_devices,
-        rollout=roll,
-        training=train,
-        dtype_bytes=dtype_bytes,
-        efficiency=link_efficiency,
-    )
+    dtype_bytes, seq_len = dev.dtype_bytes or m.dtype_bytes, prompt_len + response_len
+    reasons, warnings = [], []
+    common = dict(seq_len=seq_len, rollout_batch=rollout_batch, dtype_bytes=dtype_bytes,
+                  reasons=reasons, warnings=warnings)
+    roll = _plan_rollout(m, dev, n_roll, mem_fraction_static=mem_fraction_static,
+                         min_kv_seqs=min_kv_seqs, **common)
+    train = _plan_training(m, dev, n_train, headroom=headroom, max_micro_batch=max_micro_batch,
+                           **common)
+    sync = resharding(m, dev, placement=placement, num_devices=num_devices, rollout=roll,
+                      training=train, dtype_bytes=dtype_bytes, efficiency=link_efficiency)
     if placement == "colocated":
         offload = 2 * train.state_bytes / (dev.pcie_gbps * GB * link_efficiency)
         train = dataclasses.replace(train, offload_seconds=offload)
-        reasons.insert(
-            0,
-            f"colocated: both planes use all {num_devices} device(s) in turn; the engines "
-            "release weights and KV cache while training runs and the trainer moves its "
-            f"state ({_gib(train.state_bytes)} per device) to host memory while generation "
-            f"runs (~{offload:.1f} s per step there and back over PCIe at "
-            f"{dev.pcie_gbps:g} GB/s x {link_efficiency:g}), so each plane sees the whole "
-            "device",
-        )
+        reasons.insert(0, f"colocated: both planes use all {num_devices} device(s) in turn; the "
+                       "engines release weights and KV cache while training runs and the trainer "
+                       f"moves its state ({_gib(train.state_bytes)} per device) to host memory "
+                       f"while generation runs (~{offload:.1f} s per step there and back over "
+                       f"PCIe at {dev.pcie_gbps:g} GB/s x {link_efficiency:g}), so each plane "
+                       "sees the whole device")
     else:
-        reasons.insert(
-            0,
-            f"disaggregated: {n_roll} device(s) generate while {n_train} train"
-            + (" (half each by default; set rollout_devices)" if rollout_devices is None else ""),
-        )
+        reasons.insert(0, f"disaggregated: {n_roll} device(s) generate while {n_train} train"
+                       + (" (half each by default; set rollout_devices)"
+                          if rollout_devices is None else ""))
     reasons.append(
         f"weight sync: {_gib(sync.weight_bytes)} to each of {roll.dp} rollout replica(s) "
         f"({_gib(sync.bytes_to_rollout)} in all; {_gib(sync.bytes_per_rollout_device)} kept "
-        f"per rollout device), ~{sync.seconds:.2f} s at the links' bandwidth"
-    )
-    return Plan(
-        model=m,
-        device=dev,
-        num_devices=num_devices,
-        placement=placement,
-        prompt_len=prompt_len,
-        response_len=response_len,
-        rollout_batch=rollout_batch,
-        rollout=roll,
-        training=train,
-        resharding=sync,
-        reasons=tuple(reasons),
-        warnings=tuple(warnings),
-    )
-
-
-# ======================================================================================
-# Output
-# ======================================================================================
+        f"per rollout device), ~{sync.seconds:.2f} s at the links' bandwidth")
+    return Plan(model=m, device=dev, num_devices=num_devices, placement=placement,
+                prompt_len=prompt_len, response_len=response_len, rollout_batch=rollout_batch,
+                rollout=roll, training=train, resharding=sync, reasons=tuple(reasons),
+                warnings=tuple(warnings))
 
 
 def _sync_how(s: Resharding) -> str:
     parts = []
     if s.gather_bytes_per_train_device:
-        parts.append(
-            f"all-gather {_gib(s.gather_bytes_per_train_device)} per training device over "
-            f"{s.gather_link} at {s.gather_gbps:g} GB/s x {s.efficiency:g}: "
-            f"{s.gather_seconds:.2f} s"
-        )
-    if s.transfer_seconds:
-        parts.append(
-            f"broadcast {_gib(s.weight_bytes)} over {s.link} at {s.link_gbps:g} GB/s x "
-            f"{s.efficiency:g}: {s.transfer_seconds:.2f} s"
-        )
-    else:
-        parts.append("engines take their slices in place")
+        parts.append(f"all-gather {_gib(s.gather_bytes_per_train_device)} per training device "
+                     f"over {s.gather_link} at {s.gather_gbps:g} GB/s x {s.efficiency:g}: "
+                     f"{s.gather_seconds:.2f} s")
+    parts.append(f"broadcast {_gib(s.weight_bytes)} over {s.link} at {s.link_gbps:g} GB/s x "
+                 f"{s.efficiency:g}: {s.transfer_seconds:.2f} s" if s.transfer_seconds
+                 else "engines take their slices in place")
     return " + ".join(parts)
 
 
@@ -981,78 +626,53 @@ def plan_to_dict(p: Plan) -> dict[str, Any]:
     """The plan as JSON-ready data (bytes as integers; ``*_gib`` copies for people)."""
     out: dict[str, Any] = {
         "model": {**dataclasses.asdict(p.model), "params": p.model.n_params},
-        "device": dataclasses.asdict(p.device),
-        "num_devices": p.num_devices,
-        "placement": p.placement,
-        "prompt_len": p.prompt_len,
-        "response_len": p.response_len,
-        "seq_len": p.seq_len,
-        "rollout_batch": p.rollout_batch,
-    }
+        "device": dataclasses.asdict(p.device), "num_devices": p.num_devices,
+        "placement": p.placement, "prompt_len": p.prompt_len, "response_len": p.response_len,
+        "seq_len": p.seq_len, "rollout_batch": p.rollout_batch}
     for key in ("rollout", "training", "resharding"):
-        section = dataclasses.asdict(getattr(p, key))
-        for k, v in list(section.items()):
-            if "bytes" in k and isinstance(v, int):
-                section[k.replace("bytes", "gib")] = round(v / GIB, 2)
-        out[key] = section
-    out["reasons"] = list(p.reasons)
-    out["warnings"] = list(p.warnings)
+        section = out[key] = dataclasses.asdict(getattr(p, key))
+        section.update({k.replace("bytes", "gib"): round(v / GIB, 2)
+                        for k, v in section.items() if "bytes" in k and isinstance(v, int)})
+    out["reasons"], out["warnings"] = list(p.reasons), list(p.warnings)
     return out
 
 
 def format_plan(p: Plan) -> str:
     """The plan as a table with its reasons and warnings, for people."""
     m, d, r, t, s = p.model, p.device, p.rollout, p.training, p.resharding
+    rollout_mem = f"{_gib(r.weight_bytes)} weights + {_gib(r.kv_bytes)} KV"
+    rollout_note = (f"{r.kv_tokens:,} KV tokens/replica, {r.concurrent_seqs} seqs at once"
+                    if r.fits else "DOES NOT FIT")
+    train_mem = (
+        f"{_gib(t.state_bytes)} state + {_gib(t.working_bytes + t.activation_bytes)} transient")
+    train_note = (t.backend + (f" shard {t.shard}" if t.backend == "fsdp2" else "")
+                  + f", micro-batch {t.micro_batch} ({t.max_tokens_per_device:,} tokens)"
+                  if t.fits else f"{t.backend}, DOES NOT FIT"
+                  + (f" (needs >= {t.min_devices} devices)" if t.min_devices else ""))
     lines = [
         f"{m.name} ({m.n_params / 1e9:.2f}B params) on {p.num_devices} x {d.label} "
         f"({d.memory_gib:g} GiB, {d.interconnect}), {p.placement}",
         f"sequences: {p.prompt_len} prompt + {p.response_len} response = {p.seq_len} tokens; "
-        f"rollout batch {p.rollout_batch}",
-        "",
+        f"rollout batch {p.rollout_batch}", "",
         f"{'plane':<9}{'devices':>8}{'TP':>4}{'PP':>4}{'DP':>5}  {'per device':<40}notes",
-    ]
-    rollout_mem = f"{_gib(r.weight_bytes)} weights + {_gib(r.kv_bytes)} KV"
-    rollout_note = (
-        f"{r.kv_tokens:,} KV tokens/replica, {r.concurrent_seqs} seqs at once"
-        if r.fits
-        else "DOES NOT FIT"
-    )
-    train_mem = (
-        f"{_gib(t.state_bytes)} state + {_gib(t.working_bytes + t.activation_bytes)} transient"
-    )
-    train_note = (
-        f"{t.backend}"
-        + (f" shard {t.shard}" if t.backend == "fsdp2" else "")
-        + f", micro-batch {t.micro_batch} ({t.max_tokens_per_device:,} tokens)"
-        if t.fits
-        else f"{t.backend}, DOES NOT FIT"
-        + (f" (needs >= {t.min_devices} devices)" if t.min_devices else "")
-    )
-    lines += [
-        f"{'rollout':<9}{r.devices:>8}{r.tp:>4}{r.pp:>4}{r.dp:>5}  {rollout_mem:<40}{rollout_note}",
-        f"{'training':<9}{t.devices:>8}{t.tp:>4}{t.pp:>4}{t.dp:>5}  {train_mem:<40}{train_note}",
+        *(f"{n:<9}{x.devices:>8}{x.tp:>4}{x.pp:>4}{x.dp:>5}  {mem:<40}{note}" for n, x, mem, note
+          in (("rollout", r, rollout_mem, rollout_note), ("training", t, train_mem, train_note))),
         "",
         f"weight sync: {_gib(s.weight_bytes)} x {s.replicas} replica(s) = "
         f"{_gib(s.bytes_to_rollout)}; {_gib(s.bytes_per_rollout_device)} kept per rollout "
         f"device; ~{s.seconds:.2f} s",
-        f"  {_sync_how(s)}",
-        "",
-        "why:",
-        *(f"  - {x}" for x in p.reasons),
-    ]
+        f"  {_sync_how(s)}", "", "why:", *(f"  - {x}" for x in p.reasons)]
     if p.warnings:
         lines += ["warnings:", *(f"  ! {x}" for x in p.warnings)]
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: Sequence[str] | None = None) -> int:
+    """``grpoflow plan``: print a plan (a table, or JSON with ``--json``). 2 on bad input."""
     ap = argparse.ArgumentParser(
-        prog="grpoflow plan",
-        description="Recommend TP/PP/DP for the rollout and training planes.",
-    )
-    ap.add_argument(
-        "--model", required=True, help=f"preset ({', '.join(MODEL_PRESETS)}) or model dir"
-    )
+        prog="grpoflow plan", description="Recommend TP/PP/DP for the rollout and training planes.")
+    ap.add_argument("--model", required=True,
+                    help=f"preset ({', '.join(MODEL_PRESETS)}) or model dir")
     ap.add_argument("--device", required=True, help=", ".join(DEVICES))
     ap.add_argument("--devices", type=int, default=8, help="number of devices (default 8)")
     ap.add_argument("--prompt-len", type=int, default=1024)
@@ -1063,24 +683,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--memory-gib", type=float, help="override the device memory (CPU RAM)")
     ap.add_argument("--mem-fraction-static", type=float, default=0.85)
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
-    return ap
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``grpoflow plan``: print a plan (a table, or JSON with ``--json``). 2 on bad input."""
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = ap.parse_args(argv)  # None: sys.argv[1:]
+    knobs = ("prompt_len", "response_len", "rollout_batch", "placement", "rollout_devices",
+             "mem_fraction_static")  # plan()'s keywords, as argparse names them
     try:
-        result = plan(
-            load_model(args.model),
-            get_device(args.device, memory_gib=args.memory_gib),
-            args.devices,
-            prompt_len=args.prompt_len,
-            response_len=args.response_len,
-            rollout_batch=args.rollout_batch,
-            placement=args.placement,
-            rollout_devices=args.rollout_devices,
-            mem_fraction_static=args.mem_fraction_static,
-        )
+        result = plan(load_model(args.model), get_device(args.device, memory_gib=args.memory_gib),
+                      args.devices, **{k: getattr(args, k) for k in knobs})
     except ValueError as e:
         print(f"grpoflow plan: {e}", file=sys.stderr)
         return 2

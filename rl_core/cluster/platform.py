@@ -28,105 +28,53 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = [
-    "PLATFORM_ENV_PRESETS",
-    "PLATFORM_KINDS",
-    "PRESET_REASONS",
-    "DeviceInfo",
-    "PlatformInfo",
-    "PlatformKind",
-    "detect_platform",
-    "platform_env",
-    "preset_table_markdown",
-    "visible_devices",
-    "visible_devices_env",
-]
+__all__ = ["PLATFORM_ENV_PRESETS", "PLATFORM_KINDS", "PRESET_REASONS", "DeviceInfo", "PlatformInfo",
+           "PlatformKind", "detect_platform", "platform_env", "preset_table_markdown",
+           "visible_devices", "visible_devices_env"]
 
 log = logging.getLogger(__name__)
 
 PlatformKind = Literal["cpu", "cuda", "rocm"]
 PLATFORM_KINDS: tuple[str, ...] = ("cpu", "cuda", "rocm")
 
-# ------------------------------------------------------------------ the preset table
-#
-# One row per variable: (name, value on CUDA, value on ROCm, why). None = not set there.
-# The CPU platform has no presets. Sources: slime's actor and engine environments, verl's
-# Ray runtime env, SGLang's ROCm image, AMD's MI300X tuning guide.
+# The preset table: (name, value on CUDA, value on ROCm, why); None = not set there; CPU has
+# none. Sources: slime's actor and engine environments, verl's Ray runtime env, SGLang's ROCm
+# image, AMD's MI300X tuning guide.
 _PRESET_ROWS: tuple[tuple[str, str | None, str | None, str], ...] = (
-    (
-        "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1", None,
-        "Ray leaves CUDA_VISIBLE_DEVICES alone: engines and trainer ranks address physical "
-        "GPU ids (`base_gpu_id`, local rank) (slime, OpenRLHF).",
-    ),
-    (
-        "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES", None, "1",
-        "The same for HIP_VISIBLE_DEVICES, which current Ray sets for AMD GPUs (slime's AMD "
-        "guide: must be 1).",
-    ),
-    (
-        "RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES", None, "1",
-        "The same for ROCR_VISIBLE_DEVICES, which older Ray releases set instead.",
-    ),
-    (
-        "NCCL_CUMEM_ENABLE", "0", "0",
-        "SGLang sets it to 0 in its own processes; trainer ranks joining the weight-update "
-        "group must match or the broadcast fails (slime).",
-    ),
-    (
-        "TORCH_NCCL_AVOID_RECORD_STREAMS", "1", "1",
-        "Async collectives free their buffers at wait() instead of through recordStream, "
-        "so FSDP2 memory does not creep.",
-    ),
-    (
-        "CUDA_DEVICE_MAX_CONNECTIONS", "1", "1",
-        "One hardware queue keeps Megatron's TP/SP communication ahead of the GEMM it "
-        "overlaps; megatron-core warns without it (verl, slime; on AMD too).",
-    ),
-    (
-        "HSA_NO_SCRATCH_RECLAIM", None, "1",
-        "Scratch memory stays with its queue instead of being reclaimed; RCCL needs it on "
-        "ROCm 7.1+ (SGLang and vLLM ROCm images).",
-    ),
-    (
-        "HIP_FORCE_DEV_KERNARG", None, "1",
-        "Kernel arguments in device memory: lower launch latency (AMD MI300X tuning guide, "
-        "SGLang's ROCm image).",
-    ),
-    (
-        "NCCL_MIN_NCHANNELS", None, "112",
-        "More RCCL channels, so all-reduce uses the whole xGMI mesh of an 8-GPU "
-        "MI300X/MI355X node (SGLang's ROCm image).",
-    ),
-    (
-        "TORCH_NCCL_HIGH_PRIORITY", None, "1",
-        "RCCL collectives on high-priority streams so they overlap compute (AMD's "
-        "Megatron recipes).",
-    ),
-    (
-        "SGLANG_USE_AITER", None, "1",
-        "SGLang uses AMD's AITER kernels (attention, MoE, GEMM) on Instinct GPUs; remove it "
-        "(`null`) on Radeon.",
-    ),
-    (
-        "SGLANG_MEMORY_SAVER_CUDA_GRAPH", "true", "true",
-        "Colocated placement: the memory saver also releases graph memory while the "
-        "trainer runs (slime).",
-    ),
-    (
-        "SGLANG_DISABLE_TP_MEMORY_INBALANCE_CHECK", "true", "true",
-        "Colocated trainer memory makes free memory differ across an engine's TP ranks; "
-        "SGLang would refuse to start (slime).",
-    ),
-    (
-        "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK", "false", "false",
-        "The same switch under the name newer SGLang releases read.",
-    ),
-    (
-        "SGLANG_JIT_DEEPGEMM_PRECOMPILE", "false", None,
-        "Skip DeepGEMM's ahead-of-time kernel compile (minutes per engine start); kernels "
-        "compile on first use (slime).",
-    ),
-)  # fmt: skip
+    ("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1", None, "Ray leaves CUDA_VISIBLE_DEVICES "
+     "alone: engines and trainer ranks address physical GPU ids (`base_gpu_id`, local rank) "
+     "(slime, OpenRLHF)."),
+    ("RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES", None, "1", "The same for "
+     "HIP_VISIBLE_DEVICES, which current Ray sets for AMD GPUs (slime's AMD guide: must be 1)."),
+    ("RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES", None, "1", "The same for "
+     "ROCR_VISIBLE_DEVICES, which older Ray releases set instead."),
+    ("NCCL_CUMEM_ENABLE", "0", "0", "SGLang sets it to 0 in its own processes; trainer ranks "
+     "joining the weight-update group must match or the broadcast fails (slime)."),
+    ("TORCH_NCCL_AVOID_RECORD_STREAMS", "1", "1", "Async collectives free their buffers at "
+     "wait() instead of through recordStream, so FSDP2 memory does not creep."),
+    ("CUDA_DEVICE_MAX_CONNECTIONS", "1", "1", "One hardware queue keeps Megatron's TP/SP "
+     "communication ahead of the GEMM it overlaps; megatron-core warns without it (verl, slime; "
+     "on AMD too)."),
+    ("HSA_NO_SCRATCH_RECLAIM", None, "1", "Scratch memory stays with its queue instead of being "
+     "reclaimed; RCCL needs it on ROCm 7.1+ (SGLang and vLLM ROCm images)."),
+    ("HIP_FORCE_DEV_KERNARG", None, "1", "Kernel arguments in device memory: lower launch "
+     "latency (AMD MI300X tuning guide, SGLang's ROCm image)."),
+    ("NCCL_MIN_NCHANNELS", None, "112", "More RCCL channels, so all-reduce uses the whole xGMI "
+     "mesh of an 8-GPU MI300X/MI355X node (SGLang's ROCm image)."),
+    ("TORCH_NCCL_HIGH_PRIORITY", None, "1", "RCCL collectives on high-priority streams so they "
+     "overlap compute (AMD's Megatron recipes)."),
+    ("SGLANG_USE_AITER", None, "1", "SGLang uses AMD's AITER kernels (attention, MoE, GEMM) on "
+     "Instinct GPUs; remove it (`null`) on Radeon."),
+    ("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "true", "true", "Colocated placement: the memory saver "
+     "also releases graph memory while the trainer runs (slime)."),
+    ("SGLANG_DISABLE_TP_MEMORY_INBALANCE_CHECK", "true", "true", "Colocated trainer memory "
+     "makes free memory differ across an engine's TP ranks; SGLang would refuse to start "
+     "(slime)."),
+    ("SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK", "false", "false", "The same switch under the "
+     "name newer SGLang releases read."),
+    ("SGLANG_JIT_DEEPGEMM_PRECOMPILE", "false", None, "Skip DeepGEMM's ahead-of-time kernel "
+     "compile (minutes per engine start); kernels compile on first use (slime)."),
+)
 
 PLATFORM_ENV_PRESETS: dict[str, dict[str, str]] = {
     kind: {name: values[i] for name, *values, _ in _PRESET_ROWS if values[i] is not None}
@@ -140,10 +88,8 @@ PRESET_REASONS: dict[str, str] = {name: reason for name, _, _, reason in _PRESET
 # Which variables select devices on each platform. On ROCm the HIP runtime honours both
 # HIP_VISIBLE_DEVICES and CUDA_VISIBLE_DEVICES; they must agree, so both are set.
 _VISIBLE_DEVICE_VARS: dict[str, tuple[str, ...]] = {
-    "cpu": (),
-    "cuda": ("CUDA_VISIBLE_DEVICES",),
-    "rocm": ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"),
-}
+    "cpu": (), "cuda": ("CUDA_VISIBLE_DEVICES",),
+    "rocm": ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")}
 
 
 def _check_kind(kind: str) -> None:
@@ -152,45 +98,33 @@ def _check_kind(kind: str) -> None:
 
 
 def visible_devices_env(kind: PlatformKind, devices: Sequence[int] | str) -> dict[str, str]:
-    """The device-selection variables that restrict a process on ``kind`` to ``devices``.
-
-    ``devices`` is a list of physical ids or a comma-separated string. On ROCm both
-    ``HIP_VISIBLE_DEVICES`` and ``CUDA_VISIBLE_DEVICES`` are set (to the same value).
-    """
+    """The device-selection variables that restrict a process on ``kind`` to ``devices`` (a
+    list of physical ids or a comma-separated string); on ROCm both ``HIP_VISIBLE_DEVICES``
+    and ``CUDA_VISIBLE_DEVICES``, to the same value."""
     _check_kind(kind)
     if kind == "cpu":
         raise ValueError("platform=cpu has no devices to select; drop visible_devices")
-    value = (
-        devices.replace(" ", "")
-        if isinstance(devices, str)
-        else ",".join(str(int(d)) for d in devices)
-    )
+    value = (devices.replace(" ", "") if isinstance(devices, str)
+             else ",".join(str(int(d)) for d in devices))
     return {var: value for var in _VISIBLE_DEVICE_VARS[kind]}
 
 
 def visible_devices(kind: PlatformKind, env: Mapping[str, str] | None = None) -> str | None:
     """The device selection in effect on ``kind`` (``None``: every device is visible).
-
-    Raises ``ValueError`` when ROCm's two selection variables are both set and disagree.
-    """
+    Raises ``ValueError`` when ROCm's two selection variables are both set and disagree."""
     _check_kind(kind)
     env = os.environ if env is None else env
     values = {var: env[var] for var in _VISIBLE_DEVICE_VARS[kind] if var in env}
     if len(set(values.values())) > 1:
         shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
-        raise ValueError(
-            f"{shown} disagree; on ROCm HIP honours both, so set them to the same ids "
-            "(or unset CUDA_VISIBLE_DEVICES)"
-        )
+        raise ValueError(f"{shown} disagree; on ROCm HIP honours both, so set them to the same "
+                         "ids (or unset CUDA_VISIBLE_DEVICES)")
     return next(iter(values.values()), None)
 
 
 def platform_env(
-    kind: PlatformKind,
-    overrides: Mapping[str, str | None] | None = None,
-    *,
-    visible_devices: Sequence[int] | str | None = None,
-    environ: Mapping[str, str] | None = None,
+    kind: PlatformKind, overrides: Mapping[str, str | None] | None = None, *,
+    visible_devices: Sequence[int] | str | None = None, environ: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment variables a process (a Ray actor, an engine) on ``kind`` gets.
 
@@ -201,10 +135,8 @@ def platform_env(
     """
     _check_kind(kind)
     if overrides is not None and not isinstance(overrides, Mapping):
-        raise TypeError(
-            f"platform_env overrides must be a mapping of name -> str | None, got "
-            f"{type(overrides).__name__}; pass device ids as visible_devices="
-        )
+        raise TypeError(f"platform_env overrides must be a mapping of name -> str | None, got "
+                        f"{type(overrides).__name__}; pass device ids as visible_devices=")
     env = dict(PLATFORM_ENV_PRESETS.get(kind, {}))
     if environ is not None:
         env = {k: v for k, v in env.items() if k not in environ}
@@ -216,20 +148,14 @@ def platform_env(
         elif isinstance(value, str):
             env[name] = value
         else:
-            raise TypeError(
-                f"cluster.env.{name} must be a string or null, got {value!r}; quote it in "
-                "YAML (e.g. '1')"
-            )
+            raise TypeError(f"cluster.env.{name} must be a string or null, got {value!r}; "
+                            "quote it in YAML (e.g. '1')")
     visible = {var: env[var] for var in _VISIBLE_DEVICE_VARS[kind] if var in env}
     if len(set(visible.values())) > 1:
         shown = ", ".join(f"{k}={v!r}" for k, v in visible.items())
         raise ValueError(
-            f"{shown} disagree after cluster.env overrides; on ROCm set both to the same ids"
-        )
+            f"{shown} disagree after cluster.env overrides; on ROCm set both to the same ids")
     return env
-
-
-# ------------------------------------------------------------------------- detection
 
 
 @dataclass(frozen=True)
@@ -276,11 +202,8 @@ class PlatformInfo:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (``grpoflow doctor --json``)."""
-        out = asdict(self)
-        out["devices"] = [asdict(d) for d in self.devices]
-        out["device_count"] = self.device_count
-        out["notes"] = list(self.notes)
-        return out
+        return {**asdict(self), "devices": [asdict(d) for d in self.devices],
+                "device_count": self.device_count, "notes": list(self.notes)}
 
     def summary(self) -> str:
         """One line for people: ``rocm: 8 x AMD Instinct MI300X (192 GiB), HIP 6.4 ...``."""
@@ -289,20 +212,13 @@ class PlatformInfo:
         else:
             names = sorted(set(self.device_names))
             mem = sorted({round(d.total_memory_gib) for d in self.devices})
-            head = (
-                f"{self.kind}: {self.device_count} x {', '.join(names)} "
-                f"({'/'.join(str(m) for m in mem)} GiB each), {self.cpu_count} CPUs"
-            )
-        parts = [head]
-        if self.torch_version:
-            parts.append(f"torch {self.torch_version}")
-        if self.hip_version:
-            parts.append(f"HIP {self.hip_version}")
-        elif self.cuda_version:
-            parts.append(f"CUDA {self.cuda_version}")
-        if self.driver_version:
-            parts.append(f"driver {self.driver_version}")
-        return ", ".join(parts)
+            head = (f"{self.kind}: {self.device_count} x {', '.join(names)} "
+                    f"({'/'.join(str(m) for m in mem)} GiB each), {self.cpu_count} CPUs")
+        toolkit = (f"HIP {self.hip_version}" if self.hip_version
+                   else self.cuda_version and f"CUDA {self.cuda_version}")
+        parts = [head, self.torch_version and f"torch {self.torch_version}", toolkit,
+                 self.driver_version and f"driver {self.driver_version}"]
+        return ", ".join(p for p in parts if p)
 
 
 # Files that name the kernel driver's version without starting anything.
@@ -340,12 +256,8 @@ def _device_info(torch: Any, index: int, kind: str) -> DeviceInfo:
         arch = str(arch).split(":", 1)[0]  # "gfx942:sramecc+:xnack-" -> "gfx942"
     elif kind == "cuda" and hasattr(props, "major"):
         arch = f"sm_{props.major}{props.minor}"
-    return DeviceInfo(
-        index=index,
-        name=str(getattr(props, "name", f"device {index}")),
-        total_memory_bytes=int(getattr(props, "total_memory", 0)),
-        arch=arch or None,
-    )
+    return DeviceInfo(index=index, name=str(getattr(props, "name", f"device {index}")),
+                      total_memory_bytes=int(getattr(props, "total_memory", 0)), arch=arch or None)
 
 
 def detect_platform() -> PlatformInfo:
@@ -378,11 +290,8 @@ def detect_platform() -> PlatformInfo:
             devices = tuple(_device_info(torch, i, kind) for i in range(count))
         else:
             var = "HIP_VISIBLE_DEVICES" if build == "rocm" else "CUDA_VISIBLE_DEVICES"
-            notes.append(
-                f"torch is a {build.upper()} build but sees no GPU (check the driver, {var}"
-                + (", /dev/kfd permissions" if build == "rocm" else "")
-                + ")"
-            )
+            notes.append(f"torch is a {build.upper()} build but sees no GPU (check the driver, "
+                         f"{var}" + (", /dev/kfd permissions" if build == "rocm" else "") + ")")
     visible: str | None
     try:
         visible = visible_devices(kind)  # type: ignore[arg-type]
@@ -399,30 +308,16 @@ def detect_platform() -> PlatformInfo:
         except Exception:  # pragma: no cover - torch without distributed
             pass
     info = PlatformInfo(
-        kind=kind,  # type: ignore[arg-type]
-        devices=devices,
-        torch_version=str(torch.__version__),
-        cuda_version=None if hip else cuda,
-        hip_version=hip,
-        driver_version=_driver_version(kind),
-        visible_devices=visible,
-        collective_backend=backend,
-        cpu_count=cpus,
-        notes=tuple(notes),
-    )
+        kind=kind, devices=devices, torch_version=str(torch.__version__),  # type: ignore[arg-type]
+        cuda_version=None if hip else cuda, hip_version=hip, driver_version=_driver_version(kind),
+        visible_devices=visible, collective_backend=backend, cpu_count=cpus, notes=tuple(notes))
     log.debug("detected platform: %s", info.summary())
     return info
 
 
-# ------------------------------------------------------------------------------ docs
-
-
 def preset_table_markdown() -> str:
     """The preset table as Markdown, exactly as ``docs/platforms.md`` carries it."""
-    lines = [
-        "| variable | CUDA | ROCm | why |",
-        "|---|---|---|---|",
-    ]
+    lines = ["| variable | CUDA | ROCm | why |", "|---|---|---|---|"]
     for name, cuda, rocm, reason in _PRESET_ROWS:
         cells = [f"`{v}`" if v is not None else "—" for v in (cuda, rocm)]
         lines.append(f"| `{name}` | {cells[0]} | {cells[1]} | {reason} |")
@@ -437,8 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import json
 
-    info = detect_platform()
-    print(json.dumps(info.to_dict(), indent=2))
+    print(json.dumps(detect_platform().to_dict(), indent=2))
     return 0
 
 

@@ -6,58 +6,17 @@ config asks for, and reserve devices for the planes with placement groups.
         with place_planes(need.resources, "colocated", timeout_s=60) as placed:
             Trainer.options(**placed.trainer[0].actor_options()).remote(...)
 
-**Local (``cluster.address`` unset).** ``ray.init`` on 127.0.0.1 (GCS, raylet, workers and
-agents all listen on loopback), no dashboard, token authentication left as Ray sets it (on),
-temp dir ``<run_dir>/ray``; :meth:`RayCluster.shutdown` stops it. On Linux Ray rewrites
-``_node_ip_address="127.0.0.1"`` into the machine's routable address
-(``services.resolve_ip_for_localhost``); this module turns that rewrite off for the length
-of ``ray.init`` (``ray_constants.ENABLE_RAY_CLUSTER``, a private flag of Ray 2.60) and then
-checks that the node really registered as 127.0.0.1, stopping Ray and failing otherwise.
-Ray puts unix sockets under its temp dir and a socket path may hold 107 bytes, which leaves
-:data:`MAX_TEMP_DIR_LEN` characters for the dir: when ``<run_dir>/ray`` is longer, Ray's temp
-dir is a fresh ``/tmp/grpoflow-ray-*`` and ``<run_dir>/ray`` is a symlink to it (logs are
-kept there after the run; the OS's /tmp cleaning removes them).
-
-**Existing cluster (``cluster.address``: ``auto``, ``host:port`` or ``ray://host:port``).**
-``auto`` follows Ray's own lookup (``RAY_ADDRESS``, then the last ``ray start`` on this
-machine). :meth:`RayCluster.shutdown` only disconnects this process; a process that was
-already connected to Ray before :meth:`RayCluster.start` is left connected. With token
-authentication the cluster's token must reach this process (``RAY_AUTH_MODE=token`` and
-``~/.ray/auth_token`` or ``RAY_AUTH_TOKEN``): Ray never sends the local token to an explicit
-address on its own.
-
-**One thread owns Ray.** Ray starts its GCS and raylet with ``PR_SET_PDEATHSIG``, so Linux
-kills them when the *thread* that called ``ray.init`` ends. ``ray.init`` and ``ray.shutdown``
-therefore run in a dedicated daemon thread that lives until :meth:`RayCluster.shutdown`
-(a Prefect worker thread that starts Ray may end; Ray lives on).
-
-**Bounds.** ``ray.init`` has no timeout: :meth:`RayCluster.start` waits for that thread at
-most ``init_timeout_s`` (a start that finishes later is shut down by it). An address is
-first probed with a plain TCP connect (``ray.init`` retries an unreachable GCS for many
-minutes). Placement groups are waited for with ``timeout_s``. Nothing here calls
-``ray.get`` without a timeout.
-
-**Placement.** :func:`place_planes` realises ``cluster.placement`` (see :func:`plan_bundles`
-for the exact bundles and which actor sits in which):
-
-- ``disaggregated``: two placement groups, one per plane, one bundle per actor sized as the
-  actor (a 1-GPU rank or engine is one device; a ``gpus_per_engine=4`` engine is one 4-GPU
-  bundle, so Ray keeps its devices on one node; fractional GPUs let two actors share one).
-- ``colocated``: one placement group with one bundle per device; trainer rank ``i`` and
-  engine ``i`` share bundle ``i`` and each asks for *half* of it (half its CPUs, half a GPU).
-  The halves are Ray bookkeeping only: both processes see and time-share the whole device
-  (the engine releases its memory while the trainer runs). On CPU a device is a bundle of
-  ``max(cpus_per_trainer, cpus_per_engine)`` CPUs.
-
-Process-wide effects, all Ray's own: a local start sets ``RAY_AUTH_MODE=token`` in
-``os.environ`` (unless it is set) and writes ``~/.ray/auth_token`` if missing (a warning
-says when that file is readable by others); from the main thread, Ray's SIGTERM handler
-(``sys.exit``, so that atexit stops Ray) is installed when no handler is set.
-
-Ray is imported inside the functions that need it, so :class:`PlaneResources`,
-:func:`plan_bundles` and :func:`need_for` work without Ray installed. Never imports Prefect
-or MLflow; never stops a Ray it did not start; never reads or changes the config files.
+**Local** (``cluster.address`` unset): 127.0.0.1 only, no dashboard, token authentication on,
+temp dir ``<run_dir>/ray`` (or a linked ``/tmp/grpoflow-ray-*`` past the unix socket limit);
+**joined** (``auto``, ``host:port``, ``ray://``): shutdown only disconnects. Both, and why:
+docs/architecture.md, "Ray on a shared host". Every wait is bounded (``ray.init`` in a thread
+of its own, a TCP probe of an address, placement groups with ``timeout_s``, every ``ray.get``).
+Process-wide (Ray's own): a local start sets ``RAY_AUTH_MODE=token`` unless set, writes
+``~/.ray/auth_token`` if missing, and from the main thread installs Ray's SIGTERM handler when
+none is set. Ray is imported only where needed (:func:`plan_bundles`, :func:`need_for` need none).
+Never imports Prefect or MLflow; never stops a Ray it did not start; never reads the config.
 """
+
 
 from __future__ import annotations
 
@@ -71,30 +30,18 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-__all__ = [
-    "MAX_TEMP_DIR_LEN",
-    "BundlePlan",
-    "ClusterError",
-    "PlaneResources",
-    "PlanePlacement",
-    "RayCluster",
-    "ResourceNeed",
-    "Slot",
-    "need_for",
-    "place_planes",
-    "plan_bundles",
-    "ray_temp_dir",
-]
+__all__ = ["MAX_TEMP_DIR_LEN", "BundlePlan", "ClusterError", "PlanePlacement", "PlaneResources",
+           "RayCluster", "ResourceNeed", "Slot", "need_for", "place_planes", "plan_bundles",
+           "ray_temp_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +57,9 @@ _SOCKET_PATH_MAX = 107  # sun_path is 108 bytes on Linux, with the terminating N
 MAX_TEMP_DIR_LEN = _SOCKET_PATH_MAX - len(_SOCKET_SUFFIX)
 """The longest Ray temp dir (in bytes) whose socket paths stay within the unix limit."""
 
-_FIELDS_HINT = (
-    "the config fields: cluster.trainer_ranks, cluster.cpus_per_trainer, "
-    "cluster.gpus_per_trainer, rollout.num_engines, cluster.cpus_per_engine, "
-    "cluster.gpus_per_engine, cluster.placement"
-)
+_FIELDS_HINT = ("the config fields: cluster.trainer_ranks, cluster.cpus_per_trainer, "
+                "cluster.gpus_per_trainer, rollout.num_engines, cluster.cpus_per_engine, "
+                "cluster.gpus_per_engine, cluster.placement")
 
 
 class ClusterError(RuntimeError):
@@ -125,19 +70,11 @@ class _HasAddress(Protocol):
     address: str | None
 
 
-# ---------------------------------------------------------------- what the planes ask for
-
-
 @dataclass(frozen=True)
 class PlaneResources:
-    """What each plane's actors ask for: ranks/engines and CPUs/GPUs per actor.
-
-    Mirrors ``cluster.trainer_ranks``, ``cluster.cpus_per_trainer``,
-    ``cluster.gpus_per_trainer``, ``rollout.num_engines``, ``cluster.cpus_per_engine``,
-    ``cluster.gpus_per_engine``. A GPU count above 1 is a multi-device actor (an engine with
-    TP=4 is ``gpus_per_engine=4``); below 1 a share of one device.
-    """
-
+    """What each plane's actors ask for (mirrors ``cluster.trainer_ranks``, ``rollout.num_engines``
+    and ``cluster.{cpus,gpus}_per_{trainer,engine}``). A GPU count above 1 is a multi-device actor
+    (a TP=4 engine is ``gpus_per_engine=4``), below 1 a share of one device."""
     trainer_ranks: int = 1
     cpus_per_trainer: float = 1.0
     gpus_per_trainer: float = 0.0
@@ -147,18 +84,15 @@ class PlaneResources:
 
     def __post_init__(self) -> None:
         for name in ("trainer_ranks", "engines"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value := getattr(self, name), int) or value < 1:
                 raise ValueError(f"PlaneResources.{name} must be an int >= 1, got {value!r}")
         for name in ("cpus_per_trainer", "gpus_per_trainer", "cpus_per_engine", "gpus_per_engine"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
+            if not math.isfinite(value := getattr(self, name)) or value < 0:
                 raise ValueError(f"PlaneResources.{name} must be >= 0, got {value!r}")
         for plane in ("trainer", "engine"):
-            if getattr(self, f"cpus_per_{plane}") + getattr(self, f"gpus_per_{plane}") <= 0:
-                raise ValueError(f"each {plane} must ask for some CPU or GPU (both are 0)")
-        for plane in ("trainer", "engine"):
             gpus = getattr(self, f"gpus_per_{plane}")
+            if getattr(self, f"cpus_per_{plane}") + gpus <= 0:
+                raise ValueError(f"each {plane} must ask for some CPU or GPU (both are 0)")
             if gpus > 1 and gpus != int(gpus):
                 raise ValueError(f"gpus_per_{plane} above 1 must be a whole number, got {gpus}")
 
@@ -169,14 +103,9 @@ class PlaneResources:
 
 @dataclass(frozen=True)
 class BundlePlan:
-    """The placement groups to create and where each actor goes.
-
-    ``groups`` is one list of bundles per placement group (named by ``group_names``).
-    ``trainer[i]`` and ``engines[j]`` are ``(group, bundle, num_cpus, num_gpus, devices)``:
-    the group and bundle the actor is scheduled into, what it asks Ray for there, and every
-    bundle index it covers (more than one for a multi-device actor in colocated mode).
-    """
-
+    """The placement groups to create (``groups``: bundles per group, named by
+    ``group_names``) and where each actor goes: ``trainer[i]``/``engines[j]`` are ``(group,
+    bundle, num_cpus, num_gpus, devices)``, ``devices`` every bundle index the actor covers."""
     placement: Placement
     group_names: tuple[str, ...]
     groups: tuple[tuple[dict[str, float], ...], ...]
@@ -192,69 +121,40 @@ def _shape(cpus: float, gpus: float) -> dict[str, float]:
 def plan_bundles(resources: PlaneResources, placement: str) -> BundlePlan:
     """The bundles ``placement`` needs for ``resources`` and the actor -> bundle mapping.
 
-    disaggregated: group ``trainer`` has ``trainer_ranks`` bundles
-    ``{CPU: cpus_per_trainer, GPU: gpus_per_trainer}``, rank ``i`` in bundle ``i``;
-    group ``rollout`` likewise for the engines. Each actor asks for its whole bundle.
-
-    colocated: group ``colocated`` has ``N = max(trainer_ranks * dt, engines * de)`` device
-    bundles ``{CPU: max(cpus_per_trainer, cpus_per_engine), GPU: 1}`` (no GPU key on CPU),
-    where ``dt``/``de`` are the devices per trainer rank/engine (``ceil(gpus)``, at least 1).
-    Trainer rank ``i`` sits in bundle ``i * dt`` and engine ``j`` in bundle ``j * de``; each
-    asks for half of its first bundle (``cpus / 2`` and ``min(gpus, 1) / 2``). When the
-    counts differ (say 4 ranks, 2 engines) the extra bundles hold one plane only; with
-    ``gpus_per_engine=2`` and 4 ranks, engine 0 spans bundles 0-1 and engine 1 bundles 2-3,
-    each bundle shared with the rank of the same index.
-    """
+    disaggregated: group ``trainer`` has ``trainer_ranks`` bundles ``{CPU: cpus_per_trainer,
+    GPU: gpus_per_trainer}``, rank ``i`` in bundle ``i``; group ``rollout`` likewise for the
+    engines; each actor asks for its whole bundle (a ``gpus_per_engine=4`` engine is one 4-GPU
+    bundle, so on one node). colocated: group ``colocated`` has ``N = max(trainer_ranks * dt,
+    engines * de)`` device bundles ``{CPU: max(cpus_per_trainer, cpus_per_engine), GPU: 1}`` (no
+    GPU key on CPU), ``dt``/``de`` being the devices per trainer rank/engine (``ceil(gpus)``, at
+    least 1). Rank ``i`` sits in bundle ``i * dt`` and engine ``j`` in bundle ``j * de``, each
+    asking for half of its first bundle (``cpus / 2``, ``min(gpus, 1) / 2``: Ray bookkeeping
+    only, both time-share the whole device). Extra bundles (4 ranks, 2 engines) hold one plane
+    only; with ``gpus_per_engine=2`` and 4 ranks engine 0 spans bundles 0-1 and engine 1
+    bundles 2-3, each shared with the rank of the same index."""
     if placement not in PLACEMENTS:
         raise ValueError(f"cluster.placement must be one of {PLACEMENTS}, got {placement!r}")
     r = resources
     if placement == "disaggregated":
-        t_shape = _shape(r.cpus_per_trainer, r.gpus_per_trainer)
-        e_shape = _shape(r.cpus_per_engine, r.gpus_per_engine)
         return BundlePlan(
-            placement="disaggregated",
-            group_names=("trainer", "rollout"),
-            groups=((t_shape,) * r.trainer_ranks, (e_shape,) * r.engines),
-            trainer=tuple(
-                (0, i, r.cpus_per_trainer, r.gpus_per_trainer, (i,)) for i in range(r.trainer_ranks)
-            ),
-            engines=tuple(
-                (1, j, r.cpus_per_engine, r.gpus_per_engine, (j,)) for j in range(r.engines)
-            ),
-        )
-    dt = max(1, math.ceil(r.gpus_per_trainer))
-    de = max(1, math.ceil(r.gpus_per_engine))
+            "disaggregated", ("trainer", "rollout"),
+            ((_shape(r.cpus_per_trainer, r.gpus_per_trainer),) * r.trainer_ranks,
+             (_shape(r.cpus_per_engine, r.gpus_per_engine),) * r.engines),
+            tuple((0, i, r.cpus_per_trainer, r.gpus_per_trainer, (i,))
+                  for i in range(r.trainer_ranks)),
+            tuple((1, j, r.cpus_per_engine, r.gpus_per_engine, (j,)) for j in range(r.engines)))
+    dt, de = max(1, math.ceil(r.gpus_per_trainer)), max(1, math.ceil(r.gpus_per_engine))
     n_devices = max(r.trainer_ranks * dt, r.engines * de)
     device = _shape(max(r.cpus_per_trainer, r.cpus_per_engine), 1.0 if r.uses_gpus else 0.0)
 
-    def half(gpus: float) -> float:
-        return min(gpus, 1.0) / 2
+    def halves(n: int, per: int, cpus: float, gpus: float) -> tuple:
+        return tuple((0, i * per, cpus / 2, min(gpus, 1.0) / 2,
+                      tuple(range(i * per, i * per + per))) for i in range(n))
 
     return BundlePlan(
-        placement="colocated",
-        group_names=("colocated",),
-        groups=((device,) * n_devices,),
-        trainer=tuple(
-            (
-                0,
-                i * dt,
-                r.cpus_per_trainer / 2,
-                half(r.gpus_per_trainer),
-                tuple(range(i * dt, i * dt + dt)),
-            )
-            for i in range(r.trainer_ranks)
-        ),
-        engines=tuple(
-            (
-                0,
-                j * de,
-                r.cpus_per_engine / 2,
-                half(r.gpus_per_engine),
-                tuple(range(j * de, j * de + de)),
-            )
-            for j in range(r.engines)
-        ),
-    )
+        "colocated", ("colocated",), ((device,) * n_devices,),
+        halves(r.trainer_ranks, dt, r.cpus_per_trainer, r.gpus_per_trainer),
+        halves(r.engines, de, r.cpus_per_engine, r.gpus_per_engine))
 
 
 def _fmt(res: Mapping[str, float]) -> str:
@@ -264,7 +164,6 @@ def _fmt(res: Mapping[str, float]) -> str:
 @dataclass(frozen=True)
 class ResourceNeed:
     """What a placement of the planes needs from the cluster, in total and per bundle."""
-
     resources: PlaneResources
     placement: Placement
     totals: dict[str, float]
@@ -273,25 +172,19 @@ class ResourceNeed:
     def describe(self) -> str:
         """One line a person can check against ``ray status``."""
         r = self.resources
-        return (
-            f"{_fmt(self.totals)} for {self.placement} planes: trainer {r.trainer_ranks} "
-            f"rank(s) x (CPU {r.cpus_per_trainer:g}, GPU {r.gpus_per_trainer:g}), rollout "
-            f"{r.engines} engine(s) x (CPU {r.cpus_per_engine:g}, GPU {r.gpus_per_engine:g})"
-        )
+        return (f"{_fmt(self.totals)} for {self.placement} planes: trainer {r.trainer_ranks} "
+                f"rank(s) x (CPU {r.cpus_per_trainer:g}, GPU {r.gpus_per_trainer:g}), rollout "
+                f"{r.engines} engine(s) x (CPU {r.cpus_per_engine:g}, GPU {r.gpus_per_engine:g})")
 
 
 def need_for(resources: PlaneResources, placement: str) -> ResourceNeed:
-    """The CPUs and GPUs ``placement`` reserves for ``resources`` (sum over its bundles).
-
-    disaggregated: ``trainer_ranks x per-rank + engines x per-engine``; colocated: one set of
-    devices both planes share (see :func:`plan_bundles`).
-    """
+    """The CPUs and GPUs ``placement`` reserves for ``resources``, summed over its bundles
+    (disaggregated: each plane's own; colocated: one set of devices both planes share)."""
     plan = plan_bundles(resources, placement)
     bundles = tuple(b for group in plan.groups for b in group)
     totals: dict[str, float] = {}
-    for bundle in bundles:
-        for key, value in bundle.items():
-            totals[key] = totals.get(key, 0.0) + value
+    for key, value in (kv for b in bundles for kv in b.items()):
+        totals[key] = totals.get(key, 0.0) + value
     return ResourceNeed(resources, plan.placement, totals, bundles)
 
 
@@ -299,33 +192,24 @@ def _missing(need: Mapping[str, float], have: Mapping[str, float]) -> dict[str, 
     return {k: v for k, v in need.items() if have.get(k, 0.0) + 1e-9 < v}
 
 
-def _check_fits(
-    need: ResourceNeed, totals: Mapping[str, float], nodes: Sequence[Mapping[str, float]]
-) -> None:
+def _check_fits(need: ResourceNeed, totals: Mapping[str, float],
+                nodes: Sequence[Mapping[str, float]]) -> None:
     """Fail when the cluster's totals, or every single node, are short of ``need``."""
-    short = _missing(need.totals, totals)
-    if short:
-        lacking = "; ".join(
-            f"{k}: asks {v:g}, cluster has {totals.get(k, 0.0):g}" for k, v in sorted(short.items())
-        )
+    if short := _missing(need.totals, totals):
+        lacking = "; ".join(f"{k}: asks {v:g}, cluster has {totals.get(k, 0.0):g}"
+                            for k, v in sorted(short.items()))
         raise ClusterError(
             f"the Ray cluster lacks {', '.join(sorted(short))} ({lacking}). The config asks for "
             f"{need.describe()}. Give Ray more (ray start --num-cpus/--num-gpus, or a bigger "
-            f"cluster via cluster.address) or ask for less: {_FIELDS_HINT}."
-        )
+            f"cluster via cluster.address) or ask for less: {_FIELDS_HINT}.")
     for bundle in {tuple(sorted(b.items())) for b in need.bundles}:
         if not any(not _missing(dict(bundle), node) for node in nodes):
+            have = "; ".join(_fmt({k: v for k, v in n.items() if k in ("CPU", "GPU")})
+                             for n in nodes)
             raise ClusterError(
                 f"no single Ray node holds one bundle of {_fmt(dict(bundle))} (a bundle, and "
-                f"so an actor, cannot span nodes); nodes have: "
-                + "; ".join(
-                    _fmt({k: v for k, v in n.items() if k in ("CPU", "GPU")}) for n in nodes
-                )
-                + f". The config asks for {need.describe()}; adjust {_FIELDS_HINT}."
-            )
-
-
-# ---------------------------------------------------------------- Ray start / connect
+                f"so an actor, cannot span nodes); nodes have: {have}. The config asks for "
+                f"{need.describe()}; adjust {_FIELDS_HINT}.")
 
 
 def _import_ray() -> Any:
@@ -333,18 +217,14 @@ def _import_ray() -> Any:
         import ray
     except ImportError as exc:  # pragma: no cover - ray is a dev dependency here
         raise ClusterError(
-            "Ray is not installed: pip install 'grpoflow[ray]' (cluster.mode: ray)"
-        ) from exc
+            "Ray is not installed: pip install 'grpoflow[ray]' (cluster.mode: ray)") from exc
     return ray
 
 
 def ray_temp_dir(run_dir: str | os.PathLike[str]) -> tuple[Path, Path | None]:
-    """Ray's temp dir for a run: ``<run_dir>/ray``, or a short dir under /tmp linked from it.
-
-    Returns ``(temp_dir, link)``: ``link`` is ``<run_dir>/ray`` when it is a symlink to a
-    fallback dir (because ``<run_dir>/ray`` is longer than :data:`MAX_TEMP_DIR_LEN` bytes),
-    else ``None``. Creates the directories.
-    """
+    """Ray's temp dir for a run, created: ``(<run_dir>/ray, None)``, or, when that is longer
+    than :data:`MAX_TEMP_DIR_LEN` bytes, ``(short dir under /tmp, <run_dir>/ray)`` with the
+    second a symlink to the first."""
     run_dir = Path(os.path.abspath(run_dir))
     wanted = run_dir / "ray"
     if wanted.is_symlink():
@@ -367,11 +247,8 @@ def ray_temp_dir(run_dir: str | os.PathLike[str]) -> tuple[Path, Path | None]:
 
 @contextmanager
 def _ray_keeps_loopback(enabled: bool) -> Iterator[None]:
-    """Stop Ray replacing 127.0.0.1 by the machine's address while it starts or connects.
-
-    Ray 2.60 resolves a loopback node address to the routable one unless its (private)
-    ``ENABLE_RAY_CLUSTER`` flag is off; the caller verifies the result afterwards.
-    """
+    """Stop Ray 2.60 replacing 127.0.0.1 by the routable address while it starts or connects
+    (its private ``ENABLE_RAY_CLUSTER`` flag); the caller verifies the result afterwards."""
     if not enabled:
         yield
         return
@@ -385,32 +262,22 @@ def _ray_keeps_loopback(enabled: bool) -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = before
 
 
-class _DropSigtermWarning(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "SIGTERM handler is not set" not in record.getMessage()
-
-
 _abandoned: threading.Thread | None = None
 
 
 class _RayThread:
-    """The one thread that calls ``ray.init`` and, at the end, ``ray.shutdown``.
-
-    Ray starts its GCS and raylet with ``PR_SET_PDEATHSIG``: Linux kills them when the
-    *thread* that started them exits. So ``ray.init`` runs in this thread, which then waits
-    for :meth:`stop` - the caller's thread (a Prefect worker thread, say) may end while Ray
-    lives on. It also bounds ``ray.init``, which has no timeout: :meth:`start` waits at most
-    ``timeout_s``; a start that finishes after that is shut down here, and until this thread
-    ends later starts in the process are refused (two ``ray.init`` at once would share Ray's
-    process-wide state). Ray installs its SIGTERM handler (exit, so that atexit stops Ray)
-    only from the main thread; when the caller is the main thread the same one is installed.
-    """
+    """The one thread that calls ``ray.init`` and, at the end, ``ray.shutdown``: Ray's GCS and
+    raylet die with the *thread* that started them (``PR_SET_PDEATHSIG``), so ``ray.init`` runs
+    here and the thread waits for :meth:`stop`; the caller's thread may end. :meth:`start` waits
+    at most ``timeout_s`` (``ray.init`` has none); a start finishing later is shut down here, and
+    until this thread ends later starts in the process are refused (two ``ray.init`` at once
+    would share process-wide state). Ray installs its SIGTERM handler (exit, so atexit stops
+    Ray) only from the main thread; from there the same one is installed."""
 
     def __init__(self, ray: Any, kwargs: dict[str, Any], what: str) -> None:
         self._ray, self._kwargs, self._what = ray, kwargs, what
         self._lock = threading.Lock()
-        self._ready = threading.Event()
-        self._stop = threading.Event()
+        self._ready, self._stop = threading.Event(), threading.Event()
         self._abandoned = False
         self._ctx: Any = None
         self._error: BaseException | None = None
@@ -438,10 +305,12 @@ class _RayThread:
         if _abandoned is not None and _abandoned.is_alive():
             raise ClusterError(
                 f"{self._what}: an earlier ray.init in this process timed out and is still "
-                "running; wait for it to give up or start a new process"
-            )
+                "running; wait for it to give up or start a new process")
         worker_log = logging.getLogger("ray._private.worker")
-        drop = _DropSigtermWarning()
+
+        def drop(record: logging.LogRecord) -> bool:  # off the main thread Ray warns; see below
+            return "SIGTERM handler is not set" not in record.getMessage()
+
         worker_log.addFilter(drop)
         try:
             self._thread.start()
@@ -452,8 +321,7 @@ class _RayThread:
                     _abandoned = self._thread
                     raise ClusterError(
                         f"{self._what} did not finish within {timeout_s:g} s (init_timeout_s); "
-                        "see the Ray logs under its temp dir (session_latest/logs)"
-                    )
+                        "see the Ray logs under its temp dir (session_latest/logs)")
         finally:
             worker_log.removeFilter(drop)
         if self._error is not None:
@@ -475,17 +343,10 @@ def _warn_if_token_readable_by_others() -> None:
     if os.environ.get("RAY_AUTH_TOKEN"):
         return
     path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
-    try:
-        mode = path.stat().st_mode
-    except OSError:
-        return
-    if mode & 0o077:
-        log.warning(
-            "Ray's token file %s is readable by other users (mode %o): chmod 600 %s",
-            path,
-            mode & 0o777,
-            path,
-        )
+    with suppress(OSError):  # no token file: nothing to say
+        if (mode := path.stat().st_mode) & 0o077:
+            log.warning("Ray's token file %s is readable by other users (mode %o): chmod 600 %s",
+                        path, mode & 0o777, path)
 
 
 def _resolve_address(address: str) -> str:
@@ -495,13 +356,11 @@ def _resolve_address(address: str) -> str:
     from ray._private import services
 
     try:
-        found = services.get_ray_address_from_environment("auto", None)
+        return services.get_ray_address_from_environment("auto", None)
     except ConnectionError as exc:
         raise ClusterError(
             "cluster.address=auto found no running Ray on this machine: set RAY_ADDRESS, "
-            "give cluster.address=host:port, or start one with `ray start --head`"
-        ) from exc
-    return found
+            "give cluster.address=host:port, or start one with `ray start --head`") from exc
 
 
 def _host_port(address: str) -> tuple[str, int | None]:
@@ -514,10 +373,6 @@ def _host_port(address: str) -> tuple[str, int | None]:
     return host, int(port) if port.isdigit() else None
 
 
-def _host(address: str) -> str:
-    return _host_port(address)[0]
-
-
 def _probe(address: str, timeout_s: float) -> None:
     """A plain TCP connect to ``address`` so a wrong address fails in seconds, not minutes
     (``ray.init`` retries an unreachable GCS for a long time)."""
@@ -525,58 +380,31 @@ def _probe(address: str, timeout_s: float) -> None:
     if port is None:
         return
     try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            pass
+        socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as exc:
         raise ClusterError(f"nothing answers at {host}:{port} ({exc})") from exc
 
 
 class RayCluster:
-    """A Ray this process started (``owns``) or joined, and the checks made on it.
+    """A Ray this process started (``owns``: :meth:`shutdown` stops it) or joined. Use
+    :meth:`start`; as a context manager it shuts down on exit. ``address``: the GCS
+    ``host:port`` or the ``ray://`` address joined; ``connected_here``: :meth:`start` called
+    ``ray.init``; ``temp_dir``: Ray's temp dir for a local start, else ``None``;
+    ``startup_s``: seconds ``ray.init`` took (0 when a connection was reused)."""
 
-    Use :meth:`start`; as a context manager it shuts down on exit.
-    """
-
-    def __init__(
-        self,
-        *,
-        address: str,
-        owns: bool,
-        thread: _RayThread | None,
-        temp_dir: Path | None,
-        startup_s: float,
-    ) -> None:
-        self.address = address
-        """The GCS address (``host:port``) or the ``ray://`` address joined."""
-        self.owns = owns
-        """True when this process started Ray: :meth:`shutdown` stops it."""
-        self.connected_here = thread is not None
-        """True when :meth:`start` called ``ray.init`` (local start or connect)."""
-        self.temp_dir = temp_dir
-        """Ray's temp dir (sessions, logs, sockets) for a local start; else ``None``."""
-        self.startup_s = startup_s
-        """Seconds ``ray.init`` took (0 when an existing connection was reused)."""
-        self._thread = thread
-        self._closed = False
+    def __init__(self, *, address: str, owns: bool, thread: _RayThread | None,
+                 temp_dir: Path | None, startup_s: float) -> None:
+        self.address, self.owns, self.temp_dir, self.startup_s = address, owns, temp_dir, startup_s
+        self.connected_here, self._thread, self._closed = thread is not None, thread, False
 
     @classmethod
-    def start(
-        cls,
-        cluster_cfg: _HasAddress,
-        run_dir: str | os.PathLike[str],
-        *,
-        need: ResourceNeed | None = None,
-        num_cpus: int | None = None,
-        num_gpus: int | None = None,
-        init_timeout_s: float = 120.0,
-    ) -> RayCluster:
+    def start(cls, cluster_cfg: _HasAddress, run_dir: str | os.PathLike[str], *,
+              need: ResourceNeed | None = None, num_cpus: int | None = None,
+              num_gpus: int | None = None, init_timeout_s: float = 120.0) -> RayCluster:
         """Start a local Ray (``cluster_cfg.address`` is ``None``) or join one, then check it.
-
-        ``num_cpus``/``num_gpus`` size a local Ray (default: what Ray detects) and must be
-        ``None`` when joining. ``need`` (from :func:`need_for`) is checked before returning:
-        a cluster short of it raises :class:`ClusterError` naming what is missing (and a
-        Ray started here is stopped first).
-        """
+        ``num_cpus``/``num_gpus`` size a local Ray (default: what Ray detects); ``None`` when
+        joining. A cluster short of ``need`` (from :func:`need_for`) raises
+        :class:`ClusterError` naming what is missing (a Ray started here is stopped first)."""
         ray = _import_ray()
         address = getattr(cluster_cfg, "address", None)
         if ray.is_initialized():
@@ -587,8 +415,7 @@ class RayCluster:
             if num_cpus is not None or num_gpus is not None:
                 raise ClusterError(
                     f"num_cpus/num_gpus size a local Ray only; cluster.address={address!r} "
-                    "joins an existing cluster (size it where it is started)"
-                )
+                    "joins an existing cluster (size it where it is started)")
             cluster = cls._connect(ray, address, init_timeout_s)
         if need is not None:
             try:
@@ -605,37 +432,21 @@ class RayCluster:
             raise ClusterError(
                 f"this process is already connected to Ray at {current}, not "
                 f"cluster.address={address!r}: call ray.shutdown() first or set "
-                f"cluster.address to {current!r}"
-            )
+                f"cluster.address to {current!r}")
         log.info("using the Ray this process is already connected to (%s)", current)
         return cls(address=current, owns=False, thread=None, temp_dir=None, startup_s=0)
 
     @classmethod
-    def _start_local(
-        cls,
-        ray: Any,
-        run_dir: str | os.PathLike[str],
-        num_cpus: int | None,
-        num_gpus: int | None,
-        timeout_s: float,
-    ) -> RayCluster:
+    def _start_local(cls, ray: Any, run_dir: str | os.PathLike[str], num_cpus: int | None,
+                     num_gpus: int | None, timeout_s: float) -> RayCluster:
         temp_dir, link = ray_temp_dir(run_dir)
         if link is not None:
-            log.info(
-                "Ray temp dir %s (linked from %s: the run dir path is too long)", temp_dir, link
-            )
+            log.info("Ray temp dir %s (linked from %s: run dir path too long)", temp_dir, link)
         if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
-            log.warning(
-                "RAY_AUTH_MODE=disabled: Ray runs without token authentication; any local "
-                "user who finds its ports can run code in it"
-            )
-        kwargs: dict[str, Any] = dict(
-            _node_ip_address=LOOPBACK,
-            include_dashboard=False,
-            _temp_dir=str(temp_dir),
-            num_cpus=num_cpus,
-            num_gpus=num_gpus,
-        )
+            log.warning("RAY_AUTH_MODE=disabled: Ray runs without token authentication; any "
+                        "local user who finds its ports can run code in it")
+        kwargs: dict[str, Any] = dict(_node_ip_address=LOOPBACK, include_dashboard=False,
+                                      _temp_dir=str(temp_dir), num_cpus=num_cpus, num_gpus=num_gpus)
         t0 = time.monotonic()
         thread = _RayThread(ray, kwargs, "starting a local Ray")
         with _ray_keeps_loopback(True):
@@ -644,29 +455,23 @@ class RayCluster:
         address = ray.get_runtime_context().gcs_address
         cluster = cls(address=address, owns=True, thread=thread, temp_dir=temp_dir, startup_s=took)
         ips = sorted({n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")})
-        if _host(address) != LOOPBACK or ips != [LOOPBACK]:
+        if _host_port(address)[0] != LOOPBACK or ips != [LOOPBACK]:
             cluster.shutdown()
             raise ClusterError(
                 f"the local Ray did not bind {LOOPBACK} (GCS {address}, nodes {ips}); "
                 "this Ray version resolves loopback differently: run it in a loopback-only "
-                "network namespace (docs/architecture.md, 'Ray on a shared host')"
-            )
+                "network namespace (docs/architecture.md, 'Ray on a shared host')")
         _warn_if_token_readable_by_others()
-        res = ray.cluster_resources()
-        log.info(
-            "started a local Ray at %s in %.1f s (%s; temp dir %s)",
-            address,
-            took,
-            _fmt({k: v for k, v in res.items() if k in ("CPU", "GPU")}),
-            temp_dir,
-        )
+        res = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+        log.info("started a local Ray at %s in %.1f s (%s; temp dir %s)", address, took,
+                 _fmt(res), temp_dir)
         return cluster
 
     @classmethod
     def _connect(cls, ray: Any, address: str, timeout_s: float) -> RayCluster:
         resolved = _resolve_address(address)
         client = resolved.startswith("ray://")
-        loopback = not client and _host(resolved) in _LOOPBACK_HOSTS
+        loopback = not client and _host_port(resolved)[0] in _LOOPBACK_HOSTS
         kwargs: dict[str, Any] = {"address": resolved}
         if loopback:  # a Ray bound to loopback: this driver must register as 127.0.0.1 too
             kwargs["_node_ip_address"] = LOOPBACK
@@ -681,39 +486,26 @@ class RayCluster:
                 f"could not join the Ray cluster at cluster.address={address!r} ({resolved}): "
                 f"{exc}. Check it is up (`ray status --address {resolved}`); with token "
                 "authentication set RAY_AUTH_MODE=token and the cluster's token "
-                "(~/.ray/auth_token or RAY_AUTH_TOKEN)"
-            ) from (exc.__cause__ or exc)
+                "(~/.ray/auth_token or RAY_AUTH_TOKEN)") from (exc.__cause__ or exc)
         took = time.monotonic() - t0
         gcs = resolved if client else ray.get_runtime_context().gcs_address
         log.info("joined the Ray cluster at %s in %.1f s", gcs, took)
         return cls(address=gcs, owns=False, thread=thread, temp_dir=None, startup_s=took)
 
-    # ------------------------------------------------------------ checks
-
-    def resources(self) -> dict[str, float]:
-        """The cluster's total resources (``ray.cluster_resources()``)."""
-        return dict(_import_ray().cluster_resources())
-
     def check_resources(self, need: ResourceNeed) -> None:
-        """Fail with :class:`ClusterError` unless the cluster can hold ``need``.
-
-        Checks the totals (CPU, GPU, ... the config asks for against the whole cluster) and
-        that every bundle shape fits on at least one node. Resources other jobs hold now are
-        not subtracted: :func:`place_planes` waits for them, within its bound.
-        """
+        """Fail with :class:`ClusterError` unless the cluster's totals hold ``need`` and every
+        bundle shape fits one node. What other jobs hold now is not subtracted:
+        :func:`place_planes` waits for it, within its bound."""
         ray = _import_ray()
         nodes = [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
         _check_fits(need, ray.cluster_resources(), nodes)
         log.info("Ray has what the config asks for: %s", need.describe())
 
-    # ------------------------------------------------------------ teardown
-
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop Ray if this process started it; disconnect if it joined; else do nothing."""
-        if self._closed or self._thread is None:
-            self._closed = True
+        closed, self._closed = self._closed, True
+        if closed or self._thread is None:
             return
-        self._closed = True
         t0 = time.monotonic()
         verb = "stopped the local Ray" if self.owns else "disconnected from Ray"
         if self._thread.stop(timeout_s):
@@ -724,25 +516,16 @@ class RayCluster:
     def __enter__(self) -> RayCluster:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
     def __repr__(self) -> str:
         return f"RayCluster(address={self.address!r}, owns={self.owns})"
 
 
-# ---------------------------------------------------------------- placement
-
-
 @dataclass(frozen=True)
 class Slot:
     """Where one trainer rank or engine runs: its bundle, node, and what it asks Ray for."""
-
     plane: Literal["trainer", "rollout"]
     index: int
     group: PlacementGroup = field(repr=False)
@@ -758,22 +541,17 @@ class Slot:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         return PlacementGroupSchedulingStrategy(
-            placement_group=self.group, placement_group_bundle_index=self.bundle_index
-        )
+            placement_group=self.group, placement_group_bundle_index=self.bundle_index)
 
     def actor_options(self) -> dict[str, Any]:
         """Keyword arguments for ``ActorClass.options(...)`` that put the actor here."""
-        return {
-            "num_cpus": self.num_cpus,
-            "num_gpus": self.num_gpus,
-            "scheduling_strategy": self.scheduling_strategy,
-        }
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
+                "scheduling_strategy": self.scheduling_strategy}
 
 
 @dataclass
 class PlanePlacement:
     """Placement groups holding the planes' devices; :meth:`remove` releases them."""
-
     placement: Placement
     groups: tuple[PlacementGroup, ...] = field(repr=False)
     trainer: tuple[Slot, ...]
@@ -781,8 +559,7 @@ class PlanePlacement:
 
     def remove(self) -> None:
         """Release the reservations (actors placed in them are killed by Ray)."""
-        ray = _import_ray()
-        if not ray.is_initialized():
+        if not _import_ray().is_initialized():
             return
         from ray.util import remove_placement_group
 
@@ -794,52 +571,33 @@ class PlanePlacement:
 
     def describe(self) -> list[str]:
         """One line per actor: plane, index, bundle, node."""
-        return [
-            f"{s.plane} {s.index}: bundle {s.bundle_index} on {s.node_ip} "
-            f"(node {s.node_id[:8]}; CPU {s.num_cpus:g}, GPU {s.num_gpus:g})"
-            for s in (*self.trainer, *self.engines)
-        ]
+        return [f"{s.plane} {s.index}: bundle {s.bundle_index} on {s.node_ip} "
+                f"(node {s.node_id[:8]}; CPU {s.num_cpus:g}, GPU {s.num_gpus:g})"
+                for s in (*self.trainer, *self.engines)]
 
     def __enter__(self) -> PlanePlacement:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.remove()
 
 
-def place_planes(
-    resources: PlaneResources,
-    placement: str,
-    *,
-    timeout_s: float = 120.0,
-    strategy: str = "PACK",
-    name: str = "grpoflow",
-) -> PlanePlacement:
-    """Reserve the planes' devices with placement groups and say where each actor goes.
-
-    Needs a connected Ray (:meth:`RayCluster.start`). ``strategy`` is the placement-group
-    strategy (``PACK``: as few nodes as possible; ``SPREAD``/``STRICT_SPREAD``/``STRICT_PACK``
-    as in Ray). Waits at most ``timeout_s`` for all groups; on timeout removes them and raises
-    :class:`ClusterError` naming the missing resources and the placement. A colocated
-    multi-device actor whose devices landed on different nodes is an error too.
-    """
+def place_planes(resources: PlaneResources, placement: str, *, timeout_s: float = 120.0,
+                 strategy: str = "PACK", name: str = "grpoflow") -> PlanePlacement:
+    """Reserve the planes' devices with placement groups and say where each actor goes. Needs a
+    connected Ray. ``strategy``: Ray's placement-group strategy (``PACK``: fewest nodes). Waits
+    at most ``timeout_s`` for all groups; on timeout removes them and raises
+    :class:`ClusterError` naming what is missing. A colocated multi-device actor whose devices
+    landed on different nodes is an error too."""
     ray = _import_ray()
     if not ray.is_initialized():
         raise ClusterError("place_planes needs a connected Ray: call RayCluster.start first")
     from ray.util.placement_group import placement_group, placement_group_table
 
-    plan = plan_bundles(resources, placement)
-    need = need_for(resources, placement)
+    plan, need = plan_bundles(resources, placement), need_for(resources, placement)
     before = dict(ray.available_resources())
-    groups = tuple(
-        placement_group(list(bundles), strategy=strategy, name=f"{name}-{group_name}")
-        for group_name, bundles in zip(plan.group_names, plan.groups, strict=True)
-    )
+    groups = tuple(placement_group(list(bundles), strategy=strategy, name=f"{name}-{group}")
+                   for group, bundles in zip(plan.group_names, plan.groups, strict=True))
     try:
         # pg.wait() takes whole seconds; ray.wait on the ready refs honours a float bound
         refs = [pg.ready() for pg in groups]
@@ -857,17 +615,13 @@ def place_planes(
                 raise ClusterError(
                     f"{plane} {index} needs devices {devices[0]}-{devices[-1]} on one node but "
                     f"Ray placed them on {len(node_ids)} nodes; make the GPUs per node a "
-                    "multiple of cluster.gpus_per_engine / cluster.gpus_per_trainer"
-                )
+                    "multiple of cluster.gpus_per_engine / cluster.gpus_per_trainer")
             node = tables[g][b]
             return Slot(plane, index, groups[g], b, devices, node, ips.get(node, ""), cpus, gpus)
 
-        placed = PlanePlacement(
-            placement=plan.placement,
-            groups=groups,
-            trainer=tuple(slot("trainer", i, s) for i, s in enumerate(plan.trainer)),
-            engines=tuple(slot("rollout", j, s) for j, s in enumerate(plan.engines)),
-        )
+        placed = PlanePlacement(plan.placement, groups,
+                                tuple(slot("trainer", i, s) for i, s in enumerate(plan.trainer)),
+                                tuple(slot("rollout", j, s) for j, s in enumerate(plan.engines)))
     except BaseException:
         PlanePlacement(plan.placement, groups, (), ()).remove()
         raise
@@ -876,21 +630,15 @@ def place_planes(
     return placed
 
 
-def _placement_timeout_message(
-    ray: Any, need: ResourceNeed, before: Mapping[str, float], group: str, timeout_s: float
-) -> str:
+def _placement_timeout_message(ray: Any, need: ResourceNeed, before: Mapping[str, float],
+                               group: str, timeout_s: float) -> str:
     """What is missing, against what was available when the placement began."""
     available = {k: v for k, v in before.items() if k in need.totals}
     total = {k: v for k, v in ray.cluster_resources().items() if k in need.totals}
     short = {k: v - available.get(k, 0.0) for k, v in _missing(need.totals, available).items()}
-    lacking = (
-        "missing " + ", ".join(f"{k} {v:g}" for k, v in sorted(short.items()))
-        if short
-        else "enough in total but not in the bundle shapes the nodes can hold"
-    )
-    return (
-        f"placement {need.placement!r} could not reserve its '{group}' group within "
-        f"{timeout_s:g} s: it needs {need.describe()}; when it began the cluster had "
-        f"{_fmt(available)} available of {_fmt(total)} ({lacking}). Free them (other jobs' "
-        f"actors or placement groups), add nodes, or ask for less: {_FIELDS_HINT}."
-    )
+    lacking = ("missing " + ", ".join(f"{k} {v:g}" for k, v in sorted(short.items())) if short
+               else "enough in total but not in the bundle shapes the nodes can hold")
+    return (f"placement {need.placement!r} could not reserve its '{group}' group within "
+            f"{timeout_s:g} s: it needs {need.describe()}; when it began the cluster had "
+            f"{_fmt(available)} available of {_fmt(total)} ({lacking}). Free them (other jobs' "
+            f"actors or placement groups), add nodes, or ask for less: {_FIELDS_HINT}.")

@@ -12,20 +12,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["DEFAULT_SYSTEM_PROMPT", "PLAIN_TEMPLATE", "encode_prompts", "render_prompt"]
+from rl_core.config import ConfigError, DataConfig
 
-DEFAULT_SYSTEM_PROMPT: str | None = None
-PLAIN_TEMPLATE = "Question: {question}\nAnswer:"
+__all__ = ["PLAIN_TEMPLATE", "encode_prompts", "render_prompt"]
+
+PLAIN_TEMPLATE: str = DataConfig.model_fields["plain_template"].default  # one default
 
 
-def render_prompt(
-    tokenizer: Any,
-    question: str,
-    *,
-    system_prompt: str | None = None,
-    use_chat_template: bool | None = None,
-    plain_template: str = PLAIN_TEMPLATE,
-) -> str:
+def render_prompt(tokenizer: Any, question: str, *, system_prompt: str | None = None,
+                  use_chat_template: bool | None = None,
+                  plain_template: str = PLAIN_TEMPLATE) -> str:
     """Prompt text for one question.
 
     With ``use_chat_template`` None (auto) or True and a tokenizer that has a ``chat_template``:
@@ -34,36 +30,33 @@ def render_prompt(
     other formatting, so braces elsewhere are kept); a ``system_prompt`` is then put before it,
     followed by a blank line.
 
-    Raises ValueError when ``use_chat_template`` is True but the tokenizer has no chat template,
-    or when ``plain_template`` lacks ``{question}``.
+    Raises :class:`~rl_core.config.ConfigError` (a ValueError) when ``use_chat_template`` is
+    True but the tokenizer has no chat template, or when ``plain_template`` lacks ``{question}``.
     """
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if use_chat_template and not has_template:
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-        raise ValueError(
+        raise ConfigError(
             f"data.use_chat_template is true but the tokenizer {name!r} has no chat template; "
-            "set data.use_chat_template to false (plain template) or null (auto), or use a "
-            "tokenizer that ships a chat template"
-        )
+            "set data.use_chat_template to false or null (auto) to use data.plain_template, or "
+            "use a tokenizer that ships a chat template")
     if has_template and use_chat_template is not False:
-        messages = []
-        if system_prompt is not None:
-            messages.append({"role": "system", "content": system_prompt})
-        messages.append({"role": "user", "content": question})
+        system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        messages = [*system, {"role": "user", "content": question}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if not isinstance(text, str):  # defensive: some versions wrap the result
             raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
         return text
     if "{question}" not in plain_template:
-        raise ValueError(f"data.plain_template must contain '{{question}}', got {plain_template!r}")
+        raise ConfigError(
+            f"data.plain_template must contain '{{question}}', got {plain_template!r}")
     text = plain_template.replace("{question}", question)
     return f"{system_prompt}\n\n{text}" if system_prompt is not None else text
 
 
 def encode_prompts(tokenizer: Any, questions: Iterable[str], **kw: Any) -> list[list[int]]:
     """Render each question with :func:`render_prompt` (``kw`` passed through) and tokenize it
-    with ``add_special_tokens=False``: only what the template writes (e.g. a BOS) is included.
-    """
+    with ``add_special_tokens=False``: only what the template writes (e.g. a BOS) is included."""
     texts = [render_prompt(tokenizer, q, **kw) for q in questions]
     if not texts:
         return []

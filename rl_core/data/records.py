@@ -18,15 +18,8 @@ from dataclasses import dataclass
 
 from rl_core.rewards.math import parse_number
 
-__all__ = [
-    "BadRow",
-    "DataValidationError",
-    "Record",
-    "extract_final_answer",
-    "records_digest",
-    "validate_numbered_rows",
-    "validate_records",
-]
+__all__ = ["BadRow", "DataValidationError", "Record", "extract_final_answer", "records_digest",
+           "validate_numbered_rows", "validate_records"]
 
 ANSWER_MARKER = "####"
 MAX_LISTED_PROBLEMS = 10
@@ -60,15 +53,12 @@ class BadRow:
 
 
 class DataValidationError(ValueError):
-    """A data source has too many bad rows, or none good; ``problems`` is [(row number, reason)].
-
-    Row numbers are 1-based data rows (for JSONL files: the line number).
-    """
+    """A data source has too many bad rows, or none good; ``problems`` is [(row number, reason)],
+    numbers 1-based (for JSONL files: the line number)."""
 
     def __init__(self, source: str, problems: list[tuple[int, str]], message: str) -> None:
         super().__init__(message)
-        self.source = source
-        self.problems = problems
+        self.source, self.problems = source, problems
 
     def __reduce__(self):  # keep the exception picklable across process boundaries
         return (type(self), (self.source, self.problems, str(self)))
@@ -86,11 +76,7 @@ def _content_id(question: str, answer: str) -> str:
 
 
 def _check_row(
-    row: object,
-    *,
-    question_field: str,
-    answer_field: str,
-    id_field: str | None,
+    row: object, *, question_field: str, answer_field: str, id_field: str | None
 ) -> tuple[Record | None, bool, list[str]]:
     """(record or None, whether its id was generated, reasons it is bad)."""
     if isinstance(row, BadRow):
@@ -103,10 +89,8 @@ def _check_row(
     for name, arg in ((question_field, "question_field"), (answer_field, "answer_field")):
         if name not in row:
             present = ", ".join(sorted(map(str, row.keys()))[:8]) or "none"
-            reasons.append(
-                f"missing field {name!r} (row has: {present}); "
-                f"if the column is named differently pass {arg}=<name>"
-            )
+            reasons.append(f"missing field {name!r} (row has: {present}); "
+                           f"if the column is named differently pass {arg}=<name>")
             continue
         value = row[name]
         if value is None:  # a null cell (Parquet, datasets) or a JSON null
@@ -118,53 +102,35 @@ def _check_row(
         else:
             texts[name] = value
 
-    if answer_field in texts and parse_number(extract_final_answer(texts[answer_field])) is None:
+    if answer_field in texts:
         final = extract_final_answer(texts[answer_field])
-        shown = final if len(final) <= 40 else final[:37] + "..."
-        reasons.append(
-            f"field {answer_field!r} has no parsable final number: expected a last line "
-            f"'{ANSWER_MARKER} <number>' or a bare number, got {shown!r}"
-        )
-
-    record_id: str | None = None
-    generated = False
+        if parse_number(final) is None:
+            shown = final if len(final) <= 40 else final[:37] + "..."
+            reasons.append(f"field {answer_field!r} has no parsable final number: expected a "
+                           f"last line '{ANSWER_MARKER} <number>' or a bare number, got {shown!r}")
     raw_id = row.get(id_field) if id_field is not None else None
-    if raw_id is None:
-        generated = True
-    elif isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)):
+    if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, (str, int))):
         reasons.append(
             f"field {id_field!r} must be a string or integer, got {type(raw_id).__name__}; "
-            "pass id_field=None to use content-hash ids"
-        )
-    elif not str(raw_id).strip():
+            "pass id_field=None to use content-hash ids")
+    elif raw_id is not None and not str(raw_id).strip():
         reasons.append(f"field {id_field!r} is empty; pass id_field=None to use content-hash ids")
-    else:
-        record_id = str(raw_id)
-
     if reasons:
         return None, False, reasons
     question, answer = texts[question_field], texts[answer_field]
-    if generated:
-        record_id = _content_id(question, answer)
-    assert record_id is not None
-    return Record(id=record_id, question=question, answer=answer), generated, []
+    record_id = _content_id(question, answer) if raw_id is None else str(raw_id)
+    return Record(id=record_id, question=question, answer=answer), raw_id is None, []
 
 
 def validate_numbered_rows(
-    rows: Iterable[tuple[int, Mapping | BadRow]],
-    source: str,
-    *,
-    question_field: str = "question",
-    answer_field: str = "answer",
-    id_field: str | None = "id",
-    max_bad_fraction: float = 0.0,
-    row_label: str = "row",
-    note: str | None = None,
+    rows: Iterable[tuple[int, Mapping | BadRow]], source: str, *, question_field: str = "question",
+    answer_field: str = "answer", id_field: str | None = "id", max_bad_fraction: float = 0.0,
+    row_label: str = "row", note: str | None = None,
 ) -> tuple[list[Record], list[tuple[int, str]]]:
     """Like :func:`validate_records` for rows that carry their own numbers (e.g. JSONL lines).
 
-    A :class:`BadRow` item counts as a bad row with its reason. ``row_label`` ("row", "line")
-    names the unit in messages; ``note`` is appended to an error message (e.g. which file a
+    A :class:`BadRow` counts as a bad row with its reason. ``row_label`` ("row", "line") names
+    the unit in messages; ``note`` is appended to an error message (e.g. which file a
     row-number range came from).
     """
     if not 0.0 <= max_bad_fraction <= 1.0:
@@ -176,14 +142,12 @@ def validate_numbered_rows(
     for number, row in rows:
         total += 1
         record, generated, reasons = _check_row(
-            row, question_field=question_field, answer_field=answer_field, id_field=id_field
-        )
+            row, question_field=question_field, answer_field=answer_field, id_field=id_field)
         if record is not None and record.id in seen:
             first = seen[record.id]
-            if generated:
-                reasons = [f"duplicate row: same question and answer as {row_label} {first}"]
-            else:
-                reasons = [f"duplicate id {record.id!r} (first seen at {row_label} {first})"]
+            reasons = [f"duplicate row: same question and answer as {row_label} {first}"
+                       if generated else
+                       f"duplicate id {record.id!r} (first seen at {row_label} {first})"]
             record = None
         if record is None:
             problems.append((number, "; ".join(reasons)))
@@ -199,24 +163,18 @@ def validate_numbered_rows(
             detail = f"all {total} rows are invalid:\n{_format_problems(problems, row_label)}"
         raise DataValidationError(source, problems, f"{source}: empty dataset: {detail}{suffix}")
     if problems and len(problems) / total > max_bad_fraction:
-        message = (
+        raise DataValidationError(source, problems, (
             f"{source}: {len(problems)} of {total} rows are invalid "
             f"({len(problems) / total:.1%}, above max_bad_fraction={max_bad_fraction}):\n"
             f"{_format_problems(problems, row_label)}\n"
             "Fix these rows, or raise max_bad_fraction to skip up to that fraction of bad rows."
-            f"{suffix}"
-        )
-        raise DataValidationError(source, problems, message)
+            f"{suffix}"))
     return good, problems
 
 
 def validate_records(
-    rows: Iterable[Mapping],
-    source: str,
-    question_field: str = "question",
-    answer_field: str = "answer",
-    id_field: str | None = "id",
-    max_bad_fraction: float = 0.0,
+    rows: Iterable[Mapping], source: str, question_field: str = "question",
+    answer_field: str = "answer", id_field: str | None = "id", max_bad_fraction: float = 0.0,
 ) -> tuple[list[Record], list[tuple[int, str]]]:
     """Build records from raw rows; return (good records, [(1-based row number, reason)]).
 
@@ -230,13 +188,8 @@ def validate_records(
     no row is good ("empty dataset").
     """
     return validate_numbered_rows(
-        enumerate(rows, start=1),
-        source,
-        question_field=question_field,
-        answer_field=answer_field,
-        id_field=id_field,
-        max_bad_fraction=max_bad_fraction,
-    )
+        enumerate(rows, start=1), source, question_field=question_field,
+        answer_field=answer_field, id_field=id_field, max_bad_fraction=max_bad_fraction)
 
 
 def records_digest(records: Sequence[Record]) -> str:
@@ -244,6 +197,5 @@ def records_digest(records: Sequence[Record]) -> str:
     digest = hashlib.sha256(b"grpoflow.records.v1\n")
     for r in records:
         line = json.dumps([r.id, r.question, r.answer], ensure_ascii=False, separators=(",", ":"))
-        digest.update(line.encode("utf-8"))
-        digest.update(b"\n")
+        digest.update(line.encode("utf-8") + b"\n")
     return digest.hexdigest()

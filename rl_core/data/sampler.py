@@ -31,24 +31,20 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 class PromptSampler:
     """Batches of dataset indices; each epoch is a seeded permutation of ``range(num_items)``.
 
-    ``next_batch`` continues across epoch boundaries: a batch may take the rest of one epoch
-    and the start of the next (a ``batch_size`` above ``num_items`` spans several epochs).
-    When an epoch is used up the state moves to ``(epoch + 1, 0)`` at once, so a checkpoint
-    taken there resumes at the start of the next epoch.
-
-    Whether the dataset behind the indices is unchanged across a resume is the caller's check
-    (e.g. compare ``records_digest``); ``num_items`` is not part of the state.
+    ``next_batch`` continues across epoch boundaries (a batch may take the rest of one epoch and
+    the start of the next). A used-up epoch moves the state to ``(epoch + 1, 0)`` at once, so a
+    checkpoint taken there resumes at the start of the next epoch. Whether the dataset behind
+    the indices is unchanged across a resume is the caller's check (e.g. ``records_digest``);
+    ``num_items`` is not part of the state.
     """
 
     def __init__(self, num_items: int, batch_size: int, seed: int) -> None:
         self._num_items = _check_int("num_items", num_items, 1)
         self._batch_size = _check_int("batch_size", batch_size, 1)
         self._seed = _check_int("seed", seed, 0)
-        self._epoch = 0
-        self._position = 0
+        self._epoch = self._position = 0
         self._cache: tuple[int, np.ndarray] | None = None
 
-    # ------------------------------------------------------------------ read-only views
     @property
     def num_items(self) -> int:
         return self._num_items
@@ -84,7 +80,6 @@ class PromptSampler:
             self._cache = (epoch, order)
         return self._cache[1]
 
-    # ------------------------------------------------------------------ sampling
     def next_batch(self) -> list[int]:
         """The next ``batch_size`` indices, continuing across epoch boundaries."""
         batch: list[int] = []
@@ -98,41 +93,30 @@ class PromptSampler:
                 self._position = 0
         return batch
 
-    # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, int]:
         """``{"seed", "epoch", "position"}``: everything needed to continue the sequence."""
         return {"seed": self._seed, "epoch": self._epoch, "position": self._position}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict`. The saved seed wins over the constructor's seed.
-
-        ``position`` must be within [0, num_items]; ``num_items`` itself is normalised to the
-        start of the next epoch. Raises ValueError on missing keys or bad values, leaving the
-        sampler unchanged.
-        """
+        """Restore a :meth:`state_dict` (the saved seed wins over the constructor's). ``position``
+        must be within [0, num_items]; ``num_items`` means the start of the next epoch. Raises
+        ValueError on missing keys or bad values, leaving the sampler unchanged."""
         missing = [k for k in _STATE_KEYS if k not in state]
         extra = sorted(set(state) - set(_STATE_KEYS))
         if missing or extra:
-            raise ValueError(
-                f"sampler state must have exactly the keys {list(_STATE_KEYS)}; "
-                f"missing {missing}, unexpected {extra}"
-            )
-        seed = _check_int("sampler state seed", state["seed"], 0)
-        epoch = _check_int("sampler state epoch", state["epoch"], 0)
-        position = _check_int("sampler state position", state["position"], 0)
+            raise ValueError(f"sampler state must have exactly the keys {list(_STATE_KEYS)}; "
+                             f"missing {missing}, unexpected {extra}")
+        seed, epoch, position = (_check_int(f"sampler state {k}", state[k], 0) for k in _STATE_KEYS)
         if position > self._num_items:
             raise ValueError(
                 f"sampler state position {position} is beyond num_items={self._num_items}; "
                 "the checkpoint was taken on a larger dataset: load the same data (compare "
-                "records digests) or start the sampler fresh"
-            )
+                "records digests) or start the sampler fresh")
         if position == self._num_items:
             epoch, position = epoch + 1, 0
         self._seed, self._epoch, self._position = seed, epoch, position
         self._cache = None
 
     def __repr__(self) -> str:
-        return (
-            f"PromptSampler(num_items={self._num_items}, batch_size={self._batch_size}, "
-            f"seed={self._seed}, epoch={self._epoch}, position={self._position})"
-        )
+        return (f"PromptSampler(num_items={self._num_items}, batch_size={self._batch_size}, "
+                f"seed={self._seed}, epoch={self._epoch}, position={self._position})")

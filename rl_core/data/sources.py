@@ -1,29 +1,26 @@
 """Load GSM8K-format records from wherever they live, and write/read our own Parquet snapshots.
 
-:func:`load_records` accepts a JSONL (or JSON) file, a Parquet file, a local directory (a
-``datasets.save_to_disk`` folder, or a folder of ``{split}.jsonl`` / ``{split}.parquet`` /
-``{split}-*.parquet`` files), or a Hugging Face hub dataset name. URI schemes dispatch through
-``_SCHEME_READERS``. ``s3://bucket/train.jsonl`` (or ``.parquet``) and ``s3://bucket/prefix``
-(laid out like a local directory) go through :mod:`rl_core.storage`: the object or the prefix's
-data files are downloaded once into ``<cache_dir>/s3-data/``, keyed by their ETags and sizes, and
-read with the local readers.
+:func:`load_records` reads a JSONL (or JSON) file, a Parquet file, a local directory (a
+``datasets.save_to_disk`` folder, or one with ``{split}.jsonl`` / ``{split}.parquet`` /
+``{split}-*.parquet`` files) or a Hugging Face hub dataset name. URI schemes dispatch through
+``_SCHEME_READERS``: ``s3://bucket/train.jsonl`` (or ``.parquet``) and ``s3://bucket/prefix``
+(laid out like a directory) are downloaded once (:mod:`rl_core.storage`) into
+``<cache_dir>/s3-data/``, keyed by ETags and sizes, and read with the local readers.
 
-This module must never import prefect or mlflow, never download anything on its own (only an
-explicit hub dataset name reaches ``datasets.load_dataset``, only an explicit ``s3://`` URI
-reaches S3), and never crash on a bad row: bad rows are reported by number through
-:class:`~rl_core.data.records.DataValidationError`.
+Never imports prefect or mlflow; never downloads on its own (only an explicit hub dataset name
+reaches ``datasets.load_dataset``, only an explicit ``s3://`` URI reaches S3); never crashes
+on a bad row: bad rows are reported by number (:class:`~rl_core.data.records.DataValidationError`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -31,13 +28,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rl_core import storage
-from rl_core.data.records import (
-    BadRow,
-    DataValidationError,
-    Record,
-    records_digest,
-    validate_numbered_rows,
-)
+from rl_core.data import records as _records
+from rl_core.data.records import BadRow, DataValidationError, Record, validate_numbered_rows
+from rl_core.secrets import redact
 
 __all__ = ["load_records", "read_parquet", "write_parquet"]
 
@@ -71,18 +64,12 @@ class _Request:
     cache_dir: Path | None = None  # where remote sources are downloaded
 
 
-# --------------------------------------------------------------------------- scheme dispatch
-
-
 _S3_DATA_FILES = (*_JSON_SUFFIXES, ".parquet", ".arrow")
 
 
 def _read_s3(uri: str, request: _Request) -> RowSource:
-    """An object (``.jsonl``/``.json``/``.parquet``) or a prefix, read through a local copy.
-
-    The copy lives in ``<cache_dir>/s3-data/<digest of the URI, ETags and sizes>/``, so a
-    changed object is downloaded again and an unchanged one is not.
-    """
+    """An object (``.jsonl``/``.json``/``.parquet``) or a prefix, read through a local copy in
+    ``<cache_dir>/s3-data/<digest of URI, ETags, sizes>/`` (only changed objects download again)."""
     cache = (request.cache_dir or storage.default_cache_dir()) / "s3-data"
     try:
         try:
@@ -92,38 +79,32 @@ def _read_s3(uri: str, request: _Request) -> RowSource:
         if obj is not None:
             suffix = Path(obj.name).suffix.lower()
             if suffix not in _S3_DATA_FILES:
-                raise ValueError(
-                    f"{uri}: unsupported file type {suffix or '(no suffix)'!r}; "
-                    "use .jsonl (one JSON object per line) or .parquet"
-                )
+                raise _unsupported(uri, suffix)
             local = cache / _cache_key(uri, [(obj.name, obj.size, obj.etag)]) / obj.name
             if not (local.is_file() and local.stat().st_size == obj.size):
                 storage.download_file(uri, local)
-            return dataclasses.replace(_read_file(local, request), name=uri)
-        listing = [f for f in storage.list_files(uri) if _is_data_file(f.name)]
-        if not listing:
+            return replace(_read_file(local, request), name=uri)
+        if not (listing := [f for f in storage.list_files(uri) if _is_data_file(f.name)]):
             raise FileNotFoundError(
                 f"data source {uri!r} not found: no such object, and no data files "
-                f"({', '.join(_S3_DATA_FILES)}) under that prefix"
-            )
+                f"({', '.join(_S3_DATA_FILES)}) under that prefix")
         local = cache / _cache_key(uri, [(f.name, f.size, f.etag) for f in listing])
         if not local.is_dir():
             storage.download_dir(uri, local, require_manifest=False, include=_is_data_file)
     except storage.StorageError as exc:
-        raise type(exc)(storage.redact(f"data source {uri}: {exc}")) from None
+        raise type(exc)(redact(f"data source {uri}: {exc}")) from None
     try:
         read = _read_dir(local, request)
     except (FileNotFoundError, ValueError) as exc:
         if type(exc) not in (FileNotFoundError, ValueError):
             raise
         raise type(exc)(str(exc).replace(str(local), uri)) from None  # name the S3 URI
-    return dataclasses.replace(read, name=read.name.replace(str(local), uri))
+    return replace(read, name=read.name.replace(str(local), uri))
 
 
 def _is_data_file(name: str) -> bool:
-    return name.lower().endswith(_S3_DATA_FILES) or PurePosixPath(name).name in (
-        _SAVE_TO_DISK_MARKERS
-    )
+    return (name.lower().endswith(_S3_DATA_FILES)
+            or PurePosixPath(name).name in _SAVE_TO_DISK_MARKERS)
 
 
 def _cache_key(uri: str, files: Sequence[tuple[str, int, str]]) -> str:
@@ -131,42 +112,27 @@ def _cache_key(uri: str, files: Sequence[tuple[str, int, str]]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _read_file_uri(uri: str, request: _Request) -> RowSource:
-    return _read_local_or_hub(uri[len("file://") :], request)
-
-
 # scheme -> reader(source, request). Register a new scheme (gs://, https://) here.
 _SCHEME_READERS: dict[str, Callable[[str, _Request], RowSource]] = {
-    "s3": _read_s3,
-    "file": _read_file_uri,
-}
+    "s3": _read_s3, "file": lambda uri, request: _read_local_or_hub(uri[len("file://"):], request)}
 
 
 def _dispatch(source: str, request: _Request) -> RowSource:
-    match = _SCHEME_RE.match(source)
-    if match is None:
+    if (match := _SCHEME_RE.match(source)) is None:
         return _read_local_or_hub(source, request)
     scheme = match.group(1).lower()
-    reader = _SCHEME_READERS.get(scheme)
-    if reader is None:
+    if (reader := _SCHEME_READERS.get(scheme)) is None:
         known = ", ".join(f"{s}://" for s in sorted(_SCHEME_READERS))
         raise ValueError(
             f"{source}: unsupported URI scheme {scheme}:// (supported: {known}, local paths "
-            "and hub dataset names like openai/gsm8k)"
-        )
+            "and hub dataset names like openai/gsm8k)")
     return reader(source, request)
 
 
-# --------------------------------------------------------------------------- local and hub
-
-
 def _looks_like_path(source: str, path: Path) -> bool:
-    return (
-        source.startswith(("/", ".", "~", "\\"))
-        or path.suffix.lower() in _PATH_SUFFIXES
-        or len(path.parts) > 2  # hub names are at most owner/name
-        or (len(path.parts) == 2 and path.parent.is_dir())
-    )
+    return (source.startswith(("/", ".", "~", "\\")) or path.suffix.lower() in _PATH_SUFFIXES
+            or len(path.parts) > 2  # hub names are at most owner/name
+            or (len(path.parts) == 2 and path.parent.is_dir()))
 
 
 def _read_local_or_hub(source: str, request: _Request) -> RowSource:
@@ -177,9 +143,13 @@ def _read_local_or_hub(source: str, request: _Request) -> RowSource:
         return _read_file(path, request)
     if _looks_like_path(source, path):
         raise FileNotFoundError(
-            f"data source {source!r} not found: no such file or directory ({path.absolute()})"
-        )
+            f"data source {source!r} not found: no such file or directory ({path.absolute()})")
     return _read_hub(source, request)
+
+
+def _unsupported(name: object, suffix: str) -> ValueError:
+    return ValueError(f"{name}: unsupported file type {suffix or '(no suffix)'!r}; "
+                      "use .jsonl (one JSON object per line) or .parquet")
 
 
 def _read_file(path: Path, request: _Request) -> RowSource:
@@ -190,10 +160,7 @@ def _read_file(path: Path, request: _Request) -> RowSource:
         if suffix == ".json" and _first_non_space_byte(path) == b"[":
             return _json_array_source(path)
         return RowSource(name=str(path), rows=_jsonl_rows(path), row_label="line")
-    raise ValueError(
-        f"{path}: unsupported file type {suffix or '(no suffix)'!r}; "
-        "use .jsonl (one JSON object per line) or .parquet"
-    )
+    raise _unsupported(path, suffix)
 
 
 def _read_dir(path: Path, request: _Request) -> RowSource:
@@ -201,25 +168,19 @@ def _read_dir(path: Path, request: _Request) -> RowSource:
         path = path / request.subset
     if any((path / marker).is_file() for marker in _SAVE_TO_DISK_MARKERS):
         return _saved_dataset_source(path, request)
-    split = request.split
-    searched: list[str] = []
+    split, searched = request.split, []
     for folder in (path, path / "data"):
         if not folder.is_dir():
             continue
-        for name in (f"{split}.jsonl", f"{split}.json", f"{split}.parquet"):
-            candidate = folder / name
-            searched.append(str(candidate))
-            if candidate.is_file():
-                return _read_file(candidate, request)
-        shards = sorted(folder.glob(f"{split}-*.parquet"))
-        searched.append(str(folder / f"{split}-*.parquet"))
-        if shards:
-            return _parquet_source(shards, str(folder / f"{split}-*.parquet"), request)
+        for name in (f"{split}.jsonl", f"{split}.json", f"{split}.parquet", f"{split}-*.parquet"):
+            searched.append(str(folder / name))
+            if "*" not in name and (folder / name).is_file():
+                return _read_file(folder / name, request)
+            if "*" in name and (shards := sorted(folder.glob(name))):
+                return _parquet_source(shards, searched[-1], request)
     present = ", ".join(sorted(p.name for p in path.iterdir())[:20]) or "(empty)"
-    raise FileNotFoundError(
-        f"{path}: no data for split {split!r}: looked for {', '.join(searched)}; "
-        f"the directory has: {present}"
-    )
+    raise FileNotFoundError(f"{path}: no data for split {split!r}: looked for "
+                            f"{', '.join(searched)}; the directory has: {present}")
 
 
 def _saved_dataset_source(path: Path, request: _Request) -> RowSource:
@@ -231,25 +192,17 @@ def _saved_dataset_source(path: Path, request: _Request) -> RowSource:
         raise ValueError(
             f"{path}: looks like a datasets.save_to_disk folder but does not load "
             f"({type(exc).__name__}: {_first_line(exc)}); save it again, or export the split "
-            "as .jsonl or .parquet"
-        ) from exc
+            "as .jsonl or .parquet") from exc
     name = str(path)
     if isinstance(loaded, datasets.DatasetDict):
         if request.split not in loaded:
-            raise ValueError(
-                f"{path}: split {request.split!r} not found; available splits: "
-                f"{', '.join(sorted(loaded))} (set the split to one of them)"
-            )
-        loaded = loaded[request.split]
-        name = f"{path} [{request.split}]"
-    else:
-        saved_split = getattr(loaded, "split", None)
-        if saved_split is not None and str(saved_split) != request.split:
-            raise ValueError(
-                f"{path}: this saved dataset holds split {str(saved_split)!r}, "
-                f"not {request.split!r}; set the split to {str(saved_split)!r} or point at "
-                "the right directory"
-            )
+            raise ValueError(f"{path}: split {request.split!r} not found; available splits: "
+                             f"{', '.join(sorted(loaded))} (set the split to one of them)")
+        loaded, name = loaded[request.split], f"{path} [{request.split}]"
+    elif (saved := getattr(loaded, "split", None)) is not None and str(saved) != request.split:
+        raise ValueError(f"{path}: this saved dataset holds split {str(saved)!r}, not "
+                         f"{request.split!r}; set the split to {str(saved)!r} or point at the "
+                         "right directory")
     return RowSource(name=name, rows=_dataset_rows(loaded, name, request))
 
 
@@ -262,11 +215,9 @@ def _read_hub(name: str, request: _Request) -> RowSource:
         exc.add_note(
             f"grpoflow: {name!r} is not a local path, so it was read as a Hugging Face hub "
             f"dataset (subset={request.subset!r}, split={request.split!r}); if you meant a "
-            f"local file, it does not exist at {Path(name).absolute()}"
-        )
+            f"local file, it does not exist at {Path(name).absolute()}")
         raise
-    label = f"{name}" + (f" ({request.subset})" if request.subset else "")
-    label += f" [{request.split}]"
+    label = name + (f" ({request.subset})" if request.subset else "") + f" [{request.split}]"
     return RowSource(name=label, rows=_dataset_rows(loaded, label, request))
 
 
@@ -275,33 +226,24 @@ def _dataset_rows(dataset: Any, name: str, request: _Request) -> Iterator[tuple[
     column_names = getattr(dataset, "column_names", None)
     if isinstance(column_names, list):
         _check_columns(name, column_names, request)
-        keep = [c for c in request.columns if c in column_names]
-        dataset = dataset.select_columns(keep)
+        dataset = dataset.select_columns([c for c in request.columns if c in column_names])
     return enumerate(dataset, start=1)
 
 
 def _check_columns(name: str, columns: Sequence[str], request: _Request) -> None:
-    missing = [c for c in request.required if c not in columns]
-    if not missing:
+    if not (missing := [c for c in request.required if c not in columns]):
         return
     args = {request.required[0]: "question_field", request.required[1]: "answer_field"}
     fixes = ", ".join(f"{args[c]}=<column>" for c in missing)
     raise DataValidationError(
-        name,
-        [],
-        f"{name}: missing column(s) {', '.join(map(repr, missing))}; the columns are: "
-        f"{', '.join(columns) or '(none)'}. Pass {fixes} to map them.",
-    )
-
-
-# --------------------------------------------------------------------------- file formats
+        name, [], f"{name}: missing column(s) {', '.join(map(repr, missing))}; the columns are: "
+        f"{', '.join(columns) or '(none)'}. Pass {fixes} to map them.")
 
 
 def _first_non_space_byte(path: Path) -> bytes:
     with open(path, "rb") as f:
         while chunk := f.read(4096):
-            stripped = chunk.lstrip().removeprefix(b"\xef\xbb\xbf").lstrip()
-            if stripped:
+            if stripped := chunk.lstrip().removeprefix(b"\xef\xbb\xbf").lstrip():
                 return stripped[:1]
     return b""
 
@@ -313,11 +255,8 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Row]]:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                reason = (
-                    f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
-                    "re-save the file as UTF-8"
-                )
-                yield lineno, BadRow(reason)
+                yield lineno, BadRow(f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
+                                     f"{exc.start + 1}); re-save the file as UTF-8")
                 continue
             if lineno == 1:
                 text = text.removeprefix("\ufeff")
@@ -326,15 +265,11 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Row]]:
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as exc:
-                yield lineno, BadRow(f"invalid JSON ({exc.msg} at column {exc.colno})")
-                continue
+                obj = BadRow(f"invalid JSON ({exc.msg} at column {exc.colno})")
             except RecursionError:
-                yield lineno, BadRow("invalid JSON (nested too deeply to parse)")
-                continue
-            if not isinstance(obj, dict):
-                yield lineno, BadRow(f"expected a JSON object, got {type(obj).__name__}")
-                continue
-            yield lineno, obj
+                obj = BadRow("invalid JSON (nested too deeply to parse)")
+            yield lineno, (obj if isinstance(obj, dict | BadRow)
+                           else BadRow(f"expected a JSON object, got {type(obj).__name__}"))
 
 
 def _json_array_source(path: Path) -> RowSource:
@@ -343,19 +278,13 @@ def _json_array_source(path: Path) -> RowSource:
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ValueError(
             f"{path}: not a valid UTF-8 JSON array ({exc}); fix the file or convert it to "
-            "JSONL (one object per line) so bad rows can be skipped individually"
-        ) from exc
+            "JSONL (one object per line) so bad rows can be skipped individually") from exc
     if not isinstance(items, list):
         raise ValueError(f"{path}: expected a JSON array of objects or JSONL lines")
-
-    def rows() -> Iterator[tuple[int, Row]]:
-        for number, item in enumerate(items, start=1):
-            if isinstance(item, dict):
-                yield number, item
-            else:
-                yield number, BadRow(f"expected a JSON object, got {type(item).__name__}")
-
-    return RowSource(name=str(path), rows=rows(), row_label="item")
+    rows = ((n, item if isinstance(item, dict)
+             else BadRow(f"expected a JSON object, got {type(item).__name__}"))
+            for n, item in enumerate(items, start=1))
+    return RowSource(name=str(path), rows=rows, row_label="item")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -370,22 +299,16 @@ def _open_parquet(path: Path) -> pq.ParquetFile:
         raise ValueError(
             f"{path}: not a readable Parquet file ({_first_line(exc)}); the file is empty, "
             "truncated or another format: write it again (pyarrow.parquet.write_table or "
-            "DataFrame.to_parquet) or use .jsonl"
-        ) from exc
+            "DataFrame.to_parquet) or use .jsonl") from exc
 
 
 def _parquet_source(paths: Sequence[Path], name: str, request: _Request) -> RowSource:
-    files = [_open_parquet(p) for p in paths]
+    files, ranges, start = [_open_parquet(p) for p in paths], [], 1
     for p, f in zip(paths, files, strict=True):
         _check_columns(str(p), f.schema_arrow.names, request)
-    note = None
-    if len(paths) > 1:
-        ranges, start = [], 1
-        for p, f in zip(paths, files, strict=True):
-            end = start + f.metadata.num_rows - 1
-            ranges.append(f"{p.name}: rows {start}-{end}")
-            start = end + 1
-        note = "Rows are numbered across files in order: " + "; ".join(ranges)
+        ranges.append(f"{p.name}: rows {start}-{start + f.metadata.num_rows - 1}")
+        start += f.metadata.num_rows
+    note = f"Rows are numbered across files in order: {'; '.join(ranges)}" if paths[1:] else None
 
     def rows() -> Iterator[tuple[int, Row]]:
         number = 0
@@ -400,9 +323,8 @@ def _parquet_source(paths: Sequence[Path], name: str, request: _Request) -> RowS
                     decoded = batch.to_pylist()
                 except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
                     raise ValueError(
-                        f"{p}: Parquet data after row {number} does not read "
-                        f"({_first_line(exc)}); the file is corrupt or truncated: write it again"
-                    ) from exc
+                        f"{p}: Parquet data after row {number} does not read ({_first_line(exc)}); "
+                        "the file is corrupt or truncated: write it again") from exc
                 for row in decoded:
                     number += 1
                     yield number, row
@@ -410,93 +332,48 @@ def _parquet_source(paths: Sequence[Path], name: str, request: _Request) -> RowS
     return RowSource(name=name, rows=rows(), note=note)
 
 
-# --------------------------------------------------------------------------- public API
-
-
 def load_records(
-    source: str | os.PathLike[str],
-    split: str = "train",
-    *,
-    subset: str | None = None,
-    question_field: str = "question",
-    answer_field: str = "answer",
-    id_field: str | None = "id",
-    limit: int | None = None,
-    max_bad_fraction: float = 0.0,
-    cache_dir: str | os.PathLike[str] | None = None,
-) -> list[Record]:
+    source: str | os.PathLike[str], split: str = "train", *, subset: str | None = None,
+    question_field: str = "question", answer_field: str = "answer", id_field: str | None = "id",
+    limit: int | None = None, max_bad_fraction: float = 0.0,
+    cache_dir: str | os.PathLike[str] | None = None) -> list[Record]:
     """Load and validate GSM8K-format records from a file, directory, URI or hub dataset name.
 
-    ``subset`` names a hub configuration (``openai/gsm8k`` + ``main``); for a local directory
-    it selects the sub-folder of that name when one exists, and single files ignore it. A
-    save_to_disk folder holding a single Dataset must hold ``split`` (when it records one).
-    ``limit`` keeps the first N good records; the bad-row check always covers the whole source,
-    so whether a load passes does not depend on ``limit``.
-
-    ``s3://`` sources are downloaded into ``cache_dir`` (default
-    :func:`rl_core.storage.default_cache_dir`), keyed by their ETags and sizes.
-
-    Raises FileNotFoundError for a missing local path or S3 object, DataValidationError (a
-    ValueError) for bad rows beyond ``max_bad_fraction`` or no good rows,
-    :class:`rl_core.storage.StorageError` when S3 cannot be read (the message says why).
-    """
+    ``subset`` names a hub configuration (``openai/gsm8k`` + ``main``), or for a local directory
+    the sub-folder of that name when one exists (single files ignore it). A save_to_disk folder
+    holding a single Dataset must hold ``split`` (when it records one). ``limit`` keeps the first
+    N good records; the bad-row check always covers the whole source. ``s3://`` sources are
+    downloaded into ``cache_dir`` (default :func:`rl_core.storage.default_cache_dir`). Raises
+    FileNotFoundError for a missing local path or S3 object, DataValidationError (a ValueError)
+    for bad rows beyond ``max_bad_fraction`` or no good rows, :class:`rl_core.storage.StorageError`
+    when S3 cannot be read (the message says why)."""
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
     columns = [question_field, answer_field] + ([id_field] if id_field is not None else [])
-    request = _Request(
-        split=split,
-        subset=subset,
-        columns=tuple(dict.fromkeys(columns)),
-        required=(question_field, answer_field),
-        cache_dir=Path(cache_dir) if cache_dir is not None else None,
-    )
+    request = _Request(split, subset, tuple(dict.fromkeys(columns)), (question_field, answer_field),
+                       Path(cache_dir) if cache_dir is not None else None)
     read = _dispatch(os.fspath(source), request)
-    records, problems = validate_numbered_rows(
-        read.rows,
-        read.name,
-        question_field=question_field,
-        answer_field=answer_field,
-        id_field=id_field,
-        max_bad_fraction=max_bad_fraction,
-        row_label=read.row_label,
-        note=read.note,
-    )
+    records, problems = validate_numbered_rows(read.rows, read.name, question_field=question_field,
+        answer_field=answer_field, id_field=id_field, max_bad_fraction=max_bad_fraction,
+        row_label=read.row_label, note=read.note)
     if problems:  # a counted skip, within max_bad_fraction: say how many and which
         shown = "; ".join(f"{read.row_label} {n}: {why}" for n, why in problems[:3])
         more = f"; ... and {len(problems) - 3} more" if len(problems) > 3 else ""
-        log.warning(
-            "%s: skipped %d of %d rows (within max_bad_fraction=%s): %s%s",
-            read.name,
-            len(problems),
-            len(problems) + len(records),
-            max_bad_fraction,
-            shown,
-            more,
-        )
+        log.warning("%s: skipped %d of %d rows (within max_bad_fraction=%s): %s%s", read.name,
+                    len(problems), len(problems) + len(records), max_bad_fraction, shown, more)
     return records if limit is None else records[:limit]
 
 
 def write_parquet(records: Sequence[Record], path: str | os.PathLike[str]) -> str:
-    """Write records as Parquet (columns id, question, answer); return their digest.
-
-    The write is atomic (temp file + rename) and the digest is also stored in the file's
-    schema metadata under ``grpoflow.records_digest``.
-    """
+    """Write records as Parquet (columns id, question, answer), atomically (temp file +
+    rename); return their digest, also stored in the schema metadata under
+    ``grpoflow.records_digest``."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    digest = records_digest(records)
-    schema = pa.schema(
-        [("id", pa.string()), ("question", pa.string()), ("answer", pa.string())],
-        metadata={DIGEST_METADATA_KEY: digest.encode()},
-    )
-    table = pa.table(
-        {
-            "id": [r.id for r in records],
-            "question": [r.question for r in records],
-            "answer": [r.answer for r in records],
-        },
-        schema=schema,
-    )
+    digest, cols = _records.records_digest(records), ("id", "question", "answer")
+    schema = pa.schema([(c, pa.string()) for c in cols],
+                       metadata={DIGEST_METADATA_KEY: digest.encode()})
+    table = pa.table({c: [getattr(r, c) for r in records] for c in cols}, schema=schema)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         pq.write_table(table, tmp)
@@ -516,14 +393,11 @@ def read_parquet(path: str | os.PathLike[str]) -> list[Record]:
     except (pa.ArrowException, OSError) as exc:
         raise ValueError(
             f"{target}: the records snapshot does not read ({_first_line(exc)}); it is "
-            "corrupt or truncated: delete it (and its meta.json) so it is prepared again"
-        ) from exc
-    missing = [c for c in ("id", "question", "answer") if c not in table.column_names]
-    if missing:
+            "corrupt or truncated: delete it (and its meta.json) so it is prepared again") from exc
+    if missing := [c for c in ("id", "question", "answer") if c not in table.column_names]:
         raise ValueError(
             f"{target}: missing column(s) {', '.join(missing)} (has: "
-            f"{', '.join(table.column_names)}); use load_records() for arbitrary Parquet files"
-        )
+            f"{', '.join(table.column_names)}); use load_records() for arbitrary Parquet files")
     records: list[Record] = []
     for number, row in enumerate(table.select(["id", "question", "answer"]).to_pylist(), 1):
         values = (row["id"], row["question"], row["answer"])

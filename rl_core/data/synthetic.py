@@ -26,12 +26,10 @@ _MAX_RESTARTS = 1000
 def _check_knobs(
     digits: tuple[int, int], operations: Sequence[str], steps: tuple[int, int]
 ) -> tuple[str, ...]:
-    lo, hi = digits
-    if not 1 <= lo <= hi:
-        raise ValueError(f"digits must be (min, max) with 1 <= min <= max, got {digits!r}")
-    s_lo, s_hi = steps
-    if not 1 <= s_lo <= s_hi:
-        raise ValueError(f"steps must be (min, max) with 1 <= min <= max, got {steps!r}")
+    for name, value in (("digits", digits), ("steps", steps)):
+        lo, hi = value
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} must be (min, max) with 1 <= min <= max, got {value!r}")
     ops = tuple(operations)
     if not ops:
         raise ValueError(f"operations must not be empty; choose from {SUPPORTED_OPERATIONS}")
@@ -59,13 +57,8 @@ def _subtrahend(rng: random.Random, current: int, digits: tuple[int, int]) -> in
     return rng.randint(lo, min(hi, current))
 
 
-def _problem(
-    rng: random.Random,
-    digits: tuple[int, int],
-    ops: tuple[str, ...],
-    steps: tuple[int, int],
-    allow_negative: bool,
-) -> tuple[str, str]:
+def _problem(rng: random.Random, digits: tuple[int, int], ops: tuple[str, ...],
+             steps: tuple[int, int], allow_negative: bool) -> tuple[str, str]:
     """One (question, answer) pair; restarts when "-" cannot stay non-negative."""
     for _ in range(_MAX_RESTARTS):
         current = _operand(rng, digits)
@@ -95,78 +88,55 @@ def _problem(
             return f"What is {expression}?", "\n".join(lines)
     raise ValueError(
         f"could not build a non-negative problem with digits={digits}, operations={ops}, "
-        f"steps={steps}; allow '+' or set allow_negative=True"
-    )
+        f"steps={steps}; allow '+' or set allow_negative=True")
 
 
 def generate_arithmetic(
-    n: int,
-    seed: int,
-    *,
-    digits: tuple[int, int] = (1, 2),
-    operations: Sequence[str] = ("+", "-"),
-    steps: tuple[int, int] = (1, 2),
+    n: int, seed: int, *, digits: tuple[int, int] = (1, 2),
+    operations: Sequence[str] = ("+", "-"), steps: tuple[int, int] = (1, 2),
     allow_negative: bool = False,
 ) -> list[Record]:
-    """``n`` arithmetic problems in GSM8K format, deterministic for ``seed``; ids ``syn-{seed}-{i}``.
+    """``n`` GSM8K-format arithmetic problems, deterministic for ``seed``; ids ``syn-{seed}-{i}``.
 
     Each problem has s operations (s uniform in ``steps``) on operands whose digit count is
-    uniform in ``digits`` (0 counts as one digit). The right operand of ``*`` is always a single
-    digit from 2 to 9, whatever ``digits`` says, so products stay small. With
-    ``allow_negative=False`` no intermediate result is negative: a first ``-`` swaps its operands,
-    a later one resamples its operand. Questions are evaluated left to right; see the module
-    docstring for the parenthesisation that makes that agree with ordinary precedence.
-    Duplicate questions are possible in one call (use :func:`generate_splits` for disjoint
-    train/test sets).
+    uniform in ``digits`` (0 counts as one digit); the right operand of ``*`` is always one
+    digit from 2 to 9, so products stay small. With ``allow_negative=False`` no intermediate
+    result is negative: a first ``-`` swaps its operands, a later one resamples its operand.
+    Questions are evaluated left to right (see the module docstring). Duplicate questions are
+    possible in one call (:func:`generate_splits` makes disjoint train/test sets).
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     ops = _check_knobs(digits, operations, steps)
     rng = random.Random(seed)
-    out: list[Record] = []
-    for i in range(n):
-        question, answer = _problem(rng, digits, ops, steps, allow_negative)
-        out.append(Record(id=f"syn-{seed}-{i}", question=question, answer=answer))
-    return out
+    return [Record(f"syn-{seed}-{i}", *_problem(rng, digits, ops, steps, allow_negative))
+            for i in range(n)]
 
 
 def generate_splits(
-    n_train: int,
-    n_test: int,
-    seed: int,
-    *,
-    digits: tuple[int, int] = (1, 2),
-    operations: Sequence[str] = ("+", "-"),
-    steps: tuple[int, int] = (1, 2),
+    n_train: int, n_test: int, seed: int, *, digits: tuple[int, int] = (1, 2),
+    operations: Sequence[str] = ("+", "-"), steps: tuple[int, int] = (1, 2),
     allow_negative: bool = False,
 ) -> tuple[list[Record], list[Record]]:
     """(train, test): train is ``generate_arithmetic(n_train, seed, ...)``; test questions are
-    unique and never appear in train. Test ids are ``syn-{seed}-test-{i}``.
-
-    Raises ValueError when the knobs allow too few distinct questions to fill the test set.
+    unique and never appear in train; test ids are ``syn-{seed}-test-{i}``. Raises ValueError
+    when the knobs allow too few distinct questions to fill the test set.
     """
     if n_test < 0:
         raise ValueError(f"n_test must be >= 0, got {n_test}")
-    knobs = {
-        "digits": digits,
-        "operations": operations,
-        "steps": steps,
-        "allow_negative": allow_negative,
-    }
-    train = generate_arithmetic(n_train, seed, **knobs)
+    train = generate_arithmetic(n_train, seed, digits=digits, operations=operations, steps=steps,
+                                allow_negative=allow_negative)
     ops = _check_knobs(digits, operations, steps)
     seen = {r.question for r in train}
     rng = random.Random(f"grpoflow-synthetic-test:{seed}")
     test: list[Record] = []
-    attempts = 0
-    max_attempts = 50 * n_test + 10_000
+    attempts, max_attempts = 0, 50 * n_test + 10_000
     while len(test) < n_test:
         if attempts >= max_attempts:
             raise ValueError(
                 f"only {len(test)} of {n_test} test questions could be made that are not in the "
                 f"training set after {attempts} tries; widen digits/steps/operations or "
-                "lower n_train/n_test"
-            )
+                "lower n_train/n_test")
         attempts += 1
         question, answer = _problem(rng, digits, ops, steps, allow_negative)
         if question in seen:

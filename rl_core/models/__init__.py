@@ -5,11 +5,12 @@ Never imports Prefect or MLflow.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["eos_token_ids", "torch_dtype"]
+__all__ = ["eos_token_ids", "read_weights", "torch_dtype"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,3 +38,19 @@ def eos_token_ids(tokenizer: Any, model: Any, source: object) -> list[int]:
             "no eos_token_id; generation could never stop"
         )
     return sorted(ids)
+
+
+def read_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files of a Hugging Face model directory."""
+    from safetensors.torch import load_file
+
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: not a directory (expected a safetensors model dir)")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights (only safetensors load)")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights

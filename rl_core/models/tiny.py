@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import random
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -25,18 +26,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    GenerationConfig,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from rl_core.data import Record, encode_prompts, generate_splits
+from rl_core.data.prompts import encode_prompts
+from rl_core.data.records import Record
+from rl_core.data.synthetic import generate_splits
 from rl_core.rewards import gsm8k_reward
-from rl_core.rollout.sampler import SamplingParams, generate
 
-__all__ = ["TinyModelSpec", "bootstrap_tiny_model", "CHAT_TEMPLATE"]
+__all__ = ["CHAT_TEMPLATE", "TinyModelSpec", "bootstrap_tiny_model"]
 
 log = logging.getLogger(__name__)
 
@@ -90,45 +87,28 @@ class TinyModelSpec:
 def build_tokenizer(corpus: Sequence[str], vocab_size: int) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer whose digits are always single tokens."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[PAD, BOS_CHAT, EOS_CHAT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+        vocab_size=vocab_size, special_tokens=[PAD, BOS_CHAT, EOS_CHAT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=EOS_CHAT,
-        pad_token=PAD,
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=512,
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_CHAT, pad_token=PAD,
+                                   chat_template=CHAT_TEMPLATE, model_max_length=512)
 
 
 def build_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
     """A randomly initialised Qwen2 causal LM sized by ``spec``."""
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=True,
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=True,
         bos_token_id=tokenizer.convert_tokens_to_ids(BOS_CHAT),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
-    )
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32")
     torch.manual_seed(spec.seed)
     return Qwen2ForCausalLM(config)
 
@@ -142,10 +122,10 @@ def _sft_batch(
         target = tokenizer.encode(rec.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
         seqs.append(prompt + target)
         labels.append([-100] * len(prompt) + target)
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
-    lab = torch.full((len(seqs), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    shape = (len(seqs), max(len(s) for s in seqs))
+    ids = torch.full(shape, tokenizer.pad_token_id, dtype=torch.long)
+    lab = torch.full(shape, -100, dtype=torch.long)
+    mask = torch.zeros(shape, dtype=torch.long)
     for i, (s, y) in enumerate(zip(seqs, labels, strict=True)):
         ids[i, : len(s)] = torch.tensor(s)
         lab[i, : len(y)] = torch.tensor(y)
@@ -153,47 +133,36 @@ def _sft_batch(
     return ids, lab, mask
 
 
-def greedy_accuracy(
-    model: torch.nn.Module,
-    tokenizer: PreTrainedTokenizerFast,
-    records: Sequence[Record],
-    max_new_tokens: int = 48,
-) -> float:
+def greedy_accuracy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast,
+                    records: Sequence[Record], max_new_tokens: int = 48) -> float:
     """Fraction of ``records`` the model answers right with greedy decoding."""
-    was_training = model.training
-    model.eval()
+    from rl_core.engine.core import EmbeddedEngine, GenerateRequest
+    from rl_core.engine.sampling import SamplingParams
+
     prompts = encode_prompts(tokenizer, [r.question for r in records])
-    outs = generate(
-        model,
-        prompts,
-        SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, seed=0),
-        eos_token_ids=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
-        tokenizer=tokenizer,
-    )
-    model.train(was_training)
-    right = sum(gsm8k_reward(o.text or "", r.answer) for o, r in zip(outs, records, strict=True))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, seed=0)
+    with tempfile.TemporaryDirectory() as d:  # the rollout engine itself, on these weights
+        model.save_pretrained(d)
+        tokenizer.save_pretrained(d)
+        with EmbeddedEngine(d, max_running_requests=len(prompts) or 1) as engine:
+            outs = engine.generate_sync(
+                [GenerateRequest(str(i), p, greedy) for i, p in enumerate(prompts)])
+    texts = [tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in outs]
+    right = sum(gsm8k_reward(t, r.answer) for t, r in zip(texts, records, strict=True))
     return right / max(len(records), 1)
 
 
 def warm_start(
-    model: Qwen2ForCausalLM,
-    tokenizer: PreTrainedTokenizerFast,
-    train: Sequence[Record],
-    val: Sequence[Record],
-    spec: TinyModelSpec,
+    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, train: Sequence[Record],
+    val: Sequence[Record], spec: TinyModelSpec,
     progress: Callable[[int, float, float | None], None] | None = None,
 ) -> tuple[int, float]:
-    """Supervised pass until greedy accuracy on ``val`` reaches ``spec.target_accuracy``.
-
-    Returns (steps taken, final held-out greedy accuracy). Stopping on a target rather than
-    a step count makes the starting accuracy of the demo land in a known band on any
-    machine, instead of depending on how fast a particular seed learns.
-    """
+    """Supervised pass until greedy accuracy on ``val`` reaches ``spec.target_accuracy``;
+    returns (steps taken, final held-out greedy accuracy). Stopping on a target, not a step
+    count, lands the demo's starting accuracy in a known band on any machine."""
     rng = random.Random(spec.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
-    warmup = 10
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))  # warmup
     order = list(range(len(train)))
     acc = 0.0
     model.train()
@@ -219,14 +188,9 @@ def warm_start(
     return spec.sft_max_steps, acc
 
 
-def _split_validation(
-    records: Sequence[Record], n_val: int
-) -> tuple[list[Record], list[Record]]:
-    """Hold out ``n_val`` problems whose question occurs nowhere else in ``records``.
-
-    Synthetic training splits repeat questions; a validation problem that is also a training
-    example would measure memorisation and stop the warm start too early.
-    """
+def _split_validation(records: Sequence[Record], n_val: int) -> tuple[list[Record], list[Record]]:
+    """Hold out ``n_val`` problems whose question occurs nowhere else in ``records`` (one that
+    is also a training example would measure memorisation and stop the warm start early)."""
     counts = Counter(r.question for r in records)
     val = [r for r in records if counts[r.question] == 1][-n_val:]
     held = {r.id for r in val}
@@ -234,21 +198,15 @@ def _split_validation(
 
 
 def bootstrap_tiny_model(
-    out_dir: str | Path,
-    spec: TinyModelSpec | None = None,
-    *,
-    force: bool = False,
+    out_dir: str | Path, spec: TinyModelSpec | None = None, *, force: bool = False,
     progress: Callable[[int, float, float | None], None] | None = None,
 ) -> Path:
     """Build (or reuse) the tiny demo model in ``out_dir``; returns the HF directory."""
     spec = spec or TinyModelSpec()
     out = Path(out_dir)
     marker = out / "grpoflow_tiny.json"
-    if (
-        not force
-        and marker.is_file()
-        and json.loads(marker.read_text()).get("digest") == spec.digest()
-    ):
+    if (not force and marker.is_file()
+            and json.loads(marker.read_text()).get("digest") == spec.digest()):
         return out
     started = time.perf_counter()
     knobs = dict(digits=spec.digits, operations=spec.operations, steps=spec.steps)
@@ -256,8 +214,7 @@ def bootstrap_tiny_model(
     if len(train) <= 2 * spec.val_examples:
         raise ValueError(
             f"the tiny model's warm start needs more than {2 * spec.val_examples} training "
-            f"problems, got {len(train)}; raise data.synthetic_train_size"
-        )
+            f"problems, got {len(train)}; raise data.synthetic_train_size")
     train, val = _split_validation(train, spec.val_examples)
     corpus = [f"user\n{r.question}\nassistant\n{r.answer}" for r in train[:2000]]
     tokenizer = build_tokenizer(corpus, spec.vocab_size)
@@ -269,22 +226,12 @@ def bootstrap_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        do_sample=True,
-        temperature=1.0,
-        top_p=1.0,
-        max_new_tokens=64,
-    ).save_pretrained(out)
-    info = {
-        "digest": spec.digest(),
-        "spec": asdict(spec),
-        "parameters": n_params,
-        "sft_steps": steps,
-        "val_greedy_accuracy": acc,
-        "seconds": round(time.perf_counter() - started, 1),
-    }
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                     do_sample=True, temperature=1.0, top_p=1.0,
+                     max_new_tokens=64).save_pretrained(out)
+    info = {"digest": spec.digest(), "spec": asdict(spec), "parameters": n_params,
+            "sft_steps": steps, "val_greedy_accuracy": acc,
+            "seconds": round(time.perf_counter() - started, 1)}
     marker.write_text(json.dumps(info, indent=2))
     if not math.isfinite(acc):
         raise RuntimeError("tiny model warm start diverged (non-finite accuracy)")

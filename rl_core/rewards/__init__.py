@@ -26,16 +26,6 @@ from rl_core.rewards.runner import (
     load_reward_fn,
 )
 
-__all__ = [
-    "BUILTIN_REWARDS",
-    "RewardFn",
-    "RewardFunctionError",
-    "RewardResult",
-    "RewardRunner",
-    "answers_equal",
-    "extract_answer",
-    "format_reward",
-    "gsm8k_reward",
-    "load_reward_fn",
-    "parse_number",
-]
+__all__ = ["BUILTIN_REWARDS", "RewardFn", "RewardFunctionError", "RewardResult", "RewardRunner",
+           "answers_equal", "extract_answer", "format_reward", "gsm8k_reward", "load_reward_fn",
+           "parse_number"]

@@ -1,15 +1,13 @@
 """Client for SGLang's native HTTP API: the one protocol every rollout engine speaks.
 
-The same client drives a real SGLang server on a GPU machine, the embedded CPU engine, or
-the ``sglang-router`` in front of several of either. Every request is bounded three ways
-(connect, read, and a total ``asyncio.wait_for``); connection errors, timeouts and 5xx are
-retried with exponential backoff and jitter, on another engine when the client holds
-several base URLs (so an engine killed mid-batch loses no request); a 4xx is never retried
-and raises :class:`RolloutRequestError` with the server's message. Generation requests go
-through a semaphore (``max_concurrency``); control calls do not wait behind them.
-
-:class:`SGLangClient` is async. :class:`SyncSGLangClient` runs one on a private event-loop
-thread for the synchronous training loop.
+The same client drives a real SGLang server, the embedded CPU engine, or the ``sglang-router``
+in front of several of either. Every request is bounded three ways (connect, read, and a total
+``asyncio.wait_for``); connection errors, timeouts and 5xx are retried with exponential backoff
+and jitter, on another engine when the client holds several base URLs (an engine killed
+mid-batch loses no request); a 4xx raises :class:`RolloutRequestError` with the server's
+message. Generation requests go through a semaphore (``max_concurrency``); control calls do not
+wait behind them. :class:`SyncSGLangClient` runs an :class:`SGLangClient` on a private
+event-loop thread for the synchronous training loop.
 
 Never imports Prefect or MLflow; never starts or stops processes (``pool.py`` does); never
 retries a 4xx, nor a collective weight-update call (the other ranks would wait forever).
@@ -19,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import inspect
 import logging
 import random
@@ -26,23 +25,19 @@ import threading
 import time
 import uuid
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
 
-__all__ = [
-    "RolloutError",
-    "RolloutRequestError",
-    "RolloutUnavailableError",
-    "SGLangClient",
-    "SampleResult",
-    "SyncSGLangClient",
-]
+from rl_core.types import Sample
+
+__all__ = ["RolloutError", "RolloutRequestError", "RolloutUnavailableError", "SGLangClient",
+           "SyncSGLangClient"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_GROUP = "weight_update_group"
 
 
 class RolloutError(RuntimeError):
@@ -54,66 +49,18 @@ class RolloutRequestError(RolloutError):
 
     def __init__(self, url: str, status: int, message: str) -> None:
         super().__init__(f"{url}: HTTP {status}: {message}")
-        self.url = url
-        self.status = status
-        self.message = message
+        self.url, self.status, self.message = url, status, message
 
 
 class RolloutUnavailableError(RolloutError):
     """Every attempt failed on connection errors, timeouts or 5xx."""
 
 
-@dataclass
-class SampleResult:
-    """One generated sample, as the training plane needs it."""
-
-    output_ids: list[int]
-    output_logprobs: list[float]
-    finish_reason: dict[str, Any]
-    weight_version: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    text: str
-    base_url: str
-    rid: str | None
-    meta_info: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    @property
-    def truncated(self) -> bool:
-        return self.finish_reason.get("type") == "length"
-
-    @property
-    def aborted(self) -> bool:
-        return self.finish_reason.get("type") == "abort"
-
-    @classmethod
-    def from_response(cls, body: dict[str, Any], base_url: str, rid: str | None) -> SampleResult:
-        """Parse one ``/generate`` response object.
-
-        Token ids come from ``output_token_logprobs`` entries ``[logprob, token_id, text]``
-        when present (as slime, miles and AReaL do), else from ``output_ids``.
-        """
-        meta = body.get("meta_info") or {}
-        entries = meta.get("output_token_logprobs") or []
-        if entries:
-            output_ids = [int(e[1]) for e in entries]
-            logprobs = [float(e[0]) for e in entries]
-        else:
-            output_ids = [int(t) for t in body.get("output_ids") or []]
-            logprobs = []
-        version = meta.get("weight_version")
-        return cls(
-            output_ids=output_ids,
-            output_logprobs=logprobs,
-            finish_reason=dict(meta.get("finish_reason") or {}),
-            weight_version=None if version is None else str(version),
-            prompt_tokens=int(meta.get("prompt_tokens") or 0),
-            completion_tokens=int(meta.get("completion_tokens") or len(output_ids)),
-            text=body.get("text") or "",
-            base_url=base_url,
-            rid=meta.get("id") or rid,
-            meta_info=meta,
-        )
+def _sample(prompt: Sequence[int], body: dict[str, Any], base_url: str, rid: str | None) -> Sample:
+    """One ``/generate`` answer as a :class:`~rl_core.types.Sample`, naming the server."""
+    sample = Sample.from_sglang(prompt, body)
+    sample.meta.update(base_url=base_url, id=sample.meta.get("id", rid))
+    return sample
 
 
 def _error_message(resp: httpx.Response) -> str:
@@ -123,24 +70,18 @@ def _error_message(resp: httpx.Response) -> str:
     except ValueError:
         return resp.text.strip()[:500] or resp.reason_phrase
     if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and err.get("message"):
+        if isinstance(err := body.get("error"), dict) and err.get("message"):
             return str(err["message"])
-        for key in ("message", "detail", "error"):
-            if body.get(key):
-                return str(body[key])
+        if key := next((k for k in ("message", "detail", "error") if body.get(k)), None):
+            return str(body[key])
     return str(body)[:500]
 
 
 def _retry_rids(body: Any, attempt: int) -> Any:
-    """A retry gets fresh request ids that keep the original as prefix.
-
-    The engine that timed out may still hold the old id ("Duplicate request ID"), and
-    SGLang's ``/abort_request`` matches ids by prefix, so ``abort(rid)`` still reaches it.
-    """
-    if not isinstance(body, dict) or "rid" not in body:
-        return body
-    rid = body["rid"]
+    """A retry gets fresh request ids that keep the original as prefix: the engine that timed
+    out may still hold the old id ("Duplicate request ID"), and SGLang's ``/abort_request``
+    matches ids by prefix, so ``abort(rid)`` still reaches it."""
+    rid = body.get("rid") if isinstance(body, dict) else None
     if isinstance(rid, str):
         return {**body, "rid": f"{rid}-retry{attempt}"}
     if isinstance(rid, list):
@@ -148,14 +89,12 @@ def _retry_rids(body: Any, attempt: int) -> Any:
     return body
 
 
-def _json(resp: httpx.Response) -> Any:
-    """The JSON body, or ``None`` for SGLang's empty / plain-text control answers."""
-    if not resp.content:
-        return None
-    try:
-        return resp.json()
-    except ValueError:
-        return resp.text
+def _tags(tags: Sequence[str] | None) -> dict[str, Any]:
+    return {"tags": list(tags) if tags is not None else None}
+
+
+def _version(weight_version: int | str | None) -> dict[str, str]:
+    return {} if weight_version is None else {"weight_version": str(weight_version)}
 
 
 class SGLangClient:
@@ -163,53 +102,29 @@ class SGLangClient:
 
     With several ``base_urls`` (router off) generation requests are spread round-robin and a
     failed attempt is retried on the next engine; an engine that failed is skipped for
-    ``engine_cooldown_s`` unless every engine is cooling down. Control calls target one
-    server: pass ``url=`` unless the client holds exactly one base URL.
+    ``engine_cooldown_s`` unless every engine is cooling down. Control calls target one server:
+    pass ``url=`` unless the client holds exactly one base URL. A client belongs to the event
+    loop that first uses it (httpx connections do)."""
 
-    A client belongs to the event loop that first uses it (httpx connections do).
-    """
-
-    def __init__(
-        self,
-        base_urls: str | Sequence[str],
-        *,
-        connect_timeout_s: float = 5.0,
-        read_timeout_s: float = 600.0,
-        total_timeout_s: float = 900.0,
-        control_timeout_s: float = 120.0,
-        max_retries: int = 4,
-        backoff_base_s: float = 0.1,
-        backoff_max_s: float = 5.0,
-        max_concurrency: int = 256,
-        engine_cooldown_s: float = 2.0,
-    ) -> None:
-        self._urls: list[str] = []
+    def __init__(self, base_urls: str | Sequence[str], *, connect_timeout_s: float = 5.0,
+                 read_timeout_s: float = 600.0, total_timeout_s: float = 900.0,
+                 control_timeout_s: float = 120.0, max_retries: int = 4,
+                 backoff_base_s: float = 0.1, backoff_max_s: float = 5.0,
+                 max_concurrency: int = 256, engine_cooldown_s: float = 2.0) -> None:
         self.set_base_urls(base_urls)
-        self.connect_timeout_s = connect_timeout_s
-        self.read_timeout_s = read_timeout_s
-        self.total_timeout_s = total_timeout_s
-        self.control_timeout_s = control_timeout_s
-        self.max_retries = max_retries
-        self.backoff_base_s = backoff_base_s
-        self.backoff_max_s = backoff_max_s
-        self.max_concurrency = max_concurrency
-        self.engine_cooldown_s = engine_cooldown_s
-        self._sem = asyncio.Semaphore(max_concurrency)
-        self._rr = 0
-        self._down_until: dict[str, float] = {}
+        self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
+        self.total_timeout_s, self.control_timeout_s = total_timeout_s, control_timeout_s
+        self.max_retries, self.backoff_base_s, self.backoff_max_s = (
+            max_retries, backoff_base_s, backoff_max_s)
+        self.max_concurrency, self.engine_cooldown_s = max_concurrency, engine_cooldown_s
+        self._sem, self._rr = asyncio.Semaphore(max_concurrency), 0
+        self._down_until: dict[str, float] = {}  # base URL -> end of its cooldown
         self._inflight: dict[str, str] = {}  # rid -> base URL serving it
         self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(
-                connect=connect_timeout_s,
-                read=read_timeout_s,
-                write=read_timeout_s,
-                pool=total_timeout_s,
-            ),
+            timeout=httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s,
+                                  write=read_timeout_s, pool=total_timeout_s),
             # Headroom above the semaphore so control calls never queue behind generation.
-            limits=httpx.Limits(max_connections=max_concurrency + 32, max_keepalive_connections=64),
-        )
-
-    # ------------------------------------------------------------------ membership
+            limits=httpx.Limits(max_connections=max_concurrency + 32, max_keepalive_connections=64))
 
     @property
     def base_urls(self) -> list[str]:
@@ -217,8 +132,7 @@ class SGLangClient:
 
     def set_base_urls(self, base_urls: str | Sequence[str]) -> None:
         """Replace the set of servers generation requests are spread over."""
-        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
-        urls = [u.rstrip("/") for u in urls]
+        urls = [u.rstrip("/") for u in ([base_urls] if isinstance(base_urls, str) else base_urls)]
         if not urls:
             raise ValueError("SGLangClient needs at least one base URL")
         self._urls = urls
@@ -239,40 +153,18 @@ class SGLangClient:
         if url is not None:
             return url.rstrip("/")
         if len(self._urls) != 1:
-            raise ValueError(
-                f"this client holds {len(self._urls)} base URLs; pass url= to say which "
-                "server the control call is for"
-            )
+            raise ValueError(f"this client holds {len(self._urls)} base URLs; pass url= to say "
+                             "which server the control call is for")
         return self._urls[0]
 
-    # ------------------------------------------------------------------ transport
-
-    def _backoff(self, attempt: int) -> float:
-        """Exponential backoff with jitter: ``min(max, base * 2**attempt) * U(0.5, 1)``."""
-        cap = min(self.backoff_max_s, self.backoff_base_s * 2**attempt)
-        return cap * random.uniform(0.5, 1.0)
-
-    async def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        json: Any = None,
-        params: dict[str, Any] | None = None,
-        url: str | None = None,
-        retries: int | None = None,
-        total_timeout_s: float | None = None,
-        rid: str | None = None,
-        limited: bool = False,
-    ) -> tuple[httpx.Response, str]:
+    async def _request(self, method: str, path: str, *, json: Any = None, url: str | None = None,
+                       retries: int | None = None, total_timeout_s: float | None = None,
+                       rid: str | None = None, limited: bool = False) -> tuple[httpx.Response, str]:
         """One logical request: bounded attempts, failover when ``url`` is not pinned.
-
-        Returns the response (status < 400) and the base URL that answered.
-        """
+        Returns the response (status < 400) and the base URL that answered."""
         attempts = 1 + (self.max_retries if retries is None else retries)
         total = self.total_timeout_s if total_timeout_s is None else total_timeout_s
-        failed: set[str] = set()
-        errors: list[str] = []
+        failed, errors = set(), []  # engines that failed this round; why each attempt failed
         for attempt in range(attempts):
             if url is None and len(failed) >= len(self._urls):
                 failed.clear()  # every engine failed once: start another round
@@ -282,17 +174,9 @@ class SGLangClient:
                 self._inflight[rid] = base
             body = json if attempt == 0 else _retry_rids(json, attempt)
             try:
-                if limited:
-                    async with self._sem:
-                        resp = await asyncio.wait_for(
-                            self._http.request(method, base + path, json=body, params=params),
-                            timeout=total,
-                        )
-                else:
+                async with self._sem if limited else contextlib.nullcontext():
                     resp = await asyncio.wait_for(
-                        self._http.request(method, base + path, json=body, params=params),
-                        timeout=total,
-                    )
+                        self._http.request(method, base + path, json=body), total)
             except (httpx.TransportError, TimeoutError) as e:
                 what = "no answer within the total bound" if isinstance(e, TimeoutError) else e
                 reason = f"{type(e).__name__}: {what}" if str(what) else type(e).__name__
@@ -301,14 +185,8 @@ class SGLangClient:
             else:
                 if resp.status_code < 400:
                     self._down_until.pop(base, None)
-                    log.debug(
-                        "%s %s%s: %d in %.2fs",
-                        method,
-                        base,
-                        path,
-                        resp.status_code,
-                        time.monotonic() - t0,
-                    )
+                    log.debug("%s %s%s: %d in %.2fs", method, base, path, resp.status_code,
+                              time.monotonic() - t0)
                     return resp, base
                 if resp.status_code < 500:
                     raise RolloutRequestError(base + path, resp.status_code, _error_message(resp))
@@ -322,55 +200,31 @@ class SGLangClient:
             if url is None and len(self._urls) > 1:
                 self._down_until[base] = time.monotonic() + self.engine_cooldown_s
             if attempt + 1 < attempts:
-                delay = self._backoff(attempt)
-                log.warning(
-                    "%s %s%s failed (%s after %.2fs); retry %d/%d in %.2fs",
-                    method,
-                    base,
-                    path,
-                    reason,
-                    elapsed,
-                    attempt + 1,
-                    attempts - 1,
-                    delay,
-                )
+                delay = random.uniform(0.5, 1) * min(self.backoff_max_s,  # exponential, jittered
+                                                     self.backoff_base_s * 2**attempt)
+                log.warning("%s %s%s failed (%s after %.2fs); retry %d/%d in %.2fs", method, base,
+                            path, reason, elapsed, attempt + 1, attempts - 1, delay)
                 await asyncio.sleep(delay)
         raise RolloutUnavailableError(
-            f"{method} {path}: {attempts} attempt(s) failed: " + "; ".join(errors)
-        )
+            f"{method} {path}: {attempts} attempt(s) failed: " + "; ".join(errors))
 
     async def _abort_quietly(self, base: str, rid: str) -> None:
         """Best effort: a timed-out request should not keep running on the engine."""
         try:
-            await asyncio.wait_for(
-                self._http.post(base + "/abort_request", json={"rid": rid}), timeout=2.0
-            )
+            await asyncio.wait_for(self._http.post(base + "/abort_request", json={"rid": rid}), 2.0)
         except (httpx.HTTPError, TimeoutError) as e:
             log.debug("abort of %s on %s failed: %s", rid, base, e)
 
-    async def _control(
-        self,
-        method: str,
-        path: str,
-        *,
-        json: Any = None,
-        params: dict[str, Any] | None = None,
-        url: str | None = None,
-        retries: int | None = None,
-        timeout_s: float | None = None,
-    ) -> Any:
-        base = self._control_url(url)
-        t0 = time.monotonic()
-        resp, _ = await self._request(
-            method,
-            path,
-            json=json,
-            params=params,
-            url=base,
-            retries=retries,
-            total_timeout_s=timeout_s or self.control_timeout_s,
-        )
-        body = _json(resp)
+    async def _control(self, method: str, path: str, *, json: Any = None, url: str | None = None,
+                       retries: int | None = None, timeout_s: float | None = None) -> Any:
+        """One call to one server (``url``); ``success: false`` raises like a 4xx."""
+        base, t0 = self._control_url(url), time.monotonic()
+        resp, _ = await self._request(method, path, json=json, url=base, retries=retries,
+                                      total_timeout_s=timeout_s or self.control_timeout_s)
+        try:  # SGLang answers some control calls with an empty body or plain text
+            body = resp.json() if resp.content else None
+        except ValueError:
+            body = resp.text
         if isinstance(body, dict) and body.get("success") is False:
             raise RolloutRequestError(base + path, resp.status_code, str(body.get("message")))
         log.debug("%s %s%s: waited %.2fs", method, base, path, time.monotonic() - t0)
@@ -385,109 +239,41 @@ class SGLangClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    # ------------------------------------------------------------------ generation
-
-    async def generate(
-        self,
-        input_ids: Sequence[int],
-        sampling_params: dict[str, Any],
-        *,
-        return_logprob: bool = True,
-        rid: str | None = None,
-    ) -> SampleResult:
+    async def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
+                       return_logprob: bool = True, rid: str | None = None) -> Sample:
         """One sample for one prompt (one HTTP request, as slime sends them)."""
         if not input_ids:
             raise ValueError("generate: input_ids is empty")
         rid = rid or uuid.uuid4().hex
-        payload = {
-            "input_ids": [int(t) for t in input_ids],
-            "sampling_params": dict(sampling_params),
-            "return_logprob": return_logprob,
-            "rid": rid,
-        }
+        payload = {"input_ids": [int(t) for t in input_ids], "rid": rid,
+                   "sampling_params": dict(sampling_params), "return_logprob": return_logprob}
         resp, base = await self._request("POST", "/generate", json=payload, rid=rid, limited=True)
-        body = resp.json()
-        if isinstance(body, list):  # a server that answers n>1 style even for one sample
-            body = body[0]
-        return SampleResult.from_response(body, base, rid)
+        body = resp.json()  # a list from a server that answers n>1 style even for one sample
+        return _sample(input_ids, body[0] if isinstance(body, list) else body, base, rid)
 
-    async def generate_batch(
-        self,
-        input_ids: Sequence[Sequence[int]],
-        sampling_params: dict[str, Any] | Sequence[dict[str, Any]],
-        *,
-        return_logprob: bool = True,
-        rid: Sequence[str] | None = None,
-    ) -> list[SampleResult]:
+    async def generate_batch(self, input_ids: Sequence[Sequence[int]],
+                             sampling_params: dict[str, Any] | Sequence[dict[str, Any]], *,
+                             return_logprob: bool = True, rid: Sequence[str] | None = None,
+                             ) -> list[Sample]:
         """One batched request: one sample per prompt, in order (retried as a whole)."""
-        if not input_ids or any(len(p) == 0 for p in input_ids):
+        if not (n := len(input_ids)) or any(len(p) == 0 for p in input_ids):
             raise ValueError("generate_batch: empty batch or empty prompt")
         rids = list(rid) if rid is not None else [uuid.uuid4().hex for _ in input_ids]
-        if len(rids) != len(input_ids):
-            raise ValueError(f"generate_batch: {len(rids)} rids for {len(input_ids)} prompts")
+        if len(rids) != n:
+            raise ValueError(f"generate_batch: {len(rids)} rids for {n} prompts")
         if not isinstance(sampling_params, dict):
             sampling_params = [dict(p) for p in sampling_params]
-            if len(sampling_params) != len(input_ids):
+            if len(sampling_params) != n:
                 raise ValueError(
-                    f"generate_batch: {len(sampling_params)} sampling_params for "
-                    f"{len(input_ids)} prompts"
-                )
-        payload = {
-            "input_ids": [[int(t) for t in p] for p in input_ids],
-            "sampling_params": sampling_params,
-            "return_logprob": return_logprob,
-            "rid": rids,
-        }
+                    f"generate_batch: {len(sampling_params)} sampling_params for {n} prompts")
+        payload = {"input_ids": [[int(t) for t in p] for p in input_ids], "rid": rids,
+                   "sampling_params": sampling_params, "return_logprob": return_logprob}
         resp, base = await self._request("POST", "/generate", json=payload, limited=True)
-        body = resp.json()
-        if not isinstance(body, list) or len(body) != len(input_ids):
+        if not isinstance(body := resp.json(), list) or len(body) != n:
             raise RolloutError(
-                f"{base}/generate: expected a list of {len(input_ids)} results, got "
-                f"{type(body).__name__} of length {len(body) if isinstance(body, list) else 1}"
-            )
-        return [SampleResult.from_response(b, base, r) for b, r in zip(body, rids, strict=True)]
-
-    async def generate_groups(
-        self,
-        prompts: Sequence[Sequence[int]],
-        n: int,
-        sampling_params: dict[str, Any],
-        seeds: Sequence[Sequence[int]] | None = None,
-        *,
-        return_logprob: bool = True,
-    ) -> list[SampleResult]:
-        """``n`` samples per prompt, prompt-major ``[p0s0, p0s1, ..., p1s0, ...]``.
-
-        One concurrent request per sample; ``seeds[i][j]`` becomes sample (i, j)'s
-        ``sampling_seed``. If any sample fails for good the others are cancelled.
-        """
-        if n < 1:
-            raise ValueError(f"generate_groups: n must be >= 1, got {n}")
-        if seeds is not None and (len(seeds) != len(prompts) or any(len(s) != n for s in seeds)):
-            raise ValueError(f"generate_groups: seeds must be {len(prompts)} lists of {n} seeds")
-        tasks = []
-        for i, prompt in enumerate(prompts):
-            for j in range(n):
-                params = dict(sampling_params)
-                if seeds is not None:
-                    params["sampling_seed"] = int(seeds[i][j])
-                tasks.append(
-                    asyncio.ensure_future(
-                        self.generate(prompt, params, return_logprob=return_logprob)
-                    )
-                )
-        t0 = time.monotonic()
-        try:
-            results = await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        log.debug("generate_groups: %d samples in %.2fs", len(results), time.monotonic() - t0)
-        return list(results)
-
-    # ------------------------------------------------------------------ info
+                f"{base}/generate: expected a list of {n} results, got "
+                f"{type(body).__name__} of length {len(body) if isinstance(body, list) else 1}")
+        return [_sample(p, b, base, r) for p, b, r in zip(input_ids, body, rids, strict=True)]
 
     async def health_generate(self, *, url: str | None = None, timeout_s: float = 20.0) -> bool:
         """True when the server answers ``/health_generate`` with 200 within ``timeout_s``."""
@@ -499,13 +285,14 @@ class SGLangClient:
         return True
 
     async def _get_with_fallback(self, paths: Sequence[str], url: str | None) -> Any:
-        for i, path in enumerate(paths):
+        """GET the first of ``paths`` the server has (404/405: try the next, older name)."""
+        for path in paths[:-1]:
             try:
                 return await self._control("GET", path, url=url)
             except RolloutRequestError as e:
-                if e.status not in (404, 405) or i == len(paths) - 1:
+                if e.status not in (404, 405):
                     raise
-        raise AssertionError("unreachable")
+        return await self._control("GET", paths[-1], url=url)
 
     async def model_info(self, *, url: str | None = None) -> dict[str, Any]:
         """``/model_info`` (falls back to the older ``/get_model_info``)."""
@@ -515,18 +302,20 @@ class SGLangClient:
         """``/server_info`` (falls back to the older ``/get_server_info``)."""
         return await self._get_with_fallback(("/server_info", "/get_server_info"), url)
 
+    async def loads(self, *, url: str | None = None) -> Any:
+        """``/v1/loads`` (falls back to the older ``/get_load``)."""
+        return await self._get_with_fallback(("/v1/loads", "/get_load"), url)
+
     async def weight_version(self, *, url: str | None = None) -> str:
         """The weight version the server serves now (``/model_info``, else the old endpoint)."""
         info = await self.model_info(url=url)
         if isinstance(info, dict) and info.get("weight_version") is not None:
             return str(info["weight_version"])
-        body = await self._control("GET", "/get_weight_version", url=url)
-        return str(body["weight_version"])
+        return str((await self._control("GET", "/get_weight_version", url=url))["weight_version"])
 
     async def weights_checksum(self, *, url: str | None = None) -> str | None:
-        """The checksum of the served weights (:func:`rl_core.weight_sync.weights_checksum`,
-        the embedded engine's ``/weights_checksum``); ``None`` from a server without that
-        endpoint (real SGLang answers 404)."""
+        """The checksum of the served weights (the embedded engine's ``/weights_checksum``);
+        ``None`` from a server without that endpoint (real SGLang answers 404)."""
         try:
             body = await self._control("GET", "/weights_checksum", url=url)
         except RolloutRequestError as e:
@@ -534,8 +323,6 @@ class SGLangClient:
                 return None
             raise
         return str(body["checksum"])
-
-    # ------------------------------------------------------------------ control
 
     async def pause(self, mode: str = "abort", *, url: str | None = None) -> None:
         """``/pause_generation`` (old servers take no body: retried once without it)."""
@@ -554,23 +341,18 @@ class SGLangClient:
 
     async def flush_cache(self, *, url: str | None = None, wait_s: float = 60.0) -> None:
         """``/flush_cache``; SGLang answers 400 while requests run, so retry until ``wait_s``."""
-        base = self._control_url(url)
-        t0 = time.monotonic()
-        pause = 0.05
+        base, t0, pause = self._control_url(url), time.monotonic(), 0.05
         while True:
             try:
                 await self._control("POST", "/flush_cache", url=base)
             except RolloutRequestError as e:
-                waited = time.monotonic() - t0
-                if e.status != 400 or waited >= wait_s:
+                if (waited := time.monotonic() - t0) >= wait_s or e.status != 400:
                     raise RolloutRequestError(
-                        e.url, e.status, f"{e.message} (gave up after {waited:.1f}s)"
-                    ) from e
+                        e.url, e.status, f"{e.message} (gave up after {waited:.1f}s)") from e
                 await asyncio.sleep(min(pause, max(0.01, wait_s - waited)))
                 pause = min(1.0, pause * 2)
                 continue
-            waited = time.monotonic() - t0
-            if waited > 1.0:
+            if (waited := time.monotonic() - t0) > 1.0:
                 log.info("flush_cache %s: waited %.1fs for running requests", base, waited)
             return
 
@@ -580,155 +362,77 @@ class SGLangClient:
             raise ValueError("abort: pass rid= or abort_all=True (exactly one)")
         body: dict[str, Any] = {"abort_all": True} if abort_all else {"rid": rid}
         known = self._inflight.get(rid) if rid is not None else None
-        targets = [known] if known else self.base_urls
-        await asyncio.gather(
-            *(self._control("POST", "/abort_request", json=body, url=u, retries=1) for u in targets)
-        )
+        await asyncio.gather(*(self._control("POST", "/abort_request", json=body, url=u, retries=1)
+                               for u in ([known] if known else self.base_urls)))
 
     async def update_weights_from_disk(
-        self,
-        model_path: str,
-        weight_version: int | str | None = None,
-        *,
-        url: str | None = None,
-        flush_cache: bool = True,
-        abort_all_requests: bool = False,
-        timeout_s: float | None = None,
-    ) -> dict[str, Any]:
+        self, model_path: str, weight_version: int | str | None = None, *,
+        url: str | None = None, flush_cache: bool = True, abort_all_requests: bool = False,
+        timeout_s: float | None = None) -> dict[str, Any]:
         """``/update_weights_from_disk``: reload weights from ``model_path`` (safetensors)."""
-        body: dict[str, Any] = {
-            "model_path": str(model_path),
-            "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests,
-        }
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
-        return await self._control(
-            "POST",
-            "/update_weights_from_disk",
-            json=body,
-            url=url,
-            retries=1,
-            timeout_s=timeout_s,
-        )
+        body = {"model_path": str(model_path), "flush_cache": flush_cache,
+                "abort_all_requests": abort_all_requests, **_version(weight_version)}
+        return await self._control("POST", "/update_weights_from_disk", json=body, url=url,
+                                   retries=1, timeout_s=timeout_s)
 
     async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        *,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-        url: str | None = None,
-        timeout_s: float | None = None,
-    ) -> dict[str, Any]:
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, *,
+        group_name: str = _GROUP, backend: str = "nccl", url: str | None = None,
+        timeout_s: float | None = None) -> dict[str, Any]:
         """``/init_weights_update_group`` (a rendezvous: never retried)."""
-        body = {
-            "master_address": master_address,
-            "master_port": int(master_port),
-            "rank_offset": int(rank_offset),
-            "world_size": int(world_size),
-            "group_name": group_name,
-            "backend": backend,
-        }
-        return await self._control(
-            "POST",
-            "/init_weights_update_group",
-            json=body,
-            url=url,
-            retries=0,
-            timeout_s=timeout_s,
-        )
+        body = {"master_address": master_address, "master_port": int(master_port),
+                "rank_offset": int(rank_offset), "world_size": int(world_size),
+                "group_name": group_name, "backend": backend}
+        return await self._control("POST", "/init_weights_update_group", json=body, url=url,
+                                   retries=0, timeout_s=timeout_s)
 
     async def update_weights_from_distributed(
-        self,
-        names: Sequence[str],
-        dtypes: Sequence[str],
-        shapes: Sequence[Sequence[int]],
-        *,
-        group_name: str = "weight_update_group",
-        weight_version: int | str | None = None,
-        flush_cache: bool = True,
-        abort_all_requests: bool = False,
-        load_format: str | None = None,
-        url: str | None = None,
-        timeout_s: float | None = None,
+        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], *,
+        group_name: str = _GROUP, weight_version: int | str | None = None,
+        flush_cache: bool = True, abort_all_requests: bool = False,
+        load_format: str | None = None, url: str | None = None, timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """``/update_weights_from_distributed``: receive one bucket broadcast (never retried)."""
-        body: dict[str, Any] = {
-            "names": list(names),
-            "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
-            "shapes": [list(s) for s in shapes],
-            "group_name": group_name,
-            "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests,
-            "load_format": load_format,
-        }
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
-        return await self._control(
-            "POST",
-            "/update_weights_from_distributed",
-            json=body,
-            url=url,
-            retries=0,
-            timeout_s=timeout_s,
-        )
+        body = {"names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+                "shapes": [list(s) for s in shapes], "group_name": group_name,
+                "flush_cache": flush_cache, "abort_all_requests": abort_all_requests,
+                "load_format": load_format, **_version(weight_version)}
+        return await self._control("POST", "/update_weights_from_distributed", json=body, url=url,
+                                   retries=0, timeout_s=timeout_s)
 
-    async def destroy_weights_update_group(
-        self, group_name: str = "weight_update_group", *, url: str | None = None
-    ) -> dict[str, Any]:
+    async def destroy_weights_update_group(self, group_name: str = _GROUP, *,
+                                           url: str | None = None) -> dict[str, Any]:
         """``/destroy_weights_update_group``."""
-        return await self._control(
-            "POST",
-            "/destroy_weights_update_group",
-            json={"group_name": group_name},
-            url=url,
-            retries=0,
-        )
+        return await self._control("POST", "/destroy_weights_update_group",
+                                   json={"group_name": group_name}, url=url, retries=0)
 
-    async def update_weight_version(
-        self, version: int | str, *, abort_all_requests: bool = False, url: str | None = None
-    ) -> dict[str, Any]:
+    async def update_weight_version(self, version: int | str, *, abort_all_requests: bool = False,
+                                    url: str | None = None) -> dict[str, Any]:
         """``/update_weight_version``: relabel the served weights."""
         body = {"new_version": str(version), "abort_all_requests": abort_all_requests}
         return await self._control("POST", "/update_weight_version", json=body, url=url)
 
-    async def release_memory(
-        self, tags: Sequence[str] | None = None, *, url: str | None = None
-    ) -> None:
+    async def release_memory(self, tags: Sequence[str] | None = None, *,
+                             url: str | None = None) -> None:
         """``/release_memory_occupation`` (``tags=None``: weights, KV cache and CUDA graphs)."""
-        body = {"tags": list(tags) if tags is not None else None}
-        await self._control("POST", "/release_memory_occupation", json=body, url=url)
+        await self._control("POST", "/release_memory_occupation", json=_tags(tags), url=url)
 
-    async def resume_memory(
-        self, tags: Sequence[str] | None = None, *, url: str | None = None
-    ) -> None:
+    async def resume_memory(self, tags: Sequence[str] | None = None, *,
+                            url: str | None = None) -> None:
         """``/resume_memory_occupation``."""
-        body = {"tags": list(tags) if tags is not None else None}
-        await self._control("POST", "/resume_memory_occupation", json=body, url=url)
-
-    async def loads(self, *, url: str | None = None) -> Any:
-        """``/v1/loads`` (falls back to the older ``/get_load``)."""
-        return await self._get_with_fallback(("/v1/loads", "/get_load"), url)
+        await self._control("POST", "/resume_memory_occupation", json=_tags(tags), url=url)
 
 
 class SyncSGLangClient:
-    """An :class:`SGLangClient` for synchronous callers.
-
-    The async client lives on a private event loop in a daemon thread; every coroutine
-    method of :class:`SGLangClient` is available here as a blocking call with the same
-    signature (``client.generate_groups(...)`` returns the list). ``run(coro)`` runs any
-    coroutine on that loop. Safe to call from several threads; ``close()`` stops the loop.
-    """
+    """An :class:`SGLangClient` for synchronous callers: the async client lives on a private
+    event loop in a daemon thread; every coroutine method of :class:`SGLangClient` is a blocking
+    call here, with the same signature (``client.generate_batch(...)`` returns the list).
+    ``run(coro)`` runs any coroutine on that loop. Thread-safe; ``close()`` stops the loop."""
 
     def __init__(self, base_urls: str | Sequence[str], **kwargs: Any) -> None:
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="sglang-client-loop", daemon=True
-        )
+        self._thread = threading.Thread(target=self._loop.run_forever,
+                                        name="sglang-client-loop", daemon=True)
         self._thread.start()
         self._closed = False
 
@@ -739,12 +443,10 @@ class SyncSGLangClient:
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         """Run ``coro`` on the client's loop and wait for it (at most ``timeout_s``)."""
-        if self._closed:
+        if self._closed or threading.current_thread() is self._thread:
             coro.close()
-            raise RuntimeError("SyncSGLangClient is closed")
-        if threading.current_thread() is self._thread:
-            coro.close()
-            raise RuntimeError("SyncSGLangClient.run called from its own event loop thread")
+            raise RuntimeError("SyncSGLangClient is closed" if self._closed else
+                               "SyncSGLangClient.run called from its own event loop thread")
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return fut.result(timeout_s)
@@ -759,15 +461,14 @@ class SyncSGLangClient:
         if name.startswith("_") or name == "aio":  # not set yet: no recursion
             raise AttributeError(name)
         attr = getattr(self.aio, name)
-        if inspect.iscoroutinefunction(attr):
+        if not inspect.iscoroutinefunction(attr):
+            return attr
 
-            def call(*args: Any, **kwargs: Any) -> Any:
-                return self.run(attr(*args, **kwargs))
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self.run(attr(*args, **kwargs))
 
-            call.__name__ = name
-            call.__doc__ = attr.__doc__
-            return call
-        return attr
+        call.__name__, call.__doc__ = name, attr.__doc__
+        return call
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Close the HTTP connections and stop the loop thread (idempotent)."""

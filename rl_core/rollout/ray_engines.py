@@ -17,22 +17,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import ray
 
-from rl_core.rollout.sglang_launcher import free_port, start_process, stop_process
+from rl_core.rollout.launch import free_port, start_process, stop_process
 
-__all__ = [
-    "EngineActor",
-    "RayActorLauncher",
-    "RayEngineProcess",
-    "arrays_to_tensors",
-    "tensors_to_arrays",
-]
+__all__ = ["EngineActor", "RayActorLauncher", "RayEngineProcess"]
 
 log = logging.getLogger(__name__)
 
@@ -40,47 +37,34 @@ log = logging.getLogger(__name__)
 class EngineActor:
     """Runs ``command(index, port)`` on this actor's node (wrapped by ``ray.remote``)."""
 
-    def __init__(
-        self,
-        command: Any,
-        index: int,
-        log_path: str,
-        env: Mapping[str, str] | None = None,
-        host: str | None = None,
-    ) -> None:
-        import os
-
+    def __init__(self, command: Any, index: int, log_path: str,
+                 env: Mapping[str, str] | None = None, host: str | None = None) -> None:
         self.host = host or ray.util.get_node_ip_address()
         self.port = free_port(self.host)
         argv = list(command(index, self.port))
-        if "--host" not in argv and "rl_core.rollout.server" in argv:
+        if "--host" not in argv and "rl_core.engine.server" in argv:
             argv += ["--host", self.host]
-        full_env = {**os.environ, **(env or {})}
-        self.proc = start_process(argv, log_path, env=full_env)
+        self.proc = start_process(argv, log_path, env={**os.environ, **(env or {})})
 
     def address(self) -> tuple[str, int, int]:
         return self.host, self.port, self.proc.pid
 
-    def load_weights(
-        self, arrays: Mapping[str, Any], version: str, staging_dir: str, timeout_s: float
-    ) -> str:
+    def load_weights(self, arrays: Mapping[str, Any], version: str, staging_dir: str,
+                     timeout_s: float) -> str:
         """``object_store`` sync: weights arrive through Ray's object store (numpy arrays come
         out without a copy), go to a node-local safetensors directory, and this node's
         server loads them (``/update_weights_from_disk``). Returns the server's answer."""
-        import shutil
-
-        import httpx
         from safetensors.torch import save_file
+
+        from rl_core.weight_sync.source import from_arrays
 
         target = Path(staging_dir) / f"engine-{self.port}" / f"v{version}"
         shutil.rmtree(target.parent, ignore_errors=True)
         target.mkdir(parents=True)
-        save_file(arrays_to_tensors(arrays), str(target / "model.safetensors"))
-        resp = httpx.post(
-            f"http://{self.host}:{self.port}/update_weights_from_disk",
-            json={"model_path": str(target), "weight_version": version, "flush_cache": True},
-            timeout=timeout_s,
-        )
+        save_file(from_arrays(arrays), str(target / "model.safetensors"))
+        resp = httpx.post(f"http://{self.host}:{self.port}/update_weights_from_disk", json={
+            "model_path": str(target), "weight_version": version, "flush_cache": True,
+        }, timeout=timeout_s)
         body = resp.json()
         if resp.status_code != 200 or not body.get("success", False):
             raise RuntimeError(f"{self.host}:{self.port} refused the weights: {body}")
@@ -91,35 +75,6 @@ class EngineActor:
 
     def stop(self, timeout_s: float) -> int | None:
         return stop_process(self.proc, timeout_s)
-
-
-def tensors_to_arrays(weights: Mapping[str, Any]) -> dict[str, Any]:
-    """Named torch tensors as numpy arrays for the object store (bf16/fp16 travel as their
-    raw 16-bit patterns: numpy has no bfloat16); see :func:`arrays_to_tensors`."""
-    import torch
-
-    out: dict[str, Any] = {}
-    for name, t in weights.items():
-        t = t.detach().cpu().contiguous()
-        if t.dtype in (torch.bfloat16, torch.float16):
-            out[name] = (str(t.dtype).removeprefix("torch."), t.view(torch.int16).numpy())
-        else:
-            out[name] = t.numpy()
-    return out
-
-
-def arrays_to_tensors(arrays: Mapping[str, Any]) -> dict[str, Any]:
-    """The inverse of :func:`tensors_to_arrays` (contiguous CPU tensors)."""
-    import torch
-
-    out = {}
-    for name, a in arrays.items():
-        if isinstance(a, tuple):
-            dtype, raw = a
-            out[name] = torch.from_numpy(raw.copy()).view(getattr(torch, dtype))
-        else:
-            out[name] = torch.from_numpy(a.copy())
-    return out
 
 
 class RayEngineProcess:
@@ -160,26 +115,16 @@ class RayActorLauncher:
     scheduling strategy from :mod:`rl_core.cluster.ray_cluster`).
     """
 
-    def __init__(
-        self,
-        command: Any,
-        options: Sequence[Mapping[str, Any]],
-        *,
-        env: Mapping[str, str] | None = None,
-        start_timeout_s: float = 300.0,
-        call_timeout_s: float = 10.0,
-    ) -> None:
-        self.command = command
-        self.options = list(options)
-        self.env = dict(env or {})
-        self.start_timeout_s = start_timeout_s
-        self.call_timeout_s = call_timeout_s
+    def __init__(self, command: Any, options: Sequence[Mapping[str, Any]], *,
+                 env: Mapping[str, str] | None = None, start_timeout_s: float = 300.0,
+                 call_timeout_s: float = 10.0) -> None:
+        self.command, self.options, self.env = command, list(options), dict(env or {})
+        self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
         self._cls = ray.remote(EngineActor)
 
     def spawn(self, index: int, port: int, log_path: Path) -> tuple[RayEngineProcess, str, int]:
         """Start engine ``index``'s actor; ``port`` is ignored (the actor picks one on its
-        node). Returns ``(proc, host, port)`` as :class:`~rl_core.rollout.pool.EnginePool`
-        expects."""
+        node). Returns ``(proc, host, port)`` as the pool expects."""
         t0 = time.monotonic()
         opts = dict(self.options[index % len(self.options)]) if self.options else {}
         opts.setdefault("num_cpus", 0)
@@ -190,10 +135,8 @@ class RayActorLauncher:
         except Exception:
             ray.kill(actor, no_restart=True)
             raise
-        log.info(
-            "engine %d: actor up at %s:%d (server pid %d) in %.1fs",
-            index, host, port, pid, time.monotonic() - t0,
-        )  # fmt: skip
+        log.info("engine %d: actor up at %s:%d (server pid %d) in %.1fs", index, host, port, pid,
+                 time.monotonic() - t0)
         return RayEngineProcess(actor, host, port, pid, self.call_timeout_s), host, port
 
     def stop(self, proc: RayEngineProcess, timeout_s: float) -> None:

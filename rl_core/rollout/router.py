@@ -1,12 +1,11 @@
 """The real ``sglang-router`` as a managed subprocess, and its worker API.
 
 :class:`RouterProcess` runs ``python -m sglang_router.launch_router`` on 127.0.0.1, waits
-(bounded) until it answers, and registers / removes engines through the worker API:
-``POST /workers`` and ``DELETE /workers/{id}`` (router >= 0.3), falling back to the legacy
-``POST /add_worker?url=`` / ``POST /remove_worker?url=`` when the new routes are missing.
-Worker registration is asynchronous in the router (202, queued job), so ``add_worker`` and
-``remove_worker`` wait until ``GET /workers`` shows the change. The router's output goes to
-``<log_dir>/router-<port>.log``.
+(bounded) until it answers (log: ``<log_dir>/router-<port>.log``), and registers / removes
+engines through the worker API: ``POST /workers`` and ``DELETE /workers/{id}`` (router >=
+0.3), falling back to the legacy ``POST /add_worker?url=`` / ``POST /remove_worker?url=``.
+Registration is asynchronous in the router (202, queued job), so ``add_worker`` and
+``remove_worker`` wait until ``GET /workers`` shows the change.
 
 Never imports Prefect or MLflow; never binds anything but 127.0.0.1 (the Prometheus
 exporter included); never leaves the router running after ``stop()`` or the ``with`` block.
@@ -25,7 +24,7 @@ from urllib.parse import quote
 
 import httpx
 
-from rl_core.rollout.sglang_launcher import free_port, log_tail, start_process, stop_process
+from rl_core.rollout.launch import free_port, log_tail, start_process, stop_process
 
 __all__ = ["RouterError", "RouterProcess", "RouterPolicy"]
 
@@ -49,38 +48,25 @@ class RouterProcess:
     """
 
     def __init__(
-        self,
-        worker_urls: Sequence[str] = (),
-        *,
-        log_dir: str | Path,
-        port: int | None = None,
-        policy: RouterPolicy = "cache_aware",
-        request_timeout_s: float = 1800.0,
-        health_check_interval_s: float = 10.0,
-        health_check_timeout_s: float = 5.0,
-        health_failure_threshold: int = 3,
-        retries: int = 3,
-        startup_timeout_s: float = 60.0,
-        api_timeout_s: float = 10.0,
-        extra_args: Sequence[str] = (),
-        python: str = sys.executable,
+        self, worker_urls: Sequence[str] = (), *, log_dir: str | Path, port: int | None = None,
+        policy: RouterPolicy = "cache_aware", request_timeout_s: float = 1800.0,
+        health_check_interval_s: float = 10.0, health_check_timeout_s: float = 5.0,
+        health_failure_threshold: int = 3, retries: int = 3, startup_timeout_s: float = 60.0,
+        api_timeout_s: float = 10.0, extra_args: Sequence[str] = (), python: str = sys.executable,
     ) -> None:
         if policy not in _POLICIES:
             raise ValueError(f"router policy={policy!r}; allowed values: {list(_POLICIES)}")
         self.host = "127.0.0.1"
         self.port = port or free_port(self.host)
-        self.policy = policy
+        self.policy, self.python = policy, python
         self.initial_workers = [u.rstrip("/") for u in worker_urls]
         self.log_path = Path(log_dir) / f"router-{self.port}.log"
-        self.request_timeout_s = request_timeout_s
+        self.request_timeout_s, self.retries = request_timeout_s, retries
         self.health_check_interval_s = health_check_interval_s
         self.health_check_timeout_s = health_check_timeout_s
         self.health_failure_threshold = health_failure_threshold
-        self.retries = retries
-        self.startup_timeout_s = startup_timeout_s
-        self.api_timeout_s = api_timeout_s
+        self.startup_timeout_s, self.api_timeout_s = startup_timeout_s, api_timeout_s
         self.extra_args = [str(a) for a in extra_args]
-        self.python = python
         self.proc: subprocess.Popen | None = None
         self._http = httpx.Client(timeout=httpx.Timeout(api_timeout_s, connect=2.0))
 
@@ -92,9 +78,7 @@ class RouterProcess:
         """The router's command line (flags as ``sglang-router`` 0.3.2 spells them)."""
         cmd = [
             self.python, "-m", "sglang_router.launch_router",
-            "--host", self.host,
-            "--port", str(self.port),
-            "--policy", self.policy,
+            "--host", self.host, "--port", str(self.port), "--policy", self.policy,
             "--request-timeout-secs", str(int(self.request_timeout_s)),
             "--health-check-interval-secs", str(max(1, int(self.health_check_interval_s))),
             "--health-check-timeout-secs", str(max(1, int(self.health_check_timeout_s))),
@@ -103,14 +87,12 @@ class RouterProcess:
             "--worker-startup-timeout-secs", str(max(1, int(self.startup_timeout_s))),
             "--worker-startup-check-interval", "1",
             "--retry-max-retries", str(max(1, self.retries + 1)),
-            "--retry-initial-backoff-ms", "50",
-            "--retry-max-backoff-ms", "2000",
+            "--retry-initial-backoff-ms", "50", "--retry-max-backoff-ms", "2000",
             # A dead engine is the pool's business; the breaker would hide a restarted one.
             "--disable-circuit-breaker",
-            "--prometheus-host", self.host,
-            "--prometheus-port", str(free_port(self.host)),
+            "--prometheus-host", self.host, "--prometheus-port", str(free_port(self.host)),
             "--log-level", "info",
-        ]  # fmt: skip
+        ]
         if self.initial_workers:
             cmd += ["--worker-urls", *self.initial_workers]
         return cmd + self.extra_args
@@ -130,14 +112,8 @@ class RouterProcess:
         except BaseException:
             self.stop()
             raise
-        log.info(
-            "router %s (%s) up after %.1fs with %d worker(s); log %s",
-            self.url,
-            self.policy,
-            time.monotonic() - t0,
-            len(self.initial_workers),
-            self.log_path,
-        )
+        log.info("router %s (%s) up after %.1fs with %d worker(s); log %s", self.url, self.policy,
+                 time.monotonic() - t0, len(self.initial_workers), self.log_path)
         return self
 
     def _wait_alive(self, deadline: float) -> None:
@@ -145,10 +121,8 @@ class RouterProcess:
         while True:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise RouterError(
-                    f"router exited with code {self.proc.returncode} during startup; log "
-                    f"{self.log_path}:\n{log_tail(self.log_path)}"
-                )
+                raise RouterError(f"router exited with code {self.proc.returncode} during "
+                                  f"startup; log {self.log_path}:\n{log_tail(self.log_path)}")
             try:
                 resp = self._http.get(self.url + "/liveness", timeout=2.0)
                 if resp.status_code == 200:
@@ -157,11 +131,9 @@ class RouterProcess:
             except httpx.HTTPError as e:
                 last = type(e).__name__
             if time.monotonic() >= deadline:
-                raise RouterError(
-                    f"router {self.url} did not answer /liveness within "
-                    f"{self.startup_timeout_s:.0f}s (last: {last}); log {self.log_path}:\n"
-                    f"{log_tail(self.log_path)}"
-                )
+                raise RouterError(f"router {self.url} did not answer /liveness within "
+                                  f"{self.startup_timeout_s:.0f}s (last: {last}); log "
+                                  f"{self.log_path}:\n{log_tail(self.log_path)}")
             time.sleep(0.1)
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -207,10 +179,7 @@ class RouterProcess:
         resp = self._http.post(self.url + "/workers", json={"url": url})
         if resp.status_code in (404, 405):
             resp = self._http.post(self.url + "/add_worker", params={"url": url})
-        if resp.status_code >= 400:
-            raise RouterError(
-                f"router {self.url}: adding {url}: HTTP {resp.status_code}: {resp.text[:300]}"
-            )
+        self._check(resp, f"adding {url}")
         self._wait_listed(url, present=True, deadline=deadline)
         log.info("router %s: added worker %s", self.url, url)
 
@@ -222,18 +191,18 @@ class RouterProcess:
         if not records:
             return
         worker_id = records[0].get("id")
-        if worker_id:
-            resp = self._http.delete(f"{self.url}/workers/{quote(str(worker_id), safe='')}")
-        else:
-            resp = httpx.Response(404)
+        resp = (self._http.delete(f"{self.url}/workers/{quote(str(worker_id), safe='')}")
+                if worker_id else httpx.Response(404))
         if resp.status_code in (404, 405):
             resp = self._http.post(self.url + "/remove_worker", params={"url": url})
-        if resp.status_code >= 400:
-            raise RouterError(
-                f"router {self.url}: removing {url}: HTTP {resp.status_code}: {resp.text[:300]}"
-            )
+        self._check(resp, f"removing {url}")
         self._wait_listed(url, present=False, deadline=deadline)
         log.info("router %s: removed worker %s", self.url, url)
+
+    def _check(self, resp: httpx.Response, what: str) -> None:
+        if resp.status_code >= 400:
+            raise RouterError(f"router {self.url}: {what}: HTTP {resp.status_code}: "
+                              f"{resp.text[:300]}")
 
     def _wait_listed(self, url: str, *, present: bool, deadline: float) -> None:
         t0 = time.monotonic()
@@ -244,24 +213,15 @@ class RouterProcess:
                 records, err = {}, e
             else:
                 err = None
-                if present:
-                    done = url in records and records[url].get("is_healthy", True)
-                else:
-                    done = url not in records
-                if done:
-                    log.debug(
-                        "router %s: waited %.2fs for %s to be %s",
-                        self.url,
-                        time.monotonic() - t0,
-                        url,
-                        "listed" if present else "gone",
-                    )
+                listed = url in records and records[url].get("is_healthy", True)
+                if listed if present else url not in records:
+                    log.debug("router %s: waited %.2fs for %s to be %s", self.url,
+                              time.monotonic() - t0, url, "listed" if present else "gone")
                     return
             if time.monotonic() >= deadline:
                 state = "listed and healthy" if present else "removed"
                 raise RouterError(
                     f"router {self.url}: {url} not {state} after {time.monotonic() - t0:.1f}s"
                     f"{f' ({err})' if err else ''}; router log {self.log_path}:\n"
-                    f"{log_tail(self.log_path, 10)}"
-                )
+                    f"{log_tail(self.log_path, 10)}")
             time.sleep(0.1)

@@ -1,40 +1,21 @@
 """Trainer ranks: torch trainers in Ray actors that form one ``torch.distributed`` group.
 
 :class:`TrainerGroup` (driver side) starts ``num_ranks`` :class:`TrainerRank` actors, joins
-them into one process group (gloo on CPU; NCCL on CUDA, which is RCCL on ROCm: torch calls
-both "nccl") and offers the single-rank :class:`~rl_core.training.torch_trainer.TorchTrainer`
-interface, so the loop does not change: ``compute_logprobs``, ``train_step``,
-``export_weights``, ``save_pretrained``, ``save_state``/``load_state``, ``needs_old_logp``,
-``has_ref_model``, ``global_step``.
+them into one process group (gloo on CPU; "nccl" on CUDA, RCCL on ROCm) and offers the
+single-rank :class:`~rl_core.interfaces.Trainer` interface, so the loop does not change.
 
-Data parallel, exactly: the driver cuts the batch into the mini-batches one rank would use
-and gives every rank an equal slice of each (short slices padded with zero-weight rows, so
-every rank runs the same number of forward passes, which FSDP2's collectives require). Each
-rank normalises its loss by the mini-batch's *global* token and sequence counts, and the
-gradients are summed across ranks (DDP and FSDP2 would average them), so one optimizer
-step on N ranks equals one on a single rank holding the whole mini-batch. Metrics are
-reduced across ranks the same way. ``data_parallel="ddp"`` (the CPU default) replicates
-the model; ``"fsdp2"`` (``fully_shard``, the GPU default) shards it. Both run on gloo too,
-so the CPU tests cover both code paths.
-
-With ``train.backend: megatron`` each rank holds a
-:class:`~rl_core.training.megatron.trainer.MegatronTrainer` instead, laid out TP x PP x DP by
-megatron's process groups over the same default group: the driver gives every rank of a
-data-parallel replica that replica's slice, and keeps the log-probs of the ranks the
-trainer says report (TP rank 0 of the last pipeline stage). Its checkpoints add megatron's
-``dist_checkpointing`` files beside the same HF ``model/``.
-
-Every wait is bounded: the process group's timeout bounds each collective, and every
-``ray.get`` is bounded by ``timeout_s``; a failure names the rank. A failed call leaves the
-group unusable (a peer may be stuck in a collective): shut it down and start a new one from
-the latest checkpoint.
-
-Checkpoints have the single-rank layout (``model/`` in HF format, ``trainer_state.pt`` with
-the optimizer state keyed by parameter index), whatever the world size or sharding, so a
-run can resume on a different number of ranks.
+Data parallel, exactly: every rank gets an equal slice of each mini-batch (short slices padded
+with zero-weight rows), normalises its loss by the mini-batch's *global* counts, and gradients
+are summed, not averaged: N ranks make the step one rank holding the whole mini-batch makes.
+``data_parallel="ddp"`` (CPU default) replicates the model, ``"fsdp2"`` (GPU default) shards it;
+with ``train.backend=megatron`` each rank holds a ``MegatronTrainer``. Checkpoints have the
+single-rank layout whatever the world size: runs resume on any number of ranks. Every wait is
+bounded (the group's timeout per collective, ``timeout_s`` per ``ray.get``); a failure names the
+rank and leaves the group unusable: start a new one from the latest checkpoint (docs/training.md).
 
 Never imports Prefect or MLflow; never touches the rollout plane.
 """
+
 
 from __future__ import annotations
 
@@ -42,7 +23,6 @@ import contextlib
 import inspect
 import os
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -53,34 +33,24 @@ import numpy as np
 import ray
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint import state_dict as dcp
 
 from rl_core.config import AlgorithmConfig, TrainConfig
-from rl_core.training.batch import TrainBatch
-from rl_core.training.torch_trainer import MiniBatch, TorchTrainer, check_loaded, read_weights
+from rl_core.models import read_weights
+from rl_core.training.torch_trainer import MiniBatch, TorchTrainer, check_loaded
+from rl_core.types import Batch
 from rl_core.weight_sync.process_group import host_tcp_store
+from rl_core.weight_sync.source import from_arrays, to_arrays
 
-__all__ = [
-    "DataParallel",
-    "TrainerGroup",
-    "TrainerRank",
-    "TrainerRankError",
-    "shard_for_logprobs",
-    "shard_for_training",
-]
+__all__ = ["DataParallel", "TrainerGroup", "TrainerRank", "TrainerRankError", "shard_for_logprobs",
+           "shard_for_training"]
 
 DataParallel = Literal["ddp", "fsdp2"]
 
 # How long a failed call waits for the other ranks' outcomes, so the message names the rank
 # that died rather than the peer whose collective broke because of it.
 _FAILURE_GRACE_S = 2.0
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_FULL = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 class TrainerRankError(RuntimeError):
@@ -91,9 +61,6 @@ class TrainerRankError(RuntimeError):
         self.ranks = list(ranks)
 
 
-# ------------------------------------------------------------------------- sharding
-
-
 def _pad_split(rows: torch.Tensor, world: int) -> list[tuple[torch.Tensor, int]]:
     """``rows`` cut into ``world`` contiguous slices of equal length, short ones padded by
     repeating ``rows[0]``; each with how many of its rows are real."""
@@ -102,31 +69,24 @@ def _pad_split(rows: torch.Tensor, world: int) -> list[tuple[torch.Tensor, int]]
     return [(torch.cat([p, rows[:1].repeat(width - len(p))]), len(p)) for p in parts]
 
 
-def shard_for_logprobs(batch: TrainBatch, world: int) -> list[tuple[TrainBatch, torch.Tensor]]:
+def shard_for_logprobs(batch: Batch, world: int) -> list[tuple[Batch, torch.Tensor]]:
     """Each rank's rows (equal counts; padding rows at the end) and the global rows its
     first ``len(rows)`` results belong to."""
     if batch.size == 0:
         raise ValueError("empty batch")
-    return [
-        (batch.select(padded), padded[:n_real])
-        for padded, n_real in _pad_split(torch.arange(batch.size), world)
-    ]
+    return [(batch.select(padded), padded[:n_real])
+            for padded, n_real in _pad_split(torch.arange(batch.size), world)]
 
 
-def shard_for_training(
-    batch: TrainBatch, world: int, mini_batches: int
-) -> list[tuple[TrainBatch, list[MiniBatch]]]:
-    """Each rank's rows and its :class:`MiniBatch` plan for one ``train_step``.
-
-    Mini-batches are the single-rank ones (``arange(B).chunk(mini_batches)``); each is split
-    across ranks, with the global counts attached. Padding rows have an empty response mask:
-    they add nothing to the loss, the gradient or the metrics.
-    """
+def shard_for_training(batch: Batch, world: int,
+                       mini_batches: int) -> list[tuple[Batch, list[MiniBatch]]]:
+    """Each rank's rows and its :class:`MiniBatch` plan for one ``train_step``: the single-rank
+    mini-batches (``arange(B).chunk(mini_batches)``), each split across ranks with the global
+    counts attached. Padding rows have an empty response mask: they add nothing to the loss, the
+    gradient or the metrics."""
     if batch.size == 0:
         raise ValueError("empty batch")
-    rows: list[list[int]] = [[] for _ in range(world)]
-    real: list[list[bool]] = [[] for _ in range(world)]
-    plans: list[list[MiniBatch]] = [[] for _ in range(world)]
+    rows, real, plans = ([[] for _ in range(world)] for _ in range(3))  # per rank
     for mini in torch.arange(batch.size).chunk(mini_batches):
         tokens, seqs = float(batch.response_mask[mini].sum()), float(len(mini))
         for r, (part, n_real) in enumerate(_pad_split(mini, world)):
@@ -140,9 +100,6 @@ def shard_for_training(
         local.response_mask &= torch.tensor(real[r]).unsqueeze(-1)
         shards.append((local, plans[r]))
     return shards
-
-
-# ---------------------------------------------------------------------- one rank
 
 
 def _sum_gradients(group, bucket):  # noqa: ANN001, ANN202 - DDP rejects string annotations
@@ -166,17 +123,13 @@ def _fully_shard(model: torch.nn.Module) -> None:
 
 
 class _RankTrainer(TorchTrainer):
-    """A :class:`TorchTrainer` whose model is data-parallel over the default process group.
-
-    Every method here is collective: all ranks call it; rank 0 writes the files.
-    """
+    """A :class:`TorchTrainer` whose model is data-parallel over the default process group;
+    every method here is collective: all ranks call it; rank 0 writes the files."""
 
     def __init__(self, *args: Any, data_parallel: DataParallel, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.data_parallel = data_parallel
-        self.rank = dist.get_rank()
+        self.data_parallel, self.rank, self._ddp = data_parallel, dist.get_rank(), None
         self._sends_weights = self.rank == 0  # only rank 0 talks to the engines
-        self._ddp = None
         if data_parallel == "fsdp2":
             _fully_shard(self.model)
             if self.ref_model is not None:
@@ -204,9 +157,8 @@ class _RankTrainer(TorchTrainer):
         self.model.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
 
-    def _across_ranks(
-        self, sums: dict[str, float], maxes: dict[str, float]
-    ) -> tuple[dict[str, float], dict[str, float]]:
+    def _across_ranks(self, sums: dict[str, float],
+                      maxes: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
         out = []
         for values, op in ((sums, dist.ReduceOp.SUM), (maxes, dist.ReduceOp.MAX)):
             keys = sorted(values)
@@ -216,53 +168,35 @@ class _RankTrainer(TorchTrainer):
         return out[0], out[1]
 
     # Weights and state: gathered whole on rank 0 (a collective under FSDP2).
-
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The full weights on rank 0; ``{}`` on the others."""
-        return {k: v.detach() for k, v in get_model_state_dict(self.model, options=_FULL).items()}
+        weights = dcp.get_model_state_dict(self.model, options=_FULL)
+        return {k: v.detach() for k, v in weights.items()}
 
-    def save_pretrained(self, path: str | Path) -> Path:
-        return self._write_model(Path(path), self.export_weights())
-
-    def _write_model(self, path: Path, weights: dict[str, torch.Tensor]) -> Path:
-        if self.rank == 0:
-            path.mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(path, state_dict=weights, safe_serialization=True)
+    def _barrier(self) -> None:
         dist.barrier()
-        return path
 
     def save_state(self, path: str | Path) -> Path:
-        path = Path(path)
-        weights = self.export_weights()
-        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)
-        self._write_model(path / "model", weights)
+        path, weights = Path(path), self.export_weights()
+        optimizer = dcp.get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)
+        self._write_hf(path / "model", weights)
         if self.rank == 0:
-            torch.save(
-                {
-                    "optimizer": _by_index(optimizer),
-                    "scheduler": self.scheduler.state_dict(),
-                    "global_step": self.global_step,
-                },
-                path / "trainer_state.pt",
-            )
+            torch.save({"optimizer": _by_index(optimizer), "scheduler": self.scheduler.state_dict(),
+                        "global_step": self.global_step}, path / "trainer_state.pt")
         dist.barrier()
         return path
 
     def load_state(self, path: str | Path) -> None:
-        path = Path(path)
-        options = StateDictOptions(full_state_dict=True, strict=False)
-        result = set_model_state_dict(self.model, read_weights(path / "model"), options=options)
+        path, options = Path(path), dcp.StateDictOptions(full_state_dict=True, strict=False)
+        result = dcp.set_model_state_dict(self.model, read_weights(path / "model"), options=options)
         check_loaded(path, result.missing_keys, result.unexpected_keys)
         # Our own file, written by save_state: it holds optimizer tensors and plain numbers.
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         names = {id(p): n for n, p in self.model.named_parameters()}
         order = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
-        set_optimizer_state_dict(
-            self.model,
-            self.optimizer,
-            _by_name(state["optimizer"], order),
-            options=StateDictOptions(full_state_dict=True),
-        )
+        dcp.set_optimizer_state_dict(self.model, self.optimizer,
+                                     _by_name(state["optimizer"], order),
+                                     options=dcp.StateDictOptions(full_state_dict=True))
         self.scheduler.load_state_dict(state["scheduler"])
         self.global_step = state["global_step"]
 
@@ -271,10 +205,8 @@ def _by_index(osd: dict[str, Any]) -> dict[str, Any]:
     """A name-keyed optimizer state (``get_optimizer_state_dict``) keyed by parameter index,
     as ``torch.optim.Optimizer.state_dict`` writes it (the single-rank checkpoint layout)."""
     index: dict[str, int] = {}
-    groups = []
-    for group in osd["param_groups"]:
-        ids = [index.setdefault(name, len(index)) for name in group["params"]]
-        groups.append({**group, "params": ids})
+    groups = [{**g, "params": [index.setdefault(name, len(index)) for name in g["params"]]}
+              for g in osd["param_groups"]]
     return {"state": {index[k]: v for k, v in osd["state"].items()}, "param_groups": groups}
 
 
@@ -288,8 +220,7 @@ def _rank_device(device: str) -> str:
     """``"cuda"``: the GPU Ray gave this rank, by its index among the visible ones."""
     if device != "cuda":
         return device
-    ids = ray.get_gpu_ids()
-    if not ids:
+    if not (ids := ray.get_gpu_ids()):
         raise RuntimeError("device 'cuda' but Ray gave this trainer rank no GPU (num_gpus=1)")
     # With the platform presets (RAY_EXPERIMENTAL_NOSET_*_VISIBLE_DEVICES=1) Ray leaves the
     # visible-devices variable alone, so the assigned id is looked up in it; without them
@@ -299,28 +230,10 @@ def _rank_device(device: str) -> str:
     return f"cuda:{visible.split(',').index(gpu) if visible else int(gpu)}"
 
 
-def _to_numpy(t: torch.Tensor) -> tuple[np.ndarray, str]:
-    """A tensor as numpy (zero-copy out of Ray's object store) and its torch dtype name."""
-    dtype = str(t.dtype).removeprefix("torch.")
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the bits
-        t = t.view(torch.int16)
-    return t.numpy(), dtype
-
-
-def _from_numpy(a: np.ndarray, dtype: str) -> torch.Tensor:
-    with warnings.catch_warnings():  # object-store arrays are read-only; nothing writes them
-        warnings.filterwarnings("ignore", message=".*not writable.*")
-        t = torch.from_numpy(a)
-    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
-
-
 class TrainerRank:
     """One trainer rank in this process: a data-parallel :class:`TorchTrainer`, or a
-    ``MegatronTrainer`` rank of a TP x PP x DP layout (``train.backend``).
-
-    Run as a Ray actor by :class:`TrainerGroup`; the methods are its remote protocol.
-    """
+    ``MegatronTrainer`` rank of a TP x PP x DP layout (``train.backend``). Run as a Ray actor
+    by :class:`TrainerGroup`; the methods are its remote protocol."""
 
     def __init__(self, rank: int, world_size: int, num_threads: int) -> None:
         torch.set_num_threads(num_threads)
@@ -330,73 +243,54 @@ class TrainerRank:
 
     def host_store(self, timeout_s: float) -> tuple[str, int]:
         """Rank 0: start the group's TCP store on a free port of this node's Ray address
-        (127.0.0.1 on a local Ray), listening there only: the address the other ranks are
-        told to connect to."""
+        (127.0.0.1 on a local Ray), listening there only: where the other ranks connect."""
         address = ray.util.get_node_ip_address()
-        self._store = host_tcp_store(
-            address,
-            0,
-            self.world_size,
-            timeout=timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-        )
+        self._store = host_tcp_store(address, 0, self.world_size,
+                                     timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
         return address, self._store.port
 
-    def setup(
-        self,
-        address: str,
-        port: int,
-        timeout_s: float,
-        trainer_args: tuple[Any, ...],
-        trainer_kwargs: dict[str, Any],
-    ) -> dict[str, Any]:
+    def setup(self, address: str, port: int, timeout_s: float, trainer_args: tuple[Any, ...],
+              trainer_kwargs: dict[str, Any]) -> dict[str, Any]:
         """Join the process group, then load the model (every rank from ``model_path``)."""
-        device = _rank_device(trainer_kwargs.pop("device"))
-        timeout = timedelta(seconds=timeout_s)
+        device, timeout = _rank_device(trainer_kwargs.pop("device")), timedelta(seconds=timeout_s)
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
-        store = self._store or dist.TCPStore(
-            address, port, self.world_size, is_master=False, timeout=timeout
-        )
-        dist.init_process_group(
-            "nccl" if device.startswith("cuda") else "gloo",
-            store=store,
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=timeout,
-        )
+        store = self._store or dist.TCPStore(address, port, self.world_size, is_master=False,
+                                             timeout=timeout)
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=store,
+                                rank=self.rank, world_size=self.world_size, timeout=timeout)
         if trainer_args[1].backend == "megatron":
             from rl_core.training.megatron import MegatronTrainer
 
             trainer_kwargs.pop("data_parallel", None)  # megatron's own DDP over its DP groups
-            self.trainer = MegatronTrainer(*trainer_args, device=device, **trainer_kwargs)
-            layout = {
-                "dp_rank": self.trainer.dp_rank,
-                "dp_size": self.trainer.dp_size,
-                "reports": self.trainer.reports,
-            }
+            t = self.trainer = MegatronTrainer(*trainer_args, device=device, **trainer_kwargs)
+            layout = {"dp_rank": t.dp_rank, "dp_size": t.dp_size, "reports": t.reports}
         else:
             self.trainer = _RankTrainer(*trainer_args, device=device, **trainer_kwargs)
             layout = {"dp_rank": self.rank, "dp_size": self.world_size, "reports": True}
-        return {
-            "device": device,
-            "needs_old_logp": self.trainer.needs_old_logp,
-            "has_ref_model": self.trainer.has_ref_model,
-            **layout,
-        }
+        return {"device": device, "needs_old_logp": self.trainer.needs_old_logp,
+                "has_ref_model": self.trainer.has_ref_model, **layout}
 
-    def compute_logprobs(self, batch: TrainBatch, reference: bool) -> torch.Tensor:
+    def compute_logprobs(self, batch: Batch, reference: bool) -> torch.Tensor:
         return self.trainer.compute_logprobs(batch, reference=reference)
 
-    def train_step(
-        self, batch: TrainBatch, minis: list[MiniBatch], norm_const: float
-    ) -> tuple[dict[str, float], int]:
+    def train_step(self, batch: Batch, minis: list[MiniBatch],
+                   norm_const: float) -> tuple[dict[str, float], int]:
         metrics = self.trainer.train_step(batch, minis=minis, norm_const=norm_const)
         return metrics, self.trainer.global_step
 
     def export_weights(self) -> dict[str, tuple[np.ndarray, str]] | None:
-        weights = self.trainer.export_weights()
-        return {k: _to_numpy(v) for k, v in weights.items()} if self.rank == 0 else None
+        weights = self.trainer.export_weights()  # every rank takes part
+        return to_arrays(weights) if self.rank == 0 else None
+
+    def write_weights(self, path: str) -> str | None:
+        return self.trainer.write_weights(path)
+
+    def put_weights(self) -> tuple[Any, str, int] | None:
+        return self.trainer.put_weights()
+
+    def weight_layout(self) -> dict[str, tuple[str, list[int]]]:
+        return self.trainer.weight_layout()
 
     def save_pretrained(self, path: str) -> str:
         return str(self.trainer.save_pretrained(path))
@@ -429,120 +323,76 @@ class TrainerRank:
             dist.destroy_process_group()
 
 
-# ------------------------------------------------------------------------ the group
-
-
 class TrainerGroup:
     """Data-parallel trainer ranks behind the single-rank trainer's interface."""
 
-    def __init__(
-        self, actors: list[Any], *, timeout_s: float, max_response_len: int | None
-    ) -> None:
-        self._actors = actors
-        self.timeout_s = timeout_s
-        self.max_response_len = max_response_len
-        self.global_step = 0
-        self.needs_old_logp = False
-        self.has_ref_model = False
-        self.device = "cpu"
-        self._mini_batches = 1
-        self._broken: str | None = None
-        # Data-parallel layout: rank r trains on slice _dp_of[r] of _dp_size; the ranks in
-        # _reports hand back log-probs (all of them for DDP/FSDP2; for megatron, TP rank 0
-        # of each replica's last pipeline stage).
-        self._dp_of = list(range(len(actors)))
-        self._dp_size = len(actors)
+    def __init__(self, actors: list[Any], *, timeout_s: float,
+                 max_response_len: int | None) -> None:
+        self._actors, self.timeout_s, self.max_response_len = actors, timeout_s, max_response_len
+        self.global_step, self.needs_old_logp, self.has_ref_model = 0, False, False
+        self.device, self._mini_batches, self._broken = "cpu", 1, None  # _broken: why unusable
+        # Rank r trains on data-parallel slice _dp_of[r] of _dp_size; ranks in _reports return
+        # log-probs (all for DDP/FSDP2; for megatron TP rank 0 of each replica's last stage).
+        self._dp_of, self._dp_size = list(range(len(actors))), len(actors)
         self._reports = [True] * len(actors)
 
     @classmethod
     def start(
-        cls,
-        model_path: str | Path,
-        train_cfg: TrainConfig,
-        algo_cfg: AlgorithmConfig,
-        *,
-        num_ranks: int,
-        temperature: float = 1.0,
-        max_response_len: int | None = None,
-        dtype: str = "float32",
-        num_threads_per_rank: int = 1,
-        scheduling_strategies: Sequence[Any] | None = None,
-        timeout_s: float = 300.0,
-        device: str = "cpu",
-        data_parallel: DataParallel | None = None,
-        trust_remote_code: bool = False,
-        env: Mapping[str, str] | None = None,
-        num_cpus_per_rank: float | None = None,
-        num_gpus_per_rank: float | None = None,
-    ) -> TrainerGroup:
+        cls, model_path: str | Path, train_cfg: TrainConfig, algo_cfg: AlgorithmConfig, *,
+        num_ranks: int, temperature: float = 1.0, max_response_len: int | None = None,
+        dtype: str = "float32", num_threads_per_rank: int = 1, device: str = "cpu",
+        scheduling_strategies: Sequence[Any] | None = None, timeout_s: float = 300.0,
+        data_parallel: DataParallel | None = None, trust_remote_code: bool = False,
+        env: Mapping[str, str] | None = None, num_cpus_per_rank: float | None = None,
+        num_gpus_per_rank: float | None = None) -> TrainerGroup:
         """Start ``num_ranks`` rank actors, form their process group, load the model.
 
         ``scheduling_strategies``: one Ray scheduling strategy per rank (placement-group
-        bundles), or None to let Ray place them. ``device``: ``cpu`` or ``cuda`` (each rank
-        takes one GPU; ROCm too). ``data_parallel``: ``ddp`` or ``fsdp2``; by default DDP on
-        CPU, FSDP2 on GPUs. ``env``: extra environment for the rank processes (e.g. the
-        platform presets). ``timeout_s`` bounds every call and every collective.
-        ``num_cpus_per_rank`` / ``num_gpus_per_rank``: what each rank reserves from Ray
-        (default: its threads, and one GPU on GPUs), e.g. a placement slot's share.
-        """
+        bundles), or None to let Ray place them. ``device``: ``cpu`` or ``cuda`` (each rank takes
+        one GPU; ROCm too). ``data_parallel``: ``ddp`` or ``fsdp2`` (default: DDP on CPU, FSDP2
+        on GPUs). ``env``: extra environment for the rank processes (e.g. the platform presets).
+        ``timeout_s`` bounds every call and every collective. ``num_cpus_per_rank`` /
+        ``num_gpus_per_rank``: what each rank reserves from Ray (default: its threads, and one
+        GPU on GPUs), e.g. a placement slot's share."""
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         if scheduling_strategies is not None and len(scheduling_strategies) != num_ranks:
             raise ValueError(
-                f"{len(scheduling_strategies)} scheduling strategies for {num_ranks} ranks"
-            )
+                f"{len(scheduling_strategies)} scheduling strategies for {num_ranks} ranks")
         gpu = device.startswith("cuda")
         mode: DataParallel = data_parallel or ("fsdp2" if gpu else "ddp")
         if mode not in ("ddp", "fsdp2"):
             raise ValueError(f"data_parallel must be 'ddp' or 'fsdp2', got {mode!r}")
-        remote = ray.remote(TrainerRank)
-        actors = []
-        for r in range(num_ranks):
-            options: dict[str, Any] = {
-                # What the rank reserves (a placement slot may hold half a device when the
-                # planes are colocated); its thread budget is num_threads_per_rank either way.
-                "num_cpus": num_threads_per_rank if num_cpus_per_rank is None else num_cpus_per_rank,
-                "num_gpus": (1 if gpu else 0) if num_gpus_per_rank is None else num_gpus_per_rank,
-                "max_restarts": 0,
-            }
-            if scheduling_strategies is not None:
-                options["scheduling_strategy"] = scheduling_strategies[r]
-            if env:
-                options["runtime_env"] = {"env_vars": dict(env)}
+        remote, actors = ray.remote(TrainerRank), []
+        # What a rank reserves (a placement slot may hold half a device when the planes are
+        # colocated); its thread budget is num_threads_per_rank either way.
+        cpus = num_threads_per_rank if num_cpus_per_rank is None else num_cpus_per_rank
+        gpus = (1 if gpu else 0) if num_gpus_per_rank is None else num_gpus_per_rank
+        base: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus, "max_restarts": 0}
+        if env:
+            base["runtime_env"] = {"env_vars": dict(env)}
+        for r, strategy in enumerate(scheduling_strategies or [None] * num_ranks):
+            options = base if strategy is None else {**base, "scheduling_strategy": strategy}
             actors.append(remote.options(**options).remote(r, num_ranks, num_threads_per_rank))
         group = cls(actors, timeout_s=timeout_s, max_response_len=max_response_len)
         group._mini_batches = train_cfg.mini_batches
-        trainer_kwargs = {
-            "temperature": temperature,
-            "max_response_len": max_response_len,
-            "dtype": dtype,
-            "trust_remote_code": trust_remote_code,
-            "device": device,
-            "data_parallel": mode,
-        }
+        trainer_kwargs = {"temperature": temperature, "max_response_len": max_response_len,
+                          "dtype": dtype, "trust_remote_code": trust_remote_code,
+                          "device": device, "data_parallel": mode}
+        trainer_args = (str(model_path), train_cfg, algo_cfg)
         try:
-            ((address, port),) = group._call(
-                "start the process group's store", [actors[0].host_store.remote(timeout_s)]
-            )
-            infos = group._call(
-                "join the process group and load the model",
-                [
-                    a.setup.remote(
-                        address, port, timeout_s, (str(model_path), train_cfg, algo_cfg),
-                        trainer_kwargs,
-                    )
-                    for a in actors
-                ],
-            )  # fmt: skip
+            ((address, port),) = group._call("start the process group's store",
+                                             [actors[0].host_store.remote(timeout_s)])
+            infos = group._call("join the process group and load the model", [
+                a.setup.remote(address, port, timeout_s, trainer_args, trainer_kwargs)
+                for a in actors])
         except BaseException:
             group.shutdown()
             raise
-        group.needs_old_logp = infos[0]["needs_old_logp"]
-        group.has_ref_model = infos[0]["has_ref_model"]
-        group.device = infos[0]["device"]
-        group._dp_of = [info["dp_rank"] for info in infos]
-        group._dp_size = infos[0]["dp_size"]
-        group._reports = [info["reports"] for info in infos]
+        first = infos[0]
+        group.needs_old_logp, group.has_ref_model = first["needs_old_logp"], first["has_ref_model"]
+        group.device, group._dp_size = first["device"], first["dp_size"]
+        group._dp_of, group._reports = [i["dp_rank"] for i in infos], [i["reports"] for i in infos]
         return group
 
     @property
@@ -560,17 +410,13 @@ class TrainerGroup:
         prefer :attr:`has_ref_model`. The reference policy itself stays on the ranks."""
         return "reference policy (on the trainer ranks)" if self.has_ref_model else None
 
-    # ------------------------------------------------------------------ the interface
-
-    def compute_logprobs(self, batch: TrainBatch, *, reference: bool = False) -> torch.Tensor:
+    def compute_logprobs(self, batch: Batch, *, reference: bool = False) -> torch.Tensor:
         """Per-token log-probs (B, L-1), each rank scoring a slice of the batch."""
         if reference and not self.has_ref_model:
             raise ValueError("no reference model: algorithm.kl_coef is 0")
         shards = shard_for_logprobs(batch, self._dp_size)
-        refs = [
-            a.compute_logprobs.remote(shards[self._dp_of[r]][0], reference)
-            for r, a in enumerate(self._actors)
-        ]
+        refs = [a.compute_logprobs.remote(shards[self._dp_of[r]][0], reference)
+                for r, a in enumerate(self._actors)]
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
         for r, got in enumerate(self._call("compute_logprobs", refs)):
             if self._reports[r]:
@@ -578,56 +424,55 @@ class TrainerGroup:
                 out[rows, : got.shape[1]] = got[: len(rows)]
         return out
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: Batch) -> dict[str, float]:
         """One GRPO update over all ranks; the same update one rank makes on ``batch``."""
         shards = shard_for_training(batch, self._dp_size, self._mini_batches)
         # Dr.GRPO's constant, as one rank would take it from the whole batch.
         norm_const = float(self.max_response_len or batch.response_mask.shape[-1])
-        refs = [
-            a.train_step.remote(*shards[self._dp_of[r]], norm_const)
-            for r, a in enumerate(self._actors)
-        ]
+        refs = [a.train_step.remote(*shards[self._dp_of[r]], norm_const)
+                for r, a in enumerate(self._actors)]
         metrics, self.global_step = self._call("train_step", refs)[0]
         return metrics
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        """The policy's weights by HF name, as CPU tensors (from rank 0)."""
-        weights = self._call("export_weights", [a.export_weights.remote() for a in self._actors])
-        return {k: _from_numpy(a, dtype) for k, (a, dtype) in weights[0].items()}
+        """The policy's weights by HF name, as CPU tensors in this process (from rank 0):
+        for inspection and the in-process plane; the transports never call it."""
+        return from_arrays(self._on_all("export_weights")[0])
+
+    def write_weights(self, path: str | Path) -> str | None:
+        """Rank 0 writes the policy as HF safetensors; the checksum it took of them."""
+        return self._on_all("write_weights", str(path))[0]
+
+    def put_weights(self) -> tuple[Any, str, int]:
+        """Rank 0 puts the policy into Ray's object store: (reference, checksum, bytes)."""
+        return self._on_all("put_weights")[0]
+
+    def weight_layout(self) -> dict[str, tuple[str, list[int]]]:
+        """Name -> (dtype, shape) of what a broadcast sends (no weights travel)."""
+        return self._on_all("weight_layout")[0]
 
     def save_pretrained(self, path: str | Path) -> Path:
         """Rank 0 writes the policy in HF format (safetensors)."""
-        refs = [a.save_pretrained.remote(str(path)) for a in self._actors]
-        return Path(self._call("save_pretrained", refs)[0])
+        return Path(self._on_all("save_pretrained", str(path))[0])
 
     # Distributed weight sync: rank 0 hosts the group and broadcasts; a failed broadcast
     # (an engine died) leaves the ranks usable, a dead rank does not.
-
     def weight_broadcast_endpoint(self) -> tuple[str, int]:
         """Rank 0's node address and a port free there (the engines' rendezvous)."""
         ref = self._actors[0].weight_broadcast_endpoint.remote()
-        host, port = self._call("weight_broadcast_endpoint", [ref], breaks=False)[0]
-        return host, port
+        return tuple(self._call("weight_broadcast_endpoint", [ref], breaks=False)[0])
 
-    def open_weight_broadcast(
-        self,
-        master_address: str,
-        master_port: int,
-        world_size: int,
-        group_name: str,
-        backend: str = "gloo",
-        timeout_s: float = 120.0,
-    ) -> None:
+    def open_weight_broadcast(self, master_address: str, master_port: int, world_size: int,
+                              group_name: str, backend: str = "gloo",
+                              timeout_s: float = 120.0) -> None:
         """Rank 0 hosts weight-update group ``group_name`` (blocks until engines join)."""
         ref = self._actors[0].open_weight_broadcast.remote(
-            master_address, master_port, world_size, group_name, backend, timeout_s
-        )
+            master_address, master_port, world_size, group_name, backend, timeout_s)
         self._call("open_weight_broadcast", [ref], timeout_s=timeout_s + 30.0, breaks=False)
 
     def broadcast_weights(self, group_name: str) -> str | None:
         """Every rank exports (a collective), rank 0 broadcasts; the checksum it sent."""
-        refs = [a.broadcast_weights.remote(group_name) for a in self._actors]
-        return self._call("broadcast_weights", refs, breaks=False)[0]
+        return self._on_all("broadcast_weights", group_name, breaks=False)[0]
 
     def close_weight_broadcast(self, group_name: str | None = None) -> None:
         ref = self._actors[0].close_weight_broadcast.remote(group_name)
@@ -635,55 +480,46 @@ class TrainerGroup:
 
     def save_state(self, path: str | Path) -> Path:
         """Rank 0 writes model, optimizer and scheduler in the single-rank layout."""
-        refs = [a.save_state.remote(str(path)) for a in self._actors]
-        return Path(self._call("save_state", refs)[0])
+        return Path(self._on_all("save_state", str(path))[0])
 
     def load_state(self, path: str | Path) -> None:
         """Every rank restores what :meth:`save_state` (of any world size) wrote."""
-        refs = [a.load_state.remote(str(path)) for a in self._actors]
-        self.global_step = self._call("load_state", refs)[0]
+        self.global_step = self._on_all("load_state", str(path))[0]
 
     def apply(self, fn: Callable[[TorchTrainer], Any]) -> list[Any]:
         """``fn(trainer)`` on every rank, results in rank order (inspection, tests)."""
-        return self._call("apply", [a.apply.remote(fn) for a in self._actors])
+        return self._on_all("apply", fn)
 
     def shutdown(self) -> None:
         """Leave the process group where ranks still answer, then kill every rank."""
         if self._actors and self._broken is None:
             with contextlib.suppress(Exception):
-                self._call("shutdown", [a.shutdown.remote() for a in self._actors], timeout_s=10.0)
+                self._on_all("shutdown", timeout_s=10.0)
         for actor in self._actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
-        self._actors = []
-        self._broken = "shut down"
+        self._actors, self._broken = [], "shut down"
 
-    # ------------------------------------------------------------------- bounded calls
+    def _on_all(self, method: str, *args: Any, **call_kwargs: Any) -> list[Any]:
+        """``TrainerRank.<method>(*args)`` on every rank; :meth:`_call`'s results."""
+        return self._call(method, [getattr(a, method).remote(*args) for a in self._actors],
+                          **call_kwargs)
 
-    def _call(
-        self, what: str, refs: list[Any], *, timeout_s: float | None = None, breaks: bool = True
-    ) -> list[Any]:
-        """Results of one remote call per rank (ref ``i`` is rank ``i``), in rank order.
-
-        Bounded by ``timeout_s``; a rank that dies or raises fails the call at once, naming
-        it, and marks the group broken (``breaks=False``: only a rank that died does).
-        """
+    def _call(self, what: str, refs: list[Any], *, timeout_s: float | None = None,
+              breaks: bool = True) -> list[Any]:
+        """Results of one remote call per rank (ref ``i`` is rank ``i``), in rank order. Bounded
+        by ``timeout_s``; a rank that dies or raises fails the call at once, naming it, and marks
+        the group broken (``breaks=False``: only a rank that died does)."""
         if self._broken is not None:
-            raise TrainerRankError(
-                f"{what}: the trainer group is unusable ({self._broken}); shut it down and "
-                "start a new one",
-                [],
-            )
+            raise TrainerRankError(f"{what}: the trainer group is unusable ({self._broken}); "
+                                   "shut it down and start a new one", [])
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         rank_of = {ref: r for r, ref in enumerate(refs)}
-        results: list[Any] = [None] * len(refs)
-        errors: dict[int, BaseException] = {}
-        pending = list(refs)
+        results, errors, pending = [None] * len(refs), {}, list(refs)
         while pending:
-            left = deadline - time.monotonic()
-            if errors:  # a short grace for the others, to name the rank that died
-                left = min(left, _FAILURE_GRACE_S)
+            # After an error, a short grace for the others, to name the rank that died.
+            left = min(deadline - time.monotonic(), _FAILURE_GRACE_S if errors else float("inf"))
             if left <= 0:
                 break
             done, pending = ray.wait(pending, num_returns=1, timeout=left)
@@ -695,25 +531,19 @@ class TrainerGroup:
         if errors:
             dead = {r: e for r, e in errors.items() if isinstance(e, ray.exceptions.RayActorError)}
             first = dead or errors
-            parts = [
-                f"trainer rank {r} {'died' if r in dead else 'raised'}: {_cause(e)}"
-                for r, e in sorted(first.items())
-            ]
+            parts = [f"trainer rank {r} {'died' if r in dead else 'raised'}: {_cause(e)}"
+                     for r, e in sorted(first.items())]
             if dead or breaks:
                 self._broken = f"{what} failed on rank(s) {sorted(first)}"
-            unusable = (
-                " The group is unusable: shut it down and start a new one (from the latest "
-                "checkpoint)." if self._broken else ""
-            )
-            raise TrainerRankError(
-                f"{what} failed: {'; '.join(parts)}.{unusable}", sorted(first)
-            ) from next(iter(first.values()))
+            unusable = (" The group is unusable: shut it down and start a new one (from the "
+                        "latest checkpoint)." if self._broken else "")
+            raise TrainerRankError(f"{what} failed: {'; '.join(parts)}.{unusable}",
+                                   sorted(first)) from next(iter(first.values()))
         if pending:
             late = sorted(rank_of[ref] for ref in pending)
             self._broken = f"{what} timed out on rank(s) {late}"
-            raise TimeoutError(
-                f"{what}: trainer rank(s) {late} did not answer within {timeout_s:.0f} s"
-            )
+            raise TimeoutError(f"{what}: trainer rank(s) {late} did not answer within "
+                               f"{timeout_s:.0f} s")
         return results
 
 

@@ -1,8 +1,9 @@
 """The torch training backend: a Hugging Face causal LM updated with the GRPO loss.
 
 One trainer object owns the policy, the frozen reference policy (only when the KL term is
-on), the optimizer and the LR schedule. Its interface is what every backend offers:
-``compute_logprobs``, ``train_step``, ``export_weights``, ``save_state``/``load_state``.
+on), the optimizer and the LR schedule. Its interface is :class:`rl_core.interfaces.Trainer`:
+``compute_logprobs``, ``train_step``, the weight side of :class:`~rl_core.weight_sync.source.
+WeightSource` (``export_weights``, ``write_weights``, ...), ``save_state``/``load_state``.
 It runs in-process as one rank; ``rl_core.training.distributed`` runs it on several ranks
 (Ray actors, DDP or FSDP2) through the same interface and a few hooks here (``_train_module``,
 ``_grad_sync``, ``_across_ranks``) whose single-rank bodies do nothing.
@@ -21,7 +22,7 @@ import contextlib
 import copy
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,20 +31,21 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from rl_core.algorithms import compute_grpo_loss, entropy_from_logits, logprobs_from_logits
+from rl_core.algorithms.losses import compute_grpo_loss, entropy_from_logits, logprobs_from_logits
 from rl_core.config import AlgorithmConfig, TrainConfig
-from rl_core.models import torch_dtype
-from rl_core.training.batch import TrainBatch
-from rl_core.weight_sync.broadcast import BroadcastsWeights
+from rl_core.models import read_weights, torch_dtype
+from rl_core.types import Batch
+from rl_core.weight_sync.source import WeightSource
 
-__all__ = ["MiniBatch", "TorchTrainer", "check_loaded", "read_weights"]
+__all__ = ["MiniBatch", "TorchTrainer", "check_loaded"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Micro-batch values of these metrics are shares of the mini-batch value (already divided
 # by the mini-batch's token/sequence count): they add up, rather than average.
 _SUMMED_METRICS = ("loss", "pg_loss")
 _MAX_METRICS = ("ratio_max", "tis_max")
 _TOKENS = "_tokens"  # response tokens trained on, carried with the metric sums
+# What one optimizer step reports: (micro-batch metrics, its response tokens) each, grad norm.
+MiniResult = tuple[list[tuple[dict[str, float], float]], float]
 
 
 @dataclass(frozen=True)
@@ -60,23 +62,15 @@ class MiniBatch:
     seqs: float
 
 
-class TorchTrainer(BroadcastsWeights):
+class TorchTrainer(WeightSource):
     """GRPO trainer over a Hugging Face causal LM (single rank)."""
 
     def __init__(
-        self,
-        model_path: str | Path,
-        train: TrainConfig,
-        algorithm: AlgorithmConfig,
-        *,
-        temperature: float = 1.0,
-        max_response_len: int | None = None,
-        dtype: str = "float32",
-        trust_remote_code: bool = False,
-        device: str = "cpu",
+        self, model_path: str | Path, train: TrainConfig, algorithm: AlgorithmConfig, *,
+        temperature: float = 1.0, max_response_len: int | None = None, dtype: str = "float32",
+        trust_remote_code: bool = False, device: str = "cpu",
     ) -> None:
-        self.train_cfg = train
-        self.algo = algorithm
+        self.train_cfg, self.algo = train, algorithm
         # Log-probs are taken at the rollout temperature, as the engine reports them.
         self.temperature = temperature if temperature > 0 else 1.0
         # Dr.GRPO's constant normaliser: the generation budget, the same every step.
@@ -87,23 +81,18 @@ class TorchTrainer(BroadcastsWeights):
             model_path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
         ).to(self.device)
         self.model.train()
-        self.ref_model = None
-        if algorithm.kl_coef > 0:
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.ref_model = (copy.deepcopy(self.model).eval().requires_grad_(False)
+                          if algorithm.kl_coef > 0 else None)
         self._build_optimizer()
         self.global_step = 0  # optimizer steps applied
 
     def _build_optimizer(self) -> None:
         """AdamW and the LR schedule over the current parameters (FSDP2 rebuilds them)."""
         train = self.train_cfg
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=train.lr,
-            betas=tuple(train.betas),
-            weight_decay=train.weight_decay,
-        )
-        total = max(1, train.steps * train.mini_batches * train.ppo_epochs)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(train, total))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr,
+                                           betas=tuple(train.betas),
+                                           weight_decay=train.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(train))
 
     # ------------------------------------------------- data-parallel hooks (one rank: no-ops)
 
@@ -116,25 +105,21 @@ class TorchTrainer(BroadcastsWeights):
         """Around one micro-batch's forward/backward; ``sync``: the mini-batch's last."""
         return contextlib.nullcontext()
 
-    def _across_ranks(
-        self, sums: dict[str, float], maxes: dict[str, float]
-    ) -> tuple[dict[str, float], dict[str, float]]:
+    def _across_ranks(self, sums: dict[str, float],
+                      maxes: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
         """Metric sums and maxima of every rank (one rank: its own)."""
         return sums, maxes
 
     # ------------------------------------------------------------------ log-probs
 
-    def _forward(
-        self, model: torch.nn.Module, batch: TrainBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         ids = batch.input_ids.long().to(self.device)
-        attn = batch.attention_mask.to(self.device)
-        logits = model(input_ids=ids, attention_mask=attn.long()).logits[:, :-1].float()
-        logits = logits / self.temperature
+        attn = batch.attention_mask.to(self.device).long()
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / self.temperature
         return logits, logprobs_from_logits(logits, ids[:, 1:])
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch, *, reference: bool = False) -> torch.Tensor:
+    def compute_logprobs(self, batch: Batch, *, reference: bool = False) -> torch.Tensor:
         """Per-token log-probs (B, L-1) under the policy or the reference policy."""
         model = self.ref_model if reference else self.model
         if model is None:
@@ -165,75 +150,40 @@ class TorchTrainer(BroadcastsWeights):
         gradient and the extra forward pass is skipped (as nanochat and verl do). TIS
         needs them to compare the trainer with the rollout engine.
         """
-        return (
-            self.train_cfg.mini_batches > 1
-            or self.train_cfg.ppo_epochs > 1
-            or self.algo.tis_cap is not None
-        )
+        cfg = self.train_cfg
+        return cfg.mini_batches > 1 or cfg.ppo_epochs > 1 or self.algo.tis_cap is not None
 
     # ---------------------------------------------------------------------- train
 
-    def train_step(
-        self,
-        batch: TrainBatch,
-        *,
-        minis: Sequence[MiniBatch] | None = None,
-        norm_const: float | None = None,
-    ) -> dict[str, float]:
-        """Apply ``ppo_epochs * mini_batches`` optimizer steps on one GRPO batch.
+    def train_step(self, batch: Batch, *, minis: Sequence[MiniBatch] | None = None,
+                   norm_const: float | None = None) -> dict[str, float]:
+        """Apply ``ppo_epochs * mini_batches`` optimizer steps on one GRPO batch. ``minis``
+        (data-parallel ranks): the rows of each optimizer step and the global counts to
+        normalise by; ``norm_const``: Dr.GRPO's constant (defaults: :func:`run_train_step`)."""
+        return run_train_step(self, batch, minis, norm_const, self._update,
+                              lambda: self.scheduler.get_last_lr()[0])
 
-        ``minis`` (data-parallel ranks) says which rows form each optimizer step and the
-        global counts to normalise by; by default the batch is cut into ``mini_batches``
-        chunks normalised by their own counts. ``norm_const`` is Dr.GRPO's constant; by
-        default ``max_response_len``, else the batch's width.
-        """
-        cfg = self.train_cfg
-        started = time.perf_counter()
-        self.model.train()
-        sums: dict[str, float] = {}
-        maxes: dict[str, float] = {}
-        grad_norms = []
-        tokens = 0.0
-        if minis is None:
-            minis = [
-                MiniBatch(rows, float(batch.response_mask[rows].sum()), float(len(rows)))
-                for rows in torch.arange(batch.size).chunk(cfg.mini_batches)
-            ]
-        # Dr.GRPO's constant must be the same on every micro-batch (they are trimmed to
-        # their own longest row), or gradient accumulation is not exact.
-        if norm_const is None:
-            norm_const = float(self.max_response_len or batch.response_mask.shape[-1])
-        for _ in range(cfg.ppo_epochs):
-            for mini in minis:
-                mini_sums: dict[str, float] = {}
-                self.optimizer.zero_grad(set_to_none=True)
-                micros = mini.rows.split(cfg.micro_batch_size)
-                for i, micro in enumerate(micros):
-                    part = batch.select(micro)
-                    with self._grad_sync(i == len(micros) - 1):
-                        loss, m = self._micro_loss(part, norm_const, mini)
-                        loss.backward()
-                    w = float(part.response_mask.sum())
-                    tokens += w
-                    add_micro_metrics(m, w, mini_sums, sums, maxes)
-                for k, v in mini_sums.items():
-                    sums[k] = sums.get(k, 0.0) + v * mini.tokens
-                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-                if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
-                    norm = norm.full_tensor()
-                grad_norms.append(float(norm))
-                self.optimizer.step()
-                self.scheduler.step()
-                self.global_step += 1
-        sums[_TOKENS] = tokens
-        sums, maxes = self._across_ranks(sums, maxes)
-        return step_metrics(
-            sums, maxes, grad_norms, self.scheduler.get_last_lr()[0], time.perf_counter() - started
-        )
+    def _update(self, batch: Batch, mini: MiniBatch, norm_const: float) -> MiniResult:
+        """One optimizer step on ``mini``, micro-batch by micro-batch."""
+        self.optimizer.zero_grad(set_to_none=True)
+        micros = mini.rows.split(self.train_cfg.micro_batch_size)
+        metrics = []
+        for i, micro in enumerate(micros):
+            part = batch.select(micro)
+            with self._grad_sync(i == len(micros) - 1):
+                loss, m = self._micro_loss(part, norm_const, mini)
+                loss.backward()
+            metrics.append((m, float(part.response_mask.sum())))
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        return metrics, grad_norm
 
-    def _micro_loss(
-        self, part: TrainBatch, norm_const: float, mini: MiniBatch
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    def _micro_loss(self, part: Batch, norm_const: float,
+                    mini: MiniBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """One micro-batch's share of its mini-batch's GRPO loss, and its metrics."""
         logits, logp = self._forward(self._train_module, part)
         # Entropy is always reported; it carries gradient only when it is a bonus.
@@ -247,25 +197,23 @@ class TorchTrainer(BroadcastsWeights):
         """The policy's weights by HF parameter name (what the rollout plane loads)."""
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
-    def save_pretrained(self, path: str | Path) -> Path:
-        """Write the policy in HF format (safetensors), loadable by transformers and SGLang."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path, safe_serialization=True)
-        return path
+    def _write_hf(self, path: Path, weights: dict[str, torch.Tensor]) -> None:
+        """HF format (config + safetensors) from the sending rank; the others wait for it."""
+        if self._sends_weights:
+            path.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(path, state_dict=weights, safe_serialization=True)
+        self._barrier()
+
+    def _barrier(self) -> None:
+        """Wait for every rank (one rank: nothing to wait for)."""
 
     def save_state(self, path: str | Path) -> Path:
         """Model (``path/model``, HF format), optimizer and scheduler (``trainer_state.pt``)."""
         path = Path(path)
         self.save_pretrained(path / "model")
-        torch.save(
-            {
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "global_step": self.global_step,
-            },
-            path / "trainer_state.pt",
-        )
+        state = {"optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "global_step": self.global_step}
+        torch.save(state, path / "trainer_state.pt")
         return path
 
     def load_state(self, path: str | Path) -> None:
@@ -280,96 +228,75 @@ class TorchTrainer(BroadcastsWeights):
         self.global_step = state["global_step"]
 
 
-def grpo_micro_loss(
-    algo: AlgorithmConfig,
-    part: TrainBatch,
-    logp: torch.Tensor,
-    entropy: torch.Tensor,
-    norm_const: float,
-    mini: MiniBatch,
-    device: torch.device,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The GRPO loss of one micro-batch ``part`` as its share of mini-batch ``mini``.
+def run_train_step(trainer: Any, batch: Batch, minis: Sequence[MiniBatch] | None,
+                   norm_const: float | None,
+                   update: Callable[[Batch, MiniBatch, float], MiniResult],
+                   lr: Callable[[], float]) -> dict[str, float]:
+    """``ppo_epochs * mini_batches`` optimizer steps on ``batch``: both backends' ``train_step``.
 
-    ``logp``/``entropy``: (B, L-1) under the policy being trained, from whichever backend.
+    ``update(batch, mini, norm_const)`` makes one optimizer step and returns each micro-batch's
+    metrics with its response-token count, and the gradient norm; ``lr()`` is the LR after
+    the step. By default the mini-batches are ``mini_batches`` chunks normalised by their own
+    counts, and Dr.GRPO's ``norm_const`` is ``max_response_len``, else the batch's width: it
+    must be the same on every micro-batch (each is trimmed to its own longest row), or
+    gradient accumulation is not exact. Returns token-weighted means, maxima, mean grad
+    norm, LR and tokens/s, over every rank (``trainer._across_ranks``).
     """
-    mask = part.response_mask.to(device)
-    old = part.old_logp if part.old_logp is not None else logp.detach()
-    return compute_grpo_loss(
-        logp,
-        old.to(device),
-        part.advantages.to(device),
-        mask,
-        ref_logp=None if part.ref_logp is None else part.ref_logp.to(device),
-        kl_coef=algo.kl_coef,
-        kl_kind=algo.kl_kind,
-        clip_low=algo.clip_low,
-        clip_high=algo.clip_high,
-        dual_clip=algo.dual_clip,
-        ratio_type=algo.ratio_type,
-        loss_agg=algo.loss_agg,
-        norm_const=norm_const,
-        entropy=entropy,
-        entropy_coef=algo.entropy_coef,
-        rollout_logp=part.rollout_logp.to(device),
-        tis_cap=algo.tis_cap,
-        tis_level=algo.tis_level,
-        global_tokens=mini.tokens,
-        global_seqs=mini.seqs,
-    )
-
-
-def add_micro_metrics(
-    m: dict[str, float],
-    w: float,
-    mini_sums: dict[str, float],
-    sums: dict[str, float],
-    maxes: dict[str, float],
-) -> None:
-    """Fold one micro-batch's metrics (``w`` response tokens) into the step's running sums.
-
-    Loss terms are already shares of their mini-batch (``mini_sums``, weighted by the
-    mini-batch's tokens when it ends); maxima stay maxima; the rest are token-weighted.
-    """
-    for k, v in m.items():
-        if k in _SUMMED_METRICS:
-            mini_sums[k] = mini_sums.get(k, 0.0) + float(v)
-        elif k in _MAX_METRICS:
-            maxes[k] = max(maxes.get(k, float("-inf")), float(v))
-        else:
-            sums[k] = sums.get(k, 0.0) + float(v) * w
-
-
-def step_metrics(
-    sums: dict[str, float],
-    maxes: dict[str, float],
-    grad_norms: Sequence[float],
-    lr: float,
-    elapsed: float,
-) -> dict[str, float]:
-    """One ``train_step``'s metrics from the (all-rank) sums, with the token count under
-    ``_tokens``: token-weighted means, maxima, mean grad norm, LR and tokens/s."""
+    started = time.perf_counter()
+    trainer.model.train()
+    if minis is None:
+        chunks = torch.arange(batch.size).chunk(trainer.train_cfg.mini_batches)
+        minis = [MiniBatch(r, float(batch.response_mask[r].sum()), float(len(r))) for r in chunks]
+    if norm_const is None:
+        norm_const = float(trainer.max_response_len or batch.response_mask.shape[-1])
+    sums: dict[str, float] = {}
+    maxes: dict[str, float] = {}
+    grad_norms: list[float] = []
+    tokens = 0.0
+    for _ in range(trainer.train_cfg.ppo_epochs):
+        for mini in minis:
+            micro_metrics, grad_norm = update(batch, mini, norm_const)
+            mini_sums: dict[str, float] = {}  # loss terms: shares of the mini-batch's value
+            for m, w in micro_metrics:
+                tokens += w
+                for k, v in m.items():
+                    if k in _SUMMED_METRICS:
+                        mini_sums[k] = mini_sums.get(k, 0.0) + float(v)
+                    elif k in _MAX_METRICS:
+                        maxes[k] = max(maxes.get(k, float("-inf")), float(v))
+                    else:
+                        sums[k] = sums.get(k, 0.0) + float(v) * w
+            for k, v in mini_sums.items():
+                sums[k] = sums.get(k, 0.0) + v * mini.tokens
+            grad_norms.append(grad_norm)
+            trainer.global_step += 1
+    sums[_TOKENS] = tokens
+    sums, maxes = trainer._across_ranks(sums, maxes)
     tokens = sums.pop(_TOKENS)
     metrics = {k: v / max(tokens, 1.0) for k, v in sums.items()}
     metrics.update(maxes)
-    metrics.update(
-        grad_norm=sum(grad_norms) / len(grad_norms),
-        lr=lr,
-        train_tokens_per_s=tokens / max(elapsed, 1e-9),
-    )
+    metrics.update(grad_norm=sum(grad_norms) / len(grad_norms), lr=lr(),
+                   train_tokens_per_s=tokens / max(time.perf_counter() - started, 1e-9))
     return metrics
 
 
-def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the ``*.safetensors`` files in ``model_dir`` (HF names)."""
-    from safetensors.torch import load_file
-
-    weights: dict[str, Any] = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        weights.update(load_file(f))
-    if not weights:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights to restore")
-    return weights
+def grpo_micro_loss(
+    algo: AlgorithmConfig, part: Batch, logp: torch.Tensor, entropy: torch.Tensor,
+    norm_const: float, mini: MiniBatch, device: torch.device,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The GRPO loss of one micro-batch ``part`` as its share of mini-batch ``mini``.
+    ``logp``/``entropy``: (B, L-1) under the policy being trained, from whichever backend."""
+    old = part.old_logp if part.old_logp is not None else logp.detach()
+    return compute_grpo_loss(
+        logp, old.to(device), part.advantages.to(device), part.response_mask.to(device),
+        ref_logp=None if part.ref_logp is None else part.ref_logp.to(device),
+        kl_coef=algo.kl_coef, kl_kind=algo.kl_kind, clip_low=algo.clip_low,
+        clip_high=algo.clip_high, dual_clip=algo.dual_clip, ratio_type=algo.ratio_type,
+        loss_agg=algo.loss_agg, norm_const=norm_const, entropy=entropy,
+        entropy_coef=algo.entropy_coef, rollout_logp=part.rollout_logp.to(device),
+        tis_cap=algo.tis_cap, tis_level=algo.tis_level, global_tokens=mini.tokens,
+        global_seqs=mini.seqs,
+    )
 
 
 def check_loaded(path: Path, missing: Sequence[str], unexpected: Sequence[str]) -> None:
@@ -379,7 +306,10 @@ def check_loaded(path: Path, missing: Sequence[str], unexpected: Sequence[str]) 
         raise RuntimeError(f"{path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
-def _lr_lambda(cfg: TrainConfig, total: int):  # noqa: ANN202 - a closure for LambdaLR
+def _lr_lambda(cfg: TrainConfig):  # noqa: ANN202 - a closure for LambdaLR
+    """Warmup, then constant or cosine to ``min_lr_ratio`` over the run's optimizer steps."""
+    total = max(1, cfg.steps * cfg.mini_batches * cfg.ppo_epochs)
+
     def factor(step: int) -> float:
         if cfg.warmup_steps and step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps

@@ -1,161 +1,225 @@
-"""The trainer side of a distributed weight update: rank 0 of a trainer → engines group.
+"""``rollout.weight_sync: distributed``: trainer rank 0 broadcasts to every engine.
 
 SGLang's ``/init_weights_update_group`` + ``/update_weights_from_distributed`` protocol, the
-one slime, verl and OpenRLHF drive: the trainer hosts a TCP rendezvous, every engine joins
-as ``rank_offset`` (1, 2, ...), and each update is one broadcast per tensor from rank 0 in
-the order of the names the engines were told. :class:`WeightSender` holds those groups for
-whatever process owns the trainer's weights (the flow process for an in-process trainer,
-rank 0's Ray actor for a :class:`~rl_core.training.distributed.TrainerGroup`).
+one slime, verl and OpenRLHF drive: the trainer hosts a TCP rendezvous, every engine joins as
+``rank_offset`` 1, 2, ..., and each update is one broadcast per tensor from rank 0 in the
+order of the names the engines were told, in buckets of ``rollout.weight_sync_bucket_mb``
+(one POST per bucket and engine). gloo on CPU, NCCL on CUDA, RCCL on ROCm.
 
-The sender returns the checksum of exactly the tensors it broadcast, so the rollout plane can
-verify every engine against what went over the wire. Every wait is bounded by the group's
-timeout. Never imports Prefect or MLflow.
+The group is opened when the first update is staged and again whenever the engines in it
+change (a restarted engine keeps its URL but has left the group: membership is per process).
+A restarted engine waits out of service for the next broadcast; :meth:`BroadcastSync.rejoin`
+brings it back earlier when the trainer still holds the weights it last sent.
+
+Never imports Prefect or MLflow; every wait is bounded by ``rollout.weight_sync_timeout_s``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-import socket
+import math
+import os
 import time
-from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
-from rl_core.weight_sync import process_group as pgroup
-from rl_core.weight_sync.checksum import weights_checksum
+from rl_core.weight_sync.checksum import WeightSyncError
+from rl_core.weight_sync.transports import Staged
 
-__all__ = ["BroadcastsWeights", "WeightSender", "free_endpoint", "weight_meta"]
+__all__ = ["BroadcastSync", "buckets"]
 
 log = logging.getLogger(__name__)
 
 
-def free_endpoint(host: str) -> tuple[str, int]:
-    """``(host, port)`` with a TCP port free on ``host`` right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return host, int(s.getsockname()[1])
+Bucket = tuple[list[str], list[str], list[list[int]]]  # names, dtypes, shapes
 
 
-def weight_meta(
-    weights: Mapping[str, torch.Tensor],
-) -> tuple[list[str], list[str], list[list[int]]]:
-    """``names, dtypes, shapes`` as ``/update_weights_from_distributed`` takes them."""
-    names = list(weights)
-    dtypes = [str(weights[n].dtype).removeprefix("torch.") for n in names]
-    shapes = [list(weights[n].shape) for n in names]
-    return names, dtypes, shapes
+def buckets(layout: dict[str, tuple[str, list[int]]], bucket_bytes: int) -> list[Bucket]:
+    """The tensors of ``layout`` (name -> dtype, shape), in order, cut into buckets of at
+    most ``bucket_bytes`` (a bigger tensor is a bucket of its own), each as ``names, dtypes,
+    shapes`` (what ``/update_weights_from_distributed`` takes)."""
+    out: list[Bucket] = []
+    size = 0
+    for name, (dtype, shape) in layout.items():
+        nbytes = _nbytes(dtype, shape)
+        if not out or (size + nbytes > bucket_bytes and out[-1][0]):
+            out.append(([], [], []))
+            size = 0
+        for part, value in zip(out[-1], (name, dtype, list(shape)), strict=True):
+            part.append(value)
+        size += nbytes
+    return out
 
 
-class WeightSender:
-    """Rank 0 of named weight-update groups, hosted in this process."""
+def _failures(urls: list[str], results: list[Any]) -> list[str]:
+    return [f"{u}: {r}" for u, r in zip(urls, results, strict=True) if isinstance(r, Exception)]
 
-    def __init__(self) -> None:
-        self._groups: dict[str, tuple[object, str, float]] = {}
+
+def _nbytes(dtype: str, shape: list[int]) -> int:
+    return math.prod(shape) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+class BroadcastSync:
+    """The engines' side of a trainer → engines broadcast group (see the module docstring)."""
+
+    def __init__(self, plane: Any, backend: str, timeout_s: float, bucket_bytes: int) -> None:
+        self.plane, self.backend, self.timeout_s = plane, backend, timeout_s
+        self.bucket_bytes = bucket_bytes
+        self._group: tuple[str, tuple[str, ...]] | None = None  # name, members
+        self._seq = 0
+        self._buckets: list[Bucket] = []
+        self._layout_bytes = 0
+        self._trainer: Any = None
+        self._synced_step: int | None = None
 
     @property
-    def groups(self) -> list[str]:
-        return list(self._groups)
+    def num_buckets(self) -> int:
+        """How many ``/update_weights_from_distributed`` calls one sync makes per engine."""
+        return len(self._buckets)
 
-    def open(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        world_size: int,
-        group_name: str,
-        backend: str = "gloo",
-        timeout_s: float = 120.0,
-    ) -> None:
-        """Host group ``group_name``; returns once all ``world_size`` ranks have joined."""
-        if group_name in self._groups:
-            raise ValueError(f"weight update group {group_name!r} is already open")
-        t0 = time.monotonic()
-        pg = pgroup.init_custom_process_group(
-            master_address=master_address,
-            master_port=master_port,
-            rank=0,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-            timeout_s=timeout_s,
-        )
-        self._groups[group_name] = (pg, backend, timeout_s)
-        log.info(
-            "weight update group %s: %d rank(s) joined at %s:%d (%s) in %.2fs",
-            group_name, world_size, master_address, master_port, backend,
-            time.monotonic() - t0,
-        )  # fmt: skip
+    def stage(self, trainer: Any, version: int) -> Staged:
+        targets = tuple(self.plane.pool.update_targets())
+        if self._group is None or self._group[1] != self._members(targets) or (
+                self._trainer is not trainer):
+            self._open(trainer, list(targets))
+        return Staged((trainer, targets), None, float(self._layout_bytes * len(targets)))
 
-    def send(self, group_name: str, weights: Mapping[str, torch.Tensor]) -> str:
-        """Broadcast ``weights`` (in their order) to the group; their checksum."""
+    def load(self, staged: Staged, urls: list[str], version: int) -> None:
+        trainer, targets = staged.payload
+        if tuple(urls) != targets or self._group is None:
+            self._close()
+            raise WeightSyncError(f"the engines changed during the weight update "
+                                  f"({list(targets)} -> {urls})")
         try:
-            pg, backend, timeout_s = self._groups[group_name]
-        except KeyError:
-            raise ValueError(f"no weight update group {group_name!r} is open") from None
-        if backend == "gloo":
-            weights = {n: t.detach().cpu() for n, t in weights.items()}
-        pgroup.broadcast_named_tensors(weights, pg, timeout_s=timeout_s)  # type: ignore[arg-type]
-        return weights_checksum(weights)
+            staged.checksum = self._broadcast(trainer, self._group[0], urls, version)
+        except BaseException:
+            self._close()  # a broken broadcast leaves the group unusable: reopen next time
+            raise
+        self._synced_step = getattr(trainer, "global_step", None)
 
-    def close(self, group_name: str | None = None) -> None:
-        """Leave ``group_name`` (every group when None); unknown names are ignored."""
-        for name in [group_name] if group_name else list(self._groups):
-            entry = self._groups.pop(name, None) if name else None
-            if entry is not None:
-                try:
-                    pgroup.destroy_process_group(entry[0])  # type: ignore[arg-type]
-                except Exception as e:  # a peer died: the group is gone either way
-                    log.debug("weight update group %s: destroy failed: %s", name, e)
+    def resync(self, url: str) -> bool:
+        """A restarted engine serves the base model: fine before the first update; after it,
+        the engine waits out of service for the next broadcast."""
+        return self.plane.pool.weight_version is None
 
+    def rejoin(self) -> None:
+        """Before sampling: bring restarted engines to the current weights when the trainer
+        still holds them (it has not trained since the last broadcast)."""
+        from rl_core.weight_sync import sync_weights
 
-class BroadcastsWeights:
-    """The trainer side of distributed weight sync, for any trainer with ``export_weights``.
+        trainer = self._trainer
+        if trainer is None or getattr(trainer, "global_step", None) != self._synced_step:
+            return  # they rejoin at the next update
+        log.warning("re-broadcasting weight_version %s for restarted engine(s) %s",
+                    self.plane.weight_version, self.plane.pool.awaiting_urls())
+        sync_weights(trainer, self.plane, self, self.plane.weight_version)
 
-    Every rank of a multi-rank trainer calls these methods (the export may be a collective:
-    FSDP2's gathers, megatron's TP/PP gathers); only the rank whose ``_sends_weights`` is
-    true (rank 0) hosts the group and broadcasts.
-    """
+    def close(self) -> None:
+        self._close()
 
-    _sends_weights = True
-    _sender: WeightSender | None = None
+    # ------------------------------------------------------------------ the group
 
-    def export_weights(self) -> dict[str, torch.Tensor]:  # pragma: no cover - the trainer's
-        raise NotImplementedError
+    def _members(self, urls: Any) -> tuple[str, ...]:
+        """``url#restarts`` of each engine: who is in a group, process by process."""
+        restarts = {e.url: e.restarts for e in self.plane.pool.engines}
+        return tuple(f"{u}#{restarts.get(u, 0)}" for u in urls)
 
-    def weight_broadcast_endpoint(self, host: str = "127.0.0.1") -> tuple[str, int]:
-        """Where engines rendezvous with this trainer: ``host`` and a port free on it."""
-        return free_endpoint(host)
+    def _open(self, trainer: Any, urls: list[str]) -> None:
+        """Close any previous group; open a new one: rank 0 the trainer, then ``urls``."""
+        self._close()
+        if not urls:
+            raise WeightSyncError("rollout.weight_sync=distributed: no engine to update")
+        t0 = time.perf_counter()
+        layout = trainer.weight_layout()  # names, dtypes, shapes: never the weights
+        self._buckets = buckets(layout, self.bucket_bytes)
+        self._layout_bytes = sum(_nbytes(d, s) for d, s in layout.values())
+        self._seq += 1
+        name = f"grpoflow-weights-{os.getpid()}-{self._seq}"
+        address, port = trainer.weight_broadcast_endpoint()
+        world, t = 1 + len(urls), self.timeout_s
+        client = self.plane.pool.client
 
-    def open_weight_broadcast(
-        self,
-        master_address: str,
-        master_port: int,
-        world_size: int,
-        group_name: str,
-        backend: str = "gloo",
-        timeout_s: float = 120.0,
-    ) -> None:
-        """Host weight-update group ``group_name`` as rank 0 (blocks until engines join)."""
-        if self._sends_weights:
-            self._weight_sender().open(
-                master_address=master_address,
-                master_port=master_port,
-                world_size=world_size,
-                group_name=group_name,
-                backend=backend,
-                timeout_s=timeout_s,
-            )
+        async def join_all() -> list[Any]:
+            return await asyncio.gather(*(
+                client.aio.init_weights_update_group(address, port, i + 1, world, group_name=name,
+                                                     backend=self.backend, url=u, timeout_s=t + 10)
+                for i, u in enumerate(urls)), return_exceptions=True)
 
-    def broadcast_weights(self, group_name: str) -> str | None:
-        """Broadcast the policy to ``group_name``; the checksum of what was sent (rank 0)."""
-        weights = self.export_weights()  # every rank takes part
-        return self._weight_sender().send(group_name, weights) if self._sends_weights else None
+        with ThreadPoolExecutor(1, thread_name_prefix="weight-group") as ex:
+            host = ex.submit(trainer.open_weight_broadcast, address, port, world, name,
+                             self.backend, t)
+            joined = client.run(join_all(), timeout_s=t + 20.0)
+            host_error: BaseException | None = None
+            try:
+                host.result(timeout=t + 30.0)
+            except BaseException as e:  # noqa: BLE001 - reported below with the engines'
+                host_error = e
+        errors = _failures(urls, joined)
+        if host_error is not None or errors:
+            with contextlib.suppress(Exception):
+                trainer.close_weight_broadcast(name)
+            for u, r in zip(urls, joined, strict=True):
+                if not isinstance(r, Exception):
+                    with contextlib.suppress(Exception):
+                        client.destroy_weights_update_group(name, url=u)
+            raise WeightSyncError(
+                f"rollout.weight_sync=distributed: opening weight update group {name} at "
+                f"{address}:{port} ({self.backend}, {world} ranks) failed: "
+                + "; ".join(errors + ([f"trainer: {host_error}"] if host_error else []))
+                + ". Engines must reach the trainer's rank 0 at that address (firewall, "
+                "cluster network) and the backend must match the devices (gloo on CPU)."
+            ) from host_error
+        self._group, self._trainer = (name, self._members(urls)), trainer
+        log.info("weight update group %s: trainer + %d engine(s) over %s in %.2fs", name,
+                 len(urls), self.backend, time.perf_counter() - t0)
 
-    def close_weight_broadcast(self, group_name: str | None = None) -> None:
-        """Leave ``group_name`` (every weight-update group when None)."""
-        self._weight_sender().close(group_name)
+    def _broadcast(self, trainer: Any, name: str, urls: list[str], version: int) -> str | None:
+        """Engines receive bucket by bucket (one POST each, in order) while the trainer
+        broadcasts every tensor in the same order; the checksum of what it sent."""
+        client, t = self.plane.pool.client, self.timeout_s
 
-    def _weight_sender(self) -> WeightSender:
-        if self._sender is None:
-            self._sender = WeightSender()
-        return self._sender
+        async def receive(url: str) -> None:
+            for names, dtypes, shapes in self._buckets:
+                await client.aio.update_weights_from_distributed(
+                    names, dtypes, shapes, group_name=name, weight_version=version, url=url,
+                    timeout_s=t + 10.0)
+
+        async def receive_all() -> list[Any]:
+            return await asyncio.gather(*(receive(u) for u in urls), return_exceptions=True)
+
+        with ThreadPoolExecutor(1, thread_name_prefix="weight-broadcast") as ex:
+            sending = ex.submit(trainer.broadcast_weights, name)
+            received = client.run(receive_all(), timeout_s=t + 20.0)
+            sender_error: BaseException | None = None
+            try:
+                checksum = sending.result(timeout=t + 30.0)
+            except BaseException as e:  # noqa: BLE001 - reported below with the engines'
+                sender_error = e
+        errors = _failures(urls, received)
+        if sender_error is not None:
+            errors.append(f"trainer (rank 0): {sender_error}")
+        if errors:
+            raise WeightSyncError(f"weight broadcast over group {name} failed: "
+                                  + "; ".join(errors)) from sender_error
+        return checksum
+
+    def _close(self) -> None:
+        """Leave the group on the trainer and the engines (best effort)."""
+        if self._group is None:
+            return
+        (name, members), self._group = self._group, None
+        if self._trainer is not None:
+            with contextlib.suppress(Exception):
+                self._trainer.close_weight_broadcast(name)
+        pool = self.plane.pool
+        if pool.client is None:
+            return
+        live = set(pool.in_service_urls()) | set(pool.awaiting_urls())
+        for u in (m.rsplit("#", 1)[0] for m in members):
+            if u in live:
+                with contextlib.suppress(Exception):
+                    pool.client.destroy_weights_update_group(name, url=u)

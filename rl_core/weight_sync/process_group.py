@@ -1,27 +1,19 @@
 """A weight-update process group beside (never instead of) the default one, SGLang's way.
 
-SGLang, slime, verl and OpenRLHF create the trainer → engine broadcast group with the same
-recipe: a TCP rendezvous on ``tcp://master_address:master_port`` hosted by the trainer's
-rank 0, a ``PrefixStore`` named after the group, and ``_new_process_group_helper`` so the
-group registers in ``torch.distributed``'s world without creating or touching a default
-group. Both sides must build the group the same way for the stores to meet, so the trainer
-side (:func:`broadcast_named_tensors`) and the engine side (:func:`receive_named_tensors`)
-live here together.
+SGLang, slime, verl and OpenRLHF build the trainer → engine broadcast group alike: a TCP
+rendezvous hosted by the trainer's rank 0, a ``PrefixStore`` named after the group, and
+``_new_process_group_helper`` (private torch; its signature is checked at call time), so the
+group joins ``torch.distributed``'s world without touching a default group. Both sides must
+build it the same way, so the trainer side (:func:`broadcast_named_tensors`) and the engine
+side (:func:`receive_named_tensors`) live here together. Rank 0 hosts the store on a socket
+already bound to the address the peers are told (:func:`host_tcp_store`: a ``TCPStore`` given
+a host name would listen on every interface); the others join as clients, as SGLang engines do.
+Wire order: one ``broadcast`` per tensor, in the order of the names the trainer POSTs (SGLang's
+``load_format: null`` layout); every collective is bounded by the group's timeout.
 
-Rank 0 hosts the store with :func:`host_tcp_store`, never through ``c10d.rendezvous``: a
-``TCPStore`` given a host name still listens on every interface (``::``), so the store is
-handed a socket already bound to the address the peers are told (``master_address``) and
-listens only there. The other ranks join with ``tcp://`` rendezvous as clients (a client
-store does not listen), exactly as an SGLang engine does.
-
-Wire order: one ``broadcast`` from group rank 0 per tensor, in the order of the names the
-trainer also POSTs to the engine (SGLang's non-bucketed ``load_format: null`` layout).
-Every collective is bounded: the group's timeout applies to the rendezvous and each
-broadcast, and each broadcast is waited on with the same bound.
-
-Uses a private torch helper (``_new_process_group_helper``) exactly as SGLang does; the
-signature is checked at call time. Never imports Prefect or MLflow; never pickles.
+Never imports Prefect or MLflow; never pickles.
 """
+
 
 from __future__ import annotations
 
@@ -35,28 +27,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-__all__ = [
-    "broadcast_named_tensors",
-    "destroy_process_group",
-    "host_tcp_store",
-    "init_custom_process_group",
-    "parse_dtype",
-    "receive_named_tensors",
-]
+__all__ = ["broadcast_named_tensors", "destroy_process_group", "host_tcp_store",
+           "init_custom_process_group", "parse_dtype", "receive_named_tensors"]
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+           "half": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+           "int64": torch.int64, "int32": torch.int32, "int8": torch.int8, "uint8": torch.uint8,
+           "bool": torch.bool}
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -76,10 +53,8 @@ def _is_unspecified(address: str) -> bool:
 
 
 def _bound_socket(address: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``address:port`` (``port`` 0: the OS picks), not yet listening.
-
-    A host name binds the first address it resolves to, the one its peers connect to.
-    """
+    """A TCP socket bound to ``address:port`` (``port`` 0: the OS picks), not yet listening;
+    a host name binds the first address it resolves to, the one its peers connect to."""
     if _is_unspecified(address):
         raise ValueError(
             f"a torch.distributed store must not bind {address!r} (every interface): pass the "
@@ -87,8 +62,7 @@ def _bound_socket(address: str, port: int) -> socket.socket:
         )
     try:
         family, kind, proto, _, sockaddr = socket.getaddrinfo(
-            address, port, type=socket.SOCK_STREAM
-        )[0]
+            address, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
         raise ValueError(f"cannot resolve store address {address!r}: {exc}") from None
     sock = socket.socket(family, kind, proto)
@@ -97,85 +71,48 @@ def _bound_socket(address: str, port: int) -> socket.socket:
         sock.bind(sockaddr)
     except OSError as exc:
         sock.close()
-        raise OSError(
-            exc.errno, f"cannot bind a torch.distributed store to {address}:{port}: {exc.strerror}"
-        ) from None
+        raise OSError(exc.errno, f"cannot bind a torch.distributed store to {address}:{port}: "
+                      f"{exc.strerror}") from None
     return sock
 
 
-def host_tcp_store(
-    address: str,
-    port: int,
-    world_size: int,
-    *,
-    timeout: timedelta,
-    wait_for_workers: bool,
-) -> dist.TCPStore:
+def host_tcp_store(address: str, port: int, world_size: int, *, timeout: timedelta,
+                   wait_for_workers: bool) -> dist.TCPStore:
     """The master ``TCPStore`` of a group, listening on ``address:port`` only.
 
     ``port`` 0 lets the OS pick one (read it from ``store.port``). ``wait_for_workers``
-    blocks until ``world_size`` ranks have connected, bounded by ``timeout``. The store owns
-    the bound socket from here on and closes it when it is destroyed.
+    blocks until ``world_size`` ranks have connected, bounded by ``timeout``. From here the
+    store owns the bound socket: it closes it when destroyed or when its construction fails
+    (a ``wait_for_workers`` timeout included).
     """
     fd = _bound_socket(address, port).detach()
-    # From here the store owns the descriptor: it closes it when destroyed or when its
-    # construction fails (a wait_for_workers timeout included).
-    return dist.TCPStore(
-        address,
-        port,
-        world_size,
-        is_master=True,
-        timeout=timeout,
-        wait_for_workers=wait_for_workers,
-        master_listen_fd=fd,
-        use_libuv=True,
-    )
+    return dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout,
+                         wait_for_workers=wait_for_workers, master_listen_fd=fd, use_libuv=True)
 
 
-def init_custom_process_group(
-    *,
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    group_name: str,
-    backend: str = "gloo",
-    timeout_s: float = 60.0,
-) -> dist.ProcessGroup:
+def init_custom_process_group(*, master_address: str, master_port: int, rank: int,
+                              world_size: int, group_name: str, backend: str = "gloo",
+                              timeout_s: float = 60.0) -> dist.ProcessGroup:
     """Join (rank > 0) or host (rank 0) a named process group; blocks until all ranks join.
-
-    Works whether or not the process already has a default group; the returned group is used
-    with ``group=`` / ``group_src=`` arguments only.
-    """
+    Works whether or not the process has a default group; use the returned group with
+    ``group=`` / ``group_src=`` arguments only."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     timeout = timedelta(seconds=timeout_s)
     if rank == 0:  # blocks until every rank has connected, bounded by the timeout
-        store = host_tcp_store(
-            master_address, int(master_port), world_size, timeout=timeout, wait_for_workers=True
-        )
+        store = host_tcp_store(master_address, int(master_port), world_size, timeout=timeout,
+                               wait_for_workers=True)
     else:
         url = f"tcp://{master_address}:{int(master_port)}"
-        store, rank, world_size = next(
-            c10d.rendezvous(url, rank=rank, world_size=world_size, timeout=timeout)
-        )
+        store, rank, world_size = next(c10d.rendezvous(url, rank=rank, world_size=world_size,
+                                                       timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
-    options = (
-        "backend_options"
-        if "backend_options" in inspect.signature(c10d._new_process_group_helper).parameters
-        else "pg_options"
-    )
-    pg, _ = c10d._new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        c10d.Backend(backend),
-        store,
-        group_name=group_name,
-        timeout=timeout,
-        **{options: None},
-    )
+    params = inspect.signature(c10d._new_process_group_helper).parameters
+    options = "backend_options" if "backend_options" in params else "pg_options"
+    pg, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
+                                           group_name=group_name, timeout=timeout,
+                                           **{options: None})
     # Group ranks are global ranks in this group's own world (SGLang's convention).
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
@@ -192,32 +129,21 @@ def _broadcast(tensor: torch.Tensor, group: dist.ProcessGroup, timeout_s: float)
         raise TimeoutError(f"broadcast did not complete within {timeout_s:.0f} s")
 
 
-def broadcast_named_tensors(
-    named: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
-    group: dist.ProcessGroup,
-    *,
-    timeout_s: float = 60.0,
-) -> None:
+def broadcast_named_tensors(named: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
+                            group: dist.ProcessGroup, *, timeout_s: float = 60.0) -> None:
     """Trainer side (group rank 0): one broadcast per tensor, in the given order."""
-    items = list(named.items()) if isinstance(named, Mapping) else list(named)
-    for _, tensor in items:
+    for _, tensor in named.items() if isinstance(named, Mapping) else named:
         _broadcast(tensor.detach().contiguous(), group, timeout_s)
 
 
 def receive_named_tensors(
-    names: Sequence[str],
-    dtypes: Sequence[str],
-    shapes: Sequence[Sequence[int]],
-    group: dist.ProcessGroup,
-    *,
-    device: str | torch.device = "cpu",
-    timeout_s: float = 60.0,
+    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+    group: dist.ProcessGroup, *, device: str | torch.device = "cpu", timeout_s: float = 60.0,
 ) -> dict[str, torch.Tensor]:
     """Engine side: receive the tensors rank 0 broadcasts for ``names``, in order."""
     if not len(names) == len(dtypes) == len(shapes):
-        raise ValueError(
-            f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}"
-        )
+        raise ValueError(f"names, dtypes and shapes differ in length: {len(names)}, "
+                         f"{len(dtypes)}, {len(shapes)}")
     out: dict[str, torch.Tensor] = {}
     for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
         buf = torch.empty(tuple(int(s) for s in shape), dtype=parse_dtype(dtype), device=device)

@@ -29,8 +29,8 @@ def sglang_url(tmp_path_factory, external) -> Iterator[str]:
     if external:
         yield os.environ[URL_ENV].rstrip("/")
         return
-    from rl_core.rollout.engine import EmbeddedEngine
-    from rl_core.rollout.server import ServerThread, create_app
+    from rl_core.engine.core import EmbeddedEngine
+    from rl_core.engine.server import ServerThread, create_app
 
     model_dir = save_tiny_model(tmp_path_factory.mktemp("conformance") / "model", seed=3)
     # A context long enough that a long generation is still running when it is aborted.

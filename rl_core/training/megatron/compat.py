@@ -5,21 +5,17 @@ call sites assume a CUDA device (measured on 0.16.1; ``../shared/reference/megat
 lists each one). This module redirects exactly those, and only when CUDA is absent: on a
 GPU machine :func:`install` and :func:`cuda_free` do nothing.
 
-Two levels:
-
 - :func:`install` (process-wide, idempotent): the RNG tracker's CUDA generator becomes the
-  CPU default generator (``tensor_parallel/random.py``), ``torch.cuda.current_device``
-  answers ``"cpu"`` (RoPE's ``inv_freq``, DDP's buffers, TP communication buffers), and
-  ``torch.cuda.synchronize`` / ``current_stream`` become no-ops (pipeline p2p, checkpoint
-  writes, the grad-sync stream). These functions would raise on this machine anyway, so
-  redirecting them changes nothing else that worked.
-- :func:`cuda_free` (a context manager, entered around megatron's optimizer and DDP calls):
-  a ``TorchFunctionMode`` that makes ``device='cuda'`` tensors CPU tensors (the optimizer's
-  scale and overflow buffers, ``clip_grads``' norm buffers), ``Tensor.cuda()`` a no-op, and
-  ``Tensor.type()`` answer ``torch.cuda.FloatTensor`` for CPU tensors (the ``clip_grads``
-  assertion and the mixed-precision optimizer's parameter checks compare type strings). It
-  lies about types, so it is scoped: torch function modes are per thread, and only the
-  trainer's own calls run inside it.
+  CPU default generator, ``torch.cuda.current_device`` answers ``"cpu"`` (RoPE's
+  ``inv_freq``, DDP's and TP's buffers), and ``torch.cuda.synchronize`` / ``current_stream``
+  become no-ops (pipeline p2p, checkpoint writes, the grad-sync stream). These would raise on
+  this machine anyway, so nothing else that worked changes.
+- :func:`cuda_free` (a context manager around megatron's optimizer and DDP calls): a
+  ``TorchFunctionMode`` making ``device='cuda'`` tensors CPU tensors (optimizer scale and
+  overflow buffers, ``clip_grads``' norm buffers), ``Tensor.cuda()`` a no-op, and
+  ``Tensor.type()`` answer ``torch.cuda.FloatTensor`` for CPU tensors (``clip_grads`` and the
+  mixed-precision optimizer compare type strings). It lies about types, so it is scoped: torch
+  function modes are per thread, and only the trainer's own calls run inside it.
 
 It depends on private names of ``megatron.core.tensor_parallel.random``; the version is
 pinned (``megatron-core==0.16.1``, the newest that installs on Python 3.11), and
@@ -42,11 +38,8 @@ _lock = threading.Lock()
 _installed = False
 
 # Tensor.type() strings megatron compares against, by dtype.
-_CUDA_TYPES = {
-    torch.float32: "torch.cuda.FloatTensor",
-    torch.float16: "torch.cuda.HalfTensor",
-    torch.bfloat16: "torch.cuda.BFloat16Tensor",
-}
+_CUDA_TYPES = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
+               torch.bfloat16: "torch.cuda.BFloat16Tensor"}
 
 
 def active() -> bool:
@@ -69,8 +62,7 @@ def install() -> bool:
                 raise RuntimeError(
                     f"megatron.core.tensor_parallel.random.{name} is gone: this megatron-core "
                     "is not the pinned one (0.16.1); rl_core/training/megatron/compat.py "
-                    "needs updating for it"
-                )
+                    "needs updating for it")
 
         def get_state(*args: Any, **kwargs: Any) -> torch.Tensor:
             state = torch.get_rng_state()
@@ -79,11 +71,9 @@ def install() -> bool:
         def set_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
             torch.set_rng_state(new_state)
 
-        mrandom._get_cuda_rng_state = get_state
-        mrandom._set_cuda_rng_state = set_state
-        torch.cuda.get_rng_state = get_state
+        mrandom._get_cuda_rng_state = torch.cuda.get_rng_state = get_state
         torch.cuda.random.get_rng_state = get_state
-        torch.cuda.set_rng_state = set_state
+        mrandom._set_cuda_rng_state = torch.cuda.set_rng_state = set_state
         torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed) and None
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.synchronize = lambda *args, **kwargs: None
@@ -95,20 +85,16 @@ def install() -> bool:
 class _NoStream:
     """What ``torch.cuda.current_stream()`` gives on CPU: waits that have nothing to wait for."""
 
-    def wait_event(self, *args: Any) -> None:
-        return None
+    def wait_event(self, *args: Any) -> None: ...
 
-    def wait_stream(self, *args: Any) -> None:
-        return None
+    def wait_stream(self, *args: Any) -> None: ...
 
-    def synchronize(self) -> None:
-        return None
+    def synchronize(self) -> None: ...
 
 
 def _is_cuda(device: Any) -> bool:
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    return isinstance(device, str) and device.startswith("cuda")
+    return (device.type == "cuda" if isinstance(device, torch.device)
+            else isinstance(device, str) and device.startswith("cuda"))
 
 
 class _CudaFree(TorchFunctionMode):

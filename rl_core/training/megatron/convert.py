@@ -1,31 +1,9 @@
 """Hugging Face <-> megatron-core weights for the dense decoders of :mod:`.model`.
 
 megatron-core's wheel ships no converter, and the bridges (megatron-bridge, mbridge) need
-CUDA and Transformer Engine; this is the mapping they implement, for the local layer spec:
-
-=================================================  ==========================================
-HF                                                 megatron (local spec), TP split
-=================================================  ==========================================
-``model.embed_tokens.weight``                      ``embedding.word_embeddings.weight``, rows
-                                                   padded to the padded vocabulary, dim 0
-``model.layers.N.input_layernorm.weight``          ``decoder.layers.n.input_layernorm.weight``
-``self_attn.{q,k,v}_proj.{weight,bias}``           ``self_attention.linear_qkv.*``: per KV
-                                                   group ``[q heads of the group; k; v]``,
-                                                   dim 0 (whole groups per rank)
-``self_attn.{q,k}_norm.weight`` (Qwen3)            ``self_attention.{q,k}_layernorm.weight``
-``self_attn.o_proj.weight``                        ``self_attention.linear_proj.weight``, dim 1
-``post_attention_layernorm.weight``                ``pre_mlp_layernorm.weight``
-``mlp.{gate,up}_proj.weight``                      ``mlp.linear_fc1.weight`` = per rank
-                                                   ``[gate slice; up slice]``, dim 0
-``mlp.down_proj.weight``                           ``mlp.linear_fc2.weight``, dim 1
-``model.norm.weight``                              ``decoder.final_layernorm.weight``
-``lm_head.weight`` (untied)                        ``output_layer.weight``, padded, dim 0
-=================================================  ==========================================
-
-Pipeline stages number their layers locally: stage ``s`` holds global layers
-``s * L/pp ...``; the embedding lives on the first stage, the final norm and the head on the
-last (a tied head on a later stage is a copy of the embedding, kept equal by megatron).
-
+CUDA and Transformer Engine; this is the mapping they implement, for the local layer spec (the
+name-by-name table: docs/megatron.md, "Weight mapping"). Pipeline stages number their layers
+locally; the embedding lives on the first stage, the final norm and the head on the last.
 Both directions are exact (slicing and concatenation only), so HF -> megatron -> HF
 round-trips bit for bit. Never imports Prefect or MLflow.
 """
@@ -70,33 +48,21 @@ def _qkv(arch: Arch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     g, hd = arch.kv_heads, arch.head_dim
     per = arch.heads // g
     rest = q.shape[1:]
-    return torch.cat(
-        [q.reshape(g, per * hd, *rest), k.reshape(g, hd, *rest), v.reshape(g, hd, *rest)], dim=1
-    ).reshape(-1, *rest)
+    return torch.cat([q.reshape(g, per * hd, *rest), k.reshape(g, hd, *rest),
+                      v.reshape(g, hd, *rest)], dim=1).reshape(-1, *rest)
 
 
 def _unqkv(arch: Arch, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g, hd = arch.kv_heads, arch.head_dim
     per = arch.heads // g
     rest = qkv.shape[1:]
-    grouped = qkv.reshape(g, (per + 2) * hd, *rest)
-    q, k, v = grouped.split([per * hd, hd, hd], dim=1)
-    return (
-        q.reshape(g * per * hd, *rest),
-        k.reshape(g * hd, *rest),
-        v.reshape(g * hd, *rest),
-    )
+    q, k, v = qkv.reshape(g, (per + 2) * hd, *rest).split([per * hd, hd, hd], dim=1)
+    return q.reshape(g * per * hd, *rest), k.reshape(g * hd, *rest), v.reshape(g * hd, *rest)
 
 
 def hf_to_mcore(
-    hf: Mapping[str, torch.Tensor],
-    arch: Arch,
-    *,
-    padded_vocab: int,
-    tp_rank: int = 0,
-    tp: int = 1,
-    pp_rank: int = 0,
-    pp: int = 1,
+    hf: Mapping[str, torch.Tensor], arch: Arch, *, padded_vocab: int, tp_rank: int = 0,
+    tp: int = 1, pp_rank: int = 0, pp: int = 1,
 ) -> dict[str, torch.Tensor]:
     """The local state dict of rank (``tp_rank``, ``pp_rank``) from full HF weights."""
     out: dict[str, torch.Tensor] = {}
@@ -119,11 +85,9 @@ def hf_to_mcore(
             if src + h_name in hf:
                 out[dst + m_name] = hf[src + h_name].clone()
         a = src + "self_attn."
-        qkv = _qkv(arch, need(a + "q_proj.weight"), need(a + "k_proj.weight"), need(a + "v_proj.weight"))
-        out[dst + "self_attention.linear_qkv.weight"] = shard(qkv, 0)
-        if arch.qkv_bias:
-            bias = _qkv(arch, need(a + "q_proj.bias"), need(a + "k_proj.bias"), need(a + "v_proj.bias"))
-            out[dst + "self_attention.linear_qkv.bias"] = shard(bias, 0)
+        for kind in ("weight", "bias") if arch.qkv_bias else ("weight",):
+            qkv = _qkv(arch, *(need(f"{a}{x}_proj.{kind}") for x in "qkv"))
+            out[f"{dst}self_attention.linear_qkv.{kind}"] = shard(qkv, 0)
         out[dst + "self_attention.linear_proj.weight"] = shard(need(a + "o_proj.weight"), 1)
         gate, up = need(src + "mlp.gate_proj.weight"), need(src + "mlp.up_proj.weight")
         out[dst + "mlp.linear_fc1.weight"] = torch.cat([shard(gate, 0), shard(up, 0)])
@@ -138,10 +102,9 @@ def hf_to_mcore(
 
 def tp_split(name: str) -> bool:
     """Whether megatron tensor ``name`` is split across TP ranks (norms are replicated)."""
-    return name.endswith(
-        ("linear_proj.weight", "linear_fc2.weight", "linear_fc1.weight", "linear_qkv.weight",
-         "linear_qkv.bias")
-    ) or name in ("embedding.word_embeddings.weight", "output_layer.weight")  # fmt: skip
+    return name.endswith(("linear_proj.weight", "linear_fc2.weight", "linear_fc1.weight",
+                          "linear_qkv.weight", "linear_qkv.bias")
+                         ) or name in ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def merge_tp(name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -157,18 +120,12 @@ def merge_tp(name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def mcore_to_hf(
-    merged: Mapping[str, torch.Tensor],
-    arch: Arch,
-    *,
-    pp_rank: int = 0,
-    pp: int = 1,
+    merged: Mapping[str, torch.Tensor], arch: Arch, *, pp_rank: int = 0, pp: int = 1
 ) -> dict[str, torch.Tensor]:
-    """HF weights of one pipeline stage from its TP-merged (:func:`merge_tp`) tensors.
-
-    The embedding comes from the first stage; the final norm and an untied head from the
-    last. A tied model's ``lm_head.weight`` is the embedding tensor under a second name, as
-    HF's ``state_dict()`` lists it (the rollout plane's checksums cover both names).
-    """
+    """HF weights of one pipeline stage from its TP-merged (:func:`merge_tp`) tensors: the
+    embedding from the first stage, the final norm and an untied head from the last. A tied
+    model's ``lm_head.weight`` is the embedding tensor under a second name, as HF's
+    ``state_dict()`` lists it (the rollout plane's checksums cover both names)."""
     out: dict[str, torch.Tensor] = {}
     offset = stage_layers(arch, pp_rank, pp).start
     for name, t in merged.items():
@@ -201,8 +158,8 @@ def mcore_to_hf(
             out[dst + "self_attn.o_proj.weight"] = t
         elif rest == "mlp.linear_fc1.weight":
             gate, up = t.chunk(2)
-            out[dst + "mlp.gate_proj.weight"] = gate.contiguous()
-            out[dst + "mlp.up_proj.weight"] = up.contiguous()
+            out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = (
+                gate.contiguous(), up.contiguous())
         elif rest == "mlp.linear_fc2.weight":
             out[dst + "mlp.down_proj.weight"] = t
         else:

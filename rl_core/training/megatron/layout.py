@@ -37,8 +37,7 @@ def planner_device(cfg: ExperimentConfig) -> str:
         f"train.megatron.tp/pp: auto needs the planner's device, and this process sees "
         f"{found[0].name if found else 'no GPU'!r}, which it does not know; set "
         "train.megatron.tp and train.megatron.pp explicitly (grpoflow plan --device ... "
-        "prints a layout)"
-    )
+        "prints a layout)")
 
 
 def resolve_layout(
@@ -53,24 +52,15 @@ def resolve_layout(
 
     ranks = cfg.cluster.trainer_ranks if cfg.cluster.mode == "ray" else 1
     device = device or planner_device(cfg)
-    p = plan(
-        load_model(str(model_path)),
-        device,
-        ranks,
-        prompt_len=cfg.data.max_prompt_tokens,
-        response_len=cfg.rollout.max_new_tokens,
-        rollout_batch=cfg.train.prompts_per_step * cfg.rollout.n_samples,
-    ).training
+    p = plan(load_model(str(model_path)), device, ranks, prompt_len=cfg.data.max_prompt_tokens,
+             response_len=cfg.rollout.max_new_tokens,
+             rollout_batch=cfg.train.prompts_per_step * cfg.rollout.n_samples).training
     tp = (p.tp if p.backend == "megatron" else 1) if m.tp == "auto" else m.tp
     pp = (p.pp if p.backend == "megatron" else 1) if m.pp == "auto" else m.pp
     if ranks % (tp * pp):
-        raise ValueError(
-            f"train.megatron: the planner's tp={tp} x pp={pp} does not divide the {ranks} "
-            "trainer ranks; set train.megatron.tp/pp explicitly"
-        )
-    how = (
-        f"the planner's {p.backend} layout on {ranks} x {device}: tp={tp}, pp={pp}, "
-        f"dp={ranks // (tp * pp)} ({'fits' if p.fits else 'does NOT fit'}: "
-        f"{p.state_bytes / 2**30:.1f} GiB state per device)"
-    )
+        raise ValueError(f"train.megatron: the planner's tp={tp} x pp={pp} does not divide the "
+                         f"{ranks} trainer ranks; set train.megatron.tp/pp explicitly")
+    how = (f"the planner's {p.backend} layout on {ranks} x {device}: tp={tp}, pp={pp}, "
+           f"dp={ranks // (tp * pp)} ({'fits' if p.fits else 'does NOT fit'}: "
+           f"{p.state_bytes / 2**30:.1f} GiB state per device)")
     return m.model_copy(update={"tp": tp, "pp": pp}), how

@@ -64,16 +64,13 @@ class Arch:
         if self.heads % tp or self.kv_heads % tp:
             raise ValueError(
                 f"train.megatron.tp={tp} must divide the attention heads ({self.heads}) and the "
-                f"key/value heads ({self.kv_heads}) of this {self.model_type} model"
-            )
+                f"key/value heads ({self.kv_heads}) of this {self.model_type} model")
         if self.ffn % tp:
             raise ValueError(
-                f"train.megatron.tp={tp} must divide the MLP width (intermediate_size={self.ffn})"
-            )
+                f"train.megatron.tp={tp} must divide the MLP width (intermediate_size={self.ffn})")
         if self.layers % pp:
             raise ValueError(
-                f"train.megatron.pp={pp} must divide the number of layers ({self.layers})"
-            )
+                f"train.megatron.pp={pp} must divide the number of layers ({self.layers})")
 
 
 def _rope_theta(cfg: Any) -> float:
@@ -89,18 +86,15 @@ def _rope_scaling(cfg: Any) -> float | None:
     if kind == "default":
         return None
     if kind == "llama3":
-        expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
-        for key, value in expected.items():
+        for key, value in {"low_freq_factor": 1.0, "high_freq_factor": 4.0}.items():
             if float(params.get(key, value)) != value:
                 raise ValueError(
                     f"rope scaling {key}={params[key]}: megatron-core's llama3 scaling fixes it "
-                    f"at {value}; this model cannot be trained with train.backend=megatron"
-                )
+                    f"at {value}; this model cannot be trained with train.backend=megatron")
         return float(params.get("factor", 8.0))
     raise ValueError(
         f"rope_type {kind!r} is not supported by the megatron backend (default and llama3 are); "
-        "use train.backend=torch for this model"
-    )
+        "use train.backend=torch for this model")
 
 
 def arch_from_hf(config: Any) -> Arch:
@@ -114,47 +108,30 @@ def arch_from_hf(config: Any) -> Arch:
         raise ValueError(
             f"{kind} is a mixture-of-experts model: the megatron backend builds it only on GPUs "
             "with Transformer Engine and expert parallelism (docs/megatron.md); on this "
-            "machine use a dense model"
-        )
+            "machine use a dense model")
     if kind not in _SUPPORTED:
-        raise ValueError(
-            f"model_type {kind!r} is not supported by the megatron backend "
-            f"(supported: {', '.join(_SUPPORTED)}); use train.backend=torch"
-        )
+        raise ValueError(f"model_type {kind!r} is not supported by the megatron backend "
+                         f"(supported: {', '.join(_SUPPORTED)}); use train.backend=torch")
     heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    # Qwen2 always has q/k/v biases; Llama and Qwen3 say so in attention_bias.
-    qkv_bias = kind == "qwen2" or bool(getattr(config, "attention_bias", False))
     if getattr(config, "mlp_bias", False):
         raise ValueError(f"{kind} with mlp_bias=True is not supported by the megatron backend")
     return Arch(
-        model_type=kind,
-        layers=config.num_hidden_layers,
-        hidden=config.hidden_size,
-        heads=heads,
+        model_type=kind, layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
-        ffn=config.intermediate_size,
-        vocab=config.vocab_size,
-        eps=float(config.rms_norm_eps),
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        ffn=config.intermediate_size, vocab=config.vocab_size, eps=float(config.rms_norm_eps),
         rope_theta=_rope_theta(config),
         max_positions=int(getattr(config, "max_position_embeddings", 4096)),
         tied=bool(getattr(config, "tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
+        # Qwen2 always has q/k/v biases; Llama and Qwen3 say so in attention_bias.
+        qkv_bias=kind == "qwen2" or bool(getattr(config, "attention_bias", False)),
         qk_norm=kind == "qwen3",
-        rope_scaling_factor=_rope_scaling(config) if kind == "llama" else None,
-    )
+        rope_scaling_factor=_rope_scaling(config) if kind == "llama" else None)
 
 
 def transformer_config(
-    arch: Arch,
-    *,
-    tp: int = 1,
-    pp: int = 1,
-    dtype: torch.dtype = torch.float32,
-    sequence_parallel: bool = False,
-    recompute: str = "none",
-    recompute_num_layers: int = 1,
+    arch: Arch, *, tp: int = 1, pp: int = 1, dtype: torch.dtype = torch.float32,
+    sequence_parallel: bool = False, recompute: str = "none", recompute_num_layers: int = 1,
     cpu_init: bool = True,
 ) -> Any:
     """megatron's ``TransformerConfig`` for ``arch`` (per-token loss: see the trainer)."""
@@ -167,42 +144,23 @@ def transformer_config(
         if recompute == "full":
             kw.update(recompute_method="uniform", recompute_num_layers=recompute_num_layers)
     return TransformerConfig(
-        num_layers=arch.layers,
-        hidden_size=arch.hidden,
-        num_attention_heads=arch.heads,
-        num_query_groups=arch.kv_heads,
-        kv_channels=arch.head_dim,
-        ffn_hidden_size=arch.ffn,
-        normalization="RMSNorm",
-        layernorm_epsilon=arch.eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        sequence_parallel=sequence_parallel,
-        params_dtype=dtype,
+        num_layers=arch.layers, hidden_size=arch.hidden, num_attention_heads=arch.heads,
+        num_query_groups=arch.kv_heads, kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn,
+        normalization="RMSNorm", layernorm_epsilon=arch.eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel, params_dtype=dtype,
         pipeline_dtype=dtype,  # what the stages send each other
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=cpu_init,
         # Each micro-batch's loss is already its share of the mini-batch (global token
         # counts): no division by the micro-batch count, gradients summed over DP.
-        calculate_per_token_loss=True,
-        **kw,
-    )
+        calculate_per_token_loss=True, **kw)
 
 
 def build_gpt_model(
-    arch: Arch,
-    config: Any,
-    *,
-    padded_vocab: int,
-    pre_process: bool = True,
+    arch: Arch, config: Any, *, padded_vocab: int, pre_process: bool = True,
     post_process: bool = True,
 ) -> Any:
     """This pipeline stage's ``GPTModel`` (local spec; parallel, un-gathered logits)."""
@@ -210,17 +168,11 @@ def build_gpt_model(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+    theta = arch.rope_theta
     return GPTModel(
-        config,
-        spec,
-        vocab_size=padded_vocab,
-        max_sequence_length=arch.max_positions,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=True,
-        share_embeddings_and_output_weights=arch.tied,
-        position_embedding_type="rope",
-        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+        config, spec, vocab_size=padded_vocab, max_sequence_length=arch.max_positions,
+        pre_process=pre_process, post_process=post_process, parallel_output=True,
+        share_embeddings_and_output_weights=arch.tied, position_embedding_type="rope",
+        rotary_base=int(theta) if float(theta).is_integer() else theta,
         rope_scaling=arch.rope_scaling_factor is not None,
-        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
-    )
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0)

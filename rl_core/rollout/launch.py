@@ -1,13 +1,13 @@
-"""Launching rollout server processes: SGLang's command line, platform env presets, and
-the process helpers the router and the engine pool reuse.
+"""Launching rollout servers: the embedded engine's and SGLang's command lines, their
+environments, and the process helpers the engine pool and the router share.
 
-``build_sglang_command`` turns a :class:`SGLangLaunchConfig` into ``python -m
-sglang.launch_server ...``; ``platform_env`` gives the environment a CUDA or ROCm machine
-needs (one table, :data:`PLATFORM_ENV_PRESETS`; both live in :mod:`rl_core.cluster.platform`
-and are re-exported here); ``launch_sglang`` starts the server and waits, bounded, for
-``/health_generate``. The helpers below (``start_process``, ``wait_healthy``,
-``stop_process``, ``free_port``, ``log_tail``) start every server in its own session, so
-stopping one stops all of its children (SGLang spawns scheduler and detokenizer processes).
+``embedded_engine_command`` starts ``python -m rl_core.engine.server`` tied to this process's
+life; ``build_sglang_command`` turns a :class:`SGLangLaunchConfig` into ``python -m
+sglang.launch_server ...`` with the platform's environment presets
+(:func:`rl_core.cluster.platform.platform_env`: CUDA or ROCm). The helpers below
+(``start_process``, ``wait_healthy``, ``stop_process``, ``free_port``, ``log_tail``) start
+every server in its own session, so stopping one stops all of its children (SGLang spawns
+scheduler and detokenizer processes).
 
 Never imports sglang (GPU images only; this module must import on a CPU laptop), Prefect or
 MLflow; never binds anything but the configured host (127.0.0.1 by default).
@@ -26,27 +26,18 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 
 from rl_core.cluster.platform import PLATFORM_ENV_PRESETS, platform_env
 
-__all__ = [
-    "PLATFORM_ENV_PRESETS",
-    "SGLangLaunchConfig",
-    "build_sglang_command",
-    "free_port",
-    "kill_process",
-    "launch_sglang",
-    "log_tail",
-    "platform_env",
-    "sglang_engine_command",
-    "sglang_env",
-    "start_process",
-    "stop_process",
-    "wait_healthy",
-]
+EngineCommand = Callable[[int, int], Sequence[str]]
+"""``command(index, port)``: the argv that serves engine ``index`` on 127.0.0.1:``port``."""
+
+__all__ = ["EngineCommand", "SGLangLaunchConfig", "build_sglang_command",
+           "embedded_engine_command", "free_port", "kill_process", "log_tail", "sglang_engine",
+           "sglang_engine_command", "sglang_env", "start_process", "stop_process", "wait_healthy"]
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +70,10 @@ class SGLangLaunchConfig:
             raise ValueError(f"tp and dp must be >= 1, got tp={self.tp}, dp={self.dp}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(
-                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
-            )
+                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.platform not in PLATFORM_ENV_PRESETS:
             raise ValueError(
-                f"platform={self.platform!r}; allowed values: {sorted(PLATFORM_ENV_PRESETS)}"
-            )
+                f"platform={self.platform!r}; allowed values: {sorted(PLATFORM_ENV_PRESETS)}")
 
     @property
     def url(self) -> str:
@@ -93,30 +82,20 @@ class SGLangLaunchConfig:
 
 def build_sglang_command(cfg: SGLangLaunchConfig) -> list[str]:
     """``python -m sglang.launch_server ...`` for ``cfg`` (flag spellings of SGLang's CLI)."""
-    cmd = [
-        cfg.python, "-m", "sglang.launch_server",
-        "--model-path", str(cfg.model_path),
-        "--tp-size", str(cfg.tp),
-        "--dp-size", str(cfg.dp),
-    ]  # fmt: skip
+    cmd = [cfg.python, "-m", "sglang.launch_server", "--model-path", str(cfg.model_path),
+           "--tp-size", str(cfg.tp), "--dp-size", str(cfg.dp)]
     if cfg.mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
     if cfg.enable_memory_saver:
         cmd.append("--enable-memory-saver")
-    cmd += [
-        "--base-gpu-id", str(cfg.base_gpu_id),
-        "--host", cfg.host,
-        "--port", str(cfg.port),
-        "--dtype", cfg.dtype,
-    ]  # fmt: skip
-    if cfg.trust_remote_code:
-        cmd.append("--trust-remote-code")
-    if cfg.enable_deterministic_inference:
-        cmd.append("--enable-deterministic-inference")
-    if cfg.skip_server_warmup:
-        cmd.append("--skip-server-warmup")
-    cmd += [str(a) for a in cfg.extra_args]
-    return cmd
+    cmd += ["--base-gpu-id", str(cfg.base_gpu_id), "--host", cfg.host, "--port", str(cfg.port),
+            "--dtype", cfg.dtype]
+    for flag, on in (("--trust-remote-code", cfg.trust_remote_code),
+                     ("--enable-deterministic-inference", cfg.enable_deterministic_inference),
+                     ("--skip-server-warmup", cfg.skip_server_warmup)):
+        if on:
+            cmd.append(flag)
+    return cmd + [str(a) for a in cfg.extra_args]
 
 
 def sglang_engine_command(cfg: SGLangLaunchConfig) -> Callable[[int, int], list[str]]:
@@ -124,19 +103,14 @@ def sglang_engine_command(cfg: SGLangLaunchConfig) -> Callable[[int, int], list[
     ``port`` runs ``cfg`` on GPUs ``base_gpu_id + i * tp * dp`` onwards."""
 
     def command(index: int, port: int) -> list[str]:
-        gpus = cfg.tp * cfg.dp
-        return build_sglang_command(
-            replace(cfg, port=port, base_gpu_id=cfg.base_gpu_id + index * gpus)
-        )
+        first_gpu = cfg.base_gpu_id + index * cfg.tp * cfg.dp
+        return build_sglang_command(replace(cfg, port=port, base_gpu_id=first_gpu))
 
     return command
 
 
-def sglang_env(
-    cfg: SGLangLaunchConfig,
-    base: Mapping[str, str] | None = None,
-    overrides: Mapping[str, str | None] | None = None,
-) -> dict[str, str]:
+def sglang_env(cfg: SGLangLaunchConfig, base: Mapping[str, str] | None = None,
+               overrides: Mapping[str, str | None] | None = None) -> dict[str, str]:
     """The full environment for ``cfg``'s server: ``base`` (default ``os.environ``) +
     presets + ``overrides`` (``cluster.env``; ``None`` removes a variable)."""
     env = dict(os.environ if base is None else base)
@@ -149,24 +123,45 @@ def sglang_env(
     return env
 
 
-def launch_sglang(
-    cfg: SGLangLaunchConfig,
-    log_path: str | Path,
-    *,
-    timeout_s: float = 900.0,
-    env: Mapping[str, str] | None = None,
-) -> subprocess.Popen:
-    """Start SGLang for ``cfg`` and wait (at most ``timeout_s``) for ``/health_generate``.
+def sglang_engine(cfg: Any, model_path: str | Path) -> tuple[EngineCommand, dict[str, str]]:
+    """The command factory and environment of ``rollout.engine: sglang`` for a run config."""
+    r = cfg.rollout
+    launch = SGLangLaunchConfig(
+        model_path=str(model_path), tp=r.sglang_tp,
+        mem_fraction_static=r.sglang_mem_fraction_static,
+        enable_memory_saver=cfg.cluster.placement == "colocated",
+        dtype="auto" if cfg.model.dtype == "float32" else cfg.model.dtype,
+        trust_remote_code=cfg.model.trust_remote_code, extra_args=list(r.sglang_extra_args),
+        platform=r.sglang_platform,
+    )
+    return sglang_engine_command(launch), sglang_env(launch, overrides=cfg.cluster.env)
 
-    On failure the server is stopped and ``RuntimeError`` carries the tail of its log.
-    """
-    proc = start_process(build_sglang_command(cfg), log_path, env=sglang_env(cfg, env))
-    try:
-        wait_healthy(cfg.url, timeout_s=timeout_s, proc=proc, log_path=log_path)
-    except BaseException:
-        stop_process(proc)
-        raise
-    return proc
+
+def embedded_engine_command(
+    model_path: str | Path, *, dtype: str = "float32", num_threads: int | None = None,
+    max_running_requests: int = 256, max_total_tokens: int | None = None,
+    trust_remote_code: bool = False, weight_sync_timeout_s: float | None = None,
+) -> EngineCommand:
+    """``command(index, port)`` for the embedded engine, tied to this process's life.
+
+    ``weight_sync_timeout_s``: the engine's bound on a weight-update broadcast, the same as
+    the trainer's (``rollout.weight_sync_timeout_s``), so neither side gives up first."""
+    if trust_remote_code:
+        raise ValueError("the embedded engine does not run remote code; use rollout.engine=local")
+
+    def command(index: int, port: int) -> list[str]:
+        cmd = [sys.executable, "-m", "rl_core.engine.server", "--model", str(model_path),
+               "--port", str(port), "--dtype", dtype,
+               "--max-running-requests", str(max_running_requests), "--log-level", "warning",
+               "--parent-pid", str(os.getpid())]
+        for flag, value in (("--num-threads", num_threads),
+                            ("--max-total-tokens", max_total_tokens),
+                            ("--weight-sync-timeout-s", weight_sync_timeout_s)):
+            if value:
+                cmd += [flag, str(value)]
+        return cmd
+
+    return command
 
 
 # ---------------------------------------------------------------------- process helpers
@@ -179,23 +174,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def start_process(
-    cmd: Sequence[str], log_path: str | Path, *, env: Mapping[str, str] | None = None
-) -> subprocess.Popen:
+def start_process(cmd: Sequence[str], log_path: str | Path, *,
+                  env: Mapping[str, str] | None = None) -> subprocess.Popen:
     """Start ``cmd`` in its own session, stdout and stderr appended to ``log_path``."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
         out.write(f"$ {' '.join(cmd)}\n".encode())
         out.flush()
-        proc = subprocess.Popen(
-            list(cmd),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=None if env is None else dict(env),
-            start_new_session=True,
-        )
+        proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, env=None if env is None else dict(env),
+                                start_new_session=True)
     log.info("started pid %d: %s (log %s)", proc.pid, " ".join(cmd[:4]), log_path)
     return proc
 
@@ -208,18 +197,15 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> int | None:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             log.warning("pid %d ignored SIGTERM for %.0fs; killing it", proc.pid, timeout_s)
-    # Children may outlive a leader that exited on SIGTERM: kill the whole session.
-    _signal_group(proc, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout_s)
+    kill_process(proc, timeout_s)  # children may outlive a leader that exited on SIGTERM
     return proc.returncode
 
 
-def kill_process(proc: subprocess.Popen) -> None:
-    """SIGKILL the process's session now (simulates a crash)."""
+def kill_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGKILL the process's session now (simulates a crash); wait up to ``timeout_s``."""
     _signal_group(proc, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(10)
+        proc.wait(timeout_s)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -246,35 +232,23 @@ def log_tail(log_path: str | Path | None, lines: int = 40) -> str:
 
 
 def wait_healthy(
-    url: str,
-    *,
-    timeout_s: float,
-    path: str = "/health_generate",
-    proc: subprocess.Popen | None = None,
-    log_path: str | Path | None = None,
-    interval_s: float = 0.5,
-    request_timeout_s: float = 30.0,
+    url: str, *, timeout_s: float, path: str = "/health_generate",
+    proc: subprocess.Popen | None = None, log_path: str | Path | None = None,
+    interval_s: float = 0.5, request_timeout_s: float = 30.0,
 ) -> float:
-    """Poll ``url + path`` until it answers 200; returns the seconds waited.
-
-    Raises ``RuntimeError`` (with the log's tail) if ``proc`` exits or ``timeout_s`` passes.
-    """
+    """Poll ``url + path`` until it answers 200; returns the seconds waited. Raises
+    ``RuntimeError`` (with the log's tail) if ``proc`` exits or ``timeout_s`` passes."""
     t0 = time.monotonic()
-    deadline = t0 + timeout_s
-    last = "no answer yet"
+    deadline, last = t0 + timeout_s, "no answer yet"
     with httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=2.0)) as http:
         while True:
             if proc is not None and proc.poll() is not None:
-                raise RuntimeError(
-                    f"server for {url} exited with code {proc.returncode} before {path} "
-                    f"answered; log {log_path}:\n{log_tail(log_path)}"
-                )
+                raise RuntimeError(f"server for {url} exited with code {proc.returncode} before "
+                                   f"{path} answered; log {log_path}:\n{log_tail(log_path)}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise RuntimeError(
-                    f"{url}{path} not healthy within {timeout_s:.0f}s (last: {last}); "
-                    f"log {log_path}:\n{log_tail(log_path)}"
-                )
+                raise RuntimeError(f"{url}{path} not healthy within {timeout_s:.0f}s (last: "
+                                   f"{last}); log {log_path}:\n{log_tail(log_path)}")
             try:
                 resp = http.get(url + path, timeout=min(request_timeout_s, max(remaining, 0.1)))
                 if resp.status_code == 200:

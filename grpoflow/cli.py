@@ -12,18 +12,26 @@
     grpoflow tracking replay FILE [--uri URI]           send a run's unsent MLflow metrics
 
 Flows run on Prefect's ephemeral API unless ``PREFECT_API_URL`` points at a server:
-nothing to install or start. This module lives in ``flows/`` because it starts flows;
-``rl_core`` stays free of Prefect.
+nothing to install or start. Before a flow starts, the config is loaded and checked
+(:func:`rl_core.preflight.preflight`): a config that cannot work is refused in seconds with
+``grpoflow: <one paragraph>`` on stderr and exit code 2, before any flow or task runs. A
+failure inside a flow is reported the same way (exit code 1; 2 for config, model, storage
+and checkpoint errors): Prefect's own failure lines and tracebacks stay off the console (they
+still reach the Prefect API and its UI); ``--debug`` shows them, and the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
 import sys
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -32,8 +40,7 @@ def _env_defaults() -> None:
     """Settings for Prefect read at import time; a user's environment wins."""
     # Prefect's own INFO lines would interleave with the step lines and the progress bar;
     # they still reach the Prefect API (and its UI) at INFO.
-    for handler in ("CONSOLE", "CONSOLE_FLOW_RUNS"):
-        os.environ.setdefault(f"PREFECT_LOGGING_HANDLERS_{handler}_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
     # The ephemeral API's first start migrates a fresh SQLite database: 20 s (Prefect's
     # default bound) is not enough on a busy 2-core machine.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
@@ -47,6 +54,8 @@ def _env_defaults() -> None:
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="YAML config (e.g. configs/tiny-cpu.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides: algorithm.kl_coef=0.001")
+    p.add_argument("--debug", action="store_true",
+                   help="on failure, show Prefect's failure logs and the full traceback")
 
 
 def _split(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -58,10 +67,54 @@ def _split(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     return config, overrides
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from flows.grpo_train import grpo_train
+def _checked(args: argparse.Namespace, extra: Sequence[str] = (), revision: str | None = None,
+             **checks: bool) -> tuple[str | None, list[str]]:
+    """Load the config (+ ``extra`` overrides, ``model.revision``) and run the pre-flight
+    checks on it, before any flow starts; returns (config path, overrides)."""
+    from rl_core.config import load_config
+    from rl_core.preflight import preflight
 
     config, overrides = _split(args)
+    cfg = load_config(config, [*overrides, *extra])
+    if revision:  # assigned, not an override: YAML would read a tag like 1.0 as a number
+        cfg.model.revision = revision
+    preflight(cfg, **checks)
+    return config, overrides
+
+
+def _flow(target: str, debug: bool) -> Callable[..., Any]:
+    """Import the flow ``module:name``; from here on Prefect's console logging is set up, so
+    its failure records (a failed task or flow run, with the traceback) are kept off the
+    console unless ``debug``: :func:`main` prints the failure as one paragraph."""
+    module, name = target.split(":")
+    flow = getattr(importlib.import_module(module), name)
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler):
+            for old in [f for f in handler.filters if isinstance(f, _ConsoleFilter)]:
+                handler.removeFilter(old)
+            handler.addFilter(_ConsoleFilter(debug))
+    return flow
+
+
+class _ConsoleFilter(logging.Filter):
+    """On Prefect's console handler: drop ``rl_core`` records (the CLI's own handler prints
+    them) and, unless debugging, Prefect's ERROR records (they still reach the Prefect API)."""
+
+    def __init__(self, debug: bool) -> None:
+        super().__init__()
+        self.debug = debug
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.startswith("rl_core"):
+            return False
+        return self.debug or not (record.name.startswith("prefect") and record.levelno >= 40)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    config, overrides = _checked(args)
+    grpo_train = _flow("flows.grpo_train:grpo_train", args.debug)
     summary = grpo_train(
         config=config, overrides=overrides, show_progress=not args.quiet, resume=args.resume
     )
@@ -71,13 +124,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from flows.evaluate import evaluate
     from rl_core.report import format_eval
 
-    config, overrides = _split(args)
+    registered = args.registry or (args.model or "").startswith("models:/")
+    model = [f"model.path={args.model}"] if args.model and not registered else []
+    config, overrides = _checked(args, model, model=not registered)  # the registry's model
+    evaluate = _flow("flows.evaluate:evaluate", args.debug)
     if args.registry:
         out = evaluate(config=config, overrides=overrides, registry=True)
-        print(json.dumps({k: v for k, v in out.items()}, indent=2, default=str))
+        print(json.dumps(out, indent=2, default=str))
         return 0
     result = evaluate(config=config, overrides=overrides, model=args.model)
     print(format_eval(result))
@@ -88,10 +143,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> int:
-    from flows.assets import prepare_data_flow
-
-    config, overrides = _split(args)
-    out = prepare_data_flow(config=config, overrides=overrides)
+    config, overrides = _checked(args, model=False)
+    out = _flow("flows.assets:prepare_data_flow", args.debug)(config=config, overrides=overrides)
     status = "cached" if out["cached"] else "prepared"
     print(
         f"data {status}: {out['num_train']} train / {out['num_eval']} eval records\n"
@@ -102,10 +155,10 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
 
 
 def cmd_download_model(args: argparse.Namespace) -> int:
-    from flows.assets import download_model
-
-    config, overrides = _split(args)
-    print(download_model(config=config, overrides=overrides, uri=args.uri, revision=args.revision))
+    uri = [f"model.path={args.uri}"] if args.uri else []
+    config, overrides = _checked(args, uri, args.revision, data=False)
+    download = _flow("flows.assets:download_model", args.debug)
+    print(download(config=config, overrides=overrides, uri=args.uri, revision=args.revision))
     return 0
 
 
@@ -143,13 +196,14 @@ def cmd_tracking(argv: list[str]) -> int:
     p.add_argument("file", help="<run_dir>/mlflow-unsent-metrics.jsonl")
     p.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else the file's)")
     args = p.parse_args(argv)
-    from tasks.tracking import redact, replay_unsent
+    from rl_core.secrets import redact
+    from tasks.tracking import replay_unsent
 
     try:
         out = replay_unsent(args.file, args.uri)
     except Exception as exc:  # the file stays: nothing is lost, run it again later
         print(f"grpoflow: replay failed, {args.file} kept: {redact(str(exc))[:500]}",
-              file=sys.stderr)  # fmt: skip
+              file=sys.stderr)
         return 1
     print(
         f"replayed {out['metrics']} metric values ({out['skipped']} already there) and "
@@ -232,12 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["engine", "serve"]:
-        # The embedded engine has its own flags (rl_core.rollout.server.main).
-        from rl_core.rollout.server import main as serve_main
+        # The embedded engine has its own flags (rl_core.engine.server.main).
+        from rl_core.engine.server import main as serve_main
 
         return serve_main(argv[2:])
     if argv[:1] == ["doctor"]:
-        from flows.doctor import main as doctor_main
+        from grpoflow.doctor import main as doctor_main
 
         return doctor_main(argv[1:])
     if argv[:1] == ["plan"]:
@@ -245,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return plan_main(argv[1:])
     if argv[:1] == ["deploy"]:
-        from flows.deploy import main as deploy_main
+        from grpoflow.deploy import main as deploy_main
 
         return deploy_main(argv[1:])
     if argv[:1] == ["tracking"]:
@@ -258,22 +312,37 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = [*getattr(args, "overrides", []), *extra]
-    from rl_core.storage import RedactFilter, StorageError
+    from rl_core.secrets import RedactFilter, redact
 
+    rl_core_log = logging.getLogger("rl_core")
+    for old in [h for h in rl_core_log.handlers if h.get_name() == "grpoflow-cli"]:
+        rl_core_log.removeHandler(old)  # main() called again in one process (tests)
     handler = logging.StreamHandler()
+    handler.set_name("grpoflow-cli")
     handler.setFormatter(logging.Formatter("%(message)s"))
     handler.addFilter(RedactFilter())  # credentials never reach the terminal
-    logging.getLogger("rl_core").addHandler(handler)
-    logging.getLogger("rl_core").setLevel(logging.INFO)
+    rl_core_log.addHandler(handler)
+    rl_core_log.setLevel(logging.INFO)
     _env_defaults()
-    from rl_core.checkpoint import CheckpointError
-    from rl_core.config import ConfigError
-
     try:
         return args.func(args)
-    except (ConfigError, CheckpointError, StorageError) as exc:
-        print(f"grpoflow: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("grpoflow: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every failure ends as one paragraph
+        from rl_core.checkpoint import CheckpointError  # not before: 1 s of imports
+        from rl_core.config import ConfigError
+        from rl_core.storage import StorageError
+
+        if args.debug:
+            traceback.print_exc()
+        if isinstance(exc, ConfigError | CheckpointError | StorageError):
+            print(f"grpoflow: {redact(str(exc))}", file=sys.stderr)
+            return 2
+        hint = "" if args.debug else "; run it again with --debug for the traceback"
+        print(f"grpoflow: {args.command} failed: {redact(str(exc)) or type(exc).__name__} "
+              f"({type(exc).__name__}{hint})", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="grpoflow deploy", description=__doc__.split("\n")[0])
     ap.add_argument("--prefect-file", type=Path, default=DEFAULT_FILE)
     ap.add_argument("--name", action="append", default=[],
-                    help="deploy only these (flow/deployment patterns); default: all")  # fmt: skip
+                    help="deploy only these (flow/deployment patterns); default: all")
     ap.add_argument("--pool-type", default="process", help="type of work pools created here")
     ap.add_argument("--timeout", type=float, default=600.0, help="bound on `prefect deploy`")
     args = ap.parse_args(argv)
@@ -83,13 +83,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"work pool {name!r} created (type {args.pool_type})")
     env = {**os.environ, "GRPOFLOW_HOME": os.environ.get("GRPOFLOW_HOME", str(ROOT))}
     cmd = [str(Path(sys.executable).with_name("prefect")), "--no-prompt", "deploy",
-           "--prefect-file", str(prefect_file)]  # fmt: skip
+           "--prefect-file", str(prefect_file)]
     cmd += [a for n in args.name for a in ("--name", n)] if args.name else ["--all"]
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=env, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         print(f"grpoflow deploy: `prefect deploy` did not finish in {args.timeout:.0f}s",
-              file=sys.stderr)  # fmt: skip
+              file=sys.stderr)
         return 1
     if done.returncode == 0:
         print(f"deployments registered with {api}; GRPOFLOW_HOME={env['GRPOFLOW_HOME']}")

@@ -1,0 +1,123 @@
+"""What the training flow keeps about its run besides the planes: the config, the run
+directory, where checkpoints go and which one to resume from, the console and the progress
+shown in the terminal and the Prefect UI, and the summary written at the end.
+
+The flow calls these helpers between its tasks; none of them is a Prefect task (they are
+local bookkeeping, milliseconds each).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from prefect import get_run_logger
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from tqdm.auto import tqdm
+
+from rl_core import storage
+from rl_core.checkpoint import CheckpointError, latest_checkpoint
+from rl_core.config import load_config
+from rl_core.preflight import preflight
+from rl_core.report import format_eval, format_step, format_summary
+from rl_core.rundir import RunDir
+from tasks.evaluate import artifact_key
+from tasks.tracking import log_step, sample_rows, tracking_failed
+
+__all__ = ["Run"]
+
+_PROGRESS_EVERY_S = 5.0  # the progress artifact is an API call: at most one per 5 s
+
+
+class Run:
+    """One training run's bookkeeping (see the module docstring)."""
+
+    failed = staticmethod(tracking_failed)  # the flow's on_failure / on_crashed hook
+
+    def __init__(self, cfg: Any, resume: str, show: bool) -> None:  # noqa: ANN401
+        self.cfg = cfg
+        self.dir = RunDir(cfg, resume_latest=resume == "always")
+        self.started_at = time.perf_counter()
+        self.started = False  # planes brought up once (a later bring-up is a rebuild)
+        self.resumed_from_step: int | None = None
+        # Under checkpoint.uri each run has its own prefix: keep-last-K and resume stay per run.
+        self.ckpt_root = (storage.join(cfg.checkpoint.uri, self.dir.name) if cfg.checkpoint.uri
+                          else str(self.dir.checkpoint_dir))
+        found = latest_checkpoint(self.ckpt_root) if resume != "never" else None
+        if resume == "always" and found is None:
+            raise CheckpointError(f"--resume: no complete checkpoint under {self.ckpt_root}")
+        self.resume_from = str(found) if found is not None else None
+        self._log, self._show = get_run_logger(), show
+        self._bar: Any = None
+        self._progress: Any = None
+        self._progress_at = 0.0
+
+    @classmethod
+    def open(cls, config: str | None, overrides: list[str] | None, resume: str,
+             show: bool) -> Run:
+        cfg = load_config(config, overrides or [])
+        preflight(cfg, model=False)  # deployment runs start here, not at the CLI
+        if cfg.storage.s3_endpoint_url:  # for boto3, MLflow's artifact store and every child
+            os.environ.update(storage.s3_env(cfg.storage.s3_endpoint_url))
+        return cls(cfg, resume, show)
+
+    def latest_checkpoint(self) -> Any:  # noqa: ANN401
+        return latest_checkpoint(self.ckpt_root)
+
+    def say(self, line: str) -> None:
+        """To the Prefect run log (the UI) and, above the progress bar, to the terminal."""
+        self._log.info(line)
+        if self._show:
+            tqdm.write(line)
+
+    def record_step(self, step: int, metrics: dict[str, float], scored: Any, tracking: Any,
+                    tokenizer: Any) -> None:  # noqa: ANN401 - fmt: skip
+        """A finished step: metrics and ledger to the run directory, metrics and sample
+        tables to MLflow, a line to the console, the progress bar and artifact on."""
+        steps = self.cfg.train.steps
+        self.dir.log_metrics(step, metrics)
+        log_step(tracking, step, metrics, sample_rows(scored.samples, tokenizer))
+        self.dir.log_samples(step, scored.ledger())
+        self.say(format_step(step, steps, metrics))
+        if self._bar is None:
+            self._bar = tqdm(desc="GRPO", unit="step", initial=step - 1, total=steps,
+                             disable=not self._show)
+            self._progress = create_progress_artifact(
+                100.0 * (step - 1) / max(steps, 1), key=artifact_key("progress", self.dir.name),
+                description=f"GRPO steps done of {steps}")
+        self._bar.n = step - 1
+        self._bar.update(1)
+        self._bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
+        if step == steps or time.monotonic() - self._progress_at >= _PROGRESS_EVERY_S:
+            update_progress_artifact(self._progress, 100.0 * step / steps)  # ~20 ms
+            self._progress_at = time.monotonic()
+
+    def close_progress(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+    def log_eval(self, result: dict[str, Any]) -> dict[str, Any]:
+        self.dir.log_eval(result)
+        self.say(format_eval(result))
+        return result
+
+    @staticmethod
+    def brief(result: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in result.items() if k != "samples"}
+
+    def finish(self, model_dir: str, data: Any, evals: list[dict[str, Any]],  # noqa: ANN401
+               registered: Any, restarts: int) -> dict[str, Any]:  # noqa: ANN401 - fmt: skip
+        """The run's summary: written to ``summary.json``, printed, returned by the flow."""
+        summary = {
+            "run_name": self.dir.name, "run_dir": str(self.dir.path), "model_dir": model_dir,
+            "metrics_path": str(self.dir.metrics_path), "checkpoint_dir": self.ckpt_root,
+            "steps": self.cfg.train.steps, "resumed_from_step": self.resumed_from_step,
+            "plane_restarts": restarts, "seconds": time.perf_counter() - self.started_at,
+            "data": {"train_digest": data.train_digest, "eval_digest": data.eval_digest},
+            "first_eval": self.brief(evals[0]), "last_eval": self.brief(evals[-1]),
+            "evals": [self.brief(e) for e in evals], "tracking": registered,
+        }
+        self.dir.write_summary(summary)
+        self.say(format_summary(summary))
+        return summary

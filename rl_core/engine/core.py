@@ -1,0 +1,707 @@
+"""The embedded rollout engine: continuous batching over one Hugging Face causal LM, no HTTP.
+
+One model copy serves every request. A scheduler thread owns all generation state and loops
+as SGLang's scheduler does, in miniature: (1) run pending control operations (abort, pause,
+weight updates, memory release) at this *safe point*, where nothing is mid-forward, so weights
+and the KV cache may change; (2) admit waiting requests first-come-first-served while the KV
+budget (``max_total_tokens``: prompt + ``max_new_tokens`` per request) and
+``max_running_requests`` allow, prefilled in one batch into the running batch's KV cache
+(:mod:`rl_core.engine.kv`); (3) decode one step for the whole batch, retire finished rows and
+resolve their futures. Requests join and leave between steps; an idle thread waits on a
+condition (bounded). Sampling is :func:`~rl_core.engine.sampling.sample_next`: a seeded
+request yields the same tokens whatever its batch. ``weight_version`` is a string, as in
+SGLang (``"default"`` until the first versioned update; pass ``str(step)``). Prompt log-probs
+(``logprob_start_len >= 0``) are SGLang's: unscaled ``log_softmax(logits)``, first entry
+``None``. The weights' checksum is computed at the safe point that changes them, and cached.
+
+Never imports Prefect or MLflow; never unpickles received data; opens no socket except the
+``torch.distributed`` group a trainer asks it to join.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import contextlib
+import json
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import InitVar, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rl_core.engine.kv import make_kv_batch
+from rl_core.engine.sampling import SamplingParams, hit_stop, sample_next
+from rl_core.engine.weights import ServedWeights
+from rl_core.models import eos_token_ids, read_weights, torch_dtype
+from rl_core.weight_sync import process_group as pgroup
+
+__all__ = ["PAUSE_MODES", "EmbeddedEngine", "EngineRequestError", "EngineStateError",
+           "GenerateOutput", "GenerateRequest"]
+
+log = logging.getLogger(__name__)
+
+INITIAL_WEIGHT_VERSION = "default"
+PAUSE_MODES = ("abort", "retract", "in_place")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+# SGLang's messages: clients (AReaL, slime) branch on the first one.
+ABORT_BEFORE_PREFILL = "Abort before prefill"
+ABORTED = "Aborted"
+# Prompt tokens one prefill batch may take (always at least one request), so a burst of
+# long prompts does not stall the running batch for long.
+MAX_PREFILL_TOKENS = 16384
+
+
+class EngineRequestError(ValueError):
+    """A request or update the engine refuses; the HTTP server answers it with 400."""
+
+
+class EngineStateError(RuntimeError):
+    """An operation the engine cannot perform in its current state (closed, no such group)."""
+
+
+@dataclass
+class GenerateRequest:
+    """One sequence to generate (or, with ``max_new_tokens=0``, to score)."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+
+
+@dataclass
+class GenerateOutput:
+    """A finished request in SGLang's terms (``finish_reason`` has SGLang's JSON shapes)."""
+
+    rid: str
+    output_ids: list[int]
+    output_logprobs: list[float]
+    input_logprobs: list[float | None] | None
+    finish_reason: dict[str, Any]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    weight_version: str
+    e2e_latency: float
+    num_retractions: int = 0
+
+
+@dataclass(eq=False)
+class _Seq:
+    req: GenerateRequest
+    eos: InitVar[frozenset[int]]
+    future: cf.Future = field(default_factory=cf.Future)
+    submitted: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    retractions: int = 0
+
+    def __post_init__(self, eos: frozenset[int]) -> None:
+        p, self.rid = self.req.params, self.req.rid
+        self.seed = secrets.randbits(62) if p.seed is None else p.seed
+        self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos)
+        # KV tokens this request may occupy: its prompt plus every token it may generate.
+        self.reserve = len(self.req.input_ids) + self.req.params.max_new_tokens
+
+    @property
+    def needs_input_logprobs(self) -> bool:
+        return self.req.logprob_start_len >= 0 and self.input_logprobs is None
+
+
+def _abort_reason(message: str, status_code: int | None = None, err_type: str | None = None):
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
+
+
+class EmbeddedEngine:
+    """A continuous-batching generation engine in this process (see the module docstring).
+
+    ``max_total_tokens`` defaults to ``max(65536, context_length)``; ``control_timeout_s``
+    bounds a control call's wait for the next safe point, ``weight_sync_timeout_s`` each
+    collective of a distributed weight update. ``on_step(n)`` runs on the scheduler thread
+    after decode step ``n`` (tests act at exact points with it). ``kv_layout``: "auto" (slots
+    where the model supports them, else padded), "slots" or "padded"."""
+
+    def __init__(self, model_path: str | Path, *, dtype: str = "float32",
+                 max_running_requests: int = 256, max_total_tokens: int | None = None,
+                 context_length: int | None = None, device: str = "cpu",
+                 num_threads: int | None = None, trust_remote_code: bool = False,
+                 control_timeout_s: float = 60.0, weight_sync_timeout_s: float = 120.0,
+                 on_step: Callable[[int], None] | None = None, kv_layout: str = "auto") -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.model_path = self.tokenizer_path = str(model_path)
+        self.dtype, self.device = dtype, torch.device(device)
+        try:
+            tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as e:
+            log.warning("%s: no usable tokenizer (%s); text and stop strings disabled",
+                        model_path, e)
+            tok = None
+        self.tokenizer = tok
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
+        ).to(self.device)
+        self.model.eval().requires_grad_(False)
+        cfg = self.model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.context_length = int(context_length or cfg.max_position_embeddings)
+        self.max_running_requests = int(max_running_requests)
+        self.max_total_tokens = int(max_total_tokens or max(65536, self.context_length))
+        if self.max_running_requests < 1 or self.max_total_tokens < 2:
+            raise ValueError("max_running_requests must be >= 1 and max_total_tokens >= 2")
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.model, model_path)
+        pad = self.tokenizer.pad_token_id if self.tokenizer is not None else None
+        self.pad_token_id = pad if pad is not None else self.eos_token_ids[0]
+        gen = Path(model_path) / "generation_config.json"  # the sampling defaults it states
+        raw = json.loads(gen.read_text()) if gen.is_file() else {}
+        self.sampling_defaults = {k: raw[k] for k in ("temperature", "top_p", "top_k", "min_p")
+                                  if k in raw}
+        self.weight_version, self.control_timeout_s = INITIAL_WEIGHT_VERSION, control_timeout_s
+        self.weight_sync_timeout_s, self.on_step = weight_sync_timeout_s, on_step
+        self._weights = ServedWeights(self.model)
+        # Scheduler state. Only the scheduler thread touches the running batch; the waiting
+        # queue, the rid index and the control queue are shared under ``_cond``.
+        self._cond = threading.Condition()
+        self._waiting: deque[_Seq] = deque()
+        self._by_rid: dict[str, _Seq] = {}
+        self._controls: list[tuple[Callable[[], Any], cf.Future]] = []
+        self._running: list[_Seq] = []
+        self._admitting: list[_Seq] = []
+        # The running batch's KV cache, row i = _running[i].
+        self._kv = make_kv_batch(kv_layout, self.model, self.device, self.pad_token_id,
+                                 self.max_running_requests, self.model_path)
+        self.kv_layout = self._kv.layout
+        self._pending: torch.Tensor | None = None  # (B,) sampled, not yet fed to the model
+        self._paused = self._kv_released = self._stop = False
+        self._groups: dict[str, tuple[Any, str]] = {}
+        self.stats = {"decode_steps": 0, "prefill_batches": 0, "max_batch": 0, "tokens": 0}
+        self.last_progress = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="grpoflow-engine", daemon=True)
+        self._thread.start()
+
+    def validate(self, req: GenerateRequest) -> None:
+        """Raise :class:`EngineRequestError` (SGLang's messages) if ``req`` cannot run."""
+        ids, n_new = req.input_ids, req.params.max_new_tokens
+        if not ids:
+            raise EngineRequestError("input_ids cannot be empty.")
+        if bad := [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]:
+            raise EngineRequestError(f"The input_ids contain token id {bad[0]!r} outside the "
+                                     f"vocabulary [0, {self.vocab_size}).")
+        n_in, ctx = len(ids), self.context_length
+        if n_in >= ctx:
+            raise EngineRequestError(f"The input ({n_in} tokens) is longer than the model's "
+                                     f"context length ({ctx} tokens).")
+        if n_in + n_new > ctx:
+            raise EngineRequestError(
+                f"Requested token count exceeds the model's maximum context length of {ctx} "
+                f"tokens. You requested a total of {n_in + n_new} tokens: {n_in} tokens from the "
+                f"input messages and {n_new} tokens for the completion. Please reduce the number "
+                "of tokens in the input messages or the completion to fit within the limit.")
+        if n_in + n_new > self.max_total_tokens:
+            raise EngineRequestError(
+                f"The request needs {n_in + n_new} KV tokens ({n_in} input + {n_new} new) but "
+                f"the engine's KV budget is max_total_tokens={self.max_total_tokens}.")
+        start = req.logprob_start_len
+        if start < -1:
+            raise EngineRequestError(f"logprob_start_len must be -1 or >= 0, got {start}.")
+        if start > n_in:
+            raise EngineRequestError(
+                f"logprob_start_len={start} is higher than the number of input tokens {n_in}. "
+                "Please use a smaller logprob_start_len.")
+        if req.params.stop and self.tokenizer is None:
+            raise EngineRequestError("stop strings need a tokenizer; this model has none.")
+
+    def submit(self, req: GenerateRequest) -> cf.Future:
+        """Queue ``req``; the future resolves to a :class:`GenerateOutput`."""
+        return self.submit_all([req])[0]
+
+    def submit_all(self, reqs: Sequence[GenerateRequest]) -> list[cf.Future]:
+        """Queue every request of ``reqs`` or none: all are validated, and their ids checked
+        against each other and the running requests, before the first is queued."""
+        for req in reqs:
+            self.validate(req)
+        seqs = [_Seq(req, frozenset(self.eos_token_ids)) for req in reqs]
+        rids = [req.rid for req in reqs]
+        if len(set(rids)) != len(rids):
+            dup = next(r for i, r in enumerate(rids) if r in rids[:i])
+            raise EngineRequestError(f"Duplicate request ID: {dup!r} appears twice in the batch.")
+        with self._cond:
+            if self._stop:
+                raise EngineStateError("the engine is closed")
+            if (running := next((r for r in rids if r in self._by_rid), None)) is not None:
+                raise EngineRequestError(f"Duplicate request ID: {running!r} is still running.")
+            for seq in seqs:
+                self._by_rid[seq.rid] = seq
+                self._waiting.append(seq)
+            self._cond.notify_all()
+        return [seq.future for seq in seqs]
+
+    async def generate(self, req: GenerateRequest) -> GenerateOutput:
+        """Generate for ``req`` from asyncio; cancelling the awaiting task aborts it."""
+        try:
+            return await asyncio.wrap_future(self.submit(req))
+        except asyncio.CancelledError:
+            with contextlib.suppress(EngineStateError):
+                self._post(lambda: self._abort_where(lambda s: s is self._by_rid.get(req.rid)))
+            raise
+
+    def generate_sync(self, reqs: Sequence[GenerateRequest],
+                      timeout: float | None = 600.0) -> list[GenerateOutput]:
+        """Submit ``reqs`` together (all or none) and wait for all of them, within ``timeout``."""
+        futures = self.submit_all(reqs)
+        end = None if timeout is None else time.monotonic() + timeout
+        return [f.result(None if end is None else max(0.0, end - time.monotonic()))
+                for f in futures]
+
+    def _post(self, fn: Callable[[], Any]) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        with self._cond:
+            if self._stop:
+                raise EngineStateError("the engine is closed")
+            self._controls.append((fn, fut))
+            self._cond.notify_all()
+        return fut
+
+    def _call(self, fn: Callable[[], Any], what: str, timeout: float | None = None) -> Any:
+        """Run ``fn`` on the scheduler thread at its next safe point; wait a bounded time."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        fut = self._post(fn)
+        limit = self.control_timeout_s if timeout is None else timeout
+        try:
+            return fut.result(timeout=limit)
+        except cf.TimeoutError:
+            if fut.cancel():
+                raise TimeoutError(
+                    f"{what}: the engine did not reach a safe point within {limit:.0f} s") from None
+            return fut.result()  # it started meanwhile; control operations are short
+
+    def abort(self, rid: str | Sequence[str] | None = None, abort_all: bool = False) -> int:
+        """Abort requests whose id starts with ``rid`` (SGLang's matching), or all of them;
+        how many. Waiting requests finish with ``"Abort before prefill"``; running ones keep
+        their partial tokens and log-probs."""
+        rids = tuple(r for r in ([rid] if isinstance(rid, str) else list(rid or [])) if r)
+        if not (rids or abort_all):
+            return 0
+        match = (lambda s: True) if abort_all else (lambda s: s.rid.startswith(rids))
+        return self._call(lambda: self._abort_where(match), "abort")
+
+    def pause(self, mode: str = "abort") -> None:
+        """Stop generating. ``in_place`` keeps running requests and their KV cache;
+        ``retract`` moves them back to the waiting queue (recomputed on resume); ``abort``
+        aborts every running and waiting request. New requests queue until :meth:`resume`."""
+        if mode not in PAUSE_MODES:
+            raise EngineRequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+
+        def do() -> None:
+            self._paused = True  # first: callers woken by the aborts see a paused engine
+            if mode == "abort":
+                self._abort_where(lambda s: True)
+            elif mode == "retract":
+                self._retract_all()
+
+        self._call(do, "pause")
+
+    def resume(self) -> None:
+        """Continue after :meth:`pause`."""
+        self._call(lambda: setattr(self, "_paused", False), "resume")
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def flush_cache(self) -> bool:
+        """Drop cached KV state; False (nothing done) while requests run or wait."""
+        def do() -> bool:
+            with self._cond:
+                if self._running or self._waiting:
+                    return False
+            self._reset_batch(free=True)
+            self._empty_device_cache()
+            return True
+
+        return self._call(do, "flush_cache")
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Free the KV cache (``kv_cache``: running requests are retracted, recomputed on
+        resume) and move the weights to a host buffer (``weights``: the parameters become
+        empty, the model cannot run until :meth:`resume_memory`; weights and checksum do not
+        change). ``cuda_graph`` is accepted (no-op)."""
+        wanted = self._tags(tags)
+
+        def do() -> None:
+            if "kv_cache" in wanted:
+                self._retract_all()
+                self._kv.free()
+                self._kv_released = True
+            if "weights" in wanted and self._weights.offloaded is None:
+                self._weights.offload()
+                self._kv.weights_changed()
+            self._empty_device_cache()
+
+        self._call(do, "release_memory")
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Undo :meth:`release_memory` for ``tags`` (all when None)."""
+        wanted = self._tags(tags)
+
+        def do() -> None:
+            if "weights" in wanted and self._weights.offloaded is not None:
+                self._weights.restore(self.device)
+                self._kv.weights_changed()
+            if "kv_cache" in wanted:
+                self._kv_released = False
+
+        self._call(do, "resume_memory")
+
+    def _empty_device_cache(self) -> None:
+        # Dropped tensors are freed by reference counting; only a CUDA caching allocator
+        # keeps the memory until asked (a full gc.collect() here costs ~0.5 s per call).
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def memory_released(self) -> dict[str, bool]:
+        return {"weights": self._weights.offloaded is not None, "kv_cache": self._kv_released}
+
+    @staticmethod
+    def _tags(tags: Sequence[str] | None) -> set[str]:
+        wanted = set(tags) if tags else set(MEMORY_TAGS)
+        if unknown := wanted - set(MEMORY_TAGS):
+            raise EngineRequestError(f"unknown memory tags {sorted(unknown)}; known {MEMORY_TAGS}")
+        return wanted
+
+    def update_weights_from_disk(
+            self, model_path: str | Path, weight_version: str | int | None = None, *,
+            abort_all_requests: bool = False) -> str:
+        """Load every weight from a Hugging Face safetensors directory; returns the checksum.
+        Names are the model's state_dict names (tied aliases may be absent); nothing changes
+        if any name is unknown, missing or of the wrong shape."""
+        try:
+            named = read_weights(model_path)
+        except FileNotFoundError as e:
+            raise EngineRequestError(str(e)) from None
+        checksum = self._update(named, weight_version, abort_all_requests, str(model_path), True)
+        self.model_path = str(model_path)
+        return checksum
+
+    def update_weights_from_tensors(
+            self, named: Mapping[str, torch.Tensor], weight_version: str | int | None = None, *,
+            abort_all_requests: bool = False) -> str:
+        """Load some or all weights from named tensors (a bucket); returns the checksum."""
+        return self._update(dict(named), weight_version, abort_all_requests, "tensors")
+
+    def update_weight_version(self, new_version: str | int, *,
+                              abort_all_requests: bool = True) -> str:
+        """Set ``weight_version`` without touching weights (SGLang aborts all by default)."""
+        if abort_all_requests:
+            self.abort(abort_all=True)
+        version = str(new_version)
+        self._call(lambda: setattr(self, "weight_version", version), "update_weight_version")
+        return version
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "gloo") -> None:
+        """Join the trainer's broadcast group as rank ``rank_offset`` (one rank: TP = 1);
+        blocks until every rank has joined (bounded by ``weight_sync_timeout_s``)."""
+        if group_name in self._groups:
+            raise EngineStateError(f"weight update group {group_name!r} already exists")
+        if backend != "gloo" and self.device.type == "cpu":
+            raise EngineRequestError(f"backend {backend!r} needs an accelerator; an engine on cpu "
+                                     "joins weight update groups with backend 'gloo'")
+        pg = pgroup.init_custom_process_group(
+            master_address=master_address, master_port=master_port, rank=rank_offset,
+            world_size=world_size, group_name=group_name, backend=backend,
+            timeout_s=self.weight_sync_timeout_s)
+        self._groups[group_name] = (pg, backend)
+
+    def update_weights_from_distributed(
+            self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+            group_name: str = "weight_update_group", weight_version: str | int | None = None, *,
+            load_format: str | None = None, abort_all_requests: bool = False) -> str:
+        """Receive one broadcast per tensor from group rank 0, in ``names`` order, then load.
+        All tensors are received before any check, so a trainer is never left blocked in a
+        broadcast; a mismatch then fails the call with nothing loaded."""
+        if group_name not in self._groups:
+            raise EngineStateError(
+                f"no weight update group {group_name!r}; call init_weights_update_group first")
+        if load_format not in (None, "direct"):
+            raise EngineRequestError(
+                f"load_format {load_format!r} is not supported for distributed updates by the "
+                "embedded engine; send one broadcast per tensor (load_format null)")
+        pg, backend = self._groups[group_name]
+        named = pgroup.receive_named_tensors(names, dtypes, shapes, pg,
+                                             device=self.device if backend != "gloo" else "cpu",
+                                             timeout_s=self.weight_sync_timeout_s)
+        return self._update(named, weight_version, abort_all_requests, f"group {group_name!r}")
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        if group_name not in self._groups:
+            raise EngineStateError(f"no weight update group {group_name!r}")
+        pgroup.destroy_process_group(self._groups.pop(group_name)[0])
+
+    def checksum(self) -> str:
+        """The served weights' :func:`~rl_core.weight_sync.weights_checksum`, cached per change."""
+        return self._weights.checksum
+
+    def _update(self, named: dict[str, torch.Tensor], version: str | int | None, abort_all: bool,
+                source: str, complete: bool = False) -> str:
+        """Check ``named`` against the model, then copy it in at a safe point; the checksum."""
+        if parts := self._weights.mismatches(named, complete=complete):
+            raise EngineRequestError(f"weights from {source} do not match the model "
+                                     f"({'; '.join(parts)}); nothing was loaded")
+        if abort_all:
+            self.abort(abort_all=True)
+
+        def apply() -> str:
+            checksum = self._weights.copy_in(named)
+            self._kv.weights_changed()
+            if version is not None:
+                self.weight_version = str(version)
+            return checksum
+
+        return self._call(apply, f"update weights from {source}")
+
+    def load(self) -> dict[str, Any]:
+        """Running/waiting requests and KV tokens used and reserved (SGLang's load names)."""
+        with self._cond:
+            running = list(self._running) + list(self._admitting)
+            waiting = len(self._waiting)
+        reserved = sum(s.reserve for s in running)
+        return {"num_running_reqs": len(running), "num_waiting_reqs": waiting,
+                "num_used_tokens": sum(len(s.req.input_ids) + len(s.output_ids) for s in running),
+                "num_reserved_tokens": reserved, "max_total_num_tokens": self.max_total_tokens,
+                "max_running_requests": self.max_running_requests, "paused": self._paused,
+                "token_usage": round(reserved / self.max_total_tokens, 6)}
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the scheduler; requests still queued or running fail with EngineStateError."""
+        with self._cond:
+            if self._stop:
+                return
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=timeout)
+        with self._cond:
+            leftover, self._by_rid = list(self._by_rid.values()), {}
+            self._waiting.clear()
+            controls, self._controls = self._controls, []
+        for fut in [s.future for s in leftover] + [fut for _, fut in controls]:
+            with contextlib.suppress(cf.InvalidStateError):
+                fut.set_exception(EngineStateError("the engine was closed"))
+        for name in list(self._groups):
+            try:
+                self.destroy_weights_update_group(name)
+            except Exception:  # best effort at shutdown
+                log.warning("could not destroy weight update group %r", name)
+
+    def __enter__(self) -> EmbeddedEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _runnable(self) -> bool:
+        return not (self._paused or self._kv_released or self._weights.offloaded is not None)
+
+    def _loop(self) -> None:
+        with torch.no_grad():
+            while True:
+                with self._cond:
+                    while not (self._stop or self._controls or (
+                            self._runnable() and (self._running or self._waiting))):
+                        self._cond.wait(timeout=1.0)
+                    if self._stop:
+                        return
+                    controls, self._controls = self._controls, []
+                for fn, fut in controls:
+                    if fut.set_running_or_notify_cancel():
+                        try:
+                            fut.set_result(fn())
+                        except BaseException as e:  # handed to the caller
+                            fut.set_exception(e)
+                if not self._runnable():
+                    continue
+                try:
+                    self._step()
+                except Exception as e:  # the loop must survive a bad step
+                    log.exception("engine step failed; aborting the running batch")
+                    self._fail_batch(e)
+
+    def _step(self) -> None:
+        if new := self._admit():
+            self._prefill(new)
+        if self._running:
+            self._decode()
+            self.stats["decode_steps"] += 1
+            if self.on_step is not None:
+                self.on_step(self.stats["decode_steps"])
+        self.last_progress = time.monotonic()
+
+    def _admit(self) -> list[_Seq]:
+        with self._cond:
+            new: list[_Seq] = []
+            reserved, prefill_tokens = sum(s.reserve for s in self._running), 0
+            while self._waiting and len(self._running) + len(new) < self.max_running_requests:
+                s = self._waiting[0]
+                n = len(s.req.input_ids) + len(s.output_ids)
+                if reserved + s.reserve > self.max_total_tokens:
+                    break
+                if new and (prefill_tokens + n > MAX_PREFILL_TOKENS or s.needs_input_logprobs):
+                    break
+                new.append(self._waiting.popleft())
+                reserved, prefill_tokens = reserved + s.reserve, prefill_tokens + n
+                if s.needs_input_logprobs:
+                    break  # prefilled alone: its logits are kept for every scored position
+            self._admitting = new
+        return new
+
+    def _prefill(self, new: list[_Seq]) -> None:
+        seqs = [s.req.input_ids + s.output_ids for s in new]
+        # Logits only where needed: the last position, or (a request scoring its prompt,
+        # always prefilled alone, see _admit) every position from logprob_start_len on.
+        keep_logits = 0
+        if new[0].needs_input_logprobs:
+            keep_logits = max(1, len(seqs[0]) - new[0].req.logprob_start_len)
+        last, prompt_logits = self._kv.prefill(seqs, [s.reserve for s in new], keep_logits)
+        self.stats["prefill_batches"] += 1
+        if prompt_logits is not None:
+            ids = torch.tensor(seqs[0], dtype=torch.long)
+            new[0].input_logprobs = self._prompt_logprobs(prompt_logits, ids, new[0])
+        rows = [i for i, s in enumerate(new) if s.req.params.max_new_tokens > len(s.output_ids)]
+        for i, s in enumerate(new):
+            if i not in rows:  # max_new_tokens == 0: a scoring request, done after prefill
+                self._finish(s, {"type": "length", "length": 0})
+        keep: list[int] = []
+        token_of: dict[int, int] = {}  # row -> its first sampled token
+        if rows:
+            tokens, logps = self._sample(last[rows].float().cpu(), [new[i] for i in rows])
+            for i, token, logp in zip(rows, tokens.tolist(), logps.tolist(), strict=True):
+                token_of[i] = token
+                if not self._accept(new[i], token, logp):
+                    keep.append(i)
+        with self._cond:
+            self._admitting = []
+        self._kv.admit(keep)
+        if not keep:
+            return
+        pending = torch.tensor([token_of[i] for i in keep], dtype=torch.long)
+        self._pending = pending if self._pending is None else torch.cat([self._pending, pending])
+        self._running.extend(new[i] for i in keep)
+        self.stats["max_batch"] = max(self.stats["max_batch"], len(self._running))
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor, s: _Seq) -> list[float | None]:
+        """SGLang's ``input_token_logprobs`` for prompt positions k..n-1 (first one None):
+        ``ids`` is the prefilled row, ``logits`` its last positions, from position k on."""
+        n, k = len(s.req.input_ids), s.req.logprob_start_len
+        if n - k <= 1:  # k == n (validate refuses k > n): none; k == n - 1: the first only
+            return [None] * (n - k)
+        first = ids.shape[0] - logits.shape[0]  # the position logits[0] belongs to (k)
+        # Logits at position p score token p + 1.
+        logp = torch.log_softmax(logits[k - first : n - 1 - first].float(), dim=-1).cpu()
+        return [None, *logp.gather(-1, ids[k + 1 : n][:, None]).squeeze(-1).tolist()]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
+        ps = [s.req.params for s in seqs]
+        temp, top_p, min_p = (torch.tensor([float(getattr(p, k)) for p in ps])
+                              for k in ("temperature", "top_p", "min_p"))
+        return sample_next(logits, temp, torch.tensor([int(p.top_k) for p in ps]), top_p, min_p,
+                           torch.tensor([s.seed for s in seqs], dtype=torch.long),
+                           torch.tensor([len(s.output_ids) for s in seqs], dtype=torch.long))
+
+    def _accept(self, s: _Seq, token: int, logp: float) -> bool:
+        """Append a sampled token; finish ``s`` and return True if it ends the request."""
+        s.output_ids.append(token)
+        s.output_logprobs.append(logp)
+        self.stats["tokens"] += 1
+        p, n = s.req.params, len(s.output_ids)
+        if token in s.stop_ids:
+            self._finish(s, {"type": "stop", "matched": token})
+        elif p.stop and (m := hit_stop(self.tokenizer, s.output_ids, p.stop)) is not None:
+            self._finish(s, {"type": "stop", "matched": m})
+        elif n >= p.max_new_tokens:
+            self._finish(s, {"type": "length", "length": n})
+        else:
+            return False
+        return True
+
+    def _decode(self) -> None:
+        assert self._pending is not None
+        tokens, logps = self._sample(self._kv.step(self._pending).float().cpu(), self._running)
+        self._pending = tokens
+        steps = zip(self._running, tokens.tolist(), logps.tolist(), strict=True)
+        keep = [j for j, (s, token, logp) in enumerate(steps) if not self._accept(s, token, logp)]
+        if len(keep) < len(self._running):
+            self._select(keep)
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep rows ``keep`` of the running batch (the KV batch may reorder them)."""
+        if not keep:
+            return self._reset_batch()
+        assert self._pending is not None
+        order = self._kv.select(keep)
+        self._running = [self._running[j] for j in order]
+        self._pending = self._pending[torch.tensor(order, dtype=torch.long)]
+
+    def _reset_batch(self, *, free: bool = False) -> None:
+        """Empty the running batch; ``free`` also drops the KV buffers kept for reuse."""
+        self._running, self._pending = [], None
+        (self._kv.free if free else self._kv.clear)()
+
+    def _retract_all(self) -> None:
+        """Move the running batch back to the front of the queue (recomputed when admitted)."""
+        if not self._running:
+            return
+        for s in self._running:
+            s.retractions += 1
+        with self._cond:
+            self._waiting.extendleft(reversed(self._running))
+        self._reset_batch(free=True)
+
+    def _abort_where(self, match: Callable[[_Seq], bool]) -> int:
+        with self._cond:
+            waiting = [s for s in self._waiting if match(s)]
+            for s in waiting:
+                self._waiting.remove(s)
+        for s in waiting:
+            self._finish(s, _abort_reason(ABORTED if s.output_ids else ABORT_BEFORE_PREFILL))
+        hit = [j for j, s in enumerate(self._running) if match(s)]
+        for j in hit:
+            self._finish(self._running[j], _abort_reason(ABORTED))
+        if hit:
+            self._select([j for j in range(len(self._running)) if j not in set(hit)])
+        return len(waiting) + len(hit)
+
+    def _fail_batch(self, exc: Exception) -> None:
+        reason = _abort_reason(f"engine error: {exc}", 500, "InternalServerError")
+        for s in list(self._running) + list(self._admitting):
+            if not s.future.done():
+                self._finish(s, dict(reason))
+        with self._cond:
+            self._admitting = []
+        self._reset_batch(free=True)
+
+    def _finish(self, s: _Seq, reason: dict[str, Any]) -> None:
+        with self._cond:
+            if self._by_rid.get(s.rid) is s:
+                del self._by_rid[s.rid]
+        out = GenerateOutput(
+            rid=s.rid, output_ids=list(s.output_ids), output_logprobs=list(s.output_logprobs),
+            input_logprobs=s.input_logprobs if s.req.logprob_start_len >= 0 else None,
+            finish_reason=reason, prompt_tokens=len(s.req.input_ids), cached_tokens=0,
+            completion_tokens=len(s.output_ids), weight_version=self.weight_version,
+            e2e_latency=time.perf_counter() - s.submitted, num_retractions=s.retractions)
+        with contextlib.suppress(cf.InvalidStateError):  # the caller cancelled its wait
+            s.future.set_result(out)

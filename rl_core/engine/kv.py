@@ -1,0 +1,419 @@
+"""The running batch's KV cache for the engine's scheduler: two layouts behind one interface.
+
+``prefill`` computes new rows into staging (their logits), ``admit`` moves the staged rows
+the scheduler keeps into the batch, ``step`` decodes one token for every row, ``select`` keeps
+some rows (their new order), ``clear`` empties the batch, ``free`` also drops the buffers,
+``weights_changed`` drops anything derived from the weights. :class:`SlotBatch` (``slots``:
+Llama, Qwen2, Qwen3) copies nothing per step; :class:`PaddedBatch` (``padded``: any other
+full-attention model) copies the whole cache every step, as ``transformers`` ``generate``
+does (``docs/benchmarks.md``). Used only by the scheduler thread of :mod:`rl_core.engine.core`.
+Never imports Prefect or MLflow; never changes the model's weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+__all__ = ["KV_LAYOUTS", "PaddedBatch", "SlotBatch", "make_kv_batch"]
+
+log = logging.getLogger(__name__)
+
+KV_LAYOUTS = ("auto", "slots", "padded")
+# Llama-family decoders SlotBatch runs on the model's own modules (checked in ``unsupported``).
+_SLOT_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
+
+
+def make_kv_batch(layout: str, model: torch.nn.Module, device: torch.device, pad_token_id: int,
+                  max_rows: int, model_path: str) -> SlotBatch | PaddedBatch:
+    """The KV cache for ``layout``: "slots" (fast, Llama-family models), "padded" (any
+    full-attention model, through its own forward) or "auto" (slots when supported)."""
+    if not all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers):
+        raise ValueError(f"{model_path}: sliding-window or hybrid KV caches are not supported by "
+                         "the embedded engine (it pads and merges full-attention caches only)")
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {layout!r}")
+    why_not = SlotBatch.unsupported(model)
+    if layout == "slots" and why_not:
+        raise ValueError(f"{model_path}: kv_layout='slots' is not possible: {why_not}")
+    if layout == "padded" or why_not:
+        if layout == "auto":
+            log.info("%s: padded KV cache (%s)", model_path, why_not)
+        return PaddedBatch(model, device, pad_token_id)
+    return SlotBatch(model, device, pad_token_id, max_rows)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class SlotBatch:
+    """Preallocated per-row KV slots, written in place; the decoder runs on the model's modules.
+
+    Per layer, K and V buffers (slots, kv_heads, columns, head_dim): row ``r`` lives in slot
+    ``r`` with its token at position ``p`` in column ``p`` (no front padding), so a decode step
+    writes one column per row in place and attends to columns ``[0, max length]`` under a
+    per-row length mask. Buffers grow geometrically (columns capped at the longest row's
+    prompt + ``max_new_tokens``, slots at ``max_running_requests``) and are kept between
+    batches; retired rows' slots are filled from the batch's end, so only moved rows are
+    copied. Prefill right-pads new rows (positions ``0..n-1``): plain causal attention is
+    exact for every real token; matrix products run on the packed real tokens. Embedding,
+    norms, MLPs, rotary tables and LM head are the model's own modules, called at run time,
+    so weight updates and offloading apply. Attention is HF's Llama/Qwen2/Qwen3 attention
+    (SDPA with GQA, rotary, optional q/k norms) without ``repeat_kv`` copies."""
+
+    layout = "slots"
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, pad_token_id: int,
+                 max_rows: int) -> None:
+        self.model, self.inner = model, model.model
+        attn = self.inner.layers[0].self_attn
+        self.head_dim, self.scaling = int(attn.head_dim), float(attn.scaling)
+        self.q_size, self.kv_size = int(attn.q_proj.out_features), int(attn.k_proj.out_features)
+        self.kv_heads, self.qk_norm = self.kv_size // self.head_dim, hasattr(attn, "q_norm")
+        self.mlp_size = int(self.inner.layers[0].mlp.gate_proj.out_features)
+        self._packed: list[Any] | None = None
+        self.device, self.pad, self.max_rows = device, pad_token_id, max_rows
+        self.k, self.v = [], []  # per layer: (slots, kv_heads, columns, head_dim) tensors
+        self.clear()
+
+    @staticmethod
+    def unsupported(model: torch.nn.Module) -> str | None:
+        """Why this class cannot run ``model`` (None: it can)."""
+        cfg = model.config
+        if (kind := getattr(cfg, "model_type", None)) not in _SLOT_MODEL_TYPES:
+            return f"model_type {kind!r} is not one of {sorted(_SLOT_MODEL_TYPES)}"
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            return f"hidden_act {cfg.hidden_act!r} (expected silu)"
+        inner = getattr(model, "model", None)
+        if not all(hasattr(inner, p) for p in ("embed_tokens", "layers", "norm", "rotary_emb")):
+            return "not a Llama-style decoder (model.model.{embed_tokens,layers,norm,rotary_emb})"
+        if not isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
+            return "no linear lm_head"
+        for layer in inner.layers:
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            projs = [getattr(attn, p, None) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            if not (all(isinstance(p, torch.nn.Linear) for p in projs)
+                    and hasattr(attn, "head_dim") and hasattr(attn, "scaling")):
+                return "a decoder layer without Llama attention (q/k/v/o_proj, head_dim, scaling)"
+            if getattr(attn, "sliding_window", None):
+                return "sliding-window attention"
+            projs = [getattr(mlp, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
+            if not all(isinstance(p, torch.nn.Linear) for p in projs) or not hasattr(mlp, "act_fn"):
+                return "a decoder layer without a gated MLP (gate/up/down_proj, act_fn)"
+            if not all(hasattr(layer, p) for p in ("input_layernorm", "post_attention_layernorm")):
+                return "a decoder layer without Llama-style norms"
+        return None
+
+    def prefill(self, seqs: list[list[int]], reserves: list[int],
+                keep_logits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Compute ``seqs`` into the slots after the batch; (last logits, prompt logits):
+        ``keep_logits`` > 0 (one sequence only) also returns its last positions' logits."""
+        lengths = [len(q) for q in seqs]
+        n, b, width = len(seqs), self.rows, max(lengths)
+        self._reserve(b + n, width, max([*self.limits, *reserves]))
+        # Packed: the rows' tokens back to back, no padding, through every matrix product;
+        # ``index`` places each token in the right-padded (n, width) layout attention uses.
+        ids = torch.tensor([t for q in seqs for t in q], dtype=torch.long)
+        positions = torch.cat([torch.arange(k) for k in lengths])
+        index = torch.cat([torch.arange(k) + i * width for i, k in enumerate(lengths)])
+        h = self._forward(ids[None].to(self.device), positions[None].to(self.device),
+                          prefill_at=b, packing=(index.to(self.device), n, width))
+        if keep_logits:  # one sequence: the packed row is the sequence
+            prompt_logits = self.logits(h[0, width - keep_logits :])
+            last = prompt_logits[-1:]
+        else:
+            ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
+            prompt_logits, last = None, self.logits(h[0, ends])
+        self._staged = (lengths, list(reserves))
+        return last, prompt_logits
+
+    def admit(self, keep: list[int]) -> None:
+        """Append staged rows ``keep`` (indices into the last prefill) to the batch."""
+        assert self._staged is not None
+        (lengths, reserves), self._staged = self._staged, None
+        b = self.rows
+        for j, i in enumerate(keep):  # i >= j: compact the kept rows towards slot b
+            if i != j:
+                for buf in (*self.k, *self.v):
+                    buf[b + j, :, : lengths[i]] = buf[b + i, :, : lengths[i]]
+        if not keep:
+            return
+        new_pos = torch.tensor([lengths[i] for i in keep], dtype=torch.long, device=self.device)
+        self.pos = torch.cat([self.pos, new_pos])
+        self.limits += [reserves[i] for i in keep]
+        self.rows += len(keep)
+        self.max_len = max(self.max_len, *(lengths[i] for i in keep))
+        self._rows_index = torch.arange(self.rows, device=self.device)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed each row's pending token (at its position ``pos``); the next logits (B, V)."""
+        self._reserve(self.rows, self.max_len + 1, max(self.limits))
+        width = self.max_len + 1
+        cols = torch.arange(width, device=self.device)
+        mask = cols[None, :] <= self.pos[:, None]  # (B, width): columns each row may see
+        h = self._forward(tokens[:, None].to(self.device), self.pos[:, None], decode_mask=mask)
+        self.pos, self.max_len = self.pos + 1, self.max_len + 1
+        return self.logits(h[:, 0])
+
+    def select(self, keep: list[int]) -> list[int]:
+        """Keep rows ``keep``; rows past the new end fill the freed slots. The new order."""
+        if not keep:
+            self.clear()
+            return []
+        size, kept = len(keep), set(keep)
+        holes = [r for r in range(size) if r not in kept]
+        movers = [r for r in keep if r >= size]
+        order = list(range(size))
+        for hole, mover in zip(holes, movers, strict=True):
+            order[hole] = mover
+        if holes:
+            dst = torch.tensor(holes, dtype=torch.long, device=self.device)
+            src = torch.tensor(movers, dtype=torch.long, device=self.device)
+            for buf in (*self.k, *self.v):
+                buf[dst, :, : self.max_len] = buf[src, :, : self.max_len]
+        idx = torch.tensor(order, dtype=torch.long, device=self.device)
+        self.pos = self.pos[idx]
+        self.limits = [self.limits[o] for o in order]
+        self.rows, self.max_len = size, int(self.pos.max())
+        self._rows_index = torch.arange(size, device=self.device)
+        return order
+
+    def clear(self) -> None:
+        """Empty the batch; the buffers stay allocated for the next one."""
+        self.rows, self.max_len = 0, 0
+        self.pos = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.limits: list[int] = []
+        self._staged: tuple[list[int], list[int]] | None = None
+        self._rows_index = self.pos
+
+    def free(self) -> None:
+        """Empty the batch and drop the KV buffers."""
+        self.clear()
+        self.k, self.v = [], []
+
+    def weights_changed(self) -> None:
+        """Drop the packed weights (rebuilt from the model at the next forward)."""
+        self._packed = None
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head on final hidden states (..., hidden)."""
+        return _matmul(h, self._weights()[-1])
+
+    def _reserve(self, rows: int, columns: int, column_cap: int) -> None:
+        """Grow the buffers to hold ``rows`` slots of ``columns`` (geometrically, capped)."""
+        have_rows, _, have_cols, _ = self.k[0].shape if self.k else (0, 0, 0, 0)
+        if rows <= have_rows and columns <= have_cols:
+            return
+        new_rows = max(rows, min(self.max_rows, 2 * have_rows)) if rows > have_rows else have_rows
+        new_cols = have_cols
+        if columns > have_cols:
+            new_cols = max(columns, min(column_cap, max(2 * have_cols, 2 * columns)))
+        weight = self.inner.embed_tokens.weight
+        shape = (new_rows, self.kv_heads, new_cols, self.head_dim)
+        live, used = self.rows, self.max_len
+        for bufs in (self.k, self.v):
+            for i in range(len(self.inner.layers)):
+                # Zeros, not empty: masked columns still meet V in a matmul (0 * NaN = NaN).
+                grown = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+                if i < len(bufs):
+                    grown[:live, :, :used] = bufs[i][:live, :, :used]
+                bufs[i : i + 1] = [grown]  # replaces layer i, or appends it the first time
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, *, prefill_at: int | None = None,
+                 packing: tuple[torch.Tensor, int, int] | None = None,
+                 decode_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder's final hidden states for ``ids`` (n, T). Prefill (``prefill_at=b``,
+        ``packing=(index, rows, width)``): ``ids`` (1, T) holds the new rows' tokens back to
+        back; causal attention runs on the right-padded (rows, width) layout (token ``j`` at flat
+        position ``index[j]``), keys going to slots ``b..b+rows-1``. Decode (``decode_mask`` (B,
+        width), T = 1): keys go to column ``pos`` of each slot; attention reads ``[0, width)``."""
+        (n, t), hd, packed = ids.shape, self.head_dim, self._weights()
+        h = self.inner.embed_tokens(ids)
+        cos, sin = self.inner.rotary_emb(h, positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (n, 1, T, hd)
+        if decode_mask is not None:
+            width = decode_mask.shape[1]
+            # Additive mask (0 / -inf) for every (row, KV head, query head of the group).
+            bias = torch.zeros(decode_mask.shape, dtype=h.dtype, device=h.device)
+            bias = bias.masked_fill_(~decode_mask, float("-inf"))[:, None, None, :]
+            groups = self.q_size // self.kv_size
+            bias = bias.expand(n, self.kv_heads, groups, width).reshape(-1, groups, width)
+            rows = self._rows_index
+        for i, layer in enumerate(self.inner.layers):
+            attn = layer.self_attn
+            qkv_w, o_w, gate_up_w, down_w = packed[i]
+            qkv = _matmul(layer.input_layernorm(h), qkv_w)
+            q = qkv[..., : self.q_size].view(n, t, -1, hd)
+            k = qkv[..., self.q_size : self.q_size + self.kv_size].view(n, t, -1, hd)
+            v = qkv[..., self.q_size + self.kv_size :].view(n, t, -1, hd)
+            if self.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            if decode_mask is None:
+                assert prefill_at is not None and packing is not None
+                index, rows_n, width = packing
+                q, k, v = (_unpack(x, index, rows_n, width) for x in (q, k, v))
+                self.k[i][prefill_at : prefill_at + rows_n, :, :width] = k
+                self.v[i][prefill_at : prefill_at + rows_n, :, :width] = v
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
+                                                   enable_gqa=True)
+                o = o.transpose(1, 2).reshape(rows_n * width, -1)[index].view(n, t, -1)
+            else:
+                self.k[i][rows, :, self.pos] = k[:, :, 0]
+                self.v[i][rows, :, self.pos] = v[:, :, 0]
+                # (row, KV head) pairs as one batch, without repeat_kv: the query heads of a
+                # KV head form the rows of one small matrix. Slot views, no copies.
+                keys = self.k[i][:n, :, :width].reshape(-1, width, hd)
+                values = self.v[i][:n, :, :width].reshape(-1, width, hd)
+                qg = q.reshape(-1, groups, hd)
+                scores = torch.baddbmm(bias, qg, keys.transpose(1, 2), alpha=self.scaling)
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+                o = torch.bmm(probs, values).view(n, -1, 1, hd).transpose(1, 2).reshape(n, t, -1)
+            h = h.add_(_matmul(o, o_w))
+            gate_up = _matmul(layer.post_attention_layernorm(h), gate_up_w)
+            gate, up = gate_up[..., : self.mlp_size], gate_up[..., self.mlp_size :]
+            act = layer.mlp.act_fn(gate).mul_(up)
+            h = h.add_(_matmul(act, down_w))
+        return self.inner.norm(h)
+
+    def _weights(self) -> list[Any]:
+        """Per layer (qkv, o, gate_up, down), then the LM head, as ``_pack``ed matrices."""
+        if self._packed is None:
+            self._packed = [*[(_pack(x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj),
+                               _pack(x.self_attn.o_proj), _pack(x.mlp.gate_proj, x.mlp.up_proj),
+                               _pack(x.mlp.down_proj)) for x in self.inner.layers],
+                            _pack(self.model.lm_head)]
+        return self._packed
+
+
+def _unpack(x: torch.Tensor, index: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """Packed (1, heads, T, hd) to right-padded (rows, heads, width, hd); padding is zeros."""
+    heads, hd = x.shape[1], x.shape[3]
+    out = x.new_zeros(rows * width, heads, hd)
+    out[index] = x[0].transpose(0, 1)
+    return out.view(rows, width, heads, hd).transpose(1, 2)
+
+
+def _pack(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``linears`` side by side as one (in, sum of out) matrix, and their joint bias: ``x @ W``
+    with W stored (in, out) runs ~1.5x faster on CPU than ``F.linear``'s ``x @ W.T`` for
+    decode-sized batches, and one wide product replaces two or three."""
+    weight = torch.cat([m.weight for m in linears]).t().contiguous()
+    if all(m.bias is None for m in linears):
+        return weight, None
+    bias = [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]
+    return weight, torch.cat(bias)
+
+
+def _matmul(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    """``x @ weight + bias`` for a :func:`_pack`ed linear (any leading dims)."""
+    weight, bias = packed
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.mm(flat, weight) if bias is None else torch.addmm(bias, flat, weight)
+    return out.view(*x.shape[:-1], weight.shape[1])
+
+
+def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Pad a (B, H, T, D) KV tensor with ``n`` zero columns at the front of T."""
+    return F.pad(t, (0, 0, n, 0)) if n else t
+
+
+class PaddedBatch:
+    """The running batch through the model's own forward: any full-attention HF causal LM.
+
+    Rows are left-padded to a common length in a ``DynamicCache`` with per-row attention masks
+    and positions; joining rows are padded and concatenated, leading columns no row needs are
+    trimmed when rows leave, and every decode step copies the whole cache."""
+
+    layout = "padded"
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, pad_token_id: int) -> None:
+        self.model, self.device, self.pad = model, device, pad_token_id
+        self.clear()
+
+    def prefill(self, seqs: list[list[int]], reserves: list[int],
+                keep_logits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        width = max(len(q) for q in seqs)
+        ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, q in enumerate(seqs):
+            ids[i, width - len(q) :] = torch.tensor(q, dtype=torch.long)
+            mask[i, width - len(q) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=positions.to(self.device), use_cache=True,
+                         logits_to_keep=max(1, keep_logits))
+        self._staged = (out.past_key_values, mask, positions[:, -1] + 1)
+        return out.logits[:, -1, :], (out.logits[0] if keep_logits else None)
+
+    def admit(self, keep: list[int]) -> None:
+        assert self._staged is not None
+        (cache, mask, next_pos), self._staged = self._staged, None
+        if not keep:
+            return
+        idx = torch.tensor(keep, dtype=torch.long)
+        if len(keep) < mask.shape[0]:
+            cache.batch_select_indices(idx.to(self.device))
+        mask, next_pos = mask[idx], next_pos[idx]
+        if self.cache is None:
+            self.cache, self.mask, self.next_pos = cache, mask, next_pos
+        else:
+            assert self.mask is not None and self.next_pos is not None
+            old, new = self.mask.shape[1], mask.shape[1]
+            width = max(old, new)
+            for a, b in zip(self.cache.layers, cache.layers, strict=True):
+                a.keys = torch.cat([_left_pad(a.keys, width - old), _left_pad(b.keys, width - new)])
+                a.values = torch.cat([_left_pad(a.values, width - old),
+                                      _left_pad(b.values, width - new)])
+            self.mask = torch.cat([F.pad(self.mask, (width - old, 0)),
+                                   F.pad(mask, (width - new, 0))])
+            self.next_pos = torch.cat([self.next_pos, next_pos])
+        self.rows += len(keep)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.mask is not None and self.next_pos is not None
+        ones = torch.ones((self.mask.shape[0], 1), dtype=self.mask.dtype)
+        self.mask = torch.cat([self.mask, ones], dim=1)
+        out = self.model(input_ids=tokens[:, None].to(self.device),
+                         attention_mask=self.mask.to(self.device), past_key_values=self.cache,
+                         position_ids=self.next_pos[:, None].to(self.device), use_cache=True)
+        self.cache = out.past_key_values
+        self.next_pos = self.next_pos + 1
+        return out.logits[:, -1, :]
+
+    def select(self, keep: list[int]) -> list[int]:
+        """Keep rows ``keep`` in order; trim columns no row needs any more."""
+        if not keep:
+            self.clear()
+            return []
+        assert self.cache is not None and self.mask is not None and self.next_pos is not None
+        idx = torch.tensor(keep, dtype=torch.long)
+        self.cache.batch_select_indices(idx.to(self.device))
+        self.mask, self.next_pos, self.rows = self.mask[idx], self.next_pos[idx], len(keep)
+        lead = int((self.mask.cumsum(-1) == 0).sum(-1).min())
+        if lead:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
+            self.mask = self.mask[:, lead:]
+        return keep
+
+    def clear(self) -> None:
+        self.rows = 0
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None  # (B, L) long: 1 where the cache holds a token
+        self.next_pos: torch.Tensor | None = None  # (B,) position of the pending token
+        self._staged: tuple[DynamicCache, torch.Tensor, torch.Tensor] | None = None
+
+    free = clear  # nothing is kept between batches
+
+    def weights_changed(self) -> None:  # the model's forward reads its weights directly
+        pass

@@ -1,0 +1,212 @@
+"""The rollout plane over SGLang's HTTP API: the plane the GRPO loop uses by default.
+
+:class:`HttpPlane` is an :class:`~rl_core.rollout.pool.EnginePool` of engine processes
+(grpoflow's embedded engine, ``python -m rl_core.engine.server``, on CPU; real SGLang on
+GPUs), optionally behind the real ``sglang-router``, as one
+:class:`~rl_core.interfaces.RolloutPlane`. Every sample travels through the client code a
+real SGLang deployment sees and comes back as a :class:`~rl_core.types.Sample` built from the
+engine's token ids; a sample made by any weight version other than the plane's fails the
+rollout, so a stale engine cannot slip samples into a step.
+
+Weights arrive through :func:`rl_core.weight_sync.sync_weights`: :meth:`paused` pauses every
+engine (aborting what is in flight), flushes its cache and yields the engines to update;
+:meth:`verify` checks each reports the new ``weight_version`` and, where it can (the
+embedded engine's ``/weights_checksum``), the trainer's checksum.
+
+Never imports Prefect or MLflow; never waits without a bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from rl_core.engine.sampling import SamplingParams
+from rl_core.rollout.client import RolloutError
+from rl_core.rollout.pool import EnginePool
+from rl_core.types import Sample
+from rl_core.weight_sync import WeightSyncError
+
+__all__ = ["HttpPlane", "sampling_payload"]
+
+log = logging.getLogger(__name__)
+
+
+def sampling_payload(params: SamplingParams) -> dict[str, Any]:
+    """SGLang's ``sampling_params`` for ``params`` (the seed as ``sampling_seed``)."""
+    out: dict[str, Any] = {
+        "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+        "min_p": params.min_p, "max_new_tokens": params.max_new_tokens,
+        "ignore_eos": params.ignore_eos,
+    }
+    if params.stop:
+        out["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        out["stop_token_ids"] = list(params.stop_token_ids)
+    if params.seed is not None:
+        out["sampling_seed"] = int(params.seed)
+    return out
+
+
+class HttpPlane:
+    """N engines behind SGLang's HTTP API as one rollout plane.
+
+    ``pool`` is started and owned by this object (``close()`` stops it). ``before_generate``
+    (set by the planes) runs before each generation while restarted engines wait for weights
+    (the distributed transport re-broadcasts then).
+    """
+
+    def __init__(self, pool: EnginePool, *, request_batch_size: int = 16, timeout_s: float = 600.0,
+                 weight_sync_timeout_s: float = 600.0, verify_checksum: bool = True) -> None:
+        if request_batch_size < 1:
+            raise ValueError(f"request_batch_size must be >= 1, got {request_batch_size}")
+        self.pool = pool
+        self.request_batch_size = request_batch_size
+        self.timeout_s = timeout_s
+        self.weight_sync_timeout_s = weight_sync_timeout_s
+        self.verify_checksum = verify_checksum
+        self.before_generate: Callable[[], None] | None = None
+        self._version = 0  # the base model, until the first sync
+        self._warned_no_checksum = False
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self._version = int(version)
+        self.pool.weight_version = str(version)  # what restarted engines are re-synced to
+
+    @property
+    def urls(self) -> list[str]:
+        """Where generation requests go: the router, else the engines."""
+        return [self.pool.url] if self.pool.url else self.pool.engine_urls
+
+    @property
+    def client(self) -> Any:
+        if self.pool.client is None:
+            raise RuntimeError("the rollout plane is not started")
+        return self.pool.client
+
+    def start(self) -> HttpPlane:
+        t0 = time.monotonic()
+        self.pool.start()
+        log.info("rollout plane: %s up in %.1fs", ", ".join(self.urls), time.monotonic() - t0)
+        return self
+
+    def close(self) -> None:
+        self.pool.stop()
+
+    def health(self) -> dict[str, Any]:
+        p = self.pool
+        return {"engines": len(p.engines), "in_service": p.in_service_urls(),
+                "awaiting_weights": p.awaiting_urls(),
+                "restarts": sum(e.restarts for e in p.engines),
+                "weight_version": self._version, "memory_released": sorted(p.released)}
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Engines free weights and KV cache (``tags``) while a colocated trainer runs."""
+        self.pool.release_memory(tags)
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        self.pool.resume_memory(tags)
+
+    @property
+    def memory_released(self) -> set[str]:
+        return set(self.pool.released)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Sample]:
+        """One sample per prompt, in order. Requests go out concurrently (each retried by the
+        client): chunks of ``request_batch_size`` samples straight to the engines, one sample
+        per request through the router (sglang-router 0.3 refuses per-sample parameters in a
+        batch, and every sample has its own seed)."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        if not prompts:
+            return []
+        if self.pool.released:  # never sample from engines without weights
+            log.warning("engines had released %s: taking it back before sampling",
+                        sorted(self.pool.released))
+            self.pool.resume_memory()
+        if self.before_generate is not None and self.pool.awaiting_urls():
+            self.before_generate()
+        client = self.client
+        size = 1 if self.pool.url else self.request_batch_size
+        chunks = [(prompts[i : i + size], [sampling_payload(p) for p in params[i : i + size]])
+                  for i in range(0, len(prompts), size)]
+
+        async def one(p: Sequence[Sequence[int]], sp: list[dict[str, Any]]) -> list[Sample]:
+            if len(p) == 1:
+                return [await client.aio.generate(p[0], sp[0])]
+            return await client.aio.generate_batch(p, sp)
+
+        async def run_all() -> list[list[Sample]]:
+            return list(await asyncio.gather(*(one(p, sp) for p, sp in chunks)))
+
+        samples = [s for chunk in client.run(run_all(), timeout_s=self.timeout_s) for s in chunk]
+        for s in samples:
+            self._check(s)
+        return samples
+
+    def _check(self, s: Sample) -> None:
+        where = s.meta.get("base_url", "an engine")
+        if s.aborted:
+            raise RolloutError(f"{where}: sample {s.meta.get('id')} was aborted "
+                               f"({s.finish_reason.get('message')}); the rollout is retried")
+        served = s.meta.get("weight_version")
+        # Version 0 is the base model, which engines report under their own initial label.
+        if self._version and served is not None and str(served) != str(self._version):
+            raise WeightSyncError(f"{where} answered with weight_version {served}, expected "
+                                  f"{self._version}: an engine serves stale weights")
+        s.weight_version = self._version
+
+    # ------------------------------------------------------------------ weights
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[list[str]]:
+        """Pause → abort in flight → flush every engine to update; resume on exit (always)."""
+        with self.pool.paused(timeout_s=self.weight_sync_timeout_s) as urls:
+            yield urls
+
+    def verify(self, version: int, checksum: str | None) -> None:
+        """Every engine to update serves ``version`` and, when it can tell, ``checksum``."""
+        client = self.client
+        for url in self.pool.update_targets():
+            served = client.weight_version(url=url)
+            if served != str(version):
+                raise WeightSyncError(f"{url} serves weight_version {served}, expected {version}")
+            if not self.verify_checksum or checksum is None:
+                continue
+            got = client.weights_checksum(url=url)
+            if got is None:
+                if not self._warned_no_checksum:
+                    log.warning("%s has no /weights_checksum: verified by version only", url)
+                    self._warned_no_checksum = True
+            elif got != checksum:
+                ours, theirs = _algorithm(checksum), _algorithm(got)
+                if ours != theirs:
+                    raise WeightSyncError(
+                        f"weight sync to version {version}: {url} checksums its weights with "
+                        f"{theirs}, the trainer with {ours}: the engine runs another grpoflow "
+                        "version; install the same one on both planes")
+                raise WeightSyncError(
+                    f"weight sync to version {version}: {url} serves checksum {got[:21]} but the "
+                    f"trainer wrote {checksum[:21]}; refusing to sample from weights that are "
+                    "not the trainer's")
+
+
+def _algorithm(checksum: str) -> str:
+    """The algorithm a weights checksum names (``xxh3-128:...``; bare hex was SHA-256)."""
+    algo, sep, _ = checksum.partition(":")
+    return algo if sep else "sha256"

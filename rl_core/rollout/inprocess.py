@@ -1,0 +1,88 @@
+"""The in-process rollout plane (``rollout.engine: local``): the engine core without HTTP.
+
+:class:`InProcessPlane` drives the same :class:`~rl_core.engine.core.EmbeddedEngine` the HTTP
+server wraps (its continuous-batching scheduler, KV cache and sampler) directly from the
+training process: one engine, one generation loop, whichever plane a run uses. It speaks the
+:class:`~rl_core.interfaces.RolloutPlane` interface, so the loop does not change when the
+engine moves behind SGLang's API; weights arrive as tensors at the engine's next safe point
+(:class:`~rl_core.weight_sync.transports.TensorSync`), checked by version and checksum like
+any other sync.
+
+Never imports Prefect or MLflow; never touches the trainer's model object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from rl_core.engine.core import EmbeddedEngine, GenerateRequest
+from rl_core.engine.sampling import SamplingParams
+from rl_core.types import Sample
+from rl_core.weight_sync import WeightSyncError
+
+__all__ = ["InProcessPlane"]
+
+
+class InProcessPlane:
+    """One engine core in this process, as a rollout plane."""
+
+    def __init__(self, model_path: str | Path, *, timeout_s: float = 600.0, **engine_kw: Any):
+        self.engine = EmbeddedEngine(model_path, **engine_kw)
+        self.timeout_s = timeout_s
+        self.weight_version = 0
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Sample]:
+        """One sample per prompt, in order, scheduled together by the engine."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        batch = uuid.uuid4().hex[:12]
+        reqs = [GenerateRequest(f"{batch}-{i}", list(p), sp, return_logprob=True)
+                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+        outs = self.engine.generate_sync(reqs, timeout=self.timeout_s)
+        tok = self.engine.tokenizer
+        return [Sample(list(p), o.output_ids, o.output_logprobs, o.finish_reason,
+                       self.weight_version, tok.decode(o.output_ids, skip_special_tokens=True)
+                       if tok is not None else "", meta={"id": o.rid})
+                for p, o in zip(prompts, outs, strict=True)]
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[list[EmbeddedEngine]]:
+        """Pause (aborting what runs), flush the KV cache, yield the engine; resume always."""
+        self.engine.pause("abort")
+        try:
+            self.engine.flush_cache()
+            yield [self.engine]
+        finally:
+            self.engine.resume()
+
+    def verify(self, version: int, checksum: str | None) -> None:
+        served = self.engine.weight_version
+        if served != str(version):
+            raise WeightSyncError(f"the engine serves weight_version {served}, expected {version}")
+        if checksum is not None and (got := self.engine.checksum()) != checksum:
+            raise WeightSyncError(f"weight sync to version {version}: the engine serves checksum "
+                                  f"{got[:21]} but the trainer exported {checksum[:21]}")
+
+    def health(self) -> dict[str, Any]:
+        return {"engines": 1, "weight_version": self.weight_version, **self.engine.load()}
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        self.engine.release_memory(tags)
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        self.engine.resume_memory(tags)
+
+    @property
+    def memory_released(self) -> set[str]:
+        return {tag for tag, released in self.engine.memory_released.items() if released}
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,136 @@
+"""The plane side of the weight transports: how staged weights reach the paused engines.
+
+``rollout.weight_sync`` picks one for the HTTP plane:
+
+- :class:`DiskSync` (``disk``): the trainer writes HF safetensors into
+  ``<run>/weight_sync/v<version>``; every engine reloads them (``/update_weights_from_disk``).
+  One node, or a filesystem the engines share.
+- :class:`ObjectStoreSync` (``object_store``, engines are Ray actors): the trainer's rank 0
+  puts numpy arrays into Ray's object store; each engine's actor writes them to node-local
+  disk and its server loads them. Nothing passes through the driver.
+- :class:`~rl_core.weight_sync.broadcast.BroadcastSync` (``distributed``): a
+  ``torch.distributed`` broadcast from trainer rank 0 to every engine.
+
+The in-process plane uses :class:`TensorSync`: the engine core copies the trainer's tensors.
+
+Each keeps what it last delivered, so an engine that restarts is brought back to the current
+weights (:meth:`resync`) before it serves again. Never imports Prefect or MLflow; every wait
+is bounded.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rl_core.weight_sync.checksum import WeightSyncError, weights_checksum
+
+__all__ = ["DiskSync", "ObjectStoreSync", "Staged", "TensorSync"]
+
+
+@dataclass
+class Staged:
+    """Weights made available to the engines: what :meth:`load` needs and their checksum."""
+
+    payload: Any
+    checksum: str | None
+    nbytes: float = 0.0
+
+
+class DiskSync:
+    """``disk``: a safetensors directory per version; only the newest is kept."""
+
+    def __init__(self, plane: Any, staging_dir: str | Path, timeout_s: float) -> None:
+        self.plane, self.staging_dir, self.timeout_s = plane, Path(staging_dir), timeout_s
+        self.current: tuple[Path, int] | None = None
+
+    def stage(self, trainer: Any, version: int) -> Staged:
+        target = self.staging_dir / f"v{version:06d}"
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        checksum = trainer.write_weights(tmp)
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
+        return Staged(target, checksum, sum(f.stat().st_size for f in target.glob("*.safetensors")))
+
+    def load(self, staged: Staged, urls: list[str], version: int) -> None:
+        self.plane.pool.each(urls, "update_weights_from_disk", lambda aio, u: (
+            aio.update_weights_from_disk(str(staged.payload), version, url=u,
+                                         timeout_s=self.timeout_s)), self.timeout_s + 10.0)
+        self.current = (staged.payload, version)
+        for old in self.staging_dir.glob("v*"):
+            if old != staged.payload:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def resync(self, url: str) -> bool:
+        if self.current is not None:
+            path, version = self.current
+            self.plane.pool.client.update_weights_from_disk(str(path), version, url=url)
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class ObjectStoreSync:
+    """``object_store``: through Ray's object store to each engine's actor."""
+
+    def __init__(self, plane: Any, staging_dir: str | Path, timeout_s: float) -> None:
+        self.plane, self.staging_dir, self.timeout_s = plane, Path(staging_dir), timeout_s
+        self.current: tuple[Any, int] | None = None
+
+    def stage(self, trainer: Any, version: int) -> Staged:
+        ref, checksum, nbytes = trainer.put_weights()
+        return Staged(ref, checksum, float(nbytes))
+
+    def load(self, staged: Staged, urls: list[str], version: int) -> None:
+        self._load_on(urls, staged.payload, version)
+        self.current = (staged.payload, version)
+
+    def resync(self, url: str) -> bool:
+        if self.current is not None:
+            self._load_on([url], *self.current)
+        return True
+
+    def _load_on(self, urls: list[str], ref: Any, version: int) -> None:
+        import ray
+
+        actors = {e.url: getattr(e.proc, "actor", None) for e in self.plane.pool.engines}
+        missing = [u for u in urls if actors.get(u) is None]
+        if missing:
+            raise WeightSyncError(f"rollout.weight_sync=object_store needs engines that are Ray "
+                                  f"actors (cluster.mode=ray); {missing} are not")
+        t = self.timeout_s
+        calls = [actors[u].load_weights.remote(ref, str(version), str(self.staging_dir), t)
+                 for u in urls]
+        try:
+            ray.get(calls, timeout=t)
+        except Exception as e:  # an actor died or refused: name it, the pool takes it out
+            raise WeightSyncError(f"object_store weight load on {urls} failed: {e}") from e
+
+    def close(self) -> None:
+        self.current = None
+
+
+class TensorSync:
+    """The in-process plane: the engine core copies the trainer's tensors at a safe point."""
+
+    def __init__(self, plane: Any = None) -> None:
+        self.plane = plane
+
+    def stage(self, trainer: Any, version: int) -> Staged:
+        weights = trainer.export_weights()
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        return Staged(weights, weights_checksum(weights), float(nbytes))
+
+    def load(self, staged: Staged, engines: list[Any], version: int) -> None:
+        for engine in engines:
+            engine.update_weights_from_tensors(staged.payload, version)
+
+    def resync(self, engine: Any) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,23 @@
+"""Experiment tracking with MLflow, the system of record (run, params, metrics, samples,
+checkpoints, evaluations; with :mod:`tasks.registry` the registered model). The flow never
+touches MLflow: it passes a :class:`TrackingHandle` (``None`` when ``tracking.backend`` is
+``none``: everything then does nothing) to what is exported here. Modules: ``run``, ``sender``,
+``artifacts``, ``handle`` (docs/tracking.md). No secret reaches MLflow (:mod:`rl_core.secrets`);
+MLflow is imported here and in :mod:`tasks.registry` only, never by ``rl_core``.
+"""
+
+from tasks.tracking.artifacts import log_checkpoint, log_evaluation, log_step, sample_rows
+from tasks.tracking.handle import TrackingHandle, eval_metrics, metric_name
+from tasks.tracking.run import (
+    finish_tracking,
+    resolve_tracking_uri,
+    start_tracking,
+    tracking_failed,
+)
+from tasks.tracking.sender import Tracker, bound_mlflow_http, replay_unsent, tracker_for
+
+__all__ = [
+    "TrackingHandle", "Tracker", "bound_mlflow_http", "eval_metrics", "finish_tracking",
+    "log_checkpoint", "log_evaluation", "log_step", "metric_name", "replay_unsent",
+    "resolve_tracking_uri", "sample_rows", "start_tracking", "tracker_for", "tracking_failed",
+]
