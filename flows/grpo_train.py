@@ -35,6 +35,7 @@ from tasks.step import (
     StepTaskError,
     compute_advantages,
     compute_logprobs,
+    needs_logprobs,
     release_rollout_memory,
     reward,
     sync_weights,
@@ -126,10 +127,11 @@ def grpo_step(planes: PlanesHandle, rollouts: Rollouts, step: int) -> tuple[Step
         scored = rollouts.informative(scored, step)
     metrics = {**scored.metrics, **released}
     if scored.samples:
-        batch = compute_advantages(planes, opaque(scored), step)
-        batch, logprob_metrics = compute_logprobs(planes, opaque(batch), step)
+        batch = compute_advantages(planes, scored)
+        if needs_logprobs(planes):
+            batch, logprob_metrics = compute_logprobs(planes, opaque(batch), step)
+            metrics.update(logprob_metrics)
         rollouts.prefetch(step)
-        metrics.update(logprob_metrics)
         metrics.update(train(planes, opaque(batch), step))
     else:  # dynamic sampling found no group with a gradient: nothing to train on
         rollouts.prefetch(step)

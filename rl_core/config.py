@@ -142,11 +142,13 @@ class RolloutConfig(_Section):
     max_running_requests: int = Field(256, ge=1, description="Per engine (embedded, local).")
     request_batch_size: int = Field(
         16, ge=1, description="Samples per /generate request; 1 = one request per sample.")
-    weight_sync: Literal["disk", "object_store", "distributed"] = Field(
+    weight_sync: Literal["disk", "object_store", "distributed", "shared"] = Field(
         "disk", description="`disk`: trainer writes safetensors, engines reload them (one node "
         "or a shared filesystem); `object_store`: through Ray's object store (cluster.mode ray); "
         "`distributed`: the trainer's rank 0 broadcasts to every engine over a "
-        "torch.distributed group (SGLang's /update_weights_from_distributed).")
+        "torch.distributed group (SGLang's /update_weights_from_distributed); `shared` "
+        "(engine: local): the engine reads the trainer's parameters in place, so a sync is a "
+        "version bump, not a copy.")
     weight_sync_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Collective backend of weight_sync=distributed; auto: nccl (RCCL on "
         "ROCm) when trainer and engines have GPUs on Ray, else gloo.")
@@ -209,6 +211,9 @@ class TrainConfig(_Section):
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per GRPO step.")
     ppo_epochs: int = Field(1, ge=1)
     micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward.")
+    pack_groups: bool = Field(True, description="torch backend: run each group's shared prompt "
+        "through the forward once (one packed row per group, block attention mask) wherever "
+        "that costs fewer FLOPs than the padded batch; the same logits, fewer tokens.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads.")
     max_plane_restarts: int = Field(
         1, ge=0, description="Rebuilds from the latest checkpoint after a step fails.")
@@ -377,6 +382,8 @@ class ExperimentConfig(_Section):
                 "rollout.weight_sync=object_store moves weights through Ray's object store, "
                 f"but cluster.mode={c.mode!r} runs no Ray; use rollout.weight_sync=disk, or "
                 "cluster.mode=ray")
+        if r.weight_sync == "shared":
+            self._check_shared()
         if self.train.backend == "megatron":
             self._check_megatron()
         if self.rollout.max_staleness > 0:
@@ -395,6 +402,23 @@ class ExperimentConfig(_Section):
                 f"train.prompts_per_step * rollout.n_samples ({rollouts}) must be divisible by "
                 f"train.mini_batches ({self.train.mini_batches})")
         return self
+
+    def _check_shared(self) -> None:
+        r, why = self.rollout, []
+        if r.engine != "local":
+            why.append(f"rollout.engine is {r.engine!r} (set it to local)")
+        if self.cluster.mode != "local":
+            why.append(f"cluster.mode is {self.cluster.mode!r} (set it to local)")
+        if self.train.backend != "torch":
+            why.append(f"train.backend is {self.train.backend!r} (the torch backend only)")
+        if r.max_staleness > 0:
+            why.append("rollout.max_staleness > 0 (the engine would sample from weights "
+                       "the trainer is changing; set it to 0)")
+        if why:
+            raise ValueError("rollout.weight_sync=shared lets the in-process engine read the "
+                             "trainer's parameters in place, which needs one process and "
+                             "synchronous steps: " + "; ".join(why) +
+                             ". Otherwise use rollout.weight_sync=disk")
 
     def _check_megatron(self) -> None:
         m, c = self.train.megatron, self.cluster

@@ -111,19 +111,22 @@ def _encode_within_limit(
 
 
 def start_rollout(
-    cfg: ExperimentConfig, model_path: str | Path, work_dir: str | Path, placement: Any = None
+    cfg: ExperimentConfig, model_path: str | Path, work_dir: str | Path, placement: Any = None,
+    trainer: Trainer | None = None,
 ) -> tuple[RolloutPlane, WeightSync]:
     """The rollout plane ``rollout.engine`` asks for, serving ``model_path``, and the transport
-    ``rollout.weight_sync`` names. With a Ray ``placement`` every engine is a Ray actor."""
+    ``rollout.weight_sync`` names. With a Ray ``placement`` every engine is a Ray actor; with
+    ``weight_sync: shared`` and a ``trainer`` the in-process engine reads its parameters."""
     r = cfg.rollout
     if r.engine == "local":
         from rl_core.rollout.inprocess import InProcessPlane
-        from rl_core.weight_sync.transports import TensorSync
+        from rl_core.weight_sync.transports import SharedSync, TensorSync
 
+        share = getattr(trainer, "model", None) if r.weight_sync == "shared" else None
         plane = InProcessPlane(model_path, dtype=cfg.model.dtype, timeout_s=r.timeout_s,
                                max_running_requests=r.max_running_requests,
-                               trust_remote_code=cfg.model.trust_remote_code)
-        return plane, TensorSync(plane)
+                               trust_remote_code=cfg.model.trust_remote_code, share=share)
+        return plane, (SharedSync(trainer) if share is not None else TensorSync(plane))
     from rl_core.rollout.http import HttpPlane
     from rl_core.rollout.launch import embedded_engine_command, sglang_engine
     from rl_core.rollout.pool import EnginePool
@@ -222,7 +225,7 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
                 f"{cfg.data.max_prompt_tokens}; raise it or shorten the prompts"
             )
         eval_records, eval_prompts, skip_eval = _encode_within_limit(tokenizer, eval_records, cfg)
-        rollout, transport = start_rollout(cfg, model_path, work_dir, placement)
+        rollout, transport = start_rollout(cfg, model_path, work_dir, placement, trainer)
     except BaseException:
         _close_all(transport, rollout, trainer, placement, cluster)
         raise

@@ -83,6 +83,7 @@ class Batch:
     advantages: torch.Tensor  # (B,) float32
     old_logp: torch.Tensor | None = None  # (B, L-1), trainer log-probs before the update
     ref_logp: torch.Tensor | None = None  # (B, L-1), reference-policy log-probs
+    prompt_lens: torch.Tensor | None = None  # (B,) int64: rows sharing a prompt pack together
 
     @property
     def size(self) -> int:
@@ -130,4 +131,5 @@ class Batch:
                 torch.tensor(s.loss_mask, dtype=torch.bool))
             resp[i, start : start + len(r)] = mask
             rlogp[i, start : start + len(r)] = torch.tensor(s.logprobs, dtype=torch.float32) * mask
-        return cls(ids, attn, resp, rlogp, torch.as_tensor(advantages, dtype=torch.float32))
+        return cls(ids, attn, resp, rlogp, torch.as_tensor(advantages, dtype=torch.float32),
+                   prompt_lens=torch.tensor([len(s.prompt_ids) for s in samples]))

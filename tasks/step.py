@@ -1,4 +1,4 @@
-"""The tasks of one GRPO step: rollout, reward, advantages, log-probs, train, sync.
+"""The tasks of one GRPO step: rollout, reward, (log-probs), train, sync; and advantages.
 
 Each is one phase in the Prefect UI (task run names carry the step number) and returns a
 small value with its own duration. Tasks that reach an engine or user code retry with
@@ -25,7 +25,7 @@ from rl_core.rewards import RewardFunctionError
 from rl_core.types import Batch, Sample
 
 __all__ = ["StepSamples", "StepTaskError", "compute_advantages", "compute_logprobs",
-           "release_rollout_memory", "reward", "rollout", "sync_weights", "train"]
+           "needs_logprobs", "release_rollout_memory", "reward", "rollout", "sync_weights", "train"]
 
 _RETRY = dict(retries=2, retry_delay_seconds=[2, 10], cache_policy=NO_CACHE)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -128,11 +128,10 @@ def release_rollout_memory(planes: PlanesHandle, step: int) -> dict[str, float]:
     return get_planes(planes).release_rollout_memory()
 
 
-@task(name="advantages", task_run_name="advantages-step-{step}", timeout_seconds=300,
-      cache_policy=NO_CACHE)
-@_named("advantages")
-def compute_advantages(planes: PlanesHandle, batch: StepSamples, step: int) -> Batch:
-    """Group-relative advantages laid out as a training batch."""
+def compute_advantages(planes: PlanesHandle, batch: StepSamples) -> Batch:
+    """Group-relative advantages laid out as a training batch. A plain call, not a task:
+    it is milliseconds of deterministic arithmetic, and each task run costs the Prefect API
+    server CPU that the step's compute shares (docs/benchmarks.md)."""
     p = get_planes(planes)
     cfg = p.config
     adv = advantages_for(batch.samples, cfg.rollout.n_samples, cfg.algorithm.advantage)
@@ -142,7 +141,8 @@ def compute_advantages(planes: PlanesHandle, batch: StepSamples, step: int) -> B
 @task(name="logprobs", task_run_name="logprobs-step-{step}", timeout_seconds=1800, **_RETRY)
 @_named("logprobs")
 def compute_logprobs(planes: PlanesHandle, batch: Batch, step: int) -> tuple[Batch, dict]:
-    """Old-policy and reference log-probs, where the objective needs them."""
+    """Old-policy and reference log-probs (the flow calls it only where the objective needs
+    them: see ``needs_logprobs``)."""
     trainer = get_planes(planes).trainer
     started = time.perf_counter()
     if trainer.needs_old_logp:
@@ -150,6 +150,13 @@ def compute_logprobs(planes: PlanesHandle, batch: Batch, step: int) -> tuple[Bat
     if trainer.has_ref_model:
         batch.ref_logp = trainer.compute_logprobs(batch, reference=True)
     return batch, {"time/logprobs": time.perf_counter() - started}
+
+
+def needs_logprobs(planes: PlanesHandle) -> bool:
+    """Whether the step has log-probs to compute before training (off-policy mini-batches,
+    several epochs, TIS, or a KL term); on-policy GRPO with beta 0 skips the task."""
+    trainer = get_planes(planes).trainer
+    return bool(trainer.needs_old_logp or trainer.has_ref_model)
 
 
 @task(name="train", task_run_name="train-step-{step}", timeout_seconds=3600, cache_policy=NO_CACHE)

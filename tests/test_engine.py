@@ -726,3 +726,41 @@ def test_engine_needs_no_files_once_loaded(make_engine, tmp_path):
     outs = eng.generate_sync([_long(f"c{i}", PROMPTS[i], seed=i, n=4) for i in range(5)])
     assert all(o.completion_tokens == 4 for o in outs)
     assert eng.checksum() == weights_checksum(eng.model.state_dict())
+
+
+def test_an_engine_without_a_thread_runs_on_its_callers(make_engine, ref_model):
+    """background=False (the in-process plane): no scheduler thread; the thread waiting in
+    generate_sync or a control call runs the scheduler. Same outputs as the threaded engine,
+    controls from another thread run while one thread drives, and a paused engine's wait
+    stays bounded."""
+    threaded, driven = make_engine(), make_engine(background=False)
+    assert driven._thread is None
+    reqs = [_long(f"d{i}", p, seed=i, n=10) for i, p in enumerate(PROMPTS)]
+    outs = driven.generate_sync(reqs)
+    assert [o.output_ids for o in outs] == [o.output_ids for o in threaded.generate_sync(reqs)]
+    for req, out in zip(reqs, outs, strict=True):
+        _same(out, ref_model, req)
+    # a control from a second thread while this one drives a long generation: it aborts it
+    started = threading.Event()
+
+    first = driven.stats["decode_steps"]
+
+    def on_step(n: int) -> None:  # on the driving thread: hold step 5 until the abort is queued
+        if n == first + 5:
+            started.set()
+            _wait_for(lambda: bool(driven._controls), "the other thread's abort")
+
+    driven.on_step = on_step
+    aborter = threading.Thread(target=lambda: (started.wait(WAIT), driven.abort(abort_all=True)))
+    aborter.start()
+    (out,) = driven.generate_sync([_long("long", PROMPTS[0], seed=9, n=200)], timeout=WAIT)
+    aborter.join(WAIT)
+    assert out.finish_reason["type"] == "abort" and len(out.output_ids) == 6
+    driven.on_step = None
+    driven.pause("abort")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        driven.generate_sync([_long("paused", PROMPTS[0], seed=3, n=4)], timeout=0.3)
+    assert time.monotonic() - t0 < 5
+    driven.resume()
+    assert driven.generate_sync([_long("after", PROMPTS[1], seed=4, n=3)])[0].output_ids

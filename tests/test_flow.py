@@ -80,8 +80,8 @@ def test_grpo_flow_two_steps(prefect_harness, tiny_cache: Path, tmp_path: Path) 
         )
     names = {r.name for r in runs}
     for step in (1, 2):
-        for phase in ("rollout", "release-rollout-memory", "reward", "advantages", "logprobs",
-                      "train", "sync-weights"):
+        for phase in ("rollout", "release-rollout-memory", "reward", "logprobs", "train",
+                      "sync-weights"):
             assert f"{phase}-step-{step}" in names, (phase, step, sorted(names))
     assert {"evaluate-step-0", "evaluate-step-1"} <= names
     assert all(r.state.is_completed() for r in runs)
@@ -183,3 +183,34 @@ def test_cli_engine_serve_has_its_own_flags(capsys) -> None:
         cli_main(["engine", "serve", "--help"])
     assert exit_.value.code == 0
     assert "--model" in capsys.readouterr().out
+
+
+def test_the_ephemeral_api_server_yields_the_cpu_to_the_step() -> None:
+    """The Prefect API server a process started runs at the lowest CPU priority; its other
+    child processes keep their own (a stand-in parent, so the session's server is untouched)."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from flows.run import EPHEMERAL_API, yield_cpu_to_the_step
+
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    spawn = (f"import subprocess, time; subprocess.Popen({[*sleep, '-m', 'uvicorn', EPHEMERAL_API]!r}); "
+             f"subprocess.Popen({[*sleep, 'uvicorn', 'some.other:app']!r}); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", spawn])
+    try:
+        proc = psutil.Process(parent.pid)
+        deadline = time.monotonic() + 30
+        while len(proc.children()) < 2:
+            assert time.monotonic() < deadline, "the stand-in parent did not start its children"
+            time.sleep(0.05)
+        server, other = sorted(proc.children(), key=lambda c: "some.other:app" in c.cmdline())
+        assert yield_cpu_to_the_step(parent=proc) == [server.pid]
+        assert server.nice() == 19 and other.nice() == proc.nice()
+    finally:
+        for child in psutil.Process(parent.pid).children():
+            child.kill()
+        parent.kill()
+        parent.wait(10)

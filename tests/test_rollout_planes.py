@@ -5,8 +5,9 @@ rl_core.engine.server``) and, with two of them, the real ``sglang-router``;
 :class:`~rl_core.rollout.inprocess.InProcessPlane` drives the same engine core in this
 process. Pinned here: both sample exactly the same thing for the same seeds; every weight
 update goes through :func:`rl_core.weight_sync.sync_weights` (pause -> abort/flush -> load ->
-verify -> version -> resume) whatever the transport (disk, broadcast, in-process tensors);
-a sync that delivers other weights, and an engine that serves a stale version, fail loudly;
+verify -> version -> resume) whatever the transport (disk, broadcast, in-process tensors,
+shared parameters); the colocated fast path (an engine reading the trainer's parameters in
+place) samples and trains exactly as the HTTP plane does; a sync that delivers other weights, and an engine that serves a stale version, fail loudly;
 an engine that dies is restarted, re-synced and serves the current weights again.
 """
 
@@ -26,15 +27,16 @@ from engine_helpers import save_tiny_model
 from rl_core.config import AlgorithmConfig, TrainConfig
 from rl_core.data.records import Record
 from rl_core.engine.sampling import SamplingParams
-from rl_core.grpo import rollout_groups
+from rl_core.grpo import advantages_for, rollout_groups
 from rl_core.rollout.http import HttpPlane, sampling_payload
 from rl_core.rollout.inprocess import InProcessPlane
 from rl_core.rollout.launch import embedded_engine_command, free_port
 from rl_core.rollout.pool import EnginePool
 from rl_core.training.torch_trainer import TorchTrainer
+from rl_core.types import Batch
 from rl_core.weight_sync import WeightSyncError, sync_weights, weights_checksum
 from rl_core.weight_sync.broadcast import BroadcastSync
-from rl_core.weight_sync.transports import DiskSync, TensorSync
+from rl_core.weight_sync.transports import DiskSync, SharedSync, TensorSync
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -157,6 +159,71 @@ def test_the_update_sequence_pauses_loads_verifies_bumps_and_resumes(model_dir: 
         assert plane.weight_version == 4 and not plane.engine.paused  # resumed, not bumped
     finally:
         plane.close()
+
+
+def test_shared_weights_follow_the_trainer_in_place_and_are_verified(model_dir: Path) -> None:
+    """weight_sync=shared: no byte moves, the engine serves exactly the trainer's weights after
+    each optimizer step, the trainer still trains, and a trainer that replaced its parameters
+    is refused instead of leaving the engine on stale weights."""
+    trainer = _trainer(model_dir, nudge=False)
+    plane = InProcessPlane(model_dir, share=trainer.model)
+    copied = InProcessPlane(model_dir)
+    try:
+        assert all(p.requires_grad for p in trainer.model.parameters())
+        before = _ids(plane.generate(PROMPTS, GREEDY))
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.add_(0.05 * torch.randn_like(p))  # what an optimizer step does: in place
+        metrics = sync_weights(trainer, plane, SharedSync(trainer), 1)
+        assert metrics["sync_bytes"] == 0 and plane.weight_version == 1
+        assert plane.engine.checksum() == weights_checksum(trainer.export_weights())
+        sync_weights(trainer, copied, TensorSync(copied), 1)
+        after = _ids(plane.generate(PROMPTS, GREEDY))
+        assert after == _ids(copied.generate(PROMPTS, GREEDY)) and after != before
+        assert {s.weight_version for s in plane.generate(PROMPTS, GREEDY)} == {1}
+        name, p = next(iter(trainer.model.named_parameters()))
+        parent = trainer.model.get_submodule(name.rpartition(".")[0])
+        setattr(parent, name.rpartition(".")[2], torch.nn.Parameter(p.detach().clone()))
+        with pytest.raises(WeightSyncError, match="no longer serves the trainer's parameters"):
+            sync_weights(trainer, plane, SharedSync(trainer), 2)
+        assert plane.weight_version == 1 and not plane.engine.paused
+    finally:
+        plane.close()
+        copied.close()
+
+
+def test_the_colocated_fast_path_samples_and_trains_like_the_http_plane(
+        one, model_dir: Path) -> None:
+    """Three GRPO steps from the same checkpoint and seeds: an HTTP engine process fed by
+    disk sync, and an in-process engine reading the trainer's parameters, produce the same
+    samples and the same losses step after step."""
+    torch.set_num_threads(1)
+    http, sync = one
+    sync_weights(_trainer(model_dir, nudge=False), http, sync, 0)  # back to the checkpoint
+    runs = {}
+    for name in ("http", "shared"):
+        trainer = _trainer(model_dir, nudge=False)
+        plane, transport = ((http, sync) if name == "http"
+                            else (InProcessPlane(model_dir, share=trainer.model),
+                                  SharedSync(trainer)))  # fmt: skip
+        steps = []
+        for step in range(1, 4):
+            samples = rollout_groups(plane, RECORDS, PROMPTS, n=4, params=PARAMS, step=step,
+                                     seed=11)  # fmt: skip
+            for s in samples:  # a reward with a gradient: prefer short, then token 9s
+                s.reward = float(s.completion_ids.count(9)) - 0.1 * len(s.completion_ids)
+            adv = advantages_for(samples, 4, "grpo")
+            metrics = trainer.train_step(Batch.from_samples(samples, adv, 0))
+            sync_weights(trainer, plane, transport, step)
+            steps.append((_ids(samples), metrics["loss"], metrics["grad_norm"]))
+        if name == "shared":
+            plane.close()
+        runs[name] = steps
+    for (ids_a, loss_a, norm_a), (ids_b, loss_b, norm_b) in zip(*runs.values(), strict=True):
+        assert ids_a == ids_b
+        assert loss_a == pytest.approx(loss_b, rel=1e-5, abs=1e-7)
+        assert norm_a == pytest.approx(norm_b, rel=1e-5)
+    assert runs["http"][0][0] != runs["http"][2][0]  # the steps sampled different things
 
 
 def test_disk_sync_from_a_trainer_is_versioned_and_verified(one, local, model_dir: Path) -> None:

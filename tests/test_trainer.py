@@ -402,3 +402,56 @@ def test_cosine_counts_every_optimizer_step(model_dir):
     assert trainer.scheduler.get_last_lr()[0] == pytest.approx(0.5)  # cos(pi/2): halfway
     trainer.train_step(batch)
     assert trainer.scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12)
+
+
+# ------------------------------------------------------------ prefix-shared packing
+
+
+def grouped_batch(groups: int = 4, n: int = 4, seed: int = 0) -> Batch:
+    """GRPO's layout: ``groups`` prompts, ``n`` responses each, contiguous."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(lo: int, hi: int) -> list[int]:
+        length = int(torch.randint(lo, hi, (1,), generator=g))
+        return torch.randint(3, 64, (length,), generator=g).tolist()
+
+    prompts = [p for p in (ids(6, 11) for _ in range(groups)) for _ in range(n)]
+    responses = [ids(1, 9) for _ in prompts]
+    logps = [(-torch.rand(len(r), generator=g) * 3).tolist() for r in responses]
+    return make_batch(prompts, responses, logps, torch.randn(len(prompts), generator=g), PAD_ID)
+
+
+def test_packed_groups_train_exactly_like_the_padded_batch(model_dir):
+    """One row per group, the prompt computed once: the same log-probs, losses, gradient
+    norms and parameters as the padded batch, step after step."""
+    from rl_core.training.packing import plan_packing
+
+    batch = grouped_batch()
+    packed, padded = make_trainer(model_dir), make_trainer(model_dir, pack_groups=False)
+    cfg = packed.model.config
+    plan = plan_packing(batch.input_ids.long(), batch.attention_mask, batch.prompt_lens,
+                        params=packed._n_params, layers=cfg.num_hidden_layers,
+                        hidden=cfg.hidden_size)
+    assert plan is not None and plan.input_ids.shape[0] == 4  # it does pack: 4 rows, not 16
+    torch.testing.assert_close(packed.compute_logprobs(batch), padded.compute_logprobs(batch),
+                               atol=1e-5, rtol=0)
+    for _ in range(3):
+        a, b = packed.train_step(batch), padded.train_step(batch)
+        for key in ("loss", "pg_loss", "entropy", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    assert_params_close(params_of(packed), params_of(padded), atol=1e-5)
+
+
+def test_packing_only_where_it_is_cheaper():
+    """No shared prompt, or completions so long that the dense block mask's attention costs
+    more than the padding it saves: the padded batch is kept."""
+    from rl_core.training.packing import plan_packing
+
+    def plan(batch: Batch, hidden: int) -> object:
+        return plan_packing(batch.input_ids.long(), batch.attention_mask, batch.prompt_lens,
+                            params=1_000_000, layers=4, hidden=hidden)
+
+    assert plan(random_batch(), 64) is None  # every prompt different
+    assert plan(grouped_batch(), 64) is not None
+    long = make_batch([[5, 6]] * 8, [[7] * 200] * 8, [[-1.0] * 200] * 8, torch.randn(8), PAD_ID)
+    assert plan(long, 4096) is None

@@ -8,7 +8,10 @@ budget (``max_total_tokens``: prompt + ``max_new_tokens`` per request) and
 ``max_running_requests`` allow, prefilled in one batch into the running batch's KV cache
 (:mod:`rl_core.engine.kv`); (3) decode one step for the whole batch, retire finished rows and
 resolve their futures. Requests join and leave between steps; an idle thread waits on a
-condition (bounded). Sampling is :func:`~rl_core.engine.sampling.sample_next`: a seeded
+condition (bounded). ``background=False`` runs no thread: the scheduler runs on whichever
+thread waits in :meth:`~EmbeddedEngine.generate_sync` or a control call (the in-process
+plane's mode: generation then shares the trainer's thread and its OpenMP team; a second
+thread computing in the same process costs the engine up to 2x on small models). Sampling is :func:`~rl_core.engine.sampling.sample_next`: a seeded
 request yields the same tokens whatever its batch. ``weight_version`` is a string, as in
 SGLang (``"default"`` until the first versioned update; pass ``str(step)``). Prompt log-probs
 (``logprob_start_len >= 0``) are SGLang's: unscaled ``log_softmax(logits)``, first entry
@@ -136,7 +139,8 @@ class EmbeddedEngine:
                  context_length: int | None = None, device: str = "cpu",
                  num_threads: int | None = None, trust_remote_code: bool = False,
                  control_timeout_s: float = 60.0, weight_sync_timeout_s: float = 120.0,
-                 on_step: Callable[[int], None] | None = None, kv_layout: str = "auto") -> None:
+                 on_step: Callable[[int], None] | None = None, kv_layout: str = "auto",
+                 model: torch.nn.Module | None = None, background: bool = True) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_path = self.tokenizer_path = str(model_path)
@@ -148,7 +152,7 @@ class EmbeddedEngine:
                         model_path, e)
             tok = None
         self.tokenizer = tok
-        self.model = AutoModelForCausalLM.from_pretrained(
+        self.model = model if model is not None else AutoModelForCausalLM.from_pretrained(
             model_path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
         ).to(self.device)
         self.model.eval().requires_grad_(False)
@@ -186,8 +190,14 @@ class EmbeddedEngine:
         self._groups: dict[str, tuple[Any, str]] = {}
         self.stats = {"decode_steps": 0, "prefill_batches": 0, "max_batch": 0, "tokens": 0}
         self.last_progress = time.monotonic()
-        self._thread = threading.Thread(target=self._loop, name="grpoflow-engine", daemon=True)
-        self._thread.start()
+        # background: the scheduler thread; else whichever thread drives it now (_drive)
+        self._driver = threading.RLock()
+        self._thread: threading.Thread | None = None
+        self.background = background
+        if background:
+            self._thread = threading.Thread(target=self._loop, name="grpoflow-engine",
+                                            daemon=True)
+            self._thread.start()
 
     def validate(self, req: GenerateRequest) -> None:
         """Raise :class:`EngineRequestError` (SGLang's messages) if ``req`` cannot run."""
@@ -260,6 +270,8 @@ class EmbeddedEngine:
         """Submit ``reqs`` together (all or none) and wait for all of them, within ``timeout``."""
         futures = self.submit_all(reqs)
         end = None if timeout is None else time.monotonic() + timeout
+        if not self.background:
+            self._drive(lambda: all(f.done() for f in futures), end, "generate")
         return [f.result(None if end is None else max(0.0, end - time.monotonic()))
                 for f in futures]
 
@@ -278,6 +290,8 @@ class EmbeddedEngine:
             return fn()
         fut = self._post(fn)
         limit = self.control_timeout_s if timeout is None else timeout
+        if not self.background:
+            self._drive(fut.done, time.monotonic() + limit, what)
         try:
             return fut.result(timeout=limit)
         except cf.TimeoutError:
@@ -410,6 +424,18 @@ class EmbeddedEngine:
         self._call(lambda: setattr(self, "weight_version", version), "update_weight_version")
         return version
 
+    def weights_changed_in_place(self, new_version: str | int) -> None:
+        """The served parameters were changed by their owner (a trainer sharing them, see
+        :func:`~rl_core.rollout.inprocess.shared_view`): at a safe point, drop what was derived
+        from them (packed weights, the checksum) and serve them as ``new_version``."""
+
+        def apply() -> None:
+            self._weights.invalidate()
+            self._kv.weights_changed()
+            self.weight_version = str(new_version)
+
+        self._call(apply, "weights_changed_in_place")
+
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
                                   backend: str = "gloo") -> None:
@@ -492,7 +518,8 @@ class EmbeddedEngine:
                 return
             self._stop = True
             self._cond.notify_all()
-        self._thread.join(timeout=timeout)
+        if self._thread is not None and self.background:
+            self._thread.join(timeout=timeout)
         with self._cond:
             leftover, self._by_rid = list(self._by_rid.values()), {}
             self._waiting.clear()
@@ -517,27 +544,54 @@ class EmbeddedEngine:
 
     def _loop(self) -> None:
         with torch.no_grad():
-            while True:
-                with self._cond:
-                    while not (self._stop or self._controls or (
-                            self._runnable() and (self._running or self._waiting))):
-                        self._cond.wait(timeout=1.0)
-                    if self._stop:
-                        return
-                    controls, self._controls = self._controls, []
-                for fn, fut in controls:
-                    if fut.set_running_or_notify_cancel():
-                        try:
-                            fut.set_result(fn())
-                        except BaseException as e:  # handed to the caller
-                            fut.set_exception(e)
-                if not self._runnable():
-                    continue
+            while self._turn(block=True):
+                pass
+
+    def _turn(self, block: bool) -> bool:
+        """One scheduler iteration: the pending controls (the safe point), then one step if
+        anything may run. False once closed, or (``block`` False) when there is nothing to do."""
+        with self._cond:
+            while not (self._stop or self._controls or (
+                    self._runnable() and (self._running or self._waiting))):
+                if not block:
+                    return False
+                self._cond.wait(timeout=1.0)
+            if self._stop:
+                return False
+            controls, self._controls = self._controls, []
+        for fn, fut in controls:
+            if fut.set_running_or_notify_cancel():
                 try:
-                    self._step()
-                except Exception as e:  # the loop must survive a bad step
-                    log.exception("engine step failed; aborting the running batch")
-                    self._fail_batch(e)
+                    fut.set_result(fn())
+                except BaseException as e:  # handed to the caller
+                    fut.set_exception(e)
+        if self._runnable():
+            try:
+                self._step()
+            except Exception as e:  # the loop must survive a bad step
+                log.exception("engine step failed; aborting the running batch")
+                self._fail_batch(e)
+        return True
+
+    def _drive(self, done: Callable[[], bool], deadline: float | None, what: str) -> None:
+        """``background=False``: run the scheduler on this thread until ``done()``. While
+        another thread drives, wait for it (it runs this thread's controls too); while
+        nothing can run (paused), wait for a control from elsewhere; all within ``deadline``."""
+        while not done():
+            if deadline is not None and time.monotonic() > deadline:
+                return  # the caller's bounded wait on its future reports the timeout
+            if self._driver.acquire(timeout=0.01):
+                try:
+                    self._thread = threading.current_thread()
+                    with torch.no_grad():
+                        while not done() and self._turn(block=False):
+                            pass
+                finally:
+                    self._thread = None
+                    self._driver.release()
+            if not done():
+                with self._cond:
+                    self._cond.wait(timeout=0.01)
 
     def _step(self) -> None:
         if new := self._admit():

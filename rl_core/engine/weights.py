@@ -3,7 +3,7 @@
 :class:`ServedWeights` maps every state_dict name to its tensor (tied names such as
 ``lm_head.weight`` share one), checks incoming named tensors against those names and shapes,
 copies them in, moves the weights to a host buffer and back, and keeps their XXH3 checksum
-(:func:`rl_core.weight_sync.weights_checksum`), computed at load and after each copy (release
+(:func:`rl_core.weight_sync.weights_checksum`), computed on first use and after each copy (release
 and restore move the same bytes: the checksum stands). Only the engine's scheduler thread
 changes the weights (at a safe point). Never imports Prefect or MLflow; never reads files.
 """
@@ -32,7 +32,19 @@ class ServedWeights:
             self._tensors.setdefault(canon, t)
         self._shapes = {n: tuple(self._tensors[c].shape) for n, c in self._canonical.items()}
         self.offloaded: dict[str, torch.Tensor] | None = None  # canonical name -> host tensor
-        self.checksum = weights_checksum(self.named())
+        self._checksum: str | None = None
+
+    @property
+    def checksum(self) -> str:
+        """:func:`~rl_core.weight_sync.weights_checksum` of the weights, computed on first use
+        after a change."""
+        if self._checksum is None:
+            self._checksum = weights_checksum(self.named())
+        return self._checksum
+
+    def invalidate(self) -> None:
+        """The tensors changed in place: the checksum is recomputed when next asked for."""
+        self._checksum = None
 
     def named(self) -> dict[str, torch.Tensor]:
         """Every state_dict name and its tensor (from the host buffer while offloaded)."""
@@ -59,7 +71,7 @@ class ServedWeights:
         for name, t in named.items():
             canon = self._canonical[name]
             (src[canon] if src is not None else self._tensors[canon].data).copy_(t)
-        self.checksum = weights_checksum(self.named())
+        self._checksum = None
         return self.checksum
 
     def offload(self) -> None:

@@ -8,30 +8,57 @@ engine moves behind SGLang's API; weights arrive as tensors at the engine's next
 (:class:`~rl_core.weight_sync.transports.TensorSync`), checked by version and checksum like
 any other sync.
 
-Never imports Prefect or MLflow; never touches the trainer's model object.
+``rollout.weight_sync: shared`` is the single-machine fast path: the engine serves a
+:func:`shared_view` of the trainer's model (its own module objects over the *same* parameter
+storage), so the optimizer's in-place updates are what the engine reads next and a weight
+sync is a version bump (:class:`~rl_core.weight_sync.transports.SharedSync`), not a copy.
+
+Never imports Prefect or MLflow; never changes the trainer's model object.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from rl_core.engine.core import EmbeddedEngine, GenerateRequest
 from rl_core.engine.sampling import SamplingParams
 from rl_core.types import Sample
 from rl_core.weight_sync import WeightSyncError
 
-__all__ = ["InProcessPlane"]
+__all__ = ["InProcessPlane", "shared_view"]
+
+
+def shared_view(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters alias ``model``'s storage (no gradients).
+
+    Buffers and module objects are copied (the engine may switch them to eval mode), tied
+    weights stay tied, and every in-place change to ``model``'s parameters (an optimizer
+    step, a checkpoint load) is visible through the view without a copy.
+    """
+    memo: dict[int, Any] = {id(p): torch.nn.Parameter(p.data, requires_grad=False)
+                            for p in model.parameters()}
+    return copy.deepcopy(model, memo)
+
 
 
 class InProcessPlane:
     """One engine core in this process, as a rollout plane."""
 
-    def __init__(self, model_path: str | Path, *, timeout_s: float = 600.0, **engine_kw: Any):
-        self.engine = EmbeddedEngine(model_path, **engine_kw)
+    def __init__(self, model_path: str | Path, *, timeout_s: float = 600.0,
+                 share: torch.nn.Module | None = None, **engine_kw: Any):
+        """``share``: serve a :func:`shared_view` of this model instead of loading one."""
+        model = shared_view(share) if share is not None else None
+        # No scheduler thread: the engine runs on the thread that asks it to generate (the
+        # trainer's), so generation and training share one OpenMP team (docs/benchmarks.md).
+        engine_kw.setdefault("background", False)
+        self.engine = EmbeddedEngine(model_path, model=model, **engine_kw)
         self.timeout_s = timeout_s
         self.weight_version = 0
 

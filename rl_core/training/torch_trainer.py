@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM
 from rl_core.algorithms.losses import compute_grpo_loss, entropy_from_logits, logprobs_from_logits
 from rl_core.config import AlgorithmConfig, TrainConfig
 from rl_core.models import read_weights, torch_dtype
+from rl_core.training.packing import plan_packing
 from rl_core.types import Batch
 from rl_core.weight_sync.source import WeightSource
 
@@ -84,6 +85,7 @@ class TorchTrainer(WeightSource):
         self.ref_model = (copy.deepcopy(self.model).eval().requires_grad_(False)
                           if algorithm.kl_coef > 0 else None)
         self._build_optimizer()
+        self._n_params = sum(p.numel() for p in self.model.parameters())
         self.global_step = 0  # optimizer steps applied
 
     def _build_optimizer(self) -> None:
@@ -113,10 +115,26 @@ class TorchTrainer(WeightSource):
     # ------------------------------------------------------------------ log-probs
 
     def _forward(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = batch.input_ids.long().to(self.device)
-        attn = batch.attention_mask.to(self.device).long()
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / self.temperature
-        return logits, logprobs_from_logits(logits, ids[:, 1:])
+        """Logits (B, L-1, V) at the rollout temperature and the tokens' log-probs (B, L-1);
+        groups sharing a prompt run packed (:mod:`rl_core.training.packing`) where cheaper."""
+        ids = batch.input_ids.long()
+        plan = None
+        if self.train_cfg.pack_groups and batch.prompt_lens is not None:
+            cfg = self.model.config
+            plan = plan_packing(ids, batch.attention_mask, batch.prompt_lens,
+                                params=self._n_params, layers=cfg.num_hidden_layers,
+                                hidden=cfg.hidden_size, dtype=self.model.dtype)
+        if plan is None:
+            out = model(input_ids=ids.to(self.device),
+                        attention_mask=batch.attention_mask.to(self.device).long())
+            logits = out.logits[:, :-1]
+        else:
+            out = model(input_ids=plan.input_ids.to(self.device),
+                        attention_mask=plan.attention_mask.to(self.device),
+                        position_ids=plan.position_ids.to(self.device))
+            logits = plan.gather(out.logits)
+        logits = logits.float() / self.temperature
+        return logits, logprobs_from_logits(logits, ids[:, 1:].to(self.device))
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, *, reference: bool = False) -> torch.Tensor:

@@ -11,7 +11,9 @@
 - :class:`~rl_core.weight_sync.broadcast.BroadcastSync` (``distributed``): a
   ``torch.distributed`` broadcast from trainer rank 0 to every engine.
 
-The in-process plane uses :class:`TensorSync`: the engine core copies the trainer's tensors.
+The in-process plane uses :class:`TensorSync` (the engine core copies the trainer's tensors)
+or, with ``rollout.weight_sync: shared``, :class:`SharedSync` (the engine reads the trainer's
+parameters in place; the sync checks that they still alias and bumps the version).
 
 Each keeps what it last delivered, so an engine that restarts is brought back to the current
 weights (:meth:`resync`) before it serves again. Never imports Prefect or MLflow; every wait
@@ -27,7 +29,7 @@ from typing import Any
 
 from rl_core.weight_sync.checksum import WeightSyncError, weights_checksum
 
-__all__ = ["DiskSync", "ObjectStoreSync", "Staged", "TensorSync"]
+__all__ = ["DiskSync", "ObjectStoreSync", "SharedSync", "Staged", "TensorSync"]
 
 
 @dataclass
@@ -134,3 +136,38 @@ class TensorSync:
 
     def close(self) -> None:
         pass
+
+
+class SharedSync:
+    """``shared``: the in-process engine serves the trainer's own parameter storage.
+
+    Nothing is copied: the load checks, tensor by tensor, that every weight the engine serves
+    still aliases the trainer's (a trainer that replaced its parameters, e.g. by rebuilding its
+    model, fails loudly here instead of serving stale weights), then the engine drops what it
+    derived from the old values and serves ``version``. ``nbytes`` is 0: no bytes move.
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def stage(self, trainer: Any, version: int) -> Staged:
+        return Staged(trainer.model, None, 0.0)
+
+    def load(self, staged: Staged, engines: list[Any], version: int) -> None:
+        owned = {n: p.data_ptr() for n, p in staged.payload.named_parameters()}
+        for engine in engines:
+            served = dict(engine.model.named_parameters())
+            stale = sorted(n for n, ptr in owned.items()
+                           if n not in served or served[n].data_ptr() != ptr)
+            if stale:
+                raise WeightSyncError(
+                    f"rollout.weight_sync=shared: the engine no longer serves the trainer's "
+                    f"parameters {stale[:5]} (the trainer replaced them); use "
+                    "rollout.weight_sync=disk, or restart the planes")
+            engine.weights_changed_in_place(version)
+
+    def resync(self, engine: Any) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.trainer = None

@@ -1,0 +1,108 @@
+"""Prefix-shared packing: each group's prompt runs through the model once, not n times.
+
+GRPO samples n completions of every prompt, and a right-padded batch runs each prompt n
+times through the forward and backward, with every row padded to the longest. Packing lays
+one group out as one row, ``[prompt, completion_1, ..., completion_n]``, with a block
+attention mask (a completion sees the prompt and its own earlier tokens, none of its
+siblings') and position ids that restart after the prompt for every completion. Every
+token's logits are then exactly those of its own padded row, while the prompt's activations
+are computed once and receive the gradient of all n completions (the sum the padded batch
+would have made). :meth:`PackPlan.gather` maps the packed logits back to the padded layout,
+so the loss code does not change.
+
+Packing pays when prompts are long against completions (the demo: 22-token prompts,
+~17-token answers: 2.3x fewer tokens); with long completions the dense block mask's
+attention grows with the square of a group's length. :func:`plan_packing` therefore
+estimates both layouts' FLOPs (linear layers + attention) and packs only when that is
+cheaper. Never imports Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PackPlan", "plan_packing"]
+
+# Pack only when the estimate is at least this much cheaper (the mask and the gather cost a
+# little, and the estimate is rough).
+MIN_SAVING = 0.85
+
+
+@dataclass
+class PackPlan:
+    """A micro-batch as one packed row per group."""
+
+    input_ids: torch.Tensor  # (G, T) long
+    position_ids: torch.Tensor  # (G, T) long
+    attention_mask: torch.Tensor  # (G, 1, T, T) additive float mask
+    src: torch.Tensor  # (B, L-1) long: the packed row (flattened G*T) predicting token t+1
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        """Packed logits (G, T, V) -> the padded layout's (B, L-1, V)."""
+        return logits.reshape(-1, logits.shape[-1])[self.src]
+
+
+def _groups(ids: torch.Tensor, prompt_lens: list[int]) -> list[list[int]]:
+    """Runs of consecutive rows that share one prompt (token for token)."""
+    groups: list[list[int]] = []
+    for i, p in enumerate(prompt_lens):
+        if groups:
+            j = groups[-1][0]
+            if prompt_lens[j] == p and torch.equal(ids[j, :p], ids[i, :p]):
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+def _cost(rows: int, width: int, params: int, layers: int, hidden: int) -> float:
+    """Forward FLOPs, roughly: linear layers 2 * params per token, attention 4 * hidden * T^2
+    per layer and row (scores and weighted sum over the dense mask)."""
+    return 2.0 * params * rows * width + 4.0 * layers * hidden * rows * width * width
+
+
+def plan_packing(ids: torch.Tensor, attention: torch.Tensor, prompt_lens: torch.Tensor, *,
+                 params: int, layers: int, hidden: int,
+                 dtype: torch.dtype = torch.float32) -> PackPlan | None:
+    """The packed layout of a right-padded micro-batch, or None where it would not be cheaper
+    (no two rows share a prompt, or long completions make the dense mask cost more)."""
+    lengths = attention.sum(-1).tolist()
+    plens = prompt_lens.tolist()
+    groups = _groups(ids, plens)
+    if len(groups) == len(plens):
+        return None
+    widths = [plens[g[0]] + sum(lengths[i] - plens[i] for i in g) for g in groups]
+    width = max(widths)
+    b, seq = ids.shape
+    padded = _cost(b, seq, params, layers, hidden)
+    if _cost(len(groups), width, params, layers, hidden) > MIN_SAVING * padded:
+        return None
+    packed = torch.zeros((len(groups), width), dtype=torch.long)
+    pos = torch.zeros((len(groups), width), dtype=torch.long)
+    seg = torch.full((len(groups), width), -1, dtype=torch.long)  # -1 pad, 0 prompt, k sample
+    src = torch.zeros((b, max(seq - 1, 1)), dtype=torch.long)
+    for g, rows in enumerate(groups):
+        p = plens[rows[0]]
+        packed[g, :p] = ids[rows[0], :p]
+        pos[g, :p] = torch.arange(p)
+        seg[g, :p] = 0
+        at = p
+        for k, i in enumerate(rows, start=1):
+            n = lengths[i] - p
+            packed[g, at : at + n] = ids[i, p : lengths[i]]
+            pos[g, at : at + n] = torch.arange(p, p + n)
+            seg[g, at : at + n] = k
+            # token t+1 of row i is predicted at position t: the prompt's rows for t < p,
+            # then this completion's own rows
+            where = torch.cat([torch.arange(p), torch.arange(at, at + n)])[: lengths[i] - 1]
+            src[i, : where.numel()] = g * width + where
+            at += n
+    q = torch.arange(width)
+    causal = q[None, :] <= q[:, None]  # (T, T): key k visible from query q
+    same = (seg[:, None, :] == seg[:, :, None]) | (seg[:, None, :] == 0)
+    allowed = causal & same & (seg[:, None, :] >= 0)
+    allowed |= torch.eye(width, dtype=torch.bool)  # padding sees itself: no empty softmax row
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return PackPlan(packed, pos, mask[:, None], src)
