@@ -1,7 +1,8 @@
 """grpoflow against TRL's ``GRPOTrainer`` on the same work, side by side.
 
     .venv/bin/pip install -e ".[bench]"          # trl, in the optional extra
-    .venv/bin/python -m benchmarks.vs_trl        # the whole comparison (docs/benchmarks.md)
+    .venv/bin/python -m benchmarks.vs_trl        # the whole comparison, ~19 min on 2 cores
+    .venv/bin/python -m benchmarks.vs_trl --only accuracy   # or --only sweep: each half < 10 min
     .venv/bin/python -m benchmarks.vs_trl --quick  # 1M only, 30 steps, one seed (~2.5 min)
 
 One Qwen2-architecture checkpoint and one dataset per size are built (grpoflow's embedded
@@ -385,29 +386,33 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Median step time by size for each system and response length (docs/)."""
+    """grpoflow's median step as a multiple of TRL's, by model size, for each response
+    length (the ratio's trend with scale), with the targets drawn in."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     lengths = sorted({r["max_new_tokens"] for r in rows})
-    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 3.6), squeeze=False,
+                             sharey=True)
     for ax, length in zip(axes[0], lengths, strict=True):
-        for system in ("trl", "pipeline", "bare", "pipeline_http"):
-            pts = [(list(SIZES).index(r["size"]), r["wall"], r["size"]) for r in rows
-                   if r["system"] == system and r["max_new_tokens"] == length]
+        for system in ("pipeline", "bare", "pipeline_http"):
+            pts = sorted((list(SIZES).index(r["size"]), r["step_vs_trl"]) for r in rows
+                         if r["system"] == system and r["max_new_tokens"] == length
+                         and "step_vs_trl" in r)
             if pts:
-                pts.sort()
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+        ax.axhline(1.0, color="tab:red", lw=1, ls="--", label="TRL (1.0x; pipeline target)")
+        ax.axhline(0.5, color="tab:gray", lw=1, ls=":", label="bare-loop target (0.5x)")
         ax.set_xticks(range(len(SIZES)), list(SIZES))
-        ax.set_yscale("log")
+        ax.set_ylim(0, 1.2)
         ax.set_xlabel("model size")
-        ax.set_ylabel("median step (s)")
+        ax.set_ylabel("median step / TRL's")
         ax.set_title(f"max_new_tokens={length}")
         ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle("GRPO step, 8 prompts x 8 samples, 2 CPU cores: grpoflow vs TRL GRPOTrainer")
+    axes[0][0].legend(fontsize=8, loc="lower left")
+    fig.suptitle("GRPO step vs TRL GRPOTrainer: 8 prompts x 8 samples, 2 CPU cores")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -426,6 +431,9 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--max-new-tokens", type=int, default=32)
     w.add_argument("--eval", action="store_true")
+    parser.add_argument("--only", choices=("accuracy", "sweep"),
+                        help="one half: accuracy + whole run at 1M (~8 min on 2 cores), or "
+                             "the size x length sweep (~11 min); default both")
     parser.add_argument("--quick", action="store_true",
                         help="1M only: 30 steps, one seed; no size sweep")
     parser.add_argument("--seeds", type=int, default=3, help="accuracy runs at 1M (default 3)")
@@ -452,19 +460,21 @@ def main(argv: list[str] | None = None) -> None:
         for size in a.sizes.split(","):
             built[size] = prepare(size, root / size)
         model, data = built["1m"] if "1m" in built else next(iter(built.values()))
-        print(f"accuracy and whole-run: 1m, {a.steps} steps, {a.seeds} seed(s)", flush=True)
-        for seed in range(a.seeds):
+        if a.only != "sweep":
+            print(f"accuracy and whole-run: 1m, {a.steps} steps, {a.seeds} seed(s)", flush=True)
+        for seed in range(a.seeds if a.only != "sweep" else 0):
             order = ["trl", "pipeline", "bare"] if seed == 0 else ["trl", "pipeline"]
             for system in order if seed % 2 == 0 else order[::-1]:
                 runs.append(run_one(system, "1m", model, data, a.steps, seed, 32,
                                     root / f"acc-{system}-{seed}", evaluate=True))
-        if not a.quick:
+        if not a.quick and a.only != "sweep":
             runs.append(run_one("pipeline_http", "1m", model, data, 20, 0, 32,
                                 root / "acc-pipeline_http", evaluate=False))
-        print(f"size sweep: {a.sweep_steps} steps per run", flush=True)
-        for size in a.sizes.split(","):
+        if a.only != "accuracy":
+            print(f"size sweep: {a.sweep_steps} steps per run", flush=True)
+        for size in a.sizes.split(",") if a.only != "accuracy" else []:
             for length in (int(x) for x in a.lengths.split(",")):
-                if size == "1m" and length == 32:
+                if size == "1m" and length == 32 and a.only != "sweep":
                     continue  # measured above, over every accuracy step
                 model, data = built[size]
                 systems = [x for x in a.sweep_systems.split(",")
