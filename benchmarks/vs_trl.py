@@ -8,8 +8,10 @@
 One Qwen2-architecture checkpoint and one dataset per size are built (grpoflow's embedded
 model builder; the 1M model gets the demo's warm start), saved, and given to each system:
 
-- ``trl``: TRL's ``GRPOTrainer`` as its docs set it up (HF ``generate`` for rollouts), in a
-  process of its own; per-phase times from wrapping its own methods.
+- ``trl``: TRL's ``GRPOTrainer`` as its docs set it up (HF ``generate`` for rollouts,
+  ``GRPOConfig``'s default gradient checkpointing), in a process of its own; per-phase times
+  from wrapping its own methods. ``trl_nockpt``: the same without gradient checkpointing
+  (the same arithmetic as grpoflow, more memory).
 - ``pipeline``: ``grpoflow train`` (Prefect, MLflow, checkpoint, export, registration), on
   the single-machine fast path (``rollout.engine: local``, ``rollout.weight_sync: shared``);
   ``pipeline_http`` is the same with the default HTTP engine process and disk sync.
@@ -134,6 +136,9 @@ def _trl(a: argparse.Namespace) -> dict[str, Any]:
         max_steps=a.steps, seed=a.seed, logging_steps=10, save_strategy="no",
         report_to="none", use_cpu=True, bf16=False, dataloader_num_workers=0,
         disable_tqdm=True, model_init_kwargs={"dtype": "float32"},
+        # GRPOConfig's default is True (recompute activations in backward, less memory);
+        # trl_nockpt turns it off so that both sides do the same arithmetic.
+        gradient_checkpointing=a.system == "trl",
     )  # fmt: skip
     t_setup = time.perf_counter()
     trainer = GRPOTrainer(model=a.model, reward_funcs=accuracy, args=cfg, train_dataset=ds,
@@ -271,7 +276,7 @@ def _pipeline(a: argparse.Namespace) -> dict[str, Any]:
 def worker(a: argparse.Namespace) -> None:
     """One run of one system; writes its result to ``a.out``."""
     t0 = time.perf_counter()
-    result = {"trl": _trl, "bare": _bare}.get(a.system, _pipeline)(a)
+    result = {"trl": _trl, "trl_nockpt": _trl, "bare": _bare}.get(a.system, _pipeline)(a)
     if a.eval and result.get("acc_after") is None:
         test = _records(Path(a.data) / "test.jsonl")
         t1 = time.perf_counter()
@@ -377,11 +382,12 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row["acc_after_each"] = [b for _, b in accs]
         rows.append(row)
     for row in rows:
-        ref = next((r for r in rows if (r["size"], r["max_new_tokens"], r["system"]) ==
-                    (row["size"], row["max_new_tokens"], "trl")), None)
-        if ref is not None:
-            row["step_vs_trl"] = row["wall"] / ref["wall"]
-            row["whole_run_vs_trl"] = row["whole_run_s"] / ref["whole_run_s"]
+        for trl, key in (("trl", "vs_trl"), ("trl_nockpt", "vs_trl_nockpt")):
+            ref = next((r for r in rows if (r["size"], r["max_new_tokens"], r["system"]) ==
+                        (row["size"], row["max_new_tokens"], trl)), None)
+            if ref is not None:
+                row[f"step_{key}"] = row["wall"] / ref["wall"]
+                row[f"whole_run_{key}"] = row["whole_run_s"] / ref["whole_run_s"]
     return rows
 
 
@@ -423,7 +429,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="cmd")
     w = sub.add_parser("worker")
     w.add_argument("--system", required=True,
-                   choices=("trl", "bare", "pipeline", "pipeline_http"))
+                   choices=("trl", "trl_nockpt", "bare", "pipeline", "pipeline_http"))
     w.add_argument("--size", default="1m", choices=list(SIZES))
     for name in ("--model", "--data", "--work", "--out"):
         w.add_argument(name, required=True)
@@ -484,6 +490,7 @@ def main(argv: list[str] | None = None) -> None:
                                         root / f"{size}-{length}-{system}-{i}", evaluate=False))
     rows = summarize(runs)
     cols = ["size", "max_new_tokens", "system", "steps", "wall", *PHASES, "step_vs_trl",
+            "step_vs_trl_nockpt",
             "whole_run_s", "whole_run_vs_trl", "peak_rss_mb", "acc_before", "acc_after"]
     print(format_table(cols, [[r.get(c, float("nan")) for c in cols] for r in rows]))
     meta = run_meta("benchmarks.vs_trl", argv if argv is not None else sys.argv[1:])
