@@ -72,7 +72,7 @@ MODEL_25M = [
 # step's metrics reach MLflow through ``log_step``, a plain function (profiled as
 # "tracking"), not a task.
 STEP_TASKS = {
-    "rollout", "reward", "advantages", "logprobs", "train", "sync-weights",
+    "rollout", "reward", "logprobs", "train", "sync-weights",
     "release-rollout-memory", "checkpoint", "log-checkpoint",
 }  # fmt: skip
 TRACKING_TASKS = {"log-checkpoint"}
