@@ -33,15 +33,9 @@ EPHEMERAL_API = "prefect.server.api.server:create_app"
 
 
 def yield_cpu_to_the_step(nice: int = 19, parent: psutil.Process | None = None) -> list[int]:
-    """Run the Prefect API server this process started (ephemeral mode: no
-    ``PREFECT_API_URL``) at the lowest CPU priority; the pids changed.
-
-    That server records every task run's events while the step computes. On a machine whose
-    cores the step's thread team fills, its share stalls the team at every barrier: on
-    2 cores it cost a 1M-model step 0.41 s instead of 0.31 s (docs/benchmarks.md). Task
-    runs reach it as events, which nothing waits for, so it catches up whenever the step
-    leaves a core idle. A server someone else started (``PREFECT_API_URL``) is left alone.
-    """
+    """Run the Prefect API server this process started (ephemeral mode) at the lowest CPU
+    priority; the pids changed. Its share of the cores stalled the step's thread team at
+    every barrier (docs/benchmarks.md); task runs reach it as events nothing waits for."""
     changed = []
     for child in (parent or psutil.Process()).children():
         try:

@@ -1,20 +1,10 @@
 """Prefix-shared packing: each group's prompt runs through the model once, not n times.
 
-GRPO samples n completions of every prompt, and a right-padded batch runs each prompt n
-times through the forward and backward, with every row padded to the longest. Packing lays
-one group out as one row, ``[prompt, completion_1, ..., completion_n]``, with a block
-attention mask (a completion sees the prompt and its own earlier tokens, none of its
-siblings') and position ids that restart after the prompt for every completion. Every
-token's logits are then exactly those of its own padded row, while the prompt's activations
-are computed once and receive the gradient of all n completions (the sum the padded batch
-would have made). :meth:`PackPlan.gather` maps the packed logits back to the padded layout,
-so the loss code does not change.
-
-Packing pays when prompts are long against completions (the demo: 22-token prompts,
-~17-token answers: 2.3x fewer tokens); with long completions the dense block mask's
-attention grows with the square of a group's length. :func:`plan_packing` therefore
-estimates both layouts' FLOPs (linear layers + attention) and packs only when that is
-cheaper. Never imports Prefect or MLflow.
+One row per group, ``[prompt, completion_1, ..., completion_n]``, with a block attention mask
+and position ids that restart after the prompt: every token's logits equal its padded row's,
+the prompt gets the summed gradient of its completions, and :meth:`PackPlan.gather` maps the
+logits back to the padded layout. :func:`plan_packing` packs only where a FLOP estimate says
+it is cheaper (docs/training.md). Never imports Prefect or MLflow.
 """
 
 from __future__ import annotations

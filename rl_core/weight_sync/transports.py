@@ -139,13 +139,9 @@ class TensorSync:
 
 
 class SharedSync:
-    """``shared``: the in-process engine serves the trainer's own parameter storage.
-
-    Nothing is copied: the load checks, tensor by tensor, that every weight the engine serves
-    still aliases the trainer's (a trainer that replaced its parameters, e.g. by rebuilding its
-    model, fails loudly here instead of serving stale weights), then the engine drops what it
-    derived from the old values and serves ``version``. ``nbytes`` is 0: no bytes move.
-    """
+    """``shared``: the in-process engine serves the trainer's own parameter storage. The
+    load checks that every served weight still aliases the trainer's (else it fails loudly),
+    then the engine drops what it derived from the old values and serves ``version``."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
