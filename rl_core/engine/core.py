@@ -431,10 +431,16 @@ class EmbeddedEngine:
 
         def apply() -> None:
             self._weights.invalidate()
-            self._kv.weights_changed()
-            self.weight_version = str(new_version)
+            self._weights_changed(new_version)
 
         self._call(apply, "weights_changed_in_place")
+
+    def _weights_changed(self, version: str | int | None) -> None:
+        """At a safe point, after the weights changed: drop the KV layout's packed copy of
+        them and serve ``version`` (if given)."""
+        self._kv.weights_changed()
+        if version is not None:
+            self.weight_version = str(version)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
@@ -491,11 +497,9 @@ class EmbeddedEngine:
             self.abort(abort_all=True)
 
         def apply() -> str:
-            checksum = self._weights.copy_in(named)
-            self._kv.weights_changed()
-            if version is not None:
-                self.weight_version = str(version)
-            return checksum
+            self._weights.copy_in(named)
+            self._weights_changed(version)
+            return self._weights.checksum
 
         return self._call(apply, f"update weights from {source}")
 

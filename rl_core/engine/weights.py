@@ -65,14 +65,13 @@ class ServedWeights:
                  ("shape mismatches", shapes))
         return [f"{what} {names[:10]}" for what, names in found if names]
 
-    def copy_in(self, named: Mapping[str, torch.Tensor]) -> str:
-        """Copy ``named`` (checked by :meth:`mismatches`) into the weights; the new checksum."""
+    def copy_in(self, named: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``named`` (checked by :meth:`mismatches`) into the weights."""
         src = self.offloaded
         for name, t in named.items():
             canon = self._canonical[name]
             (src[canon] if src is not None else self._tensors[canon].data).copy_(t)
-        self._checksum = None
-        return self.checksum
+        self.invalidate()
 
     def offload(self) -> None:
         """Move every tensor to a host buffer; the model's parameters become empty."""
