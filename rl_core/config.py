@@ -270,6 +270,45 @@ class RewardConfig(_Section):
         return fn
 
 
+class AgentConfig(_Section):
+    """Multi-turn episodes (`rl_core.agents`, docs/agents.md). With neither `env` nor `program`
+    set, rollouts are single completions."""
+    env: str | None = Field(None, description="`tools` (the builtin tool-use environment), "
+        "`verifiers:<environment id>`, `openenv:<package.module:EnvClass>`, or "
+        "`package.module:factory` (called with `env_args`, returns an Environment per episode).")
+    program: str | None = Field(None, description="A black-box agent, `package.module:function`"
+        "(client, task) -> reward, run against the rollout plane's OpenAI-compatible endpoint.")
+    env_args: dict[str, Any] = Field({}, description="Keyword arguments for the factory.")
+    tools: list[str] = Field(["calculator"], description="Tools of `env: tools`: builtins "
+        "(`calculator`, `python`) or `package.module:attribute` naming an rl_core.agents.Tool.")
+    system_prompt: str | None = Field(None, description="`env: tools`: the system message; "
+        "null: the Hermes tool instructions, unless the chat template renders tools itself.")
+    max_turns: int = Field(4, ge=1, description="Model turns per episode at most.")
+    max_tokens: int = Field(256, ge=1, description="Tokens after the prompt per episode at most "
+        "(model turns and observations); each turn also stops at rollout.max_new_tokens.")
+    timeout_s: float = Field(120.0, gt=0, description="Wall time of one episode at most.")
+    env_timeout_s: float = Field(30.0, gt=0, description="Bound on one environment call.")
+    episode_retries: int = Field(1, ge=0, description="An episode whose environment fails is "
+        "started over this many times, then recorded as failed (trains nothing).")
+    max_failed_frac: float = Field(0.5, ge=0.0, le=1.0, description="A step in which more than "
+        "this share of episodes failed counts towards `max_failed_steps`.")
+    max_failed_steps: int = Field(3, ge=0, description="Fail the run after this many such steps "
+        "in a row (0: never).")
+    score_final_answer: bool = Field(True, description="Add `reward.fn`'s score of the last model "
+        "turn to the environment's reward (off for environments that score themselves).")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> AgentConfig:
+        if self.env is not None and self.program is not None:
+            raise ValueError("set agent.env (an environment grpoflow drives) or agent.program (a "
+                             "black-box agent on the OpenAI endpoint), not both")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.env is not None or self.program is not None
+
+
 class EvalConfig(_Section):
     """Held-out evaluation: greedy pass@1 and sampled pass@k."""
     every: int = Field(10, ge=0, description="Evaluate every N steps; 0 = only before/after.")
@@ -329,6 +368,8 @@ class TrackingConfig(_Section):
     experiment: str | None = Field(None, description="Default: the config's `name`.")
     samples_every: int = Field(10, ge=0, description="Sample-generation table every K steps.")
     samples_rows: int = Field(16, ge=1)
+    traces_per_step: int = Field(4, ge=0, description="Multi-turn episodes logged as MLflow "
+        "traces each step (turns, tool calls, rewards, timings); 0: none.")
     system_metrics: bool = True
     system_metrics_interval_s: float = Field(10.0, gt=0)
     register_model: bool = Field(True, description="Register the final model as `model.name`.")
@@ -351,6 +392,7 @@ class ExperimentConfig(_Section):
     train: TrainConfig = TrainConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     reward: RewardConfig = RewardConfig()
+    agent: AgentConfig = AgentConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     cluster: ClusterConfig = ClusterConfig()

@@ -766,7 +766,7 @@ def test_worker_main_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     # The subprocess entry point, minus the orphan watchdog, run on a thread for coverage.
     limits: list[int] = []
     monkeypatch.setattr(runner_mod, "_watch_parent", lambda parent_pid: None)
-    monkeypatch.setattr(runner_mod, "_apply_memory_limit", limits.append)
+    monkeypatch.setattr(runner_mod, "apply_memory_limit", limits.append)
     for spec, expected in [("gsm8k", ("ready", None)), ("reward_plugins:missing", None)]:
         parent_sock, child_sock = socket.socketpair()
         parent = Connection(parent_sock.detach())
@@ -811,7 +811,7 @@ def test_apply_memory_limit_respects_hard_limit(monkeypatch: pytest.MonkeyPatch)
     calls: list[tuple[int, tuple[int, int]]] = []
     monkeypatch.setattr(resource, "getrlimit", lambda kind: (resource.RLIM_INFINITY, 2**20))
     monkeypatch.setattr(resource, "setrlimit", lambda kind, limits: calls.append((kind, limits)))
-    runner_mod._apply_memory_limit(512)
+    runner_mod.apply_memory_limit(512)
     assert calls == [(resource.RLIMIT_AS, (2**20, 2**20))]
 
 

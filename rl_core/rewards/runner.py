@@ -220,7 +220,7 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
-def _apply_memory_limit(limit_mb: int) -> None:
+def apply_memory_limit(limit_mb: int) -> None:
     import resource
 
     limit, (_, hard) = limit_mb * 1024 * 1024, resource.getrlimit(resource.RLIMIT_AS)
@@ -234,7 +234,7 @@ def _worker_main(cfg: dict[str, Any]) -> None:
                      name="reward-orphan-watch").start()
     try:
         if cfg.get("memory_limit_mb"):
-            _apply_memory_limit(int(cfg["memory_limit_mb"]))
+            apply_memory_limit(int(cfg["memory_limit_mb"]))
         fn = load_reward_fn(cfg["spec"])
     except BaseException as e:  # whatever the import did (sys.exit too), the parent must know
         conn.send(("load_error", str(e) if isinstance(e, ValueError) else _describe(e)))

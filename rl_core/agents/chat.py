@@ -1,0 +1,71 @@
+"""Token-exact chat: the ids of a conversation that grows turn by turn.
+
+A multi-turn episode is one token sequence: the prompt, then each model turn *as the engine
+sampled it* (its own ids, never re-tokenized text), then the tokens of whatever the
+environment says next. :class:`ChatTokens` makes the non-model parts from the tokenizer's chat
+template: :meth:`~ChatTokens.prompt_ids` renders the first messages with the generation
+prompt, and :meth:`~ChatTokens.observation_ids` renders only the *new* messages after a model
+turn (the template's text between the end of an assistant turn and the next message,
+the messages, and the next generation prompt), found as the difference between the template
+rendered with and without them. A model turn cut short (no end-of-turn token) is closed with
+the template's end-of-turn token first; those tokens are the environment's, masked from the
+loss like every observation token.
+
+Never imports Prefect or MLflow; never decodes and re-encodes a model turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rl_core.agents.env import Message
+
+__all__ = ["ChatTokens"]
+
+_BASE: list[Message] = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+
+
+class ChatTokens:
+    """The chat template of ``tokenizer`` as token ids for episodes (see the module docstring)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+            raise ValueError(f"the tokenizer {name!r} has no chat template: multi-turn episodes "
+                             "(agent.env) need one; use a chat model's tokenizer")
+        self.tokenizer = tokenizer
+        self._base = self.render(_BASE, generation_prompt=False)
+        eos = tokenizer.eos_token or ""
+        cut = self._base.rfind(eos) if eos else -1
+        # The template's text after an assistant turn's end-of-turn token (ChatML: "\n").
+        self._after_eos = self._base[cut + len(eos):] if cut >= 0 else ""
+        self.end_of_turn = self.encode(eos) if eos else []
+        self.stop_ids = set(self.end_of_turn) | {tokenizer.eos_token_id} - {None}
+
+    def render(self, messages: Sequence[Message], *, generation_prompt: bool) -> str:
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
+        """The first messages with the generation prompt: what the model answers first."""
+        return self.encode(self.render(messages, generation_prompt=True))
+
+    def observation_ids(self, messages: Sequence[Message], turn_ids: Sequence[int]) -> list[int]:
+        """The tokens that follow the model turn ``turn_ids``: its end-of-turn token when the
+        turn was cut short, the template's text after it, ``messages`` and the generation
+        prompt of the next model turn."""
+        full = self.render([*_BASE, *messages], generation_prompt=True)
+        if not full.startswith(self._base):
+            raise ValueError("the chat template renders earlier messages differently once more "
+                             "follow (it rewrites history), so a conversation cannot grow token "
+                             "by token; use a template that only appends")
+        closed = bool(turn_ids) and turn_ids[-1] in self.stop_ids
+        head = [] if closed else list(self.end_of_turn)
+        return head + self.encode(self._after_eos + full[len(self._base):])

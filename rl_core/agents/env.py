@@ -1,0 +1,109 @@
+"""The environment protocol: what a multi-turn episode talks to.
+
+An :class:`Environment` is one episode's world. :meth:`~Environment.reset` takes the task (a
+:class:`~rl_core.data.records.Record`) and returns the first chat messages; each
+:meth:`~Environment.step` takes the model's :class:`Turn` (its text and the engine's token
+ids) and returns a :class:`StepResult`: the observation messages to append (tool results,
+environment text), a reward, whether the episode is over, and free-form ``info``. A
+single-turn task is an environment whose first step is done.
+
+Episodes are bounded by :class:`EpisodeLimits` (turns, total tokens, wall time, and one
+environment call's time); an environment that raises, hangs past its bound or returns
+something that is not a :class:`StepResult` fails its episode with an
+:class:`EnvironmentFailure` (the runner records it and may retry the episode), never the step.
+
+Never imports Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from rl_core.data.records import Record
+
+__all__ = ["EnvironmentFailure", "Environment", "EpisodeLimits", "Message", "StepResult", "Turn",
+           "check_messages"]
+
+Message = dict[str, Any]  # an OpenAI-style chat message: {"role": ..., "content": ...}
+_ROLES = {"system", "user", "assistant", "tool"}
+
+
+@dataclass
+class Turn:
+    """One model turn: the text and the exact token ids the engine sampled."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: dict[str, Any] = field(default_factory=dict)
+    index: int = 0  # 0 for the first model turn of the episode
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason.get("type") == "length"
+
+
+@dataclass
+class StepResult:
+    """What an environment answers to a model turn."""
+
+    observation: list[Message] = field(default_factory=list)  # appended after the model's turn
+    reward: float = 0.0  # this step's reward; an episode's reward is the sum
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)  # e.g. {"correct": True, "tool_calls": 1}
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """Bounds on one episode. Whichever is hit first ends it (``finish_reason`` says which)."""
+
+    max_turns: int = 4  # model turns
+    max_tokens: int = 256  # tokens after the prompt: model turns and observations
+    timeout_s: float = 120.0  # wall time of the whole episode
+    env_timeout_s: float = 30.0  # one reset() or step() call
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"agent.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("timeout_s", "env_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"agent.{name} must be > 0, got {getattr(self, name)}")
+
+
+class EnvironmentFailure(RuntimeError):
+    """An environment raised, hung past ``agent.env_timeout_s``, or answered malformed data.
+    ``kind`` is ``error``, ``timeout`` or ``malformed``."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        self.kind = kind
+        super().__init__(message)
+
+    def __reduce__(self):  # picklable across process boundaries (Prefect results, Ray)
+        return (type(self), (self.kind, str(self)))
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """One episode's world (a fresh object per episode; see :mod:`rl_core.agents`)."""
+
+    def reset(self, task: Record) -> list[Message]:
+        """The episode's first messages (system and user), rendered by the chat template."""
+
+    def step(self, turn: Turn) -> StepResult:
+        """React to the model's turn."""
+
+
+def check_messages(messages: object, where: str) -> list[Message]:
+    """``messages`` as a list of ``{"role", "content": str}`` dicts, else a ``malformed``
+    :class:`EnvironmentFailure` naming ``where`` and the bad entry."""
+    if not isinstance(messages, list):
+        raise EnvironmentFailure("malformed", f"{where} returned {type(messages).__name__}, "
+                                 "expected a list of chat messages")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and m.get("role") in _ROLES
+                and isinstance(m.get("content"), str)):
+            raise EnvironmentFailure(
+                "malformed", f"{where}: message {i} is {str(m)[:120]!r}; expected "
+                f"{{'role': one of {sorted(_ROLES)}, 'content': str}}")
+    return messages

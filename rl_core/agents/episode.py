@@ -1,0 +1,263 @@
+"""Multi-turn episodes on a rollout plane: one :class:`~rl_core.types.Sample` per episode.
+
+:class:`EpisodeRunner` plays many episodes at once, turn by turn: each round sends the next
+model turn of every running episode to the plane as one batch (so the engine batches them as it
+batches single-turn samples), then lets every environment answer, concurrently, each call
+bounded by ``env_timeout_s``. The episode's tokens are the prompt, then the engine's own ids
+for each model turn (``loss_mask`` 1, the engine's log-probs, the serving ``weight_version``)
+and the chat template's ids for each observation (``loss_mask`` 0, log-prob 0), so the sample
+is token-exact and the loss trains on model tokens only. Its ``text`` is the last model turn
+(what a final-answer reward scores) and ``meta["episode"]`` holds the trace: every turn,
+tool call, reward and timing.
+
+Bounds: ``max_turns`` model turns, ``max_tokens`` after the prompt, ``timeout_s`` of wall
+time, each ending the episode normally (``meta["episode"]["finish"]`` says which). An
+environment that raises, hangs or answers malformed data fails its episode: it is retried
+from ``reset`` with fresh seeds up to ``retries`` times, then recorded as ``failed`` with a
+zero loss mask and reward 0 (it keeps its place in the group; it trains nothing). The step
+goes on.
+
+Seeds depend only on (run seed, step, task, sample index, attempt, turn), so a re-run of a
+step's rollout replays the same episodes.
+
+Never imports Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from rl_core.agents.chat import ChatTokens
+from rl_core.agents.env import (
+    Environment,
+    EnvironmentFailure,
+    EpisodeLimits,
+    Message,
+    StepResult,
+    Turn,
+    check_messages,
+)
+from rl_core.data.records import Record
+from rl_core.engine.sampling import SamplingParams
+from rl_core.grpo import sample_seed
+from rl_core.interfaces import RolloutPlane
+from rl_core.types import Sample
+
+__all__ = ["EpisodeRunner", "episode_metrics"]
+
+log = logging.getLogger(__name__)
+# Environment calls run here; a hung call keeps its thread (Python cannot stop a thread), so
+# the pool is large enough that a few stuck environments do not stall the rest.
+_ENV_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="grpoflow-env")
+
+
+@dataclass
+class _Episode:
+    """One episode in progress."""
+
+    key: tuple[int, Record, int]  # (group, task, sample index)
+    make_env: Callable[[], Environment]
+    attempt: int = 0
+    env: Environment | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # everything after the prompt
+    turn_ids: list[int] = field(default_factory=list)  # the last model turn
+    mask: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turns: int = 0
+    reward: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+    trace: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    text: str = ""
+    finish_reason: dict[str, Any] = field(default_factory=dict)
+    finish: str = ""  # done | max_turns | max_tokens | timeout | failed
+    started: float = 0.0
+    version: int = 0
+
+
+class EpisodeRunner:
+    """Runs episodes of ``make_env`` environments on ``plane`` (see the module docstring)."""
+
+    def __init__(self, plane: RolloutPlane, chat: ChatTokens, make_env: Callable[[], Environment],
+                 limits: EpisodeLimits | None = None, *, retries: int = 1) -> None:
+        self.plane, self.chat, self.make_env = plane, chat, make_env
+        self.limits = limits or EpisodeLimits()
+        self.retries = retries
+
+    def run(self, records: Sequence[Record], *, n: int, params: SamplingParams, step: int,
+            seed: int) -> list[Sample]:
+        """``n`` episodes of each task, groups contiguous and prompt-major (as
+        :func:`rl_core.grpo.rollout_groups` lays out single-turn samples)."""
+        episodes = [_Episode((g, rec, j), self.make_env)
+                    for g, rec in enumerate(records) for j in range(n)]
+        self._start(episodes)
+        running = [e for e in episodes if not e.finish]
+        while running:
+            self._model_turn(running, params, step, seed)
+            self._env_turn([e for e in running if not e.finish])
+            self._start([e for e in running if e.finish == "retry"])
+            running = [e for e in running if not e.finish]
+        return [self._sample(e, step) for e in episodes]
+
+    # ------------------------------------------------------------------ the rounds
+
+    def _call(self, episodes: list[_Episode], fn: Callable[[_Episode], Any]) -> list[Any]:
+        """``fn(e)`` for every episode concurrently; an :class:`EnvironmentFailure` (also for
+        a call that outlives ``env_timeout_s``) in place of a result that could not be had."""
+        futures = [_ENV_POOL.submit(fn, e) for e in episodes]
+        deadline = time.monotonic() + self.limits.env_timeout_s
+        out: list[Any] = []
+        for f in futures:
+            try:
+                out.append(f.result(timeout=max(0.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                out.append(EnvironmentFailure(
+                    "timeout", f"no answer within agent.env_timeout_s={self.limits.env_timeout_s:g}s"))
+            except EnvironmentFailure as e:
+                out.append(e)
+            except Exception as e:  # the environment's own bug
+                out.append(EnvironmentFailure("error", f"{type(e).__name__}: {e}"))
+        return out
+
+    def _start(self, episodes: list[_Episode]) -> None:
+        """Reset each episode's environment, retrying those whose reset fails."""
+        while episodes:
+            self._reset(episodes)
+            episodes = [e for e in episodes if e.finish == "retry"]
+
+    def _reset(self, episodes: list[_Episode]) -> None:
+        def reset(e: _Episode) -> list[Message]:
+            e.env = e.make_env()
+            return check_messages(e.env.reset(e.key[1]), "reset()")
+
+        for e, out in zip(episodes, self._call(episodes, reset), strict=True):
+            e.started, e.finish = time.monotonic(), ""
+            if isinstance(out, EnvironmentFailure):
+                self._fail(e, "reset", out)
+                continue
+            e.prompt_ids = self.chat.prompt_ids(out)
+            e.trace.append({"attempt": e.attempt, "role": "reset", "messages": out,
+                            "tokens": len(e.prompt_ids)})
+
+    def _model_turn(self, episodes: list[_Episode], params: SamplingParams, step: int,
+                    seed: int) -> None:
+        lim = self.limits
+        prompts, sps = [], []
+        for e in episodes:
+            g, rec, j = e.key
+            budget = lim.max_tokens - len(e.ids)
+            prompts.append(e.prompt_ids + e.ids)
+            sps.append(replace(params, max_new_tokens=max(1, min(params.max_new_tokens, budget)),
+                               seed=sample_seed(seed, step, f"{rec.id}#{e.attempt}.{e.turns}", j)))
+        t0 = time.monotonic()
+        outs = self.plane.generate(prompts, sps)
+        seconds = time.monotonic() - t0
+        for e, s in zip(episodes, outs, strict=True):
+            e.turn_ids = list(s.completion_ids)
+            e.ids += s.completion_ids
+            e.mask += [1] * len(s.completion_ids)
+            e.logps += list(s.logprobs)
+            e.versions += [s.weight_version] * len(s.completion_ids)
+            e.version, e.text, e.finish_reason = s.weight_version, s.text, s.finish_reason
+            e.turns += 1
+            e.trace.append({"attempt": e.attempt, "role": "assistant", "text": s.text,
+                            "tokens": len(s.completion_ids), "seconds": seconds,
+                            "weight_version": s.weight_version,
+                            "finish_reason": s.finish_reason.get("type")})
+            if len(e.ids) >= lim.max_tokens:
+                e.finish = "max_tokens"
+
+    def _env_turn(self, episodes: list[_Episode]) -> None:
+        def step(e: _Episode) -> StepResult:
+            assert e.env is not None
+            result = e.env.step(Turn(e.text, e.turn_ids, e.finish_reason, e.turns - 1))
+            if not isinstance(result, StepResult):
+                raise EnvironmentFailure("malformed", f"step() returned {type(result).__name__}, "
+                                         "expected rl_core.agents.StepResult")
+            check_messages(result.observation, "step() observation")
+            return result
+
+        t0 = time.monotonic()
+        results = self._call(episodes, step)
+        seconds = time.monotonic() - t0
+        lim = self.limits
+        for e, r in zip(episodes, results, strict=True):
+            if isinstance(r, EnvironmentFailure):
+                self._fail(e, "step", r)
+                continue
+            e.reward += float(r.reward)
+            e.info.update(r.info)
+            e.trace.append({"attempt": e.attempt, "role": "environment", "reward": r.reward,
+                            "done": r.done, "seconds": seconds, "messages": r.observation,
+                            **{k: v for k, v in r.info.items() if k == "tool_calls"}})
+            if r.done:
+                e.finish = "done"
+            elif e.turns >= lim.max_turns:
+                e.finish = "max_turns"
+            elif time.monotonic() - e.started > lim.timeout_s:
+                e.finish = "timeout"
+            else:
+                obs = self.chat.observation_ids(r.observation, e.ids) if r.observation else []
+                if len(e.ids) + len(obs) >= lim.max_tokens:
+                    e.finish = "max_tokens"  # no room for the observation and another turn
+                    continue
+                e.trace[-1]["tokens"] = len(obs)
+                e.ids += obs
+                e.mask += [0] * len(obs)
+                e.logps += [0.0] * len(obs)
+                e.versions += [e.version] * len(obs)
+
+    def _fail(self, e: _Episode, where: str, failure: EnvironmentFailure) -> None:
+        message = f"attempt {e.attempt + 1}: {where}: {failure.kind}: {failure}"
+        e.errors.append(message)
+        log.warning("episode %s:%s %s", e.key[1].id, e.key[2], message)
+        if e.attempt < self.retries:  # start over: a fresh environment and fresh seeds
+            e.attempt += 1
+            e.ids, e.mask, e.logps, e.versions = [], [], [], []
+            e.turns, e.reward, e.info, e.finish = 0, 0.0, {}, "retry"
+        else:
+            e.finish = "failed"
+            e.mask = [0] * len(e.ids)  # recorded, trained on nothing
+
+    def _sample(self, e: _Episode, step: int) -> Sample:
+        g, rec, j = e.key
+        failed = e.finish == "failed"
+        tool_calls = sum(t.get("tool_calls", 0) for t in e.trace
+                         if t["role"] == "environment" and t["attempt"] == e.attempt)
+        episode = {"status": "failed" if failed else "ok", "finish": e.finish, "turns": e.turns,
+                   "attempts": e.attempt + 1, "errors": e.errors, "env_reward": e.reward,
+                   "tool_calls": tool_calls, "info": e.info,
+                   "masked_tokens": len(e.mask) - sum(e.mask), "trace": e.trace,
+                   "seconds": time.monotonic() - e.started}
+        if not e.prompt_ids:  # reset never succeeded: nothing to score but the failure
+            e.prompt_ids = self.chat.encode(self.chat.tokenizer.eos_token or " ")
+        return Sample(e.prompt_ids, e.ids, e.logps, e.finish_reason, e.version,
+                      e.text, loss_mask=e.mask, uid=f"{step}:{rec.id}:{j}", group=g,
+                      record_id=rec.id, answer=rec.answer, reward=0.0 if failed else e.reward,
+                      versions=e.versions, meta={"episode": episode})
+
+
+def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """Per-step agent metrics: failure rate, tool use, turns, masked share of tokens."""
+    eps = [s.meta["episode"] for s in samples if "episode" in s.meta]
+    if not eps:
+        return {}
+    tokens = sum(len(s.completion_ids) for s in samples) or 1
+    n = len(eps)
+    return {
+        "episode_failed_frac": sum(e["status"] == "failed" for e in eps) / n,
+        "episode_retried_frac": sum(e["attempts"] > 1 for e in eps) / n,
+        "episode_turns_mean": sum(e["turns"] for e in eps) / n,
+        "episode_tool_call_frac": sum(e["tool_calls"] > 0 for e in eps) / n,
+        "episode_tool_calls_mean": sum(e["tool_calls"] for e in eps) / n,
+        "episode_masked_token_frac": sum(e["masked_tokens"] for e in eps) / tokens,
+        **{f"episode_finish_{k}_frac": sum(e["finish"] == k for e in eps) / n
+           for k in ("done", "max_turns", "max_tokens", "timeout")},
+    }

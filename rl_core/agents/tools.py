@@ -1,0 +1,211 @@
+"""Tools a model calls during an episode: parsing its calls, running them, bounded.
+
+A model asks for a tool in the Hermes format that Qwen2.5/Qwen3, Hermes and most open chat
+models are trained on (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one or
+more per turn); :func:`parse_tool_calls` finds them in the turn's text and reports malformed
+ones rather than guessing. :func:`run_tool` runs one call with a wall-time bound and returns
+the text of the tool message; a tool that raises, times out or gets bad arguments answers with
+an error message the model can read (that is part of the episode, not a failure of it).
+
+Two tools ship: :data:`CALCULATOR` (arithmetic on numbers, evaluated from the AST, never with
+``eval``) and :data:`PYTHON` (code run by a fresh ``python -I`` in its own session under the
+reward sandbox's memory limit; a timeout kills its whole process group). A user tool is a
+:class:`Tool` around any function of keyword arguments that returns text.
+
+Never imports Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import ast
+import concurrent.futures
+import contextlib
+import json
+import math
+import operator
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rl_core.rewards.runner import apply_memory_limit
+
+__all__ = ["CALCULATOR", "PYTHON", "Tool", "ToolCall", "hermes_system_prompt", "parse_tool_calls",
+           "resolve_tools", "run_tool"]
+
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_MAX_OUTPUT_CHARS = 2000
+_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="grpoflow-tool")
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call: ``fn(**arguments) -> str`` plus its JSON schema."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]  # JSON schema of the arguments object
+    fn: Callable[..., str]
+    timeout_s: float = 10.0
+
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI/Hermes function schema (what ``apply_chat_template(tools=...)`` takes)."""
+        return {"type": "function", "function": {"name": self.name, "description":
+                self.description, "parameters": self.parameters}}
+
+
+@dataclass
+class ToolCall:
+    """One parsed call; ``error`` is set (and ``name`` may be empty) when it is malformed."""
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """Every ``<tool_call>...</tool_call>`` in ``text``, in order (Hermes/Qwen format). A body
+    that is not a JSON object with a string ``name`` and an object ``arguments`` (a JSON
+    string holding an object is accepted, as OpenAI sends it) comes back with ``error``."""
+    calls = []
+    for body in _CALL.findall(text):
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError as e:
+            calls.append(ToolCall("", error=f"the tool call is not valid JSON ({e.msg})"))
+            continue
+        name = obj.get("name") if isinstance(obj, dict) else None
+        args = obj.get("arguments", {}) if isinstance(obj, dict) else None
+        if isinstance(args, str):
+            with contextlib.suppress(json.JSONDecodeError):
+                args = json.loads(args)
+        if not isinstance(name, str) or not isinstance(args, dict):
+            calls.append(ToolCall(name if isinstance(name, str) else "", error=(
+                'a tool call must be {"name": str, "arguments": {...}}')))
+            continue
+        calls.append(ToolCall(name, args))
+    return calls
+
+
+def run_tool(tools: dict[str, Tool], call: ToolCall) -> tuple[str, str]:
+    """Run ``call``: (tool message text, status) with status ``ok``, ``error`` or ``timeout``."""
+    if call.error is not None:
+        return f"Error: {call.error}", "error"
+    tool = tools.get(call.name)
+    if tool is None:
+        return f"Error: unknown tool {call.name!r}; available: {sorted(tools)}", "error"
+    future = _POOL.submit(tool.fn, **call.arguments)
+    try:
+        out = future.result(timeout=tool.timeout_s)
+    except concurrent.futures.TimeoutError:
+        return f"Error: {call.name} timed out after {tool.timeout_s:g}s", "timeout"
+    except TypeError as e:
+        return f"Error: bad arguments for {call.name}: {e}", "error"
+    except Exception as e:  # the tool's failure is an observation for the model
+        return f"Error: {type(e).__name__}: {e}"[:_MAX_OUTPUT_CHARS], "error"
+    return str(out)[:_MAX_OUTPUT_CHARS], "ok"
+
+
+# ---------------------------------------------------------------------------- calculator
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+           ast.Pow: operator.pow}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+
+def _evaluate(node: ast.AST) -> float | int:
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body)
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_evaluate(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 1e6):
+            raise ValueError("exponent too large")
+        return _BINARY[type(node.op)](left, right)
+    raise ValueError(f"unsupported expression element {type(node).__name__}")
+
+
+def calculate(expression: str) -> str:
+    """The value of an arithmetic expression (+ - * / // % ** and parentheses)."""
+    if len(expression) > 500:
+        raise ValueError("expression longer than 500 characters")
+    value = _evaluate(ast.parse(expression.replace("^", "**"), mode="eval"))
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("the result is not finite")
+        if value.is_integer():
+            value = int(value)
+    return str(value)
+
+
+CALCULATOR = Tool(
+    "calculator", "Evaluate an arithmetic expression and return its value.",
+    {"type": "object", "properties": {"expression": {"type": "string", "description":
+     "e.g. (12 + 7) * 3"}}, "required": ["expression"]}, calculate, timeout_s=2.0)
+
+
+# ---------------------------------------------------------------------------- python
+
+def run_python(code: str, *, timeout_s: float = 10.0, memory_limit_mb: int = 1024) -> str:
+    """Run ``code`` in a fresh, isolated interpreter; its stdout (and stderr on failure)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-I", "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True, cwd="/tmp",
+        env={"PATH": os.environ.get("PATH", ""), "PYTHONHASHSEED": "0"},
+        preexec_fn=(lambda: apply_memory_limit(memory_limit_mb)) if memory_limit_mb else None)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the interpreter and whatever it started
+        proc.communicate()
+        raise TimeoutError(f"the code ran longer than {timeout_s:g}s") from None
+    text = out.decode(errors="replace")
+    if proc.returncode != 0:
+        text += err.decode(errors="replace")[-_MAX_OUTPUT_CHARS:]
+    return text[:_MAX_OUTPUT_CHARS].strip() or "(no output)"
+
+
+PYTHON = Tool(
+    "python", "Run Python code in a sandbox and return what it prints.",
+    {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+    lambda code: run_python(code, timeout_s=10.0), timeout_s=15.0)
+
+BUILTIN_TOOLS = {t.name: t for t in (CALCULATOR, PYTHON)}
+
+
+def resolve_tools(names: Sequence[str]) -> dict[str, Tool]:
+    """Builtin tools by name, or ``package.module:attribute`` naming a :class:`Tool`."""
+    import importlib
+
+    out: dict[str, Tool] = {}
+    for name in names:
+        if name in BUILTIN_TOOLS:
+            tool = BUILTIN_TOOLS[name]
+        elif ":" in name:
+            module, _, attr = name.partition(":")
+            tool = getattr(importlib.import_module(module), attr)
+            if not isinstance(tool, Tool):
+                raise ValueError(f"agent.tools: {name} is a {type(tool).__name__}, not a Tool")
+        else:
+            raise ValueError(f"agent.tools: unknown tool {name!r}; builtins are "
+                             f"{sorted(BUILTIN_TOOLS)}, or give package.module:attribute")
+        out[tool.name] = tool
+    return out
+
+
+def hermes_system_prompt(tools: Sequence[Tool]) -> str:
+    """The Hermes/Qwen tool instructions, for chat templates that do not render ``tools``."""
+    listed = "\n".join(json.dumps(t.schema()) for t in tools)
+    return ("You may call functions to help answer. Function signatures are within <tools>"
+            f"</tools>:\n<tools>\n{listed}\n</tools>\nFor each call, return a JSON object "
+            'within <tool_call></tool_call>: <tool_call>{"name": <name>, "arguments": '
+            "<args-object>}</tool_call>")
