@@ -26,11 +26,11 @@ from flows.rollouts import Rollouts
 from flows.run import Run
 from rl_core.planes import PlanesHandle, get_planes, tear_down
 from rl_core.preflight import preflight
-from rl_core.rewards import RewardFunctionError
 from tasks.checkpoint import restore_checkpoint, save_checkpoint
 from tasks.evaluate import evaluate_policy, export_model
 from tasks.setup import bring_up, fetch_model, prepare_data
 from tasks.step import (
+    BUDGET_ERRORS,
     StepSamples,
     StepTaskError,
     compute_advantages,
@@ -73,7 +73,7 @@ def grpo_train(
         try:
             scored, metrics = grpo_step(planes, rollouts, step)
         except StepTaskError as exc:
-            if isinstance(exc.__cause__, RewardFunctionError):  # not the planes' fault
+            if isinstance(exc.__cause__, BUDGET_ERRORS):  # not the planes' fault
                 raise RuntimeError(f"GRPO step {exc.step}: {exc.__cause__}") from exc
             restarts += 1
             if restarts > cfg.train.max_plane_restarts:

@@ -25,7 +25,7 @@ from rl_core.preflight import preflight
 from rl_core.report import format_eval, format_step, format_summary
 from rl_core.rundir import RunDir
 from tasks.evaluate import artifact_key
-from tasks.tracking import log_step, sample_rows, tracking_failed
+from tasks.tracking import log_step, log_traces, sample_rows, tracking_failed
 
 __all__ = ["Run", "yield_cpu_to_the_step"]
 
@@ -94,11 +94,14 @@ class Run:
 
     def record_step(self, step: int, metrics: dict[str, float], scored: Any, tracking: Any,
                     tokenizer: Any) -> None:  # noqa: ANN401 - fmt: skip
-        """A finished step: metrics and ledger to the run directory, metrics and sample
-        tables to MLflow, a line to the console, the progress bar and artifact on."""
+        """A finished step: metrics and ledger to the run directory, metrics, sample
+        tables and episode traces to MLflow, a line to the console, the progress bar and
+        artifact on."""
         steps = self.cfg.train.steps
         self.dir.log_metrics(step, metrics)
         log_step(tracking, step, metrics, sample_rows(scored.samples, tokenizer))
+        log_traces(tracking, step, scored.samples, self.cfg.tracking.traces_per_step,
+                   getattr(scored, "dropped", ()))
         self.dir.log_samples(step, scored.ledger())
         self.say(format_step(step, steps, metrics))
         if self._bar is None:

@@ -50,6 +50,9 @@ class ModelConfig(_Section):
     tiny_intermediate_size: int = Field(512, ge=16)
     tiny_vocab_size: int = Field(384, ge=64)
     tiny_sft_steps: int = Field(600, ge=0, description="Cap on warm-start supervised steps.")
+    tiny_tool_demos: float = Field(0.0, ge=0.0, le=1.0, description="Share of warm-start examples "
+        "that are calculator episodes (the agent demo); the warm start then runs tiny_sft_steps "
+        "steps (no accuracy target).")
     tiny_target_accuracy: float = Field(
         0.3, gt=0.0, le=1.0, description="Warm start stops at this held-out greedy accuracy.")
     seed: int = 0
@@ -241,9 +244,64 @@ class AlgorithmConfig(_Section):
         4, ge=1, description="Rollout rounds per step at most (then train on what was kept).")
 
 
+class JudgeConfig(_Section):
+    """An LLM judge or reward model on engines of its own (`reward.fn: judge`, docs/judges.md)."""
+    model: str | None = Field(None, description="The judge: a local Hugging Face directory or hub "
+        "id of a chat model (its tokenizer's chat template renders the prompt).")
+    mode: Literal["score", "verdict"] = Field("score", description="`score`: a number read from "
+        "the output (\"Score: 7\") divided by `max_score`; `verdict`: yes / no scores 1 / 0.")
+    template: str | None = Field(None, description="The user turn; fields `{question}`, "
+        "`{response}`, `{answer}`, `{max_score}` (literal braces doubled). null: the mode's "
+        "default.")
+    system_prompt: str | None = Field(None, description="A system turn before the template.")
+    max_score: float = Field(10.0, gt=0.0, description="`score` mode: the top of the scale.")
+    max_new_tokens: int = Field(64, ge=1, description="Greedy tokens per judgement at most.")
+    batch_size: int = Field(8, ge=1, description="Samples per request to a judge engine.")
+    timeout_s: float = Field(60.0, gt=0.0, description="Bound on one request (a batch), queueing "
+        "at the engine included; its samples then count as timeouts (scored 0) after `retries`.")
+    retries: int = Field(2, ge=0, description="Further attempts of a request after a timeout or "
+        "an engine error, with exponential backoff (a dead engine is restarted meanwhile).")
+    retry_backoff_s: float = Field(1.0, gt=0.0, description="Wait before the first retry; doubled "
+        "for each further one.")
+    num_engines: int = Field(1, ge=1, description="Judge engine processes (each a model copy).")
+    engine: Literal["embedded", "sglang"] = Field("embedded", description="`embedded`: grpoflow's "
+        "engine processes (CPU); `sglang`: SGLang servers (GPU).")
+    engine_threads: int | None = Field(None, ge=1, description="torch threads per embedded "
+        "judge engine; default: cores / engines.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: "
+        "`model.dtype` on embedded engines, the checkpoint's own on SGLang.")
+    sglang_tp: int = Field(1, ge=1, description="Tensor parallelism of each judge SGLang server.")
+    sglang_base_gpu_id: int = Field(0, ge=0, description="First GPU of judge engine 0 (engine i "
+        "starts at base + i * tp): keep the judge off the rollout engines' GPUs, or share them "
+        "with a small `sglang_mem_fraction_static`.")
+    sglang_mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
+    sglang_extra_args: list[str] = []
+
+    @field_validator("template")
+    @classmethod
+    def _check_template(cls, template: str | None) -> str | None:
+        if template is None:
+            return None
+        import string
+
+        allowed = {"question", "response", "answer", "max_score"}
+        try:
+            names = {n for _, n, _, _ in string.Formatter().parse(template) if n is not None}
+        except ValueError as e:
+            raise ValueError(f"not a format string ({e}); write literal braces as "
+                             "{{ }}") from None
+        if bad := names - allowed:
+            raise ValueError(f"unknown fields {sorted(bad)}; the fields are {sorted(allowed)} "
+                             "(write literal braces as {{ }})")
+        if "response" not in names:
+            raise ValueError("the template must contain {response}: what the judge is to judge")
+        return template
+
+
 class RewardConfig(_Section):
     """How completions are scored."""
-    fn: str = Field("gsm8k", description="`gsm8k`, `format`, or `package.module:function`.")
+    fn: str = Field("gsm8k", description="`gsm8k`, `format`, `judge` (an LLM judge: "
+        "`reward.judge`), or `package.module:function`.")
     format_weight: float = Field(0.0, ge=0.0)
     timeout_s: float = Field(
         5.0, gt=0.0, description="Bound on one sample's reward call; a timeout scores 0.")
@@ -255,19 +313,28 @@ class RewardConfig(_Section):
     max_failed_steps: int = Field(
         3, ge=0, description="Fail the run when the reward function fails every sample of this "
         "many consecutive steps (0: never; such steps score 0 and the run goes on).")
+    judge: JudgeConfig = Field(default_factory=JudgeConfig, description="The judge of "
+        "`fn: judge`.")
 
     @field_validator("fn")
     @classmethod
     def _check_fn(cls, fn: str) -> str:
         spec = fn.strip()
-        if spec in ("gsm8k", "format"):
+        if spec in ("gsm8k", "format", "judge"):
             return fn
         module, sep, attr = spec.partition(":")
         names = [*module.split("."), *attr.split(".")]
         if not sep or ":" in attr or not all(n.isidentifier() for n in names):
-            raise ValueError(f"{fn!r} is neither a builtin ('gsm8k', 'format') nor a dotted path "
-                             "'package.module:function' (e.g. my_rewards.math:score)")
+            raise ValueError(f"{fn!r} is neither a builtin ('gsm8k', 'format', 'judge') nor a "
+                             "dotted path 'package.module:function' (e.g. my_rewards.math:score)")
         return fn
+
+    @model_validator(mode="after")
+    def _judge_has_model(self) -> RewardConfig:
+        if self.fn.strip() == "judge" and not self.judge.model:
+            raise ValueError("reward.fn is 'judge' but reward.judge.model is not set: name the "
+                             "judge model (a local Hugging Face directory or hub id)")
+        return self
 
 
 class AgentConfig(_Section):

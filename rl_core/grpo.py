@@ -23,7 +23,7 @@ from rl_core.algorithms.advantages import group_advantages
 from rl_core.data.records import Record
 from rl_core.engine.sampling import SamplingParams
 from rl_core.interfaces import RolloutPlane
-from rl_core.rewards import RewardResult, RewardRunner
+from rl_core.rewards import JudgeRunner, RewardResult, RewardRunner
 from rl_core.types import Sample
 
 __all__ = ["advantages_for", "rollout_groups", "sample_seed", "score_samples",
@@ -51,12 +51,13 @@ def rollout_groups(plane: RolloutPlane, records: Sequence[Record],
 
 
 def score_samples(
-    samples: list[Sample], runner: RewardRunner, step: int | None = None
+    samples: list[Sample], runner: RewardRunner | JudgeRunner, step: int | None = None
 ) -> RewardResult:
     """Score every sample in place; reward-function failures score 0 and are counted
     (``step``: calls of one step, e.g. dynamic sampling's rounds, count as one step towards
-    ``reward.max_failed_steps``)."""
-    result = runner.score([s.text for s in samples], [s.answer for s in samples], step=step)
+    ``reward.max_failed_steps``). A judge also reads each sample's question (by record id)."""
+    result = runner.score([s.text for s in samples], [s.answer for s in samples], step=step,
+                          record_ids=[s.record_id for s in samples])
     for s, r, ok in zip(samples, result.scores, result.correct, strict=True):
         s.reward, s.correct = float(r), bool(ok)
     return result

@@ -30,7 +30,7 @@ from rl_core.data.prompts import encode_prompts
 from rl_core.data.records import Record
 from rl_core.interfaces import RolloutPlane, Trainer, WeightSync
 from rl_core.models import eos_token_ids
-from rl_core.rewards import RewardRunner
+from rl_core.rewards import JudgeRunner, RewardRunner
 from rl_core.weight_sync import sync_weights
 
 log = logging.getLogger(__name__)
@@ -59,11 +59,12 @@ class Planes:
     train_prompts: list[list[int]]
     eval_records: list[Record]
     eval_prompts: list[list[int]]
-    reward_runner: RewardRunner
+    reward_runner: RewardRunner | JudgeRunner  # a JudgeRunner with reward.fn: judge
     skipped_long_prompts: int = 0
     cluster: Any = None  # a RayCluster in cluster.mode ray
     placement: Any = None  # its PlanePlacement
     time_share: bool = False  # engines release their memory while the trainer works
+    agents: Any = None  # an rl_core.agents.rollout.AgentRollout when agent.env/program is set
 
     @property
     def weight_version(self) -> int:
@@ -94,7 +95,7 @@ class Planes:
 
     def close(self) -> None:
         self.reward_runner.close()
-        _close_all(self.weights, self.rollout, self.trainer, self.placement, self.cluster)
+        _close_all(self.agents, self.weights, self.rollout, self.trainer, self.placement, self.cluster)
 
 
 _REGISTRY: dict[str, Planes] = {}
@@ -206,7 +207,7 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
     """
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
-    cluster = placement = trainer = rollout = transport = None
+    cluster = placement = trainer = rollout = transport = agents = rewards = None
     try:
         if cfg.cluster.mode == "ray":
             cluster, placement = _ray_cluster(cfg, work_dir, with_trainer)
@@ -226,17 +227,35 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
             )
         eval_records, eval_prompts, skip_eval = _encode_within_limit(tokenizer, eval_records, cfg)
         rollout, transport = start_rollout(cfg, model_path, work_dir, placement, trainer)
+        if cfg.agent.enabled:
+            from rl_core.agents.rollout import AgentRollout
+
+            agents = AgentRollout(cfg.agent, rollout, tokenizer)
+        rewards = _reward_runner(cfg, work_dir, [*train_records, *eval_records])
     except BaseException:
-        _close_all(transport, rollout, trainer, placement, cluster)
+        _close_all(rewards, agents, transport, rollout, trainer, placement, cluster)
         raise
     key = uuid.uuid4().hex
     _REGISTRY[key] = Planes(
         cfg, rollout, transport, trainer, tokenizer, pad_token_id, train_records, train_prompts,
-        eval_records, eval_prompts, RewardRunner.from_config(cfg.reward),
+        eval_records, eval_prompts, rewards,
         skipped_long_prompts=skipped + skip_eval, cluster=cluster, placement=placement,
-        time_share=_time_share(cfg),
+        time_share=_time_share(cfg), agents=agents,
     )
     return PlanesHandle(key)
+
+
+def _reward_runner(cfg: ExperimentConfig, work_dir: str | Path,
+                   records: list[Record]) -> RewardRunner | JudgeRunner:
+    """``reward.fn``'s runner. ``judge`` starts the judge's engines; the judge finds a sample's
+    question by its record id (an id two splits give different questions is left out: such a
+    sample's caller must pass the question)."""
+    if cfg.reward.fn.strip() != "judge":
+        return RewardRunner.from_config(cfg.reward)
+    questions: dict[str, str | None] = {}
+    for r in records:
+        questions[r.id] = r.question if questions.get(r.id, r.question) == r.question else None
+    return JudgeRunner.from_config(cfg, work_dir, questions)
 
 
 def _start_trainer(cfg: ExperimentConfig, model_path: str | Path, placement: Any) -> Trainer:

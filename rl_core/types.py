@@ -71,8 +71,12 @@ class Sample:
 
     def ledger_row(self, trained: bool) -> dict[str, Any]:
         """What the sample ledger keeps: which prompt, which weights, what it scored."""
-        return {"uid": self.uid, "weight_version": self.weight_version, "reward": self.reward,
-                "tokens": len(self.completion_ids), "trained": trained}
+        row = {"uid": self.uid, "weight_version": self.weight_version, "reward": self.reward,
+               "tokens": len(self.completion_ids), "trained": trained}
+        if (episode := self.meta.get("episode")) is not None:  # a multi-turn episode
+            row.update(episode=episode["status"], turns=episode["turns"],
+                       tool_calls=episode["tool_calls"])
+        return row
 
 
 @dataclass

@@ -18,15 +18,19 @@ from typing import Any, TypeVar
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from rl_core.agents.episode import episode_metrics
+from rl_core.agents.rollout import EpisodeFailureError
 from rl_core.engine.sampling import SamplingParams
 from rl_core.grpo import advantages_for, rollout_groups, score_samples, summarize_samples
 from rl_core.planes import PlanesHandle, get_planes
-from rl_core.rewards import RewardFunctionError
+from rl_core.rewards import RewardFunctionError, RewardResult
 from rl_core.types import Batch, Sample
 
-__all__ = ["StepSamples", "StepTaskError", "compute_advantages", "compute_logprobs",
+__all__ = ["BUDGET_ERRORS", "StepSamples", "StepTaskError", "compute_advantages", "compute_logprobs",
            "needs_logprobs", "release_rollout_memory", "reward", "rollout", "sync_weights", "train"]
 
+# Failures a retry cannot fix: the run stops with the error (the flow does not restart planes).
+BUDGET_ERRORS = (RewardFunctionError, EpisodeFailureError)
 _RETRY = dict(retries=2, retry_delay_seconds=[2, 10], cache_policy=NO_CACHE)
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -76,7 +80,16 @@ class StepSamples:
             s.ledger_row(False) for s in self.dropped]
 
 
-@task(name="rollout", task_run_name="rollout-step-{step}", timeout_seconds=1800, **_RETRY)
+def _not_a_spent_budget(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry the task, unless the reward function or the episodes have spent their failure
+    budget (``reward.max_failed_steps``, ``agent.max_failed_steps``): a retry would fail the
+    same way."""
+    exc = state.result(raise_on_failure=False)
+    return not isinstance(getattr(exc, "__cause__", None), BUDGET_ERRORS)
+
+
+@task(name="rollout", task_run_name="rollout-step-{step}", timeout_seconds=1800,
+      retry_condition_fn=_not_a_spent_budget, **_RETRY)
 @_named("rollout")
 def rollout(planes: PlanesHandle, indices: list[int], step: int) -> StepSamples:
     """Generate ``rollout.n_samples`` completions for each prompt in ``indices``."""
@@ -86,31 +99,34 @@ def rollout(planes: PlanesHandle, indices: list[int], step: int) -> StepSamples:
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                             max_new_tokens=r.max_new_tokens, stop=list(r.stop),
                             stop_token_ids=list(r.stop_token_ids))
-    samples = rollout_groups(
-        p.rollout, [p.train_records[i] for i in indices], [p.train_prompts[i] for i in indices],
-        n=r.n_samples, params=params, step=step, seed=p.config.seed,
-    )
+    records = [p.train_records[i] for i in indices]
+    metrics: dict[str, float] = {}
+    if p.agents is not None:  # multi-turn episodes (agent.env / agent.program)
+        samples = p.agents.episodes(records, n=r.n_samples, params=params, step=step,
+                                    seed=p.config.seed)
+        metrics.update(episode_metrics(samples))
+        metrics.update(p.agents.check_failures(samples))
+    else:
+        samples = rollout_groups(p.rollout, records, [p.train_prompts[i] for i in indices],
+                                 n=r.n_samples, params=params, step=step, seed=p.config.seed)
     seconds = time.perf_counter() - started
     tokens = sum(len(s.completion_ids) for s in samples)
-    return StepSamples(step, samples, {"time/rollout": seconds,
+    return StepSamples(step, samples, {**metrics, "time/rollout": seconds,
                                        "rollout_tokens_per_s": tokens / max(seconds, 1e-9)})
 
 
-def _not_a_failing_reward_function(task: Any, task_run: Any, state: Any) -> bool:
-    """Retry the reward task, unless the reward function itself has failed every sample of
-    ``reward.max_failed_steps`` steps: retrying would only score zeros again."""
-    exc = state.result(raise_on_failure=False)
-    return not isinstance(getattr(exc, "__cause__", None), RewardFunctionError)
-
-
 @task(name="reward", task_run_name="reward-step-{step}", timeout_seconds=900,
-      retry_condition_fn=_not_a_failing_reward_function, **_RETRY)
+      retry_condition_fn=_not_a_spent_budget, **_RETRY)
 @_named("reward")
 def reward(planes: PlanesHandle, batch: StepSamples, step: int) -> StepSamples:
     """Score every sample; failures of the reward function score 0 and are counted."""
     p = get_planes(planes)
     started = time.perf_counter()
-    result = score_samples(batch.samples, p.reward_runner, step=step)
+    if p.agents is not None:  # the environment's reward (+ the final answer's, if configured)
+        result = p.agents.score(batch.samples, p.reward_runner, step=step,
+                                pass_threshold=p.config.reward.pass_threshold) or RewardResult([], [])
+    else:
+        result = score_samples(batch.samples, p.reward_runner, step=step)
     metrics = {**batch.metrics, **summarize_samples(batch.samples, p.config.rollout.n_samples)}
     metrics.update({"reward_errors": float(result.num_errors),
                     "reward_timeouts": float(result.num_timeouts),

@@ -150,7 +150,13 @@ def prefect_harness():
 
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory) -> Path:
-    """A cache directory shared by the flow tests: the demo's tiny model is built once."""
+    """A cache directory shared by the flow tests: the demo's tiny model is built once.
+    ``GRPOFLOW_TEST_CACHE`` keeps it across sessions (local iteration; CI builds afresh)."""
+    import os
+
+    if kept := os.environ.get("GRPOFLOW_TEST_CACHE"):
+        Path(kept).mkdir(parents=True, exist_ok=True)
+        return Path(kept)
     return Path(tmp_path_factory.mktemp("grpoflow-cache"))
 
 

@@ -46,11 +46,13 @@ from rl_core.data.records import Record
 from rl_core.engine.sampling import SamplingParams
 from rl_core.grpo import sample_seed
 from rl_core.interfaces import RolloutPlane
+from rl_core.secrets import RedactFilter
 from rl_core.types import Sample
 
 __all__ = ["EpisodeRunner", "episode_metrics"]
 
 log = logging.getLogger(__name__)
+log.addFilter(RedactFilter())  # environment errors may quote what they were given (keys, URLs)
 # Environment calls run here; a hung call keeps its thread (Python cannot stop a thread), so
 # the pool is large enough that a few stuck environments do not stall the rest.
 _ENV_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="grpoflow-env")
@@ -78,7 +80,8 @@ class _Episode:
     text: str = ""
     finish_reason: dict[str, Any] = field(default_factory=dict)
     finish: str = ""  # done | max_turns | max_tokens | timeout | failed
-    started: float = 0.0
+    started: float = 0.0  # monotonic, for the bounds
+    started_at: float = 0.0  # wall clock, for traces
     version: int = 0
 
 
@@ -138,7 +141,7 @@ class EpisodeRunner:
             return check_messages(e.env.reset(e.key[1]), "reset()")
 
         for e, out in zip(episodes, self._call(episodes, reset), strict=True):
-            e.started, e.finish = time.monotonic(), ""
+            e.started, e.started_at, e.finish = time.monotonic(), time.time(), ""
             if isinstance(out, EnvironmentFailure):
                 self._fail(e, "reset", out)
                 continue
@@ -235,7 +238,7 @@ class EpisodeRunner:
                    "attempts": e.attempt + 1, "errors": e.errors, "env_reward": e.reward,
                    "tool_calls": tool_calls, "info": e.info,
                    "masked_tokens": len(e.mask) - sum(e.mask), "trace": e.trace,
-                   "seconds": time.monotonic() - e.started}
+                   "seconds": time.monotonic() - e.started, "started_at": e.started_at}
         if not e.prompt_ids:  # reset never succeeded: nothing to score but the failure
             e.prompt_ids = self.chat.encode(self.chat.tokenizer.eos_token or " ")
         return Sample(e.prompt_ids, e.ids, e.logps, e.finish_reason, e.version,

@@ -22,7 +22,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from rl_core.engine import routes_admin, routes_generate, routes_weights
+from rl_core.engine import routes_admin, routes_generate, routes_openai, routes_weights
 from rl_core.engine.core import EmbeddedEngine
 from rl_core.engine.protocol import EXCEPTION_HANDLERS, MAX_REQUEST_BYTES, MAX_REQUEST_SAMPLES
 
@@ -37,7 +37,8 @@ def create_app(engine: EmbeddedEngine | None = None, *, health_timeout_s: float 
     """The SGLang-compatible app over ``engine`` (or attached later as ``app.state.engine``;
     every endpoint answers 503 until then). Bodies over ``max_request_bytes`` get 413, a
     ``/generate`` asking for more than ``max_request_samples`` samples 400. OpenAI-compatible
-    routes (``/v1/chat/completions``, ``/v1/completions``) are to be a router of their own."""
+    routes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``) are
+    :mod:`~rl_core.engine.routes_openai`."""
     for name, value in (("max_request_bytes", max_request_bytes),
                         ("max_request_samples", max_request_samples)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -47,7 +48,7 @@ def create_app(engine: EmbeddedEngine | None = None, *, health_timeout_s: float 
     app.state.engine, app.state.health_timeout_s = engine, health_timeout_s
     app.state.max_request_bytes = max_request_bytes
     app.state.max_request_samples = max_request_samples
-    for module in (routes_generate, routes_weights, routes_admin):
+    for module in (routes_generate, routes_weights, routes_admin, routes_openai):
         app.include_router(module.router)
     return app
 

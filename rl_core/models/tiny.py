@@ -33,11 +33,14 @@ from rl_core.data.records import Record
 from rl_core.data.synthetic import generate_splits
 from rl_core.rewards import gsm8k_reward
 
-__all__ = ["CHAT_TEMPLATE", "TinyModelSpec", "bootstrap_tiny_model"]
+__all__ = ["CHAT_TEMPLATE", "TOOL_SYSTEM_PROMPT", "TinyModelSpec", "bootstrap_tiny_model"]
 
 log = logging.getLogger(__name__)
 
 PAD, BOS_CHAT, EOS_CHAT = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+# The system message of the calculator demo (configs/agent-calculator.yaml's
+# agent.system_prompt): short, because the tiny model's context is.
+TOOL_SYSTEM_PROMPT = "You can call the calculator tool."
 
 # Qwen's ChatML shape, so the prompt path is the one real chat models take.
 CHAT_TEMPLATE = (
@@ -76,11 +79,18 @@ class TinyModelSpec:
     eval_every: int = 10
     val_examples: int = 200
     seed: int = 0
+    # Share of warm-start examples that are calculator episodes (docs/agents.md): the model
+    # learns the tool-call format from them. The warm start then runs sft_max_steps (no
+    # accuracy target) and records the greedy success of calculator episodes. 0: none.
+    tool_demos: float = 0.0
 
     def digest(self) -> str:
         import hashlib
 
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        spec = asdict(self)
+        if not self.tool_demos:  # models built before tool demos existed keep their digest
+            spec.pop("tool_demos")
+        blob = json.dumps(spec, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
 
@@ -113,12 +123,45 @@ def build_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> Qwen
     return Qwen2ForCausalLM(config)
 
 
+def tool_call_text(expression: str) -> str:
+    """The calculator call a tool demonstration makes (Hermes format)."""
+    return ('<tool_call>{"name": "calculator", "arguments": {"expression": "'
+            f'{expression}"}}}}</tool_call>')
+
+
+def _question_expression(question: str) -> str:
+    return question.removeprefix("What is ").removesuffix("?")
+
+
+def _tool_episode(tokenizer: PreTrainedTokenizerFast, rec: Record) -> tuple[list[int], list[int]]:
+    """A calculator episode as the episode runner lays it out: (ids, labels); the labels are
+    the model's turns only, never the tool's output or the template's text."""
+    from rl_core.agents.chat import ChatTokens
+
+    chat = ChatTokens(tokenizer)
+    eos = tokenizer.eos_token_id
+    prompt = chat.prompt_ids([{"role": "system", "content": TOOL_SYSTEM_PROMPT},
+                              {"role": "user", "content": rec.question}])
+    call = chat.encode(tool_call_text(_question_expression(rec.question))) + [eos]
+    obs = chat.observation_ids([{"role": "tool", "content": rec.final_answer}], call)
+    answer = chat.encode(f"#### {rec.final_answer}") + [eos]
+    ids = prompt + call + obs + answer
+    return ids, [-100] * len(prompt) + call + [-100] * len(obs) + answer
+
+
 def _sft_batch(
-    tokenizer: PreTrainedTokenizerFast, examples: Sequence[Record]
+    tokenizer: PreTrainedTokenizerFast, examples: Sequence[Record], tools: Sequence[bool] = ()
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    prompts = encode_prompts(tokenizer, [r.question for r in examples])
+    tools = list(tools) or [False] * len(examples)
+    system = TOOL_SYSTEM_PROMPT if any(tools) else None
+    prompts = encode_prompts(tokenizer, [r.question for r in examples], system_prompt=system)
     seqs, labels = [], []
-    for prompt, rec in zip(prompts, examples, strict=True):
+    for prompt, rec, tool in zip(prompts, examples, tools, strict=True):
+        if tool:
+            ids, lab = _tool_episode(tokenizer, rec)
+            seqs.append(ids)
+            labels.append(lab)
+            continue
         target = tokenizer.encode(rec.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
         seqs.append(prompt + target)
         labels.append([-100] * len(prompt) + target)
@@ -134,22 +177,44 @@ def _sft_batch(
 
 
 def greedy_accuracy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast,
-                    records: Sequence[Record], max_new_tokens: int = 48) -> float:
-    """Fraction of ``records`` the model answers right with greedy decoding."""
+                    records: Sequence[Record], max_new_tokens: int = 48,
+                    tools: bool = False) -> float:
+    """Fraction of ``records`` the model answers right with greedy decoding (``tools``: in
+    calculator episodes, as ``agent.env: tools`` runs them)."""
     from rl_core.engine.core import EmbeddedEngine, GenerateRequest
     from rl_core.engine.sampling import SamplingParams
 
-    prompts = encode_prompts(tokenizer, [r.question for r in records])
     greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, seed=0)
     with tempfile.TemporaryDirectory() as d:  # the rollout engine itself, on these weights
         model.save_pretrained(d)
         tokenizer.save_pretrained(d)
-        with EmbeddedEngine(d, max_running_requests=len(prompts) or 1) as engine:
-            outs = engine.generate_sync(
-                [GenerateRequest(str(i), p, greedy) for i, p in enumerate(prompts)])
-    texts = [tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in outs]
+        if tools:
+            texts = _tool_episode_answers(d, records, greedy)
+        else:
+            prompts = encode_prompts(tokenizer, [r.question for r in records])
+            with EmbeddedEngine(d, max_running_requests=len(prompts) or 1) as engine:
+                outs = engine.generate_sync(
+                    [GenerateRequest(str(i), p, greedy) for i, p in enumerate(prompts)])
+            texts = [tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in outs]
     right = sum(gsm8k_reward(t, r.answer) for t, r in zip(texts, records, strict=True))
     return right / max(len(records), 1)
+
+
+def _tool_episode_answers(model_dir: str, records: Sequence[Record], params: object) -> list[str]:
+    from rl_core.agents import ChatTokens, EpisodeLimits, EpisodeRunner, ToolEnv
+    from rl_core.agents.tools import CALCULATOR
+    from rl_core.rollout.inprocess import InProcessPlane
+
+    plane = InProcessPlane(model_dir, max_running_requests=max(len(records), 1))
+    try:
+        runner = EpisodeRunner(
+            plane, ChatTokens(plane.engine.tokenizer),
+            lambda: ToolEnv({"calculator": CALCULATOR}, TOOL_SYSTEM_PROMPT),
+            EpisodeLimits(max_turns=3, max_tokens=160), retries=0)
+        samples = runner.run(records, n=1, params=params, step=0, seed=0)  # type: ignore[arg-type]
+    finally:
+        plane.close()
+    return [s.text for s in samples]
 
 
 def warm_start(
@@ -171,7 +236,8 @@ def warm_start(
             order = list(range(len(train)))
         rng.shuffle(order)
         batch = [train[order.pop()] for _ in range(spec.sft_batch_size)]
-        ids, labels, mask = _sft_batch(tokenizer, batch)
+        tools = [rng.random() < spec.tool_demos for _ in batch] if spec.tool_demos else []
+        ids, labels, mask = _sft_batch(tokenizer, batch, tools)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -179,8 +245,11 @@ def warm_start(
         opt.step()
         sched.step()
         checked = None
-        if step % spec.eval_every == 0:
-            acc = checked = greedy_accuracy(model, tokenizer, val)
+        # With tool demos the greedy policy answers directly (most demonstrations do) and
+        # rarely succeeds, so there is no start level to stop at: train sft_max_steps, so the
+        # tool path is learned, and measure once (GRPO then learns when to take it).
+        if (step == spec.sft_max_steps if spec.tool_demos else step % spec.eval_every == 0):
+            acc = checked = greedy_accuracy(model, tokenizer, val, tools=spec.tool_demos > 0)
         if progress is not None:
             progress(step, loss.item(), checked)
         if checked is not None and acc >= spec.target_accuracy:
@@ -217,6 +286,9 @@ def bootstrap_tiny_model(
             f"problems, got {len(train)}; raise data.synthetic_train_size")
     train, val = _split_validation(train, spec.val_examples)
     corpus = [f"user\n{r.question}\nassistant\n{r.answer}" for r in train[:2000]]
+    if spec.tool_demos:  # the call's boilerplate becomes a few tokens, as in real vocabularies
+        corpus += [f"{TOOL_SYSTEM_PROMPT}\n{tool_call_text(_question_expression(r.question))}"
+                   f"\ntool\n#### {r.final_answer}" for r in train[:2000]]
     tokenizer = build_tokenizer(corpus, spec.vocab_size)
     model = build_model(spec, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())

@@ -379,9 +379,12 @@ class RewardRunner:
                    max_failed_steps=reward.max_failed_steps, pass_threshold=reward.pass_threshold)
 
     def score(self, completions: Sequence[str], answers: Sequence[str], *,
-              step: int | None = None, budget: bool = True) -> RewardResult:
+              step: int | None = None, budget: bool = True,
+              record_ids: Sequence[str] | None = None) -> RewardResult:
         """Score each completion against its reference answer; never raises for a bad sample.
-        ``step`` and ``budget``: see the fault budget in the module docstring. Raises ValueError
+        ``step`` and ``budget``: see the fault budget in the module docstring. ``record_ids``
+        name each sample's task for scorers that read the question (a judge,
+        :class:`~rl_core.rewards.judge.JudgeRunner`); a reward function does not. Raises ValueError
         if the two lists differ in length, RuntimeError after `close()`, and
         `RewardFunctionError` once ``max_failed_steps`` consecutive steps failed every sample
         (and on every later call)."""

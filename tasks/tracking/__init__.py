@@ -2,8 +2,9 @@
 checkpoints, evaluations; with :mod:`tasks.registry` the registered model). The flow never
 touches MLflow: it passes a :class:`TrackingHandle` (``None`` when ``tracking.backend`` is
 ``none``: everything then does nothing) to what is exported here. Modules: ``run``, ``sender``,
-``artifacts``, ``handle`` (docs/tracking.md). No secret reaches MLflow (:mod:`rl_core.secrets`);
-MLflow is imported here and in :mod:`tasks.registry` only, never by ``rl_core``.
+``artifacts``, ``traces`` (episodes as MLflow traces), ``handle`` (docs/tracking.md). No secret
+reaches MLflow (:mod:`rl_core.secrets`); MLflow is imported here and in :mod:`tasks.registry`
+only, never by ``rl_core``.
 """
 
 from tasks.tracking.artifacts import log_checkpoint, log_evaluation, log_step, sample_rows
@@ -15,9 +16,11 @@ from tasks.tracking.run import (
     tracking_failed,
 )
 from tasks.tracking.sender import Tracker, bound_mlflow_http, replay_unsent, tracker_for
+from tasks.tracking.traces import choose_episodes, close_traces, flush_traces, log_traces
 
 __all__ = [
-    "TrackingHandle", "Tracker", "bound_mlflow_http", "eval_metrics", "finish_tracking",
-    "log_checkpoint", "log_evaluation", "log_step", "metric_name", "replay_unsent",
-    "resolve_tracking_uri", "sample_rows", "start_tracking", "tracker_for", "tracking_failed",
+    "TrackingHandle", "Tracker", "bound_mlflow_http", "choose_episodes", "close_traces",
+    "eval_metrics", "finish_tracking", "flush_traces", "log_checkpoint", "log_evaluation",
+    "log_step", "log_traces", "metric_name", "replay_unsent", "resolve_tracking_uri",
+    "sample_rows", "start_tracking", "tracker_for", "tracking_failed",
 ]

@@ -42,6 +42,7 @@ def eval_metrics(result: Mapping[str, Any], prefix: str = "eval/") -> dict[str, 
     out = {f"{prefix}{k}": result.get(k) for k in keys}
     if result.get("pass_at_k") is not None:
         out[f"{prefix}pass_at_{result.get('k')}"] = result["pass_at_k"]
+    out.update({f"{prefix}{k}": v for k, v in (result.get("episodes") or {}).items()})
     return {k: float(v) for k, v in out.items() if isinstance(v, numbers.Real)}
 
 

@@ -35,6 +35,7 @@ from tasks.tracking.handle import (
     warn,
 )
 from tasks.tracking.sender import bound_mlflow_http, drop_tracker, tracker_for, trackers_of_flow_run
+from tasks.tracking.traces import close_traces
 
 __all__ = ["finish_tracking", "resolve_tracking_uri", "start_tracking", "tracking_failed"]
 
@@ -278,6 +279,8 @@ def finish_tracking(handle: TrackingHandle | None, *, status: str = "FINISHED",
         # ``from None``: MLflow's errors can hold the tracking URI as given (password included)
         raise RuntimeError(f"tracking: registering the model of run {handle.run_id} failed "
                            f"({type(exc).__name__}: {redact(str(exc))[:500]})") from None
+    if (unsent_traces := close_traces(handle, timeout=min(handle.flush_timeout_s, 30))):
+        out["unsent_traces"] = unsent_traces
     out.update(tracker.end(status))
     drop_tracker(handle.run_id)
     outages = (f" after {out['tracking_outages']} tracking outage(s) of "

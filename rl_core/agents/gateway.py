@@ -1,0 +1,794 @@
+"""Black-box agents on the rollout plane: an OpenAI-compatible endpoint per episode.
+
+An agent program written against the ``openai`` client (any program: grpoflow does not drive
+it) plays an episode by calling ``/v1/chat/completions`` (or ``/v1/completions``) on
+:class:`AgentGateway`, an HTTP server in front of any
+:class:`~rl_core.interfaces.RolloutPlane` (the in-process engine, the embedded engine
+processes, real SGLang through :class:`~rl_core.rollout.http.HttpPlane`). Each episode gets a
+session, ``{gateway}/sessions/{sid}/v1``, that records the trajectory the way
+:class:`~rl_core.agents.EpisodeRunner` does: the engine's own token ids, log-probs and
+weight version of every completion (``loss_mask`` 1) and the chat template's ids for
+everything between them (``loss_mask`` 0, log-prob 0). When a request's messages extend the
+session's conversation (its earlier messages and the reply the gateway gave, compared by
+role and content), the prompt is the recorded ids plus
+:meth:`~rl_core.agents.chat.ChatTokens.observation_ids` of the new messages: earlier turns are
+never re-tokenized. An agent that rewrites its history starts a new chain (the sample keeps
+the last one; ``meta["episode"]["info"]["history_rewrites"]`` counts the others).
+
+The gateway owns the sampling, not the agent: temperature, top-p/k and min-p are the run's
+(so rollout log-probs match what the trainer assumes), the seed is a function of (run seed,
+step, task, sample index, attempt, request number), so a replay gives the same episode, and
+``max_tokens`` is clamped to what is left of the episode's ``EpisodeLimits.max_tokens``.
+Requests past ``max_turns``, past the episode's deadline or on a closed session get an
+OpenAI-shaped 4xx that the client raises. Every generation goes through one batching worker
+thread that owns the plane: handlers enqueue and wait (bounded); the worker takes everything
+queued (waiting ``batch_wait_s`` for more) and calls ``plane.generate`` once per batch, so
+concurrent agents are batched and the in-process plane is only ever called from one thread.
+
+:func:`run_programs` plays ``n`` episodes per task of ``program(client, task) -> reward``
+concurrently, each in its own session, retrying an attempt that raises or outlives
+``timeout_s`` (a hung program's thread is abandoned and its session closed, so it cannot add
+tokens), and returns one :class:`~rl_core.types.Sample` per episode in EpisodeRunner's layout.
+
+Never imports Prefect or MLflow; never re-tokenizes a model turn; never calls the plane from
+more than one thread; never waits without a bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import contextlib
+import itertools
+import json
+import logging
+import math
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rl_core.agents.chat import ChatTokens
+from rl_core.agents.env import EpisodeLimits
+from rl_core.data.records import Record
+from rl_core.engine.protocol import MAX_REQUEST_BYTES
+from rl_core.engine.routes_openai import (
+    OpenAIError,
+    OpenAIRequest,
+    chat_choice,
+    chat_prompt_ids,
+    completion_choice,
+    completion_text,
+    envelope,
+    openai_error,
+    parse_openai_request,
+    read_openai_body,
+)
+from rl_core.engine.sampling import SamplingParams
+from rl_core.engine.server import ServerThread
+from rl_core.grpo import sample_seed
+from rl_core.interfaces import RolloutPlane
+from rl_core.rollout.client import RolloutRequestError
+from rl_core.types import Sample
+
+__all__ = ["AgentGateway", "GatewaySession", "Program", "request_seed", "run_programs"]
+
+log = logging.getLogger(__name__)
+
+# program(client, task) -> the environment's reward (None: 0).
+Program = Callable[[Any, Record], "float | None"]
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def request_seed(seed: int, step: int, record_id: str, index: int, attempt: int,
+                 request: int) -> int:
+    """The sampling seed of request ``request`` (0-based) of an episode: what EpisodeRunner
+    uses for its turn of the same number, so a replayed episode samples the same tokens."""
+    return sample_seed(seed, step, f"{record_id}#{attempt}.{request}", index)
+
+
+# ---------------------------------------------------------------------------- the batcher
+
+@dataclass(eq=False)
+class _Job:
+    prompt: list[int]
+    params: SamplingParams
+    future: cf.Future = field(default_factory=cf.Future)
+    submitted: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Done:
+    """A finished generation and when it ran."""
+
+    sample: Sample
+    queued_s: float
+    generate_s: float
+    batch: int
+
+
+def _request_error(e: BaseException) -> bool:
+    """The plane refused a request (bad ids, too long): that request's fault, not the batch's."""
+    return isinstance(e, ValueError) or (isinstance(e, RolloutRequestError) and e.status < 500)
+
+
+class _Batcher:
+    """The one thread that calls ``plane.generate`` (see the module docstring)."""
+
+    def __init__(self, plane: RolloutPlane, wait_s: float, max_batch: int) -> None:
+        self.plane, self.wait_s, self.max_batch = plane, wait_s, max_batch
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="grpoflow-gateway-batch",
+                                        daemon=True)
+        self.stats = {"batches": 0, "requests": 0, "max_batch": 0}
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, prompt: list[int], params: SamplingParams) -> cf.Future:
+        if self._closed.is_set():
+            raise OpenAIError("the gateway is shutting down", 503, code="gateway_closed")
+        job = _Job(prompt, params)
+        self._queue.put(job)
+        return job.future
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._closed.set()
+        self._queue.put(None)
+        self._thread.join(timeout=timeout)
+        while True:  # whatever is still queued will never run
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None and job.future.set_running_or_notify_cancel():
+                job.future.set_exception(OpenAIError("the gateway shut down", 503))
+
+    def _loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                job = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if job is None:
+                break
+            batch, end = [job], time.monotonic() + self.wait_s
+            # A few ms for the rest of a wave of requests: agents answering the same batch
+            # come back at nearly the same time, and one plane call serves them all.
+            while len(batch) < self.max_batch:
+                try:
+                    nxt = self._queue.get(timeout=max(0.0, end - time.monotonic()))
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._closed.set()
+                    break
+                batch.append(nxt)
+            batch = [j for j in batch if j.future.set_running_or_notify_cancel()]
+            if batch:
+                self._run(batch)
+
+    def _run(self, batch: list[_Job]) -> None:
+        t0 = time.monotonic()
+        try:
+            samples = self.plane.generate([j.prompt for j in batch], [j.params for j in batch])
+            if len(samples) != len(batch):
+                raise RuntimeError(f"the plane answered {len(samples)} samples for "
+                                   f"{len(batch)} prompts")
+        except Exception as e:
+            if len(batch) > 1 and _request_error(e):
+                # One bad request must not fail its batch-mates: each on its own.
+                for j in batch:
+                    self._run_alone(j)
+                return
+            for j in batch:
+                j.future.set_exception(e)
+            return
+        seconds = time.monotonic() - t0
+        self.stats["batches"] += 1
+        self.stats["requests"] += len(batch)
+        self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
+        for j, s in zip(batch, samples, strict=True):
+            j.future.set_result(_Done(s, t0 - j.submitted, seconds, len(batch)))
+
+    def _run_alone(self, job: _Job) -> None:
+        t0 = time.monotonic()
+        try:
+            (s,) = self.plane.generate([job.prompt], [job.params])
+        except Exception as e:
+            job.future.set_exception(e)
+            return
+        job.future.set_result(_Done(s, t0 - job.submitted, time.monotonic() - t0, 1))
+
+
+# ---------------------------------------------------------------------------- sessions
+
+@dataclass
+class _Plan:
+    """How one request's prompt relates to the session's chain."""
+
+    prompt: list[int]  # what the engine is asked to continue
+    extend: bool  # True: the chain's ids + ``obs``; False: a new chain from ``prompt``
+    obs: list[int]
+    messages: list[dict[str, Any]]  # the new messages (all of them for a new chain)
+    conv: list[tuple[str, Any]] | None = None  # chat: the request's messages, by role/content
+    setup: str = ""  # chat: tools and template arguments the chain was rendered with
+    text_prompt: str | None = None  # completions with a text prompt
+    note: str = ""  # why a new chain started
+
+
+def _keys(messages: Sequence[dict[str, Any]]) -> list[tuple[str, Any]]:
+    return [(m["role"], m.get("content")) for m in messages]
+
+
+class GatewaySession:
+    """One episode's endpoint and the trajectory it records (see the module docstring).
+    Made by :meth:`AgentGateway.open_session`; ``base_url`` is what an ``openai`` client
+    takes."""
+
+    def __init__(self, gateway: AgentGateway, sid: str, task: Record | None, *, index: int,
+                 group: int, attempt: int, step: int, seed: int, params: SamplingParams,
+                 limits: EpisodeLimits) -> None:
+        self.gateway, self.sid, self.task = gateway, sid, task
+        self.index, self.group, self.attempt = index, group, attempt
+        self.step, self.seed, self.params, self.limits = step, seed, params, limits
+        self.url = f"{gateway.url}/sessions/{sid}"
+        self.opened = time.monotonic()
+        self.deadline = self.opened + limits.timeout_s
+        self.closed, self.close_reason = False, ""
+        self.lock = threading.Lock()  # state, between the server's loop and the runner
+        self._busy = False  # a request is in progress (touched on the server's loop only)
+        # Futures of handlers waiting on a generation, set when the session closes.
+        self._wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        # The chain: the prompt it started from and everything after it.
+        self.prompt_ids: list[int] = []
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.logps: list[float] = []
+        self.versions: list[int] = []
+        self.conv: list[tuple[str, Any]] | None = None
+        self.setup = ""
+        self.text_so_far: str | None = None
+        self.last_turn: list[int] = []
+        self.chains = self.turns = self.refused = self.tool_calls = 0
+        self.trace: list[dict[str, Any]] = []
+        self.text, self.finish_reason, self.version = "", {}, 0
+        self.limit = ""  # the first episode limit hit: max_turns | max_tokens
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    @property
+    def record_id(self) -> str:
+        return self.task.id if self.task is not None else ""
+
+    def close(self, reason: str = "closed") -> None:
+        """Refuse every later request; a generation in flight is not recorded (its handler
+        answers 410 at once)."""
+        with self.lock:
+            if not self.closed:
+                self.closed, self.close_reason = True, reason
+            wakers = list(self._wakers)
+        for loop, fut in wakers:
+            with contextlib.suppress(RuntimeError):  # the server's loop is gone
+                loop.call_soon_threadsafe(_wake, fut)
+
+    # -- request handling (the server's event loop) -------------------------------------
+
+    def _check_open(self) -> None:
+        if not self.closed and time.monotonic() > self.deadline:
+            self.closed = True
+            self.close_reason = f"the episode ran past agent.timeout_s={self.limits.timeout_s:g}s"
+        if self.closed:
+            raise OpenAIError(f"session {self.sid} is closed ({self.close_reason}); the episode "
+                              "is over", 410, code="session_closed")
+
+    def _refuse(self, limit: str, message: str) -> OpenAIError:
+        self.limit = self.limit or limit
+        self.refused += 1
+        self.trace.append({"attempt": self.attempt, "role": "refused", "reason": limit,
+                           "request": self.turns})
+        return OpenAIError(message, 400, code=limit)
+
+    def _plan_chat(self, req: OpenAIRequest) -> _Plan:
+        chat = self.gateway.chat
+        keys = _keys(req.messages)
+        setup = json.dumps([req.tools, req.template_kwargs], sort_keys=True, default=str)
+        n = len(self.conv or [])
+        note = "first request" if not self.chains else "history rewritten"
+        if self.conv and setup == self.setup and len(keys) > n and keys[:n] == self.conv:
+            new = req.messages[n:]
+            try:
+                obs = chat.observation_ids(new, self.last_turn)
+            except Exception as e:  # noqa: BLE001 (a template that renders earlier turns
+                # anew, or cannot render these messages: the full render below says which)
+                note = f"the chat template cannot extend this conversation: {e}"
+            else:
+                return _Plan(self.prompt_ids + self.ids + obs, True, obs, new, keys, setup)
+        if req.tools or req.template_kwargs:
+            prompt = chat_prompt_ids(chat.tokenizer, req.messages, req.tools, req.template_kwargs)
+        else:
+            try:
+                prompt = chat.prompt_ids(req.messages)
+            except Exception as e:  # the template's own checks (role order, fields)
+                raise OpenAIError(f"the chat template could not render these messages: "
+                                  f"{type(e).__name__}: {e}", param="messages") from None
+        return _Plan(prompt, False, [], req.messages, keys, setup, note=note)
+
+    def _plan_completion(self, req: OpenAIRequest) -> _Plan:
+        tok = self.gateway.chat.tokenizer
+        prompt = req.prompts[0]
+        note = "first request" if not self.chains else "history rewritten"
+        if isinstance(prompt, list):
+            full = self.prompt_ids + self.ids
+            if self.chains and len(prompt) >= len(full) and prompt[: len(full)] == full:
+                obs = list(prompt[len(full):])
+                return _Plan(list(prompt), True, obs, [])
+            return _Plan(list(prompt), False, [], [], note=note)
+        if self.text_so_far is not None and prompt.startswith(self.text_so_far):
+            obs = list(tok(prompt[len(self.text_so_far):], add_special_tokens=False)["input_ids"])
+            return _Plan(self.prompt_ids + self.ids + obs, True, obs, [], text_prompt=prompt)
+        return _Plan(list(tok.encode(prompt)), False, [], [], text_prompt=prompt, note=note)
+
+    def _prepare(self, req: OpenAIRequest) -> tuple[_Plan, SamplingParams, int]:
+        """Check the episode's limits, plan the prompt and the request's sampling."""
+        self._check_open()
+        lim = self.limits
+        if self.turns >= lim.max_turns:
+            raise self._refuse("max_turns", f"the episode allows agent.max_turns="
+                               f"{lim.max_turns} model requests and has used them all")
+        plan = self._plan_chat(req) if req.kind == "chat" else self._plan_completion(req)
+        used = len(self.ids) + len(plan.obs) if plan.extend else 0
+        budget = lim.max_tokens - used
+        if budget < 1:
+            raise self._refuse("max_tokens", f"the episode's token budget (agent.max_tokens="
+                               f"{lim.max_tokens}, model and observation tokens after the "
+                               f"prompt) is spent: {used} tokens")
+        p = self.params
+        # The run's max_new_tokens caps a turn, as it caps EpisodeRunner's; the agent may ask
+        # for less.
+        asked = p.max_new_tokens if req.max_tokens is None else min(req.max_tokens,
+                                                                   p.max_new_tokens)
+        number = self.turns
+        params = replace(
+            p, max_new_tokens=max(1, min(asked, budget)), stop=[*p.stop, *req.stop],
+            stop_token_ids=[*p.stop_token_ids, *req.stop_token_ids],
+            ignore_eos=p.ignore_eos or req.ignore_eos,
+            seed=request_seed(self.seed, self.step, self.record_id, self.index, self.attempt,
+                              number))
+        return plan, params, number
+
+    def _record(self, plan: _Plan, req: OpenAIRequest, done: _Done, text: str,
+                number: int, calls: int, seed: int | None, seconds: float) -> None:
+        s = done.sample
+        if not plan.extend:
+            self.chains += 1
+            self.prompt_ids, self.ids, self.mask, self.logps, self.versions = (
+                list(plan.prompt), [], [], [], [])
+            self.setup = plan.setup
+            self.trace.append({"attempt": self.attempt, "role": "prompt", "request": number,
+                               "session": self.sid, "chain": self.chains, "note": plan.note,
+                               "messages": plan.messages, "tokens": len(plan.prompt)})
+        elif plan.obs or plan.messages:
+            self.ids += plan.obs
+            self.mask += [0] * len(plan.obs)
+            self.logps += [0.0] * len(plan.obs)
+            self.versions += [self.version] * len(plan.obs)
+            self.trace.append({"attempt": self.attempt, "role": "observation",
+                               "request": number, "messages": plan.messages,
+                               "tokens": len(plan.obs)})
+        ids = list(s.completion_ids)
+        self.ids += ids
+        self.mask += [1] * len(ids)
+        self.logps += [float(x) for x in s.logprobs]
+        self.versions += [s.weight_version] * len(ids)
+        self.last_turn, self.version = ids, s.weight_version
+        self.text, self.finish_reason = text, dict(s.finish_reason)
+        self.turns += 1
+        self.tool_calls += calls
+        if req.kind == "chat":
+            self.conv = [*(plan.conv or []), ("assistant", text)]
+            self.text_so_far = None
+        else:
+            self.conv = None
+            self.text_so_far = None if plan.text_prompt is None else plan.text_prompt + text
+        self.trace.append({
+            "attempt": self.attempt, "role": "assistant", "request": number,
+            "chain": self.chains, "text": text, "tokens": len(ids),
+            "prompt_tokens": len(plan.prompt), "seconds": seconds,
+            "queued_s": done.queued_s, "generate_s": done.generate_s, "batch": done.batch,
+            "weight_version": s.weight_version, "seed": seed,
+            "finish_reason": s.finish_reason.get("type"), "tool_calls": calls})
+        if len(self.ids) >= self.limits.max_tokens:
+            self.limit = self.limit or "max_tokens"
+
+    # -- the episode's sample -------------------------------------------------------------
+
+    def sample(self, *, failed: bool = False, errors: Sequence[str] = (), env_reward: float = 0.0,
+               attempts: int | None = None, trace: list[dict[str, Any]] | None = None,
+               started: float | None = None) -> Sample:
+        """The recorded chain as EpisodeRunner's :class:`~rl_core.types.Sample` (``failed``:
+        nothing is trained on and the reward is 0)."""
+        with self.lock:
+            prompt = list(self.prompt_ids) or self.gateway.chat.encode(
+                self.gateway.chat.tokenizer.eos_token or " ")
+            mask = [0] * len(self.ids) if failed else list(self.mask)
+            episode = {
+                "status": "failed" if failed else "ok",
+                "finish": "failed" if failed else (self.limit or "done"),
+                "turns": self.turns, "attempts": self.attempt + 1 if attempts is None else attempts,
+                "errors": list(errors), "env_reward": 0.0 if failed else float(env_reward),
+                "tool_calls": self.tool_calls,
+                "info": {"history_rewrites": max(0, self.chains - 1),
+                         "refused_requests": self.refused},
+                "masked_tokens": len(mask) - sum(mask),
+                "trace": list(self.trace) if trace is None else trace,
+                "seconds": time.monotonic() - (self.opened if started is None else started)}
+            rec = self.task
+            return Sample(prompt, list(self.ids), list(self.logps), dict(self.finish_reason),
+                          self.version, self.text, loss_mask=mask,
+                          uid=f"{self.step}:{self.record_id}:{self.index}", group=self.group,
+                          record_id=self.record_id, answer=rec.answer if rec is not None else "",
+                          reward=0.0 if failed else float(env_reward),
+                          versions=list(self.versions), meta={"episode": episode})
+
+
+# ---------------------------------------------------------------------------- the gateway
+
+class AgentGateway:
+    """OpenAI-compatible sessions in front of ``plane`` (see the module docstring).
+
+    ``start()`` binds ``host:port`` (0: a free port; ``url`` is the address bound);
+    ``batch_wait_s`` is how long the batching worker waits for more requests after the first
+    of a batch, ``max_batch`` its largest batch; ``request_timeout_s`` bounds one request's
+    wait for its generation; bodies over ``max_request_bytes`` get 413."""
+
+    def __init__(self, plane: RolloutPlane, chat: ChatTokens, *, host: str = "127.0.0.1",
+                 port: int = 0, model_name: str = "grpoflow-policy", batch_wait_s: float = 0.01,
+                 max_batch: int = 256, request_timeout_s: float = 600.0,
+                 max_request_bytes: int = MAX_REQUEST_BYTES, max_sessions: int = 4096) -> None:
+        if max_batch < 1 or max_sessions < 1 or not request_timeout_s > 0 or batch_wait_s < 0:
+            raise ValueError("AgentGateway: max_batch and max_sessions must be >= 1, "
+                             "request_timeout_s > 0 and batch_wait_s >= 0")
+        self.plane, self.chat, self.model_name = plane, chat, model_name
+        self.request_timeout_s, self.max_sessions = request_timeout_s, max_sessions
+        self._batcher = _Batcher(plane, batch_wait_s, max_batch)
+        self._sessions: dict[str, GatewaySession] = {}
+        self._lock = threading.Lock()
+        self._server = ServerThread(self._app(max_request_bytes), host=host, port=port)
+        self._started = False
+
+    @property
+    def url(self) -> str:
+        if not self._started:
+            raise RuntimeError("the gateway is not started: call start() first")
+        return self._server.url
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Batches run, requests served, the largest batch."""
+        return dict(self._batcher.stats)
+
+    def start(self, timeout: float = 30.0) -> AgentGateway:
+        self._batcher.start()
+        self._server.start(timeout)
+        self._started = True
+        log.info("agent gateway on %s", self._server.url)
+        return self
+
+    def close(self) -> None:
+        with self._lock:
+            sessions, self._sessions = list(self._sessions.values()), {}
+        for s in sessions:
+            s.close("the gateway shut down")
+        if self._started:
+            self._server.stop()
+        self._batcher.close()
+
+    def __enter__(self) -> AgentGateway:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open_session(self, task: Record | None = None, *, index: int = 0, group: int = 0,
+                     attempt: int = 0, step: int = 0, seed: int = 0,
+                     params: SamplingParams | None = None,
+                     limits: EpisodeLimits | None = None) -> GatewaySession:
+        """A new episode endpoint for ``task`` (sample ``index`` of group ``group``)."""
+        sid = uuid.uuid4().hex
+        session = GatewaySession(self, sid, task, index=index, group=group, attempt=attempt,
+                                 step=step, seed=seed, params=params or SamplingParams(),
+                                 limits=limits or EpisodeLimits())
+        with self._lock:
+            if len(self._sessions) >= self.max_sessions:
+                raise RuntimeError(f"the agent gateway holds {self.max_sessions} sessions "
+                                   "(max_sessions): discard finished ones")
+            self._sessions[sid] = session
+        return session
+
+    def discard(self, sessions: Sequence[GatewaySession]) -> None:
+        """Close and forget ``sessions`` (later requests to them get 404)."""
+        with self._lock:
+            for s in sessions:
+                self._sessions.pop(s.sid, None)
+        for s in sessions:
+            s.close()
+
+    # -- HTTP ---------------------------------------------------------------------------
+
+    def _app(self, max_request_bytes: int) -> FastAPI:
+        app = FastAPI(title="grpoflow agent gateway (OpenAI-compatible sessions)")
+        app.state.max_request_bytes = max_request_bytes
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+            return openai_error(f"{exc.detail}: the gateway serves /sessions/{{sid}}/v1/"
+                                "chat/completions, /completions and /models", exc.status_code)
+
+        @app.post("/sessions/{sid}/v1/chat/completions")
+        async def chat(sid: str, request: Request) -> Response:
+            return await self._handle(sid, request, "chat")
+
+        @app.post("/sessions/{sid}/v1/completions")
+        async def completions(sid: str, request: Request) -> Response:
+            return await self._handle(sid, request, "completions")
+
+        @app.get("/sessions/{sid}/v1/models")
+        async def models(sid: str) -> Response:
+            try:
+                self._session(sid)
+            except OpenAIError as e:
+                return e.response()
+            return JSONResponse({"object": "list", "data": [
+                {"id": self.model_name, "object": "model", "created": 0,
+                 "owned_by": "grpoflow"}]})
+
+        @app.get("/health")
+        async def health() -> Response:
+            with self._lock:
+                open_sessions = sum(not s.closed for s in self._sessions.values())
+            return JSONResponse({"sessions": open_sessions, **self.stats})
+
+        return app
+
+    def _session(self, sid: str) -> GatewaySession:
+        with self._lock:
+            session = self._sessions.get(sid)
+        if session is None:
+            raise OpenAIError(f"no session {sid!r}: it was never opened or is finished; each "
+                              "episode gets its own session URL", 404, code="session_not_found")
+        return session
+
+    async def _handle(self, sid: str, request: Request, kind: str) -> Response:
+        t0 = time.monotonic()
+        try:
+            session = self._session(sid)
+            req = parse_openai_request(await read_openai_body(request), kind)
+            if req.n != 1 or not req.single:
+                raise OpenAIError("a session records one trajectory: ask for one completion "
+                                  "of one prompt per request (n=1); more samples are more "
+                                  "episodes", param="n")
+            # One request of a session at a time, so each extends what the last recorded.
+            # The flag is only touched on the server's event loop: no lock needed.
+            end = min(t0 + self.request_timeout_s, session.deadline)
+            while session._busy:
+                if session.closed or time.monotonic() > end:
+                    with session.lock:
+                        session._check_open()
+                    raise OpenAIError(f"session {sid} was busy with another request for "
+                                      f"request_timeout_s={self.request_timeout_s:g}s", 504,
+                                      code="timeout")
+                await asyncio.sleep(0.05)  # rare: an agent's concurrent requests, one session
+            session._busy = True
+            try:
+                return await self._generate(session, req, t0)
+            finally:
+                session._busy = False
+        except OpenAIError as e:
+            return e.response()
+
+    async def _generate(self, session: GatewaySession, req: OpenAIRequest,
+                        t0: float) -> Response:
+        with session.lock:
+            plan, params, number = session._prepare(req)
+        future = self._batcher.submit(plan.prompt, params)
+        waiting = asyncio.wrap_future(future)
+        # Consumed here if nobody waits for it any more (the handler gave up).
+        waiting.add_done_callback(lambda f: f.cancelled() or f.exception())
+        end = min(t0 + self.request_timeout_s, session.deadline)
+        # Wait for the generation, the session's close or the deadline, whichever is first,
+        # without polling: periodic wake-ups of many handlers steal the cores the engine's
+        # OpenMP threads spin on.
+        loop = asyncio.get_running_loop()
+        closed: asyncio.Future = loop.create_future()
+        waker = (loop, closed)
+        with session.lock:
+            session._wakers.append(waker)
+        try:
+            if not session.closed:
+                await asyncio.wait({waiting, closed}, timeout=max(0.0, end - time.monotonic()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            with session.lock:
+                session._wakers.remove(waker)
+        if not waiting.done():
+            with session.lock:
+                session._check_open()
+            raise OpenAIError(f"no generation within request_timeout_s="
+                              f"{self.request_timeout_s:g}s", 504, code="timeout")
+        try:
+            done: _Done = waiting.result()
+        except OpenAIError:
+            raise
+        except Exception as e:
+            if _request_error(e):
+                raise OpenAIError(f"the rollout plane refused the request: {e}",
+                                  code="invalid_request") from None
+            raise OpenAIError(f"the rollout plane failed: {type(e).__name__}: {e}", 502,
+                              code="rollout_failed") from None
+        s = done.sample
+        if s.aborted:  # a weight update cut it short: not a turn of this policy, not recorded
+            raise OpenAIError(f"the generation was aborted ({s.finish_reason.get('message')}); "
+                              "the episode cannot go on", 503, code="aborted")
+        tok = self.chat.tokenizer
+        text = completion_text(tok, s.completion_ids, s.finish_reason,
+                               skip_special_tokens=req.skip_special_tokens)
+        if req.kind == "chat":
+            choice = chat_choice(0, tok, s.completion_ids, s.logprobs, s.finish_reason, req,
+                                 key=str(params.seed), prompt_ids=plan.prompt, text=text)
+            calls = len(choice["message"].get("tool_calls") or [])
+        else:
+            choice = completion_choice(0, tok, s.completion_ids, s.logprobs, s.finish_reason,
+                                       req, prompt_ids=plan.prompt, text=text)
+            calls = 0
+        with session.lock:
+            session._check_open()  # closed meanwhile: these tokens are not the episode's
+            session._record(plan, req, done, text, number, calls, params.seed,
+                            time.monotonic() - t0)
+        body = envelope(req, f"{session.sid}-{number}", req.model or self.model_name, [choice],
+                        len(plan.prompt), len(s.completion_ids), s.weight_version)
+        return JSONResponse(body)
+
+
+# ---------------------------------------------------------------------------- programs
+
+@dataclass(eq=False)
+class _Run:
+    """One episode across its attempts."""
+
+    group: int
+    task: Record
+    index: int
+    attempt: int = 0
+    sessions: list[GatewaySession] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    reward: float = 0.0
+    failed: bool = False
+    started: float = 0.0
+
+
+@dataclass(eq=False)
+class _Attempt:
+    run: _Run
+    session: GatewaySession
+    deadline: float
+
+
+def _reward(value: object) -> float:
+    if value is None:
+        return 0.0
+    if isinstance(value, int | float) and math.isfinite(value):
+        return float(value)
+    raise TypeError(f"the program returned {str(value)[:80]!r}; it must return the episode's "
+                    "reward as a finite float, or None")
+
+
+def _play(program: Program, session: GatewaySession, timeout_s: float, token: int,
+          done: queue.SimpleQueue) -> None:
+    """One attempt on its own thread: the outcome goes to ``done`` (if anyone still cares)."""
+    import openai
+
+    client = None
+    try:
+        client = openai.OpenAI(base_url=session.base_url, api_key="grpoflow", max_retries=0,
+                               timeout=timeout_s)
+        outcome: tuple[str, Any] = ("ok", _reward(program(client, session.task)))
+    except BaseException as e:  # noqa: BLE001 (whatever the program does fails its attempt)
+        outcome = ("error", f"{type(e).__name__}: {e}")
+    finally:
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+    done.put((token, outcome))
+
+
+def run_programs(gateway: AgentGateway, program: Program, records: Sequence[Record], *, n: int,
+                 params: SamplingParams, step: int, seed: int,
+                 limits: EpisodeLimits | None = None, retries: int = 1,
+                 concurrency: int = 64) -> list[Sample]:
+    """``n`` episodes of ``program(client, task) -> reward`` per task, groups contiguous and
+    prompt-major (EpisodeRunner.run's layout), at most ``concurrency`` at once. An attempt
+    that raises or runs past ``limits.timeout_s`` is retried with a fresh session (and fresh
+    seeds) up to ``retries`` times, then recorded as ``failed``. Returns within about
+    ``(attempts / concurrency + 1) * timeout_s`` whatever the programs do."""
+    if n < 1 or concurrency < 1 or retries < 0:
+        raise ValueError("run_programs: n and concurrency must be >= 1, retries >= 0")
+    lim = limits or EpisodeLimits()
+    runs = [_Run(g, rec, j) for g, rec in enumerate(records) for j in range(n)]
+    todo: deque[_Run] = deque(runs)
+    running: dict[int, _Attempt] = {}
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    tokens = itertools.count()
+
+    def start(run: _Run) -> None:
+        session = gateway.open_session(run.task, index=run.index, group=run.group,
+                                       attempt=run.attempt, step=step, seed=seed, params=params,
+                                       limits=lim)
+        run.sessions.append(session)
+        run.started = run.started or session.opened
+        token = next(tokens)
+        running[token] = _Attempt(run, session, session.deadline)
+        threading.Thread(target=_play, args=(program, session, lim.timeout_s, token, done),
+                         name=f"grpoflow-agent-{run.task.id}-{run.index}", daemon=True).start()
+
+    def finish(a: _Attempt, kind: str, value: Any) -> None:
+        run = a.run
+        a.session.close("the program returned" if kind == "ok" else f"attempt {kind}")
+        if kind == "ok":
+            run.reward = value
+            return
+        message = f"attempt {run.attempt + 1}: {kind}: {value}"
+        run.errors.append(message)
+        log.warning("episode %s:%s %s", run.task.id, run.index, message)
+        if run.attempt < retries:
+            run.attempt += 1
+            todo.append(run)
+        else:
+            run.failed = True
+
+    try:
+        while todo or running:
+            while todo and len(running) < concurrency:
+                start(todo.popleft())
+            first = min(a.deadline for a in running.values())
+            try:
+                token, (kind, value) = done.get(timeout=min(1.0, max(0.0, first -
+                                                                      time.monotonic())))
+            except queue.Empty:
+                pass
+            else:
+                if (a := running.pop(token, None)) is not None:  # else: abandoned already
+                    finish(a, kind, value)
+            now = time.monotonic()
+            for token, a in list(running.items()):
+                if now > a.deadline:  # hung: abandon the thread, close its door
+                    del running[token]
+                    finish(a, "timeout", f"the program ran past agent.timeout_s="
+                           f"{lim.timeout_s:g}s; its thread was abandoned and its session "
+                           "closed")
+        return [_episode_sample(run) for run in runs]
+    finally:
+        gateway.discard([s for run in runs for s in run.sessions])
+
+
+def _episode_sample(run: _Run) -> Sample:
+    """The last attempt's session, with every attempt's trace and errors."""
+    last = run.sessions[-1]
+    trace = [t for s in run.sessions for t in s.trace]
+    return last.sample(failed=run.failed, errors=run.errors, env_reward=run.reward,
+                       attempts=run.attempt + 1, trace=trace, started=run.started)

@@ -1,0 +1,115 @@
+"""The agent side of a GRPO step: episodes instead of single completions, and their scores.
+
+:class:`AgentRollout` is built once per run from ``agent`` (``rl_core.config.AgentConfig``)
+over the run's rollout plane. :meth:`~AgentRollout.episodes` plays ``n`` episodes per task,
+either of an environment grpoflow drives (``agent.env``: :class:`~rl_core.agents.EpisodeRunner`)
+or of a black-box agent program on the plane's OpenAI-compatible endpoint (``agent.program``:
+:func:`rl_core.agents.gateway.run_programs`); both give one token-exact
+:class:`~rl_core.types.Sample` per episode, so advantages, TIS and the loss do not change.
+:meth:`~AgentRollout.score` adds ``reward.fn``'s score of the final answer to the
+environment's reward (``agent.score_final_answer``), and :meth:`~AgentRollout.check_failures`
+keeps the failure budget: a step in which more than ``agent.max_failed_frac`` of the episodes
+failed counts, and ``agent.max_failed_steps`` such steps in a row raise
+:class:`EpisodeFailureError` (the run stops: retrying would fail the same way).
+
+Never imports Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+from rl_core.agents import ChatTokens, EpisodeRunner, environment_factory, limits_from_config
+from rl_core.data.records import Record
+from rl_core.engine.sampling import SamplingParams
+from rl_core.interfaces import RolloutPlane
+from rl_core.rewards import JudgeRunner, RewardResult, RewardRunner
+from rl_core.types import Sample
+
+__all__ = ["AgentRollout", "EpisodeFailureError"]
+
+
+class EpisodeFailureError(RuntimeError):
+    """Too many episodes failed in ``steps`` consecutive steps (``agent.max_failed_steps``)."""
+
+    def __init__(self, steps: int, frac: float, last_error: str) -> None:
+        self.steps, self.frac, self.last_error = steps, frac, last_error
+        super().__init__(
+            f"more than agent.max_failed_frac of the episodes failed in {steps} consecutive "
+            f"steps (agent.max_failed_steps={steps}; last step: {frac:.0%}); last error: "
+            f"{last_error}. Fix the environment or agent program (run one episode by hand: "
+            "docs/agents.md), raise agent.env_timeout_s / agent.timeout_s if it timed out, or "
+            "set agent.max_failed_steps=0 to carry on")
+
+    def __reduce__(self):  # picklable across process boundaries (Prefect results, Ray)
+        return (type(self), (self.steps, self.frac, self.last_error))
+
+
+class AgentRollout:
+    """Episodes on ``plane`` as ``agent`` configures them (see the module docstring)."""
+
+    def __init__(self, agent: Any, plane: RolloutPlane, tokenizer: Any) -> None:  # noqa: ANN401
+        self.cfg, self.plane = agent, plane
+        self.chat = ChatTokens(tokenizer)
+        self.limits = limits_from_config(agent)
+        self.runner: EpisodeRunner | None = None
+        self.gateway: Any = None
+        self.failed_streak = 0
+        if agent.env is not None:
+            self.runner = EpisodeRunner(plane, self.chat, environment_factory(agent, tokenizer),
+                                        self.limits, retries=agent.episode_retries)
+        else:
+            from rl_core.agents.gateway import AgentGateway
+
+            module, _, attr = agent.program.partition(":")
+            self.program = getattr(importlib.import_module(module), attr)
+            self.gateway = AgentGateway(plane, self.chat).start()
+
+    def episodes(self, records: Sequence[Record], *, n: int, params: SamplingParams, step: int,
+                 seed: int) -> list[Sample]:
+        """``n`` episodes of each task, groups contiguous (as single-turn rollouts)."""
+        if self.runner is not None:
+            return self.runner.run(records, n=n, params=params, step=step, seed=seed)
+        from rl_core.agents.gateway import run_programs
+
+        return run_programs(self.gateway, self.program, records, n=n, params=params, step=step,
+                            seed=seed, limits=self.limits, retries=self.cfg.episode_retries)
+
+    def score(self, samples: Sequence[Sample], rewards: RewardRunner | JudgeRunner, *, pass_threshold: float,
+              step: int | None = None, budget: bool = True) -> RewardResult | None:
+        """Set each episode's ``reward`` and ``correct``: the environment's reward, plus
+        ``reward.fn``'s score of the final answer when ``agent.score_final_answer`` (a failed
+        episode scores 0). Returns the reward function's result, if it ran."""
+        result = None
+        if self.cfg.score_final_answer:
+            result = rewards.score([s.text for s in samples], [s.answer for s in samples],
+                                   step=step, budget=budget,
+                                   record_ids=[s.record_id for s in samples])
+        for i, s in enumerate(samples):
+            ep = s.meta["episode"]
+            if ep["status"] == "failed":
+                s.reward, s.correct = 0.0, False
+            elif result is not None:
+                s.reward = float(ep["env_reward"]) + float(result.scores[i])
+                s.correct = bool(result.correct[i])
+            else:
+                s.reward = float(ep["env_reward"])
+                s.correct = bool(ep["info"].get("correct", s.reward >= pass_threshold))
+        return result
+
+    def check_failures(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """Count the step against ``agent.max_failed_steps``; raise when the budget is spent."""
+        failed = [s for s in samples if s.meta["episode"]["status"] == "failed"]
+        frac = len(failed) / max(len(samples), 1)
+        self.failed_streak = self.failed_streak + 1 if failed and frac > self.cfg.max_failed_frac \
+            else 0
+        limit = self.cfg.max_failed_steps
+        if limit and self.failed_streak >= limit:
+            raise EpisodeFailureError(limit, frac, failed[-1].meta["episode"]["errors"][-1])
+        return {"episode_failed_streak": float(self.failed_streak)}
+
+    def close(self) -> None:
+        if self.gateway is not None:
+            self.gateway.close()

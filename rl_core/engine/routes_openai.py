@@ -1,0 +1,549 @@
+"""OpenAI-compatible routes of the embedded engine: ``/v1/chat/completions``,
+``/v1/completions`` and ``/v1/models``, and the request/response code the agent gateway shares.
+
+An agent written against the ``openai`` client talks to these routes as it would to OpenAI or
+to SGLang (which serves the same routes natively). Chat messages are rendered with the engine
+tokenizer's chat template (``tools`` passed to it); a turn's Hermes tool calls
+(``<tool_call>{...}</tool_call>``) come back parsed in ``message.tool_calls`` while ``content``
+keeps the text as generated. Sampling fields are OpenAI's (``max_tokens`` /
+``max_completion_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``,
+``logprobs``) plus SGLang's extensions (``top_k``, ``min_p``, ``stop_token_ids``,
+``ignore_eos``, ``skip_special_tokens``, ``chat_template_kwargs``, ``return_token_ids``: the
+prompt and completion token ids per choice). Fields the engine cannot honour (``stream``,
+penalties, ``logit_bias``, top-k log-prob alternatives, ``echo``, ...) are refused unless at
+their default, and unknown fields are refused, in OpenAI's error shape
+``{"error": {"message", "type", "param", "code"}}``, so a client never gets silently different
+behaviour. Bodies are read under the server's size cap (:func:`~rl_core.engine.protocol.read_body`)
+and every wait on the engine is bounded (``app.state.openai_timeout_s``, default
+:data:`OPENAI_TIMEOUT_S`; a client that goes away has its requests aborted).
+
+Never imports Prefect or MLflow; never unpickles request data; never re-tokenizes a completion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from rl_core.agents.tools import parse_tool_calls
+from rl_core.engine.core import EngineRequestError, EngineStateError, GenerateRequest
+from rl_core.engine.protocol import BadRequest, _TooLarge, get_engine, read_body
+from rl_core.engine.sampling import SamplingParams
+
+__all__ = ["OPENAI_TIMEOUT_S", "OpenAIError", "OpenAIRequest", "chat_choice", "chat_prompt_ids",
+           "completion_choice", "completion_text", "envelope", "normalize_messages",
+           "openai_error", "parse_openai_request", "read_openai_body", "router", "tool_call_id"]
+
+router = APIRouter()
+
+OPENAI_TIMEOUT_S = 600.0  # bound on one request's wait for the engine
+MAX_N = 128  # OpenAI's own limit on ``n``
+_ROLES = {"system", "user", "assistant", "tool", "developer"}
+# Accepted and ignored: they change nothing about what is generated.
+_IGNORED = {"model", "user", "metadata", "service_tier", "parallel_tool_calls", "store",
+            "prompt_cache_key", "safety_identifier", "rid", "stream_options"}
+# Refused unless at one of these (default) values.
+_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    "stream": (False,), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0), "logit_bias": ({},), "min_tokens": (0,),
+    "response_format": ({"type": "text"},), "functions": (), "function_call": (),
+    "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
+    "web_search_options": (), "top_logprobs": (0,), "echo": (False,), "suffix": (),
+    "best_of": (1,), "regex": (), "ebnf": (), "json_schema": ()}
+_WHY = {"stream": "streaming is not supported: send stream=false (the default)",
+        "top_logprobs": "top-k alternatives are not returned: only the sampled token's "
+                        "log-prob (logprobs=true, top_logprobs=0)",
+        "best_of": "best_of is not supported: use n and pick on the client"}
+# chat_template_kwargs may not change how the template is called, only what it renders.
+_TEMPLATE_RESERVED = {"conversation", "tools", "tokenize", "add_generation_prompt",
+                      "continue_final_message", "return_dict", "return_tensors", "documents"}
+_CHAT_FIELDS = {"messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+                "top_k", "min_p", "n", "stop", "stop_token_ids", "ignore_eos", "seed",
+                "logprobs", "tools", "tool_choice", "skip_special_tokens",
+                "chat_template_kwargs", "return_token_ids"}
+_COMPLETION_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n",
+                      "stop", "stop_token_ids", "ignore_eos", "seed", "logprobs",
+                      "skip_special_tokens", "return_token_ids"}
+
+
+class OpenAIError(Exception):
+    """A request refused, answered as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, message: str, status: int = 400, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None) -> None:  # noqa: A002
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def response(self) -> JSONResponse:
+        return openai_error(str(self), self.status, param=self.param, code=self.code,
+                            type=self.type)
+
+
+def openai_error(message: str, status: int = 400, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None) -> JSONResponse:  # noqa: A002
+    """OpenAI's error body; ``type`` defaults by status (4xx: invalid_request_error)."""
+    kind = type or ("invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": code}}, status_code=status)
+
+
+async def read_openai_body(request: Request) -> dict[str, Any]:
+    """The JSON object in the body under ``app.state.max_request_bytes``; OpenAI-shaped
+    errors (400 malformed, 413 too large)."""
+    try:
+        return await read_body(request)
+    except BadRequest as e:
+        raise OpenAIError(str(e)) from None
+    except _TooLarge as e:  # the protocol's own size cap, reported in OpenAI's shape
+        raise OpenAIError(str(e), 413, code="request_too_large") from None
+
+
+@dataclass
+class OpenAIRequest:
+    """A parsed ``/v1/chat/completions`` or ``/v1/completions`` body."""
+
+    kind: str  # "chat" or "completions"
+    model: str | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)  # chat, normalized
+    tools: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions
+    single: bool = True  # completions: one prompt (not a list of them)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: bool = False
+    return_token_ids: bool = False
+    parse_tools: bool = True  # tool_choice "none": no tools rendered, none parsed
+    skip_special_tokens: bool = True
+
+    def sampling(self, defaults: dict[str, Any], max_new_tokens: int, seed: int | None,
+                 vocab_size: int) -> SamplingParams:
+        """The engine's parameters: request values, else ``defaults`` (the model's), else
+        SGLang's; a ``top_k`` of at least ``vocab_size`` keeps every token (-1). Raises
+        :class:`OpenAIError` for values the sampler refuses."""
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(self, name)
+            return defaults.get(name, fallback) if value is None else value
+
+        temperature, top_k = float(pick("temperature", 1.0)), int(pick("top_k", -1))
+        try:
+            return SamplingParams(
+                temperature=0.0 if temperature < 1e-6 else temperature,
+                top_p=float(pick("top_p", 1.0)), top_k=-1 if top_k >= vocab_size else top_k,
+                min_p=float(pick("min_p", 0.0)), max_new_tokens=max_new_tokens,
+                stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
+                ignore_eos=self.ignore_eos, seed=seed)
+        except (ValueError, OverflowError) as e:
+            raise OpenAIError(str(e)) from None
+
+
+def _num(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _get(body: dict[str, Any], name: str, ok: Any, what: str) -> Any:
+    value = body.get(name)
+    if value is not None and not ok(value):
+        raise OpenAIError(f"{name} must be {what}, got {json.dumps(value)[:80]}", param=name,
+                          code="invalid_value")
+    return value
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """Chat messages as the template takes them: ``content`` a string (a list of text parts
+    is joined; ``None`` stays for an assistant turn with tool calls), ``developer`` as
+    ``system``. Anything else (images, unknown roles) is a 400 naming the message."""
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError("messages must be a non-empty list of chat messages", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise OpenAIError(f"{where} must be an object with role one of {sorted(_ROLES)}, got "
+                              f"{json.dumps(m)[:120]}", param=where)
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise OpenAIError(f"{where}.content: only text parts are supported, got "
+                                      f"{json.dumps(part)[:120]}", param=f"{where}.content")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is not None and not isinstance(content, str):
+            raise OpenAIError(f"{where}.content must be a string, a list of text parts or null",
+                              param=f"{where}.content")
+        calls = m.get("tool_calls")
+        if calls is not None and not (m["role"] == "assistant" and isinstance(calls, list) and all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str)
+                and isinstance(c["function"].get("arguments", "{}"), str | dict)
+                for c in calls)):
+            raise OpenAIError(f"{where}.tool_calls must be a list of {{\"type\": \"function\", "
+                              '"function": {"name", "arguments"}} on an assistant message',
+                              param=f"{where}.tool_calls")
+        if content is None and not (m["role"] == "assistant" and calls):
+            raise OpenAIError(f"{where}.content is null; only an assistant message with "
+                              "tool_calls may omit it", param=f"{where}.content")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({**{k: v for k, v in m.items() if v is not None}, "role": role,
+                    "content": content})
+    return out
+
+
+def _prompts(prompt: Any) -> tuple[list[str | list[int]], bool]:
+    """A completions ``prompt``: a string, token ids, or a list of either (a batch)."""
+    if isinstance(prompt, str):
+        return [prompt], True
+    if isinstance(prompt, list) and prompt and all(_int(t) for t in prompt):
+        return [list(prompt)], True
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or (isinstance(p, list) and p and all(_int(t) for t in p))
+            for p in prompt):
+        return list(prompt), False
+    raise OpenAIError("prompt must be a string, a non-empty list of token ids, or a list of "
+                      "those", param="prompt")
+
+
+def parse_openai_request(body: dict[str, Any], kind: str, *, max_n: int = MAX_N) -> OpenAIRequest:
+    """Check a body field by field (OpenAI's names and limits); :class:`OpenAIError` names
+    the first field refused and why."""
+    known = _CHAT_FIELDS if kind == "chat" else _COMPLETION_FIELDS
+    if unknown := sorted(set(body) - known - _IGNORED - set(_DEFAULT_ONLY)):
+        raise OpenAIError(f"unrecognized request argument(s) {unknown} for /v1/"
+                          f"{'chat/completions' if kind == 'chat' else 'completions'}",
+                          param=unknown[0], code="unknown_parameter")
+    for name, defaults in _DEFAULT_ONLY.items():
+        value = body.get(name)
+        if value is not None and value not in defaults:
+            why = _WHY.get(name, f"{name}={json.dumps(value)[:80]} is not supported by this "
+                           "server; leave it out")
+            raise OpenAIError(why, param=name, code="unsupported_parameter")
+    req = OpenAIRequest(kind, model=body.get("model") if isinstance(body.get("model"), str)
+                        else None)
+    if kind == "chat":
+        req.messages = normalize_messages(body.get("messages"))
+        req.max_tokens = _get(body, "max_completion_tokens", _int, "an integer")
+        if req.max_tokens is None:
+            req.max_tokens = _get(body, "max_tokens", _int, "an integer")
+        tools = _get(body, "tools", lambda v: isinstance(v, list) and all(
+            isinstance(t, dict) and t.get("type", "function") == "function"
+            and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+            for t in v), 'a list of {"type": "function", "function": {"name", ...}}')
+        choice = body.get("tool_choice")
+        if choice not in (None, "auto", "none"):
+            raise OpenAIError(f"tool_choice={json.dumps(choice)[:80]} is not supported: use "
+                              '"auto" or "none" (calls are parsed from the text, not forced)',
+                              param="tool_choice", code="unsupported_parameter")
+        req.parse_tools = choice != "none"
+        req.tools = tools or None if req.parse_tools else None
+        req.template_kwargs = _get(body, "chat_template_kwargs", lambda v: isinstance(v, dict)
+                                   and not set(v) & _TEMPLATE_RESERVED,
+                                   f"an object without {sorted(_TEMPLATE_RESERVED)}") or {}
+        lp = _get(body, "logprobs", lambda v: isinstance(v, bool), "a boolean")
+        req.logprobs = bool(lp)
+    else:
+        if body.get("prompt") is None:
+            raise OpenAIError("prompt is required", param="prompt")
+        req.prompts, req.single = _prompts(body["prompt"])
+        req.max_tokens = _get(body, "max_tokens", _int, "an integer")
+        lp = body.get("logprobs")
+        if lp not in (None, False, 0):
+            raise OpenAIError(f"logprobs={json.dumps(lp)[:40]} asks for top-k alternatives, "
+                              "which this server does not return; logprobs=0 gives the sampled "
+                              "tokens' log-probs", param="logprobs", code="unsupported_parameter")
+        req.logprobs = lp == 0 and lp is not False
+    if req.max_tokens is not None and req.max_tokens < 1:
+        raise OpenAIError(f"max_tokens must be at least 1, got {req.max_tokens}",
+                          param="max_tokens")
+    req.temperature = _get(body, "temperature", lambda v: _num(v) and v >= 0,
+                           "a non-negative number")
+    req.top_p = _get(body, "top_p", lambda v: _num(v) and 0 < v <= 1, "a number in (0, 1]")
+    req.top_k = _get(body, "top_k", lambda v: _int(v) and (v == -1 or v >= 1),
+                     "-1 or a positive integer")
+    req.min_p = _get(body, "min_p", lambda v: _num(v) and 0 <= v <= 1, "a number in [0, 1]")
+    n = _get(body, "n", lambda v: _int(v) and 1 <= v <= max_n, f"an integer in [1, {max_n}]")
+    req.n = 1 if n is None else n
+    stop = _get(body, "stop", lambda v: isinstance(v, str) or (
+        isinstance(v, list) and all(isinstance(s, str) and s for s in v)),
+        "a string or a list of non-empty strings")
+    req.stop = [stop] if isinstance(stop, str) else list(stop or [])
+    req.stop = [s for s in req.stop if s]
+    req.stop_token_ids = list(_get(body, "stop_token_ids", lambda v: isinstance(v, list) and all(
+        _int(t) for t in v), "a list of token ids") or [])
+    req.ignore_eos = bool(_get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean"))
+    req.seed = _get(body, "seed", lambda v: _int(v) and -(1 << 63) <= v < (1 << 63) - MAX_N,
+                    "a 64-bit integer")
+    skip = _get(body, "skip_special_tokens", lambda v: isinstance(v, bool), "a boolean")
+    req.skip_special_tokens = True if skip is None else skip
+    req.return_token_ids = bool(_get(body, "return_token_ids", lambda v: isinstance(v, bool),
+                                     "a boolean"))
+    return req
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """``messages`` rendered by the tokenizer's chat template with the generation prompt,
+    as token ids (the template's text, encoded without added special tokens, as
+    :class:`~rl_core.agents.chat.ChatTokens` encodes it)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise OpenAIError("this model's tokenizer has no chat template, so chat messages cannot "
+                          "be rendered; use /v1/completions with a prompt")
+    try:
+        text = tokenizer.apply_chat_template(
+            list(messages), tools=tools, tokenize=False, add_generation_prompt=True,
+            **(template_kwargs or {}))
+    except Exception as e:  # the template's own checks (role order, missing fields)
+        raise OpenAIError(f"the chat template could not render these messages: "
+                          f"{type(e).__name__}: {e}", param="messages") from None
+    if not isinstance(text, str):
+        raise OpenAIError("the chat template did not render a string", status=500)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def completion_text(tokenizer: Any, ids: Sequence[int], finish_reason: dict[str, Any], *,
+                    skip_special_tokens: bool = True) -> str:
+    """What the client sees of a completion: its ids decoded without the matched stop token,
+    cut at a matched stop string (as SGLang and OpenAI answer)."""
+    matched = finish_reason.get("matched") if finish_reason.get("type") == "stop" else None
+    ids = list(ids)
+    if isinstance(matched, int) and ids and ids[-1] == matched:
+        ids = ids[:-1]
+    if tokenizer is None:
+        return ""
+    text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    if isinstance(matched, str) and (pos := text.find(matched)) >= 0:
+        text = text[:pos]
+    return text
+
+
+def _finish(finish_reason: dict[str, Any]) -> str:
+    return "length" if finish_reason.get("type") == "length" else "stop"
+
+
+def _token_logprobs(tokenizer: Any, ids: Sequence[int],
+                    logprobs: Sequence[float]) -> list[dict[str, Any]]:
+    out = []
+    for t, lp in zip(ids, logprobs, strict=True):
+        token = tokenizer.decode([t], skip_special_tokens=False) if tokenizer is not None else ""
+        out.append({"token": token, "logprob": float(lp), "bytes": list(token.encode()),
+                    "top_logprobs": []})
+    return out
+
+
+def tool_call_id(key: str, k: int) -> str:
+    """A tool call's id, a function of what made it (a replayed episode gets the same ids)."""
+    return f"call_{hashlib.sha256(f'{key}:{k}'.encode()).hexdigest()[:24]}"
+
+
+def chat_choice(index: int, tokenizer: Any, ids: Sequence[int], logprobs: Sequence[float],
+                finish_reason: dict[str, Any], req: OpenAIRequest, *, key: str,
+                prompt_ids: Sequence[int] | None = None,
+                text: str | None = None) -> dict[str, Any]:
+    """One ``choices[i]`` of a chat completion: the text as ``content``, Hermes tool calls
+    parsed into ``tool_calls`` (ids derived from ``key``), per-token log-probs when asked."""
+    if text is None:
+        text = completion_text(tokenizer, ids, finish_reason,
+                               skip_special_tokens=req.skip_special_tokens)
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    reason = _finish(finish_reason)
+    calls = [c for c in parse_tool_calls(text) if c.error is None] if req.parse_tools else []
+    if calls:
+        message["tool_calls"] = [
+            {"id": tool_call_id(key, k), "type": "function",
+             "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+            for k, c in enumerate(calls)]
+        reason = "tool_calls" if reason == "stop" else reason
+    choice: dict[str, Any] = {"index": index, "message": message, "finish_reason": reason,
+                              "logprobs": None, "matched_stop": finish_reason.get("matched")}
+    if req.logprobs:
+        choice["logprobs"] = {"content": _token_logprobs(tokenizer, ids, logprobs),
+                              "refusal": None}
+    if req.return_token_ids:
+        choice["token_ids"] = list(ids)
+        if prompt_ids is not None:
+            choice["prompt_token_ids"] = list(prompt_ids)
+    return choice
+
+
+def completion_choice(index: int, tokenizer: Any, ids: Sequence[int], logprobs: Sequence[float],
+                      finish_reason: dict[str, Any], req: OpenAIRequest, *,
+                      prompt_ids: Sequence[int] | None = None,
+                      text: str | None = None) -> dict[str, Any]:
+    """One ``choices[i]`` of a text completion (OpenAI's legacy log-prob layout)."""
+    if text is None:
+        text = completion_text(tokenizer, ids, finish_reason,
+                               skip_special_tokens=req.skip_special_tokens)
+    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None,
+                              "finish_reason": _finish(finish_reason),
+                              "matched_stop": finish_reason.get("matched")}
+    if req.logprobs:
+        entries = _token_logprobs(tokenizer, ids, logprobs)
+        offsets, at = [], 0
+        for e in entries:
+            offsets.append(at)
+            at += len(e["token"])
+        choice["logprobs"] = {"tokens": [e["token"] for e in entries],
+                              "token_logprobs": [e["logprob"] for e in entries],
+                              "top_logprobs": None, "text_offset": offsets}
+    if req.return_token_ids:
+        choice["token_ids"] = list(ids)
+        if prompt_ids is not None:
+            choice["prompt_token_ids"] = list(prompt_ids)
+    return choice
+
+
+def envelope(req: OpenAIRequest, rid: str, model: str, choices: list[dict[str, Any]],
+             prompt_tokens: int, completion_tokens: int,
+             weight_version: Any = None) -> dict[str, Any]:
+    """The response object around ``choices``; ``metadata.weight_version`` as SGLang adds it."""
+    chat = req.kind == "chat"
+    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+            "metadata": {"weight_version": weight_version}}
+
+
+# ---------------------------------------------------------------------------- embedded routes
+
+def _engine(request: Request) -> Any:
+    try:
+        return get_engine(request)
+    except EngineStateError as e:
+        raise OpenAIError(str(e), 503, code="engine_loading") from None
+
+
+async def _generate(request: Request, eng: Any, reqs: list[GenerateRequest]) -> list[Any]:
+    """Submit ``reqs`` together and wait, bounded; a client gone or the bound passed aborts
+    them."""
+    try:
+        futures = eng.submit_all(reqs)
+    except EngineRequestError as e:
+        raise OpenAIError(str(e), code="invalid_request") from None
+    except EngineStateError as e:
+        raise OpenAIError(str(e), 503) from None
+    limit = float(getattr(request.app.state, "openai_timeout_s", OPENAI_TIMEOUT_S))
+    deadline = time.monotonic() + limit
+    gathered = asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+    while not (await asyncio.wait({gathered}, timeout=1.0))[0]:
+        gone = await request.is_disconnected()
+        if gone or time.monotonic() > deadline:
+            await asyncio.to_thread(eng.abort, [r.rid for r in reqs])
+            gathered.cancel()
+            if gone:
+                raise OpenAIError("client disconnected", 499)
+            raise OpenAIError(f"generation did not finish within {limit:g}s", 504,
+                              code="timeout")
+    outs = gathered.result()
+    for out in outs:
+        fr = out.finish_reason
+        if fr.get("type") == "abort":  # a weight update or an engine error: retry later
+            status = int(fr.get("status_code") or 503)
+            raise OpenAIError(f"generation aborted: {fr.get('message')}", status,
+                              code="aborted")
+    return outs
+
+
+def _max_new(req: OpenAIRequest, eng: Any, prompt_len: int) -> int:
+    """``max_tokens`` or, absent, what fits in the context (SGLang's default)."""
+    room = min(eng.context_length, eng.max_total_tokens) - prompt_len
+    if req.max_tokens is not None:
+        return req.max_tokens
+    if room < 1:
+        raise OpenAIError(f"the prompt has {prompt_len} tokens, which fills the model's context "
+                          f"of {eng.context_length} tokens", code="context_length_exceeded")
+    return room
+
+
+def _model_name(eng: Any, req: OpenAIRequest | None = None) -> str:
+    return (req.model if req is not None and req.model else None) or eng.model_path
+
+
+async def _serve(request: Request, kind: str) -> Response:
+    try:
+        eng = _engine(request)
+        body = await read_openai_body(request)
+        max_n = min(MAX_N, int(request.app.state.max_request_samples))
+        req = parse_openai_request(body, kind, max_n=max_n)
+        tok = eng.tokenizer
+        if kind == "chat":
+            prompts: list[list[int]] = [chat_prompt_ids(tok, req.messages, req.tools,
+                                                        req.template_kwargs)]
+        else:
+            if tok is None and any(isinstance(p, str) for p in req.prompts):
+                raise OpenAIError("a text prompt needs a tokenizer; this model has none: send "
+                                  "token ids", param="prompt")
+            prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
+        if len(prompts) * req.n > int(request.app.state.max_request_samples):
+            raise OpenAIError(f"{len(prompts)} prompts x n={req.n} is more samples than this "
+                              "server takes per request: split the request", param="n")
+        rid = uuid.uuid4().hex
+        reqs, owners = [], []
+        for i, prompt in enumerate(prompts):
+            for j in range(req.n):
+                seed = None if req.seed is None else req.seed + j
+                params = req.sampling(eng.sampling_defaults, _max_new(req, eng, len(prompt)), seed,
+                                      eng.vocab_size)
+                reqs.append(GenerateRequest(f"{rid}-{i}-{j}", list(prompt), params,
+                                            return_logprob=True))
+                owners.append(i)
+        outs = await _generate(request, eng, reqs)
+    except OpenAIError as e:
+        return e.response()
+    choices = []
+    for k, (out, i) in enumerate(zip(outs, owners, strict=True)):
+        args = (k, tok, out.output_ids, out.output_logprobs, out.finish_reason, req)
+        choices.append(chat_choice(*args, key=f"{rid}-{k}", prompt_ids=prompts[i])
+                       if kind == "chat" else completion_choice(*args, prompt_ids=prompts[i]))
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(len(o.output_ids) for o in outs)
+    return JSONResponse(envelope(req, rid, _model_name(eng, req), choices, prompt_tokens,
+                                 completion_tokens, eng.weight_version))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await _serve(request, "chat")
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await _serve(request, "completions")
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    try:
+        eng = _engine(request)
+    except OpenAIError as e:
+        return e.response()
+    return JSONResponse({"object": "list", "data": [
+        {"id": eng.model_path, "object": "model", "created": 0, "owned_by": "grpoflow",
+         "root": eng.model_path, "max_model_len": eng.context_length}]})

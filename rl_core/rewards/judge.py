@@ -1,0 +1,537 @@
+"""LLM judges and reward models as a plane: a judge model served by its own engines scores
+completions, as ``reward.fn: judge`` or from inside an environment.
+
+`JudgeRunner` starts an `~rl_core.rollout.pool.EnginePool` of its own (``reward.judge.engine``:
+embedded engine processes on CPU, SGLang servers on GPU; the launch code is the rollout plane's,
+started from the judge's model path and engine settings), renders one prompt per sample from
+``reward.judge.template`` (fields ``{question}``, ``{response}``, ``{answer}``, ``{max_score}``)
+with the judge tokenizer's chat template, decodes greedily and reads a score from the output:
+``mode: score`` a number ("Score: 7", divided by ``max_score``), ``mode: verdict`` yes / no
+(1 / 0). Samples go out in requests of ``batch_size``, all batches at once; each request is
+bounded by ``timeout_s`` and retried ``retries`` times with exponential backoff (an engine that
+died is restarted by the pool meanwhile; a timed-out request is aborted on the engine).
+
+`JudgeRunner.score` has `RewardRunner.score`'s contract, so the judge drops in as the step's
+reward runner: failures (no answer in time, engine errors, outputs with no score) score 0 and
+are counted in the same `RewardResult` fields, and ``reward.max_failed_steps`` consecutive steps
+in which every sample failed raise `JudgeError`, a `RewardFunctionError`. It is thread-safe:
+the reward task and environments (`active_judge`) may call it at the same time.
+
+Never imports prefect or mlflow; imports torch, transformers and the rollout code only when a
+judge starts (``rl_core.rewards`` is imported by reward worker processes, which must stay
+light); never raises because of a bad sample; never waits without a bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import random
+import re
+import string
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rl_core.rewards.math import format_reward
+from rl_core.rewards.runner import _MAX_ERROR_MESSAGES, RewardFunctionError, RewardResult, _short
+
+if TYPE_CHECKING:  # the config module imports no rewards code; only the types are needed
+    from rl_core.config import ExperimentConfig, RewardConfig
+
+__all__ = ["DEFAULT_TEMPLATES", "JudgeError", "JudgeRunner", "Judgement", "active_judge",
+           "parse_judgement"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TEMPLATES = {
+    "score": (
+        "Question:\n{question}\n\nReference answer:\n{answer}\n\nResponse:\n{response}\n\n"
+        "Rate how well the response answers the question, judged against the reference answer, "
+        "on a scale from 0 to {max_score}. End with one line of the form \"Score: <number>\"."),
+    "verdict": (
+        "Question:\n{question}\n\nReference answer:\n{answer}\n\nResponse:\n{response}\n\n"
+        "Is the response's final answer correct according to the reference answer? Answer "
+        "\"yes\" or \"no\"."),
+}
+
+# Reasoning judges (Qwen3, DeepSeek-R1) think first: a number inside the thoughts is not the
+# score. An unterminated block means the judge never got to its answer.
+_THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL | re.IGNORECASE)
+_NUMBER = r"(-?\d+(?:\.\d+)?)"
+_LABELED_SCORE = re.compile(r"\bscore\b[^\d\n-]{0,12}?" + _NUMBER, re.IGNORECASE)
+_ANY_NUMBER = re.compile(_NUMBER)
+_LABELED_VERDICT = re.compile(
+    r"\b(?:verdict|judgement|judgment|answer|correct)\b\**\s*[:=]\W{0,4}(yes|no)\b", re.IGNORECASE)
+_ANY_VERDICT = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
+_ABORT_WAIT_S = 5.0  # bound on aborting a timed-out request (best effort)
+_RECENT = 64  # judgements kept for `recent`
+
+_open_judges: list[JudgeRunner] = []  # started and not closed, oldest first (`active_judge`)
+_open_lock = threading.Lock()
+
+
+class JudgeError(RewardFunctionError):
+    """The judge failed every sample of ``steps`` consecutive steps (``reward.max_failed_steps``):
+    the run must stop. A `RewardFunctionError`, so the step's tasks treat it as one."""
+
+    def __init__(self, spec: str, steps: int, last_error: str) -> None:
+        self.spec, self.steps, self.last_error = spec, steps, last_error
+        RuntimeError.__init__(
+            self, f"reward judge {spec!r} failed every sample of {steps} consecutive steps "
+            f"(reward.max_failed_steps={steps}); last error: {last_error}. Fix: read the judge "
+            "engines' logs (judge/ in the run directory); raise reward.judge.timeout_s or "
+            "reward.judge.retries if it timed out; if its outputs hold no score, make "
+            "reward.judge.template ask for one in the form reward.judge.mode expects or raise "
+            "reward.judge.max_new_tokens; or set reward.max_failed_steps=0 to carry on.")
+
+
+@dataclass
+class Judgement:
+    """One judged sample, for people (`JudgeRunner.recent`): what the judge read and said."""
+
+    question: str | None
+    response: str
+    answer: str
+    prompt: str  # the rendered prompt text (chat template applied)
+    prompt_tokens: int  # as the engine counted them (0: never reached one)
+    output: str | None  # the judge's text (None: no answer)
+    score: float | None  # in [0, 1] (None: failed)
+    error: str | None = None
+
+
+def parse_judgement(text: str, mode: str, max_score: float = 10.0) -> float:
+    """The score in [0, 1] a judge's output ``text`` gives. ``mode="score"``: the number after
+    the last "score" label ("Score: 7", "**Score:** 7/10"), else the first number, divided by
+    ``max_score``; ``mode="verdict"``: the last labelled yes / no ("Verdict: yes"), else the
+    first yes / no word, as 1 / 0. ``<think>`` blocks are skipped. Raises ValueError saying what
+    is missing or out of range."""
+    visible = _THINK.sub(" ", text)
+    if mode == "score":
+        found = [m.group(1) for m in _LABELED_SCORE.finditer(visible)][-1:] or [
+            m.group(1) for m in _ANY_NUMBER.finditer(visible)][:1]
+        if not found:
+            raise ValueError(f"no score in the judge's output {text!r}")
+        value = float(found[0])
+        if not 0.0 <= value <= max_score:
+            raise ValueError(f"score {value:g} is outside [0, reward.judge.max_score={max_score:g}]"
+                             f" in the judge's output {text!r}")
+        return value / max_score
+    if mode == "verdict":
+        found = [m.group(1) for m in _LABELED_VERDICT.finditer(visible)][-1:] or [
+            m.group(1) for m in _ANY_VERDICT.finditer(visible)][:1]
+        if not found:
+            raise ValueError(f"no yes/no verdict in the judge's output {text!r}")
+        return 1.0 if found[0].lower() == "yes" else 0.0
+    raise ValueError(f"reward.judge.mode must be 'score' or 'verdict', got {mode!r}")
+
+
+def active_judge() -> JudgeRunner:
+    """The judge this process started last and has not closed: how an environment reaches the
+    run's judge (``reward.fn: judge``) from inside an episode. Raises LookupError otherwise."""
+    with _open_lock:
+        if _open_judges:
+            return _open_judges[-1]
+    raise LookupError("no judge is running in this process. Fix: set reward.fn=judge and "
+                      "reward.judge.model (the planes start it), or start a JudgeRunner yourself")
+
+
+def _template_fields(template: str) -> set[str]:
+    return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+
+
+class JudgeRunner:
+    """A judge model on engines of its own, scoring completions (see the module docstring).
+
+    ``reward``: the ``reward`` config section (``reward.judge`` and the fields every reward
+    runner reads: ``format_weight``, ``pass_threshold``, ``max_failed_steps``). ``log_dir``: the
+    engines' logs. ``questions``: record id -> question, for callers that pass ``record_ids``
+    (the step's samples; None: that id's question is unknown). ``env``: extra environment of
+    every engine process (``cluster.env``); ``sglang_platform``: ``cuda`` or ``rocm``;
+    ``dtype``: used when ``reward.judge.dtype`` is ``auto`` on embedded engines. The remaining
+    arguments are the pool's health checks (the rollout plane's settings in a run).
+
+    Engines start in the constructor (RuntimeError naming the log when they do not come up
+    within ``startup_timeout_s``) and stop in `close()` (or ``with``)."""
+
+    def __init__(self, reward: RewardConfig, *, log_dir: str | Path,
+                 questions: Mapping[str, str | None] | None = None,
+                 env: Mapping[str, str | None] | None = None, sglang_platform: str = "cuda",
+                 dtype: str = "float32", health_interval_s: float = 5.0,
+                 health_timeout_s: float = 20.0, failure_threshold: int = 3,
+                 startup_timeout_s: float = 300.0) -> None:
+        j = reward.judge
+        if not j.model:
+            raise ValueError("reward.judge.model is not set: name the judge model (a local Hugging "
+                             "Face directory or hub id)")
+        self.cfg, self.model = j, str(j.model)
+        # Its fields were checked when the config loaded (RewardConfig).
+        self.template = j.template or DEFAULT_TEMPLATES[j.mode]
+        self.uses_question = "question" in _template_fields(self.template)
+        self.format_weight, self.pass_threshold = reward.format_weight, reward.pass_threshold
+        self.max_failed_steps = reward.max_failed_steps
+        self.questions = dict(questions or {})
+        self.spec = f"judge:{self.model}"
+        self._stats = dict.fromkeys(("calls", "samples", "errors", "timeouts", "requests",
+                                     "retries", "all_failed_calls"), 0)
+        self._recent: deque[Judgement] = deque(maxlen=_RECENT)
+        # Fault budget, as RewardRunner keeps it: the current step, whether it had samples and
+        # whether the judge scored any, the failed steps in a row before it.
+        self._step: object = None
+        self._step_seen = self._step_scored = False
+        self._done_streak = self._failed_streak = 0
+        self._fatal: JudgeError | None = None
+        self._lock, self._closed = threading.Lock(), False
+        # A fast tokenizer is not safe to share between threads (its Rust state is borrowed
+        # mutably while encoding: "Already borrowed"); concurrent callers take turns here.
+        self._tokenizer_lock = threading.Lock()
+
+        from transformers import AutoTokenizer
+
+        from rl_core.rollout.pool import EnginePool
+
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model)
+        except Exception as e:
+            raise ValueError(f"reward.judge.model {self.model!r}: cannot load its tokenizer "
+                             f"({type(e).__name__}: {e}); name a local Hugging Face directory "
+                             "or a hub id") from e
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"reward.judge.model {self.model!r}: its tokenizer has no chat "
+                             "template; use an instruction-tuned (chat) model as the judge")
+        command, engine_env = self._engine_command(j, env, sglang_platform, dtype)
+        self.pool = EnginePool(
+            command, j.num_engines, log_dir=log_dir, env=engine_env, router=False,
+            health_interval_s=health_interval_s, health_timeout_s=health_timeout_s,
+            failure_threshold=failure_threshold, startup_timeout_s=startup_timeout_s,
+            # One retry policy, the judge's own (reward.judge.retries): the client fails fast and
+            # the next attempt goes to another engine (round robin, failed ones cool down).
+            # Its own bounds sit above timeout_s so that the judge's, not the client's, fires.
+            client_kwargs={"read_timeout_s": j.timeout_s + 5.0,
+                           "total_timeout_s": j.timeout_s + 5.0,
+                           "connect_timeout_s": min(5.0, j.timeout_s), "max_retries": 0})
+        t0 = time.monotonic()
+        try:
+            self.pool.start()  # stops what it started when it fails
+        except Exception as e:
+            raise RuntimeError(f"reward.judge: the judge engines for {self.model!r} did not start "
+                               f"({e}); logs in {log_dir}") from e
+        log.info("judge %s: %d %s engine(s) up in %.1fs", self.model, j.num_engines, j.engine,
+                 time.monotonic() - t0)
+        with _open_lock:
+            _open_judges.append(self)
+
+    @classmethod
+    def from_config(cls, cfg: ExperimentConfig, work_dir: str | Path,
+                    questions: Mapping[str, str | None] | None = None) -> JudgeRunner:
+        """The judge a run uses: ``reward`` and ``reward.judge``, the rollout plane's health
+        checks, ``cluster.env``, ``rollout.sglang_platform``; logs in ``work_dir``/judge."""
+        r = cfg.rollout
+        return cls(cfg.reward, log_dir=Path(work_dir) / "judge", questions=questions,
+                   env=cfg.cluster.env, sglang_platform=r.sglang_platform, dtype=cfg.model.dtype,
+                   health_interval_s=r.health_interval_s, health_timeout_s=r.health_timeout_s,
+                   failure_threshold=r.health_failure_threshold,
+                   startup_timeout_s=r.startup_timeout_s)
+
+    @staticmethod
+    def _engine_command(j: Any, env: Mapping[str, str | None] | None, platform: str,
+                        dtype: str) -> tuple[Any, dict[str, str]]:
+        """The command factory and environment of the judge's engines (the rollout plane's
+        launchers, with the judge's model and settings)."""
+        from rl_core.cluster.platform import platform_env
+        from rl_core.rollout.launch import (
+            SGLangLaunchConfig,
+            embedded_engine_command,
+            sglang_engine_command,
+            sglang_env,
+        )
+
+        if j.engine == "embedded":
+            threads = j.engine_threads or max(1, (os.cpu_count() or 1) // j.num_engines)
+            command = embedded_engine_command(
+                j.model, dtype=dtype if j.dtype == "auto" else j.dtype, num_threads=threads)
+            return command, {"OMP_NUM_THREADS": str(threads), **platform_env("cpu", env)}
+        launch = SGLangLaunchConfig(
+            model_path=str(j.model), tp=j.sglang_tp, base_gpu_id=j.sglang_base_gpu_id,
+            mem_fraction_static=j.sglang_mem_fraction_static, dtype=j.dtype,
+            extra_args=list(j.sglang_extra_args), platform=platform)  # type: ignore[arg-type]
+        return sglang_engine_command(launch), sglang_env(launch, overrides=env)
+
+    # ------------------------------------------------------------------ prompts
+
+    def render(self, response: str, answer: str, question: str | None = None) -> str:
+        """The prompt text the judge reads for one sample: ``reward.judge.template`` filled in,
+        as the user turn (after ``reward.judge.system_prompt``) of the judge's chat template."""
+        from rl_core.data.prompts import render_prompt
+
+        content = self.template.format(question=question or "", response=response, answer=answer,
+                                       max_score=f"{self.cfg.max_score:g}")
+        with self._tokenizer_lock:
+            return render_prompt(self.tokenizer, content, system_prompt=self.cfg.system_prompt,
+                                 use_chat_template=True)
+
+    def _questions_for(self, n: int, questions: Sequence[str] | None,
+                       record_ids: Sequence[str] | None) -> list[str | None]:
+        if questions is not None:
+            if len(questions) != n:
+                raise ValueError(f"got {n} completions but {len(questions)} questions")
+            return list(questions)
+        if record_ids is not None:
+            if len(record_ids) != n:
+                raise ValueError(f"got {n} completions but {len(record_ids)} record_ids")
+            return [self.questions.get(str(rid)) for rid in record_ids]
+        return [None] * n
+
+    # ------------------------------------------------------------------ scoring
+
+    def score(self, completions: Sequence[str], answers: Sequence[str], *,
+              step: int | None = None, budget: bool = True,
+              questions: Sequence[str] | None = None,
+              record_ids: Sequence[str] | None = None) -> RewardResult:
+        """Judge each completion against its reference answer (and its question: ``questions``,
+        or ``record_ids`` looked up in the judge's map); never raises for a bad sample. ``step``
+        and ``budget`` as in `RewardRunner.score` (an environment passes ``budget=False``: its
+        calls are not the step's). Raises ValueError for misaligned lists, RuntimeError after
+        `close()`, and `JudgeError` once ``reward.max_failed_steps`` consecutive steps failed
+        every sample (and on every later call). Safe to call from several threads at once."""
+        if len(completions) != len(answers):
+            raise ValueError(f"got {len(completions)} completions but {len(answers)} answers; "
+                             "they must be aligned one to one")
+        qs = self._questions_for(len(completions), questions, record_ids)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("JudgeRunner.score called after close()")
+            if self._fatal is not None:
+                raise self._fatal
+        outcomes, judged = self._judge(list(completions), list(answers), qs)
+        result = self._assemble(completions, outcomes)
+        with self._lock:
+            for key, n in (("calls", 1), ("samples", len(completions)),
+                           ("errors", result.num_errors), ("timeouts", result.num_timeouts)):
+                self._stats[key] += n
+            self._recent.extend(judged)
+            if budget:
+                self._count_failed_call(result, object() if step is None else step)
+        return result
+
+    def _judge(self, completions: list[str], answers: list[str], questions: list[str | None],
+               ) -> tuple[list[tuple[str, Any]], list[Judgement]]:
+        """Outcomes ("ok", score) | ("error", message) | ("timeout", message) per sample, and
+        what the judge read and said."""
+        n = len(completions)
+        outcomes: list[tuple[str, Any]] = [("error", "not judged")] * n
+        prompts: list[str | None] = [None] * n
+        for i in range(n):
+            if self.uses_question and questions[i] is None:
+                outcomes[i] = ("error", "no question for this sample: the caller passed neither "
+                               "questions= nor a known record id (reward.judge.template uses "
+                               "{question})")
+                continue
+            try:
+                prompts[i] = self.render(completions[i], answers[i], questions[i])
+            except Exception as e:  # a tokenizer/template failure costs this sample only
+                outcomes[i] = ("error", f"rendering the judge prompt failed: {e}")
+        todo = [i for i in range(n) if prompts[i] is not None]
+        answered: dict[int, Any] = {}
+        if todo:
+            with self._tokenizer_lock:
+                ids = self.tokenizer([prompts[i] for i in todo],
+                                     add_special_tokens=False)["input_ids"]
+            answered = self._generate(dict(zip(todo, (list(x) for x in ids), strict=True)))
+        judged = []
+        for i in range(n):
+            got, output, tokens = answered.get(i), None, 0
+            if isinstance(got, tuple):  # ("error" | "timeout", message)
+                outcomes[i] = got
+            elif got is not None:
+                output = got.text  # the engine's detokenized text, as rewards read rollouts
+                if not output and got.completion_ids:  # an engine that sends token ids only
+                    with self._tokenizer_lock:
+                        output = self.tokenizer.decode(got.completion_ids,
+                                                       skip_special_tokens=True)
+                tokens = int(got.meta.get("prompt_tokens") or len(got.prompt_ids))
+                try:
+                    outcomes[i] = ("ok", parse_judgement(output, self.cfg.mode, self.cfg.max_score))
+                except ValueError as e:
+                    hint = (" (the output was cut at reward.judge.max_new_tokens)"
+                            if got.truncated else "")
+                    outcomes[i] = ("error", f"{e}{hint}")
+            kind, value = outcomes[i]
+            judged.append(Judgement(questions[i], completions[i], answers[i], prompts[i] or "",
+                                    tokens, output, value if kind == "ok" else None,
+                                    None if kind == "ok" else str(value)))
+        return outcomes, judged
+
+    def _generate(self, prompts: dict[int, list[int]]) -> dict[int, Any]:
+        """Greedy answers of the judge engines: sample index -> Sample, or (kind, message)."""
+        j = self.cfg
+        client = self.pool.client
+        if client is None:
+            return dict.fromkeys(prompts, ("error", "the judge engines are stopped"))
+        order = list(prompts)
+        batches = [order[k : k + j.batch_size] for k in range(0, len(order), j.batch_size)]
+        call = uuid.uuid4().hex[:12]
+        params = {"temperature": 0.0, "max_new_tokens": j.max_new_tokens}
+
+        async def one_batch(b: int, members: list[int]) -> dict[int, Any]:
+            return await self._batch(client.aio, f"judge-{call}-b{b}",
+                                     [prompts[i] for i in members], members, params)
+
+        async def run_all() -> dict[int, Any]:
+            parts = await asyncio.gather(*(one_batch(b, m) for b, m in enumerate(batches)))
+            return {i: got for part in parts for i, got in part.items()}
+
+        # Each batch bounds itself; this outer bound only guards against a stuck event loop.
+        backoff = sum(self._backoff(a) for a in range(1, j.retries + 1))
+        bound = (j.retries + 1) * (j.timeout_s + _ABORT_WAIT_S) + backoff + 30.0
+        try:
+            return client.run(run_all(), timeout_s=bound)
+        except TimeoutError:
+            return dict.fromkeys(prompts, ("timeout", f"the judge gave no answer in {bound:.0f} s"))
+        except RuntimeError as e:  # the client was closed under us (close() during score)
+            return dict.fromkeys(prompts, ("error", f"judge engines unavailable: {e}"))
+
+    def _backoff(self, attempt: int) -> float:
+        return min(30.0, self.cfg.retry_backoff_s * 2 ** (attempt - 1))
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self._stats[key] += 1
+
+    async def _batch(self, aio: Any, tag: str, prompts: list[list[int]], members: list[int],
+                     params: dict[str, Any]) -> dict[int, Any]:
+        """One request for ``prompts`` (sample indices ``members``): ``timeout_s`` per attempt,
+        ``retries`` more attempts after engine errors and timeouts, backoff in between. A request
+        the engine refuses (4xx: e.g. a prompt past its context) is split, so that only the
+        offending sample fails."""
+        from rl_core.rollout.client import RolloutError, RolloutRequestError
+
+        j, failure = self.cfg, ("error", "not sent")
+        for attempt in range(j.retries + 1):
+            if attempt:
+                self._count("retries")
+                await asyncio.sleep(self._backoff(attempt) * random.uniform(0.5, 1.0))
+            prefix = f"{tag}-a{attempt}-"
+            rids = [f"{prefix}{k}" for k in range(len(prompts))]
+            self._count("requests")
+            try:
+                request = (aio.generate(prompts[0], params, return_logprob=False, rid=rids[0])
+                           if len(prompts) == 1 else
+                           aio.generate_batch(prompts, params, return_logprob=False, rid=rids))
+                got = await asyncio.wait_for(request, j.timeout_s)
+            except TimeoutError:
+                failure = ("timeout", f"no answer within reward.judge.timeout_s={j.timeout_s:g} "
+                           f"(attempt {attempt + 1} of {j.retries + 1})")
+                # Free the engine: the request would otherwise run on and delay the next batch.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(aio.abort(prefix), _ABORT_WAIT_S)
+                continue
+            except RolloutRequestError as e:
+                if len(prompts) == 1:
+                    return {members[0]: ("error", f"the judge engine refused the prompt: {e}")}
+                parts = await asyncio.gather(*(
+                    self._batch(aio, f"{tag}-s{k}", [p], [m], params)
+                    for k, (p, m) in enumerate(zip(prompts, members, strict=True))))
+                return {i: got for part in parts for i, got in part.items()}
+            except RolloutError as e:
+                failure = ("error", f"judge engine error (attempt {attempt + 1} of "
+                           f"{j.retries + 1}): {e}")
+                continue
+            samples = got if isinstance(got, list) else [got]
+            return {m: s if not s.aborted else ("error", f"aborted by the judge engine: "
+                                                 f"{s.finish_reason.get('message')}")
+                    for m, s in zip(members, samples, strict=True)}
+        return dict.fromkeys(members, failure)
+
+    def _assemble(self, completions: Sequence[str], outcomes: list[tuple[str, Any]],
+                  ) -> RewardResult:
+        """`RewardResult` exactly as `RewardRunner` fills it: the score plus the format bonus,
+        ``correct`` at ``pass_threshold``, failures 0 and counted (timeouts apart)."""
+        result = RewardResult(scores=[], correct=[])
+        for i, (completion, (kind, value)) in enumerate(zip(completions, outcomes, strict=True)):
+            result.correct.append(kind == "ok" and value >= self.pass_threshold)
+            if kind == "ok":
+                bonus = self.format_weight * format_reward(completion) if self.format_weight else 0
+                if math.isfinite(total := value + bonus):
+                    result.scores.append(total)
+                    continue
+                kind, value = "error", f"score {value} + format bonus is not finite"
+            result.scores.append(0.0)
+            if kind == "timeout":
+                result.num_timeouts += 1
+            else:
+                result.num_errors += 1
+            result.last_error = _short(f"sample {i}: {value}")
+            if len(result.errors) < _MAX_ERROR_MESSAGES:
+                result.errors.append(result.last_error)
+        return result
+
+    def _count_failed_call(self, result: RewardResult, step: object) -> None:
+        """`RewardRunner`'s fault budget (called under the lock): a step fails once it has
+        samples and the judge scored none of them; ``max_failed_steps`` failed steps in a row
+        raise `JudgeError`."""
+        if step != self._step:  # a new step begins
+            failed_before = self._step_seen and not self._step_scored
+            self._done_streak = self._done_streak + 1 if failed_before else 0
+            self._step, self._step_seen, self._step_scored = step, False, False
+        if result.scores:  # an empty call proves nothing
+            self._step_seen = True
+            if result.all_failed:
+                self._stats["all_failed_calls"] += 1
+            else:
+                self._step_scored, self._done_streak = True, 0
+        current = 1 if self._step_seen and not self._step_scored else 0
+        self._failed_streak = result.failed_streak = self._done_streak + current
+        if self.max_failed_steps and self._failed_streak >= self.max_failed_steps:
+            self._fatal = JudgeError(self.spec, self._failed_streak,
+                                     result.last_error or "no message")
+            raise self._fatal
+
+    # ------------------------------------------------------------------ state
+
+    def stats(self) -> dict[str, int]:
+        """Cumulative counters: calls, samples, errors, timeouts, requests (HTTP requests sent,
+        retries included), retries, all_failed_calls."""
+        with self._lock:
+            return dict(self._stats)
+
+    def recent(self) -> list[Judgement]:
+        """The last judgements (up to 64), oldest first: what the judge read and answered."""
+        with self._lock:
+            return list(self._recent)
+
+    @property
+    def failed_streak(self) -> int:
+        """Consecutive steps, up to the last budgeted `score` call, that failed every sample."""
+        return self._failed_streak
+
+    def health(self) -> dict[str, Any]:
+        """The judge engines: how many, which serve, how often they were restarted."""
+        p = self.pool
+        return {"engines": len(p.engines), "in_service": p.in_service_urls(),
+                "restarts": sum(e.restarts for e in p.engines)}
+
+    def close(self) -> None:
+        """Stop the judge engines (bounded; idempotent); `score` raises afterwards."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        with _open_lock:
+            if self in _open_judges:
+                _open_judges.remove(self)
+        self.pool.stop()
+
+    def __enter__(self) -> JudgeRunner:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
