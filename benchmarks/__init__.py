@@ -148,11 +148,13 @@ def run_grpoflow_train(
     env: dict[str, str] | None = None,
     timeout_s: float = 1800,
     log_path: Path | None = None,
+    root: Path = ROOT,
 ) -> GrpoflowRun:
     """``grpoflow train CONFIG --quiet --no-resume`` in a process of its own; the run.
 
     ``env`` is added to this process's environment (e.g. a ``PREFECT_HOME`` of its own).
-    The output goes to ``log_path`` (or is captured and shown only on failure).
+    The output goes to ``log_path`` (or is captured and shown only on failure). ``root`` is
+    the source tree whose code runs (another commit's worktree, for a before/after).
     """
     argv = [
         *GRPOFLOW, "train", str(config), "--quiet", "--no-resume",
@@ -163,11 +165,11 @@ def run_grpoflow_train(
     t0 = time.perf_counter()
     if log_path is not None:
         with log_path.open("w") as log:
-            done = subprocess.run(argv, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+            done = subprocess.run(argv, cwd=root, env=full_env, stdout=log, stderr=subprocess.STDOUT,
                                   timeout=timeout_s)  # fmt: skip
         tail = log_path.read_text()[-4000:]
     else:
-        done = subprocess.run(argv, cwd=ROOT, env=full_env, capture_output=True, text=True,
+        done = subprocess.run(argv, cwd=root, env=full_env, capture_output=True, text=True,
                               timeout=timeout_s)  # fmt: skip
         tail = (done.stdout + done.stderr)[-4000:]
     wall = time.perf_counter() - t0

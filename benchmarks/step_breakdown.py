@@ -22,6 +22,11 @@ log-probs 31.5 s, training 95.3 s, weight update 33.9 s; the remaining 75 s unat
 Prints a table and writes JSON (default ``benchmarks/results/step_breakdown.json``); the load
 average is recorded. A benchmark, never a test.
 
+``--against REF`` is a before/after: the same runs of commit REF (checked out in a temporary
+worktree, sharing this checkout's model cache) interleaved with this tree's, this tree first
+in odd repeats and REF first in even ones, so machine noise hits both; the table adds REF's
+seconds and the ratio.
+
 Run: ``.venv/bin/python -m benchmarks.step_breakdown`` (about 2 minutes on 2 idle cores).
 """
 
@@ -33,7 +38,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks import RESULTS, format_table, load1, run_grpoflow_train, run_meta, write_json
+from benchmarks import (
+    RESULTS,
+    ROOT,
+    format_table,
+    git,
+    load1,
+    run_grpoflow_train,
+    run_meta,
+    write_json,
+)
 
 DEFAULT_OUT = RESULTS / "step_breakdown.json"
 PHASES = ("rollout", "reward", "logprobs", "train", "sync", "checkpoint")
@@ -69,12 +83,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-examples", type=int, default=50, help="eval.num_examples (before/after)")
     p.add_argument("--tracking", choices=["mlflow", "none"], default="mlflow")
     p.add_argument("--quick", action="store_true", help="smoke run: 5 steps, checkpoint every 2")
+    p.add_argument("--against", metavar="REF", help="also run git REF, interleaved")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("overrides", nargs="*", help="more dotted overrides for grpoflow train")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.checkpoint_every, args.eval_examples = 5, 2, 10
     return args
+
+
+def one_run(root: Path, name: str, i: int, args: argparse.Namespace, overrides: list[str],
+            work: Path) -> dict[str, Any]:
+    """One ``grpoflow train`` of ``root``'s code in a fresh process; its breakdown."""
+    print(f"run {i + 1}/{args.repeats} ({name}): grpoflow train configs/tiny-cpu.yaml "
+          f"{' '.join(overrides)} (load1 {load1():.2f})")  # fmt: skip
+    tag = f"{i}-{'ref' if root != ROOT else 'this'}"
+    home = work / f"prefect-{tag}"
+    home.mkdir()
+    run = run_grpoflow_train(overrides, run_name=f"run-{tag}", storage_root=work,
+                             config=root / "configs" / "tiny-cpu.yaml", root=root,
+                             env={"PREFECT_HOME": str(home)}, log_path=work / f"run-{tag}.log")
+    b = breakdown(run.metrics)
+    b.update(wall_s=run.wall_s, load1_start=run.load_start, load1_end=run.load_end,
+             response_len_mean=statistics.fmean(m["response_len_mean"]
+                                                for m in run.metrics[1:]))  # fmt: skip
+    print(f"run {i + 1} ({name}): {b['mean']['wall']:.2f} s/step, orchestration "
+          f"{b['mean']['orchestration'] * 1000:.0f} ms/step ({run.wall_s:.0f} s in all)")
+    return b
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -85,25 +120,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "eval.every=0", f"eval.num_examples={args.eval_examples}", "eval.pass_k_examples=0",
         f"tracking.backend={args.tracking}", *args.overrides,
     ]  # fmt: skip
-    runs = []
+    trees = {"this tree": ROOT}
+    runs: dict[str, list[dict[str, Any]]] = {"this tree": []}
     with tempfile.TemporaryDirectory(prefix="grpoflow-step-breakdown-") as tmp:
         work = Path(tmp)
-        for i in range(args.repeats):
-            print(f"run {i + 1}/{args.repeats}: grpoflow train configs/tiny-cpu.yaml "
-                  f"{' '.join(overrides)} (load1 {load1():.2f})")  # fmt: skip
-            home = work / f"prefect-{i}"
-            home.mkdir()
-            run = run_grpoflow_train(overrides, run_name=f"run-{i}", storage_root=work,
-                                     env={"PREFECT_HOME": str(home)},
-                                     log_path=work / f"run-{i}.log")  # fmt: skip
-            b = breakdown(run.metrics)
-            b.update(wall_s=run.wall_s, load1_start=run.load_start, load1_end=run.load_end,
-                     response_len_mean=statistics.fmean(m["response_len_mean"]
-                                                        for m in run.metrics[1:]))  # fmt: skip
-            runs.append(b)
-            print(f"run {i + 1}: {b['mean']['wall']:.2f} s/step, orchestration "
-                  f"{b['mean']['orchestration'] * 1000:.0f} ms/step ({run.wall_s:.0f} s in all)")
-    mean = {k: statistics.fmean(r["mean"][k] for r in runs) for k in runs[0]["mean"]}
+        if args.against:
+            trees[args.against] = work / "against"
+            runs[args.against] = []
+            git("worktree", "add", "--detach", str(trees[args.against]), args.against)
+            # Both trees use this checkout's cached model (the same digest: same config).
+            overrides.append(f"storage.cache_dir={ROOT / '.cache' / 'grpoflow'}")
+        try:
+            for i in range(args.repeats):
+                order = list(trees) if i % 2 == 0 else list(reversed(trees))
+                for name in order:
+                    runs[name].append(one_run(trees[name], name, i, args, overrides, work))
+        finally:
+            if args.against:
+                git("worktree", "remove", "--force", str(trees[args.against]))
+    mean = {k: statistics.fmean(r["mean"][k] for r in runs["this tree"])
+            for k in runs["this tree"][0]["mean"]}  # fmt: skip
     wall = mean["wall"]
     names = {"rollout": "rollout (generate)", "reward": "reward", "logprobs":
              "old/ref log-probs", "train": "train", "sync": "weight sync",
@@ -122,9 +158,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"orchestration: {mean['orchestration_in_step'] * 1000:.0f} ms in the step's tasks, "
           f"{mean['orchestration_between_steps'] * 1000:.0f} ms between steps; "
           f"load1 {load1():.2f}")  # fmt: skip
+    against = None
+    if args.against:
+        ref = runs[args.against]
+        against = {k: statistics.fmean(r["mean"][k] for r in ref) for k in ref[0]["mean"]}
+        rows = [[label, mean[key], against[key],
+                 f"{mean[key] / against[key]:.3f}" if against[key] else "–"]
+                for key, label in [*names.items(), ("wall", "step (wall)")]]  # fmt: skip
+        print()
+        print(format_table(["phase", "this tree s", f"{args.against} s", "ratio"], rows))
     doc = {**meta, "settings": {k: str(v) if isinstance(v, Path) else v
                                 for k, v in vars(args).items()},
-           "overrides": overrides, "mean": mean, "runs": runs,
+           "overrides": overrides, "mean": mean, "runs": runs["this tree"],
+           "against": None if against is None else {"ref": args.against,
+                                                    "commit": git("rev-parse", args.against),
+                                                    "mean": against, "runs": runs[args.against]},
            "miles_8xmi300x": {**MILES, "other": miles_other, "step": MILES_STEP}}  # fmt: skip
     write_json(args.out, doc)
     return doc

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from rl_core.agents import (
@@ -344,4 +343,18 @@ def test_grpo_flow_stops_when_episodes_keep_failing(prefect_harness, tiny_cache:
         state.result()
 
 
-torch.set_num_threads(min(torch.get_num_threads(), 2))
+
+def test_agent_rollout_runs_a_black_box_program_through_the_openai_endpoint(plane,
+                                                                            tokenizer) -> None:
+    agents = AgentRollout(AgentConfig(program="environments.calculator_agent:solve",
+                                      max_tokens=96), plane, tokenizer)
+    try:
+        samples = agents.episodes(TASKS[:2], n=2, params=PARAMS, step=1, seed=0)
+    finally:
+        agents.close()
+    assert [s.uid for s in samples] == ["1:t0:0", "1:t0:1", "1:t1:0", "1:t1:1"]
+    for s in samples:
+        ep = s.meta["episode"]
+        assert ep["status"] == "ok" and ep["turns"] >= 1
+        assert len(s.loss_mask) == len(s.completion_ids) == len(s.logprobs)
+        assert sum(s.loss_mask) > 0 and s.text == ep["trace"][-1]["text"]

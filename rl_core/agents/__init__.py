@@ -57,11 +57,11 @@ def environment_factory(agent: Any, tokenizer: Any = None) -> Callable[[], Envir
             prompt = hermes_system_prompt(list(tools.values()))
         return lambda: ToolEnv(tools, prompt, **kwargs)
     if spec.startswith("verifiers:"):
-        from rl_core.agents.connectors import verifiers_factory
+        from rl_core.agents.verifiers_env import verifiers_factory
 
         return verifiers_factory(spec.removeprefix("verifiers:"), **kwargs)
     if spec.startswith("openenv:"):
-        from rl_core.agents.connectors import openenv_factory
+        from rl_core.agents.openenv_env import openenv_factory
 
         return openenv_factory(spec.removeprefix("openenv:"), **kwargs)
     module, sep, attr = spec.partition(":")
