@@ -67,42 +67,44 @@ def grpo_train(
     model_path = fetch_model(cfg.model, cfg.data, cfg.storage.cache_dir)
     preflight(cfg, model_path=model_path, data=False)  # the model checks, on the fetched model
     planes, rollouts, step = _bring_up(run, model_path, data, run.resume_from)
-    evals = run.dir.read_evals() or [_evaluate(run, planes, step - 1, tracking)]
-    restarts = 0
-    while step <= cfg.train.steps:
-        try:
-            scored, metrics = grpo_step(planes, rollouts, step)
-        except StepTaskError as exc:
-            if isinstance(exc.__cause__, BUDGET_ERRORS):  # not the planes' fault
-                raise RuntimeError(f"GRPO step {exc.step}: {exc.__cause__}") from exc
-            restarts += 1
-            if restarts > cfg.train.max_plane_restarts:
-                raise RuntimeError(f"GRPO step {exc.step} failed after its task retries and "
-                                   f"{restarts - 1} plane restart(s) "
-                                   f"(train.max_plane_restarts): {exc}") from exc
-            tear_down(planes)
-            latest = run.latest_checkpoint()
-            run.say(f"{exc}; rebuilding the planes from {latest or 'the base model'} "
-                    f"(restart {restarts} of {cfg.train.max_plane_restarts})")
-            planes, rollouts, step = _bring_up(run, model_path, data, latest)
-            evals = run.dir.read_evals()
-            continue
-        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-            metrics.update(save_checkpoint(planes, run.ckpt_root, step, rollouts.state_dict(),
-                                           data.train_digest, tracking and tracking.run_id))
-            log_checkpoint(tracking, step, run.ckpt_root)
-        run.record_step(step, metrics, scored, tracking, get_planes(planes).tokenizer)
-        if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
-            evals.append(_evaluate(run, planes, step, tracking))
-        step += 1
-    run.close_progress()
+    try:
+        evals = run.dir.read_evals() or [_evaluate(run, planes, step - 1, tracking)]
+        restarts = 0
+        while step <= cfg.train.steps:
+            try:
+                scored, metrics = grpo_step(planes, rollouts, step)
+            except StepTaskError as exc:
+                if isinstance(exc.__cause__, BUDGET_ERRORS):  # not the planes' fault
+                    raise RuntimeError(f"GRPO step {exc.step}: {exc.__cause__}") from exc
+                restarts += 1
+                if restarts > cfg.train.max_plane_restarts:
+                    raise RuntimeError(f"GRPO step {exc.step} failed after its task retries and "
+                                       f"{restarts - 1} plane restart(s) "
+                                       f"(train.max_plane_restarts): {exc}") from exc
+                tear_down(planes)
+                latest = run.latest_checkpoint()
+                run.say(f"{exc}; rebuilding the planes from {latest or 'the base model'} "
+                        f"(restart {restarts} of {cfg.train.max_plane_restarts})")
+                planes, rollouts, step = _bring_up(run, model_path, data, latest)
+                evals = run.dir.read_evals()
+                continue
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                metrics.update(save_checkpoint(planes, run.ckpt_root, step, rollouts.state_dict(),
+                                               data.train_digest, tracking and tracking.run_id))
+                log_checkpoint(tracking, step, run.ckpt_root)
+            run.record_step(step, metrics, scored, tracking, get_planes(planes).tokenizer)
+            if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
+                evals.append(_evaluate(run, planes, step, tracking))
+            step += 1
+        run.close_progress()
 
-    if not (cfg.checkpoint.every and cfg.train.steps % cfg.checkpoint.every == 0):
-        save_checkpoint(planes, run.ckpt_root, cfg.train.steps, rollouts.state_dict(),
-                        data.train_digest, tracking and tracking.run_id)
-        log_checkpoint(tracking, cfg.train.steps, run.ckpt_root)
-    model_dir = export_model(planes, str(run.dir.model_dir))
-    tear_down(planes)
+        if not (cfg.checkpoint.every and cfg.train.steps % cfg.checkpoint.every == 0):
+            save_checkpoint(planes, run.ckpt_root, cfg.train.steps, rollouts.state_dict(),
+                            data.train_digest, tracking and tracking.run_id)
+            log_checkpoint(tracking, cfg.train.steps, run.ckpt_root)
+        model_dir = export_model(planes, str(run.dir.model_dir))
+    finally:  # a failure, Ctrl-C or SIGTERM (Prefect's TerminationSignal) included
+        tear_down(planes)
     if evals[-1]["step"] != cfg.train.steps:  # what users take away is what gets measured
         evals.append(run.log_eval(evaluate_model(
             config=config, overrides=overrides, model=model_dir,

@@ -283,7 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Seconds a stopped command may take to exit once its flow has torn the planes down.
+EXIT_DEADLINE_S = 30.0
+
+
 def main(argv: list[str] | None = None) -> int:
+    entry = argv is None  # the process's own command line (not a test calling main())
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["engine", "serve"]:
         # The embedded engine has its own flags (rl_core.engine.server.main).
@@ -312,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = [*getattr(args, "overrides", []), *extra]
-    from rl_core.secrets import RedactFilter, redact
+    from rl_core.secrets import RedactFilter
 
     rl_core_log = logging.getLogger("rl_core")
     for old in [h for h in rl_core_log.handlers if h.get_name() == "grpoflow-cli"]:
@@ -324,25 +329,70 @@ def main(argv: list[str] | None = None) -> int:
     rl_core_log.addHandler(handler)
     rl_core_log.setLevel(logging.INFO)
     _env_defaults()
+    if entry and args.command in ("train", "evaluate"):
+        _stop_cleanly()
     try:
         return args.func(args)
-    except KeyboardInterrupt:
-        print("grpoflow: interrupted", file=sys.stderr)
-        return 130
     except Exception as exc:  # noqa: BLE001 - every failure ends as one paragraph
-        from rl_core.checkpoint import CheckpointError  # not before: 1 s of imports
-        from rl_core.config import ConfigError
-        from rl_core.storage import StorageError
+        return _failed(args, exc)
+    except BaseException as exc:
+        # Ctrl-C, or SIGTERM: ours (Terminated), or Prefect's TerminationSignal in a flow
+        # that installed its own handler. The flow has torn its planes down on the way out.
+        if isinstance(exc, Terminated) or type(exc).__name__ == "TerminationSignal":
+            print("grpoflow: stopped by SIGTERM; the flow tore its planes down", file=sys.stderr)
+            code = 143
+        elif isinstance(exc, KeyboardInterrupt):
+            print("grpoflow: interrupted", file=sys.stderr)
+            code = 130
+        else:
+            raise
+        _exit_soon(code)
+        return code
 
-        if args.debug:
-            traceback.print_exc()
-        if isinstance(exc, ConfigError | CheckpointError | StorageError):
-            print(f"grpoflow: {redact(str(exc))}", file=sys.stderr)
-            return 2
-        hint = "" if args.debug else "; run it again with --debug for the traceback"
-        print(f"grpoflow: {args.command} failed: {redact(str(exc)) or type(exc).__name__} "
-              f"({type(exc).__name__}{hint})", file=sys.stderr)
-        return 1
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C (a flow run ends Crashed, its planes
+    torn down)."""
+
+
+def _stop_cleanly() -> None:
+    """A run leaves nothing behind (grpoflow.reaper), and SIGTERM stops it the way Ctrl-C
+    does (:class:`Terminated`): the flow run ends Crashed and tears its planes down."""
+    import signal
+
+    from grpoflow import reaper
+
+    reaper.start()
+
+    def on_sigterm(signum: int, frame: Any) -> None:  # noqa: ANN401
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _exit_soon(code: int) -> None:
+    """Bound the interpreter's exit after a stop (a thread that does not end cannot hold it)."""
+    from grpoflow import reaper
+
+    reaper.exit_within(EXIT_DEADLINE_S, code)
+
+
+def _failed(args: argparse.Namespace, exc: Exception) -> int:
+    """A failure as one paragraph on stderr; the exit code (2: config, checkpoint, storage)."""
+    from rl_core.checkpoint import CheckpointError  # not before: 1 s of imports
+    from rl_core.config import ConfigError
+    from rl_core.secrets import redact
+    from rl_core.storage import StorageError
+
+    if args.debug:
+        traceback.print_exc()
+    if isinstance(exc, ConfigError | CheckpointError | StorageError):
+        print(f"grpoflow: {redact(str(exc))}", file=sys.stderr)
+        return 2
+    hint = "" if args.debug else "; run it again with --debug for the traceback"
+    print(f"grpoflow: {args.command} failed: {redact(str(exc)) or type(exc).__name__} "
+          f"({type(exc).__name__}{hint})", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -56,10 +56,12 @@ class AgentRollout:
         self.limits = limits_from_config(agent)
         self.runner: EpisodeRunner | None = None
         self.gateway: Any = None
+        self.factory: Any = None
         self.failed_streak = 0
         if agent.env is not None:
-            self.runner = EpisodeRunner(plane, self.chat, environment_factory(agent, tokenizer),
-                                        self.limits, retries=agent.episode_retries)
+            self.factory = environment_factory(agent, tokenizer)
+            self.runner = EpisodeRunner(plane, self.chat, self.factory, self.limits,
+                                        retries=agent.episode_retries)
         else:
             from rl_core.agents.gateway import AgentGateway
 
@@ -111,5 +113,9 @@ class AgentRollout:
         return {"episode_failed_streak": float(self.failed_streak)}
 
     def close(self) -> None:
+        """Stop the gateway, or what the environment factory serves (a hub's servers)."""
         if self.gateway is not None:
             self.gateway.close()
+        close = getattr(self.factory, "close", None)
+        if close is not None:
+            close()

@@ -1,0 +1,134 @@
+"""What a ``grpoflow`` command leaves running when it ends, however it ends: nothing.
+
+A run starts processes of its own and through libraries: the ephemeral Prefect API server
+(Prefect starts it, and nothing stops it when its parent is SIGKILLed), the embedded engines,
+``sglang-router``, reward and judge workers, a local Ray. Most exit with their parent; the
+Prefect server did not (each SIGKILLed ``grpoflow train`` left one behind: ~200 MB and 2-3%
+of a core). Two mechanisms cover every way out:
+
+- :func:`start` launches a *reaper*: a small process (``python -m grpoflow.reaper``, psutil
+  only, in a session of its own so a signal to the run's process group spares it) that keeps
+  a list of the command's descendants, refreshed every ``poll_s`` seconds, and learns of the
+  command's death from the kernel (``PR_SET_PDEATHSIG``: no polling for that). When the
+  command is gone (exited, SIGKILLed, OOM-killed) it sends SIGTERM to every descendant it
+  saw that is still the same process (pid and start time), waits ``grace_s`` seconds and
+  SIGKILLs the rest, then exits.
+- :func:`exit_within` bounds the command's own exit after SIGTERM/SIGINT: the flow tears
+  its planes down, and if the interpreter has not exited ``seconds`` later (a thread that
+  does not stop), the descendants are killed and the process leaves with ``os._exit``.
+
+Never imports Prefect, torch or rl_core (the reaper starts in ~50 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+
+__all__ = ["exit_within", "kill_descendants", "start"]
+
+log = logging.getLogger("rl_core.reaper")  # the CLI shows rl_core's records
+_PR_SET_PDEATHSIG = 1
+
+
+def start(grace_s: float = 5.0, poll_s: float = 2.0) -> subprocess.Popen | None:
+    """Start the reaper of this process (from the main thread: the kernel's parent-death
+    signal follows the thread that forked). ``None`` where it cannot run (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "grpoflow.reaper", "--pid", str(os.getpid()),
+             "--grace", str(grace_s), "--poll", str(poll_s)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, close_fds=True)
+    except OSError as e:  # a run without a reaper still runs
+        log.warning("could not start the process reaper (%s): a SIGKILLed run may leave its "
+                    "Prefect API server running", e)
+        return None
+
+
+def kill_descendants(procs: list[psutil.Process], grace_s: float) -> list[int]:
+    """SIGTERM ``procs`` (those still alive), SIGKILL what is left after ``grace_s``; the pids
+    signalled. A process is only signalled while it is the one seen (psutil checks the start
+    time), so a reused pid is never hit."""
+    alive = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            if p.is_running():
+                p.terminate()
+                alive.append(p)
+    _, left = psutil.wait_procs(alive, timeout=grace_s)
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(left, timeout=2.0)
+    return [p.pid for p in alive]
+
+
+def exit_within(seconds: float, code: int) -> None:
+    """Arm a deadline: if this process still runs ``seconds`` from now, kill its descendants
+    and leave with ``code`` (``os._exit``: no thread, atexit hook or finalizer can hold it)."""
+    def deadline() -> None:
+        time.sleep(seconds)
+        print(f"grpoflow: still running {seconds:g}s after the stop signal; killing what it "
+              "started and exiting", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            me = psutil.Process()
+            kill_descendants(me.children(recursive=True), grace_s=2.0)
+        os._exit(code)
+
+    threading.Thread(target=deadline, name="grpoflow-exit-deadline", daemon=True).start()
+
+
+def _watch(pid: int, grace_s: float, poll_s: float) -> int:
+    """The reaper's loop (see the module docstring); returns its exit code."""
+    gone = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda *_: gone.set())
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGUSR1, 0, 0, 0)
+    try:
+        parent = psutil.Process(pid)
+    except psutil.Error:
+        return 0
+    me = os.getpid()
+    seen: dict[int, psutil.Process] = {}
+    while not gone.is_set():
+        if os.getppid() != pid or not parent.is_running():  # died before PDEATHSIG was set
+            break
+        with contextlib.suppress(psutil.Error):
+            for child in parent.children(recursive=True):
+                if child.pid != me:
+                    seen.setdefault(child.pid, child)
+            # forget the ones that ended (a pid may be reused by another process)
+            for p_id in [p_id for p_id, p in seen.items() if not p.is_running()]:
+                del seen[p_id]
+        gone.wait(poll_s)
+    kill_descendants(list(seen.values()), grace_s)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m grpoflow.reaper", description=__doc__.split(
+        "\n\n")[0])
+    p.add_argument("--pid", type=int, required=True, help="the process whose leftovers to reap")
+    p.add_argument("--grace", type=float, default=5.0, help="SIGTERM -> SIGKILL, seconds")
+    p.add_argument("--poll", type=float, default=2.0, help="descendant scan period, seconds")
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the terminal is for the run
+    return _watch(args.pid, args.grace, args.poll)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""A stopped run leaves nothing running: SIGKILL, SIGTERM, and the reaper behind both.
+
+The reaper (grpoflow/reaper.py) is tested on a plain process tree first: a parent that
+started it and a child and grandchild (one in a session of its own, as engines are), then
+SIGKILLed. End to end, ``grpoflow train`` runs on its own ephemeral Prefect API server (the
+process a SIGKILLed run used to leave behind) with two engines behind the real
+``sglang-router``; after the first step it is SIGKILLed or SIGTERMed, and every process it
+had started must be gone within a bound. SIGTERM must also end the command itself within a
+bound, with exit code 143 and the flow's teardown. Exact resume after a kill is
+tests/test_resume.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = str(ROOT / "configs" / "tiny-cpu.yaml")
+
+
+def _alive(procs: list[psutil.Process], timeout_s: float) -> list[str]:
+    """The processes of ``procs`` still running after ``timeout_s`` (as cmdlines)."""
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    out = []
+    for p in alive:
+        try:
+            out.append(f"{p.pid}: {' '.join(p.cmdline())[:160]}")
+        except psutil.Error:
+            continue
+    return out
+
+
+def test_the_reaper_ends_the_tree_of_a_sigkilled_process(tmp_path: Path) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import subprocess, sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from grpoflow import reaper
+        reaper.start(grace_s=1.0, poll_s=0.2)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        # a grandchild in its own session (as the engines and the Prefect server run)
+        grand = subprocess.Popen([sys.executable, "-c",
+            "import subprocess, sys, time; subprocess.Popen(['sleep', '600'], "
+            "start_new_session=True); time.sleep(600)"], start_new_session=True)
+        print("ready", flush=True)
+        time.sleep(600)
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None and parent.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # the child, the grandchild's tree, the reaper
+            tree = psutil.Process(parent.pid).children(recursive=True)
+            if len(tree) >= 4:
+                break
+            time.sleep(0.1)
+        assert len(tree) >= 4, [p.cmdline() for p in tree]
+        time.sleep(0.6)  # a scan or two of the reaper
+        parent.kill()
+        parent.wait(10)
+        assert _alive(tree, timeout_s=15) == []
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def test_exit_within_ends_a_process_whose_threads_do_not(tmp_path: Path) -> None:
+    script = tmp_path / "stuck.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, threading
+        sys.path.insert(0, {str(ROOT)!r})
+        from grpoflow import reaper
+        threading.Thread(target=threading.Event().wait).start()  # non-daemon, never ends
+        reaper.exit_within(1.0, 143)
+    """))
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], timeout=60, capture_output=True,
+                          text=True)
+    assert done.returncode == 143, done.stderr
+    assert time.monotonic() - t0 < 30
+    assert "still running 1s after the stop signal" in done.stderr
+
+
+def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run exited (rc={proc.returncode}) before step {step}")
+        if metrics.is_file():
+            steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if x]
+            if step in steps:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"step {step} not logged within {timeout_s}s")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_stopped_train_leaves_nothing_running(demo_model: Path, tiny_cache: Path,
+                                                tmp_path: Path, sig: signal.Signals) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"),  # its own ephemeral API server
+               PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    argv = [sys.executable, "-m", "grpoflow.cli", "train", DEMO, "--quiet",
+            f"storage.root={tmp_path}", f"storage.cache_dir={tiny_cache}", "run_name=stopped",
+            "train.steps=50", "train.prompts_per_step=4", "rollout.n_samples=4",
+            "rollout.num_engines=2", "eval.every=0", "eval.num_examples=8",
+            "eval.pass_k_examples=0", "train.num_threads=1", "tracking.backend=none"]
+    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_step(tmp_path / "stopped" / "metrics.jsonl", 1, proc, timeout_s=400)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        lines = [" ".join(p.cmdline()) for p in tree]
+        # What the run had started: the Prefect API server, the router, the engines, the reaper.
+        for part in ("prefect.server.api", "sglang", "rl_core.engine.server", "grpoflow.reaper"):
+            assert any(part in line for line in lines), (part, lines)
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=90)
+        if sig == signal.SIGTERM:
+            assert rc == 143, proc.stderr.read()[-3000:] if proc.stderr else rc
+            assert time.monotonic() - t0 < 60
+            assert "stopped by SIGTERM" in (proc.stderr.read() if proc.stderr else "")
+        else:
+            assert rc == -signal.SIGKILL
+        assert _alive(tree, timeout_s=30) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
