@@ -224,7 +224,9 @@ class TrainConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    """The GRPO objective and its variants (Dr.GRPO, DAPO, GSPO, TIS)."""
+    """The GRPO objective and its variants (Dr.GRPO, DAPO, GSPO), and the corrections for
+    the rollout engine sampling from another policy than the trainer's (TIS/MIS, IcePop,
+    sequence masking: docs/training.md)."""
     advantage: Literal["grpo", "drgrpo"] = "grpo"
     kl_coef: float = Field(0.0, ge=0.0)
     kl_kind: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
@@ -235,13 +237,49 @@ class AlgorithmConfig(_Section):
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                       "seq-mean-token-sum-norm"] = "token-mean"
     entropy_coef: float = Field(0.0, ge=0.0)
-    tis_cap: float | None = Field(None, gt=0.0, description="Truncated IS cap; None = off.")
-    tis_level: Literal["token", "sequence"] = "token"
+    tis_cap: float | None = Field(None, gt=0.0, description="Importance-sampling cap C on the "
+        "trainer/rollout ratio pi_old / pi_rollout; None = off (on by default at 2.0 when "
+        "rollout.max_staleness > 0).")
+    tis_level: Literal["token", "sequence", "geometric"] = Field("token", description="The "
+        "ratio `tis_cap` bounds: per token, per sequence (product of the token ratios) or "
+        "their geometric mean per sequence.")
+    tis_mode: Literal["truncate", "mask"] = Field("truncate", description="`truncate` (TIS): "
+        "weight min(ratio, C); `mask` (MIS): weight ratio, and 0 (token or whole sequence "
+        "masked out of the policy gradient) where the ratio exceeds C. Needs `tis_cap`.")
+    icepop_low: float | None = Field(None, gt=0.0, lt=1.0, description="IcePop: tokens whose "
+        "ratio pi_old / pi_rollout is below this are masked out of the policy gradient; set "
+        "with `icepop_high` (e.g. 0.5 and 2.0). None = off.")
+    icepop_high: float | None = Field(None, gt=1.0, description="IcePop: tokens whose ratio "
+        "is above this are masked out of the policy gradient. None = off.")
+    seq_mask_threshold: float | None = Field(None, gt=0.0, description="Sequence masking: a "
+        "sample whose log-ratio mismatch (`seq_mask_metric`) exceeds this is dropped from the "
+        "policy gradient entirely. None = off.")
+    seq_mask_metric: Literal["max", "mean"] = Field("max", description="`max`: the largest "
+        "|log ratio| over the sample's tokens; `mean`: |mean log ratio| (the log of the "
+        "geometric-mean ratio).")
     dynamic_sampling: bool = Field(
         False, description="DAPO: drop groups whose rewards are all equal (no gradient) and "
         "sample more prompts until the step has train.prompts_per_step informative groups.")
     dynamic_sampling_max_rounds: int = Field(
         4, ge=1, description="Rollout rounds per step at most (then train on what was kept).")
+
+    @model_validator(mode="after")
+    def _check_corrections(self) -> AlgorithmConfig:
+        if (self.icepop_low is None) != (self.icepop_high is None):
+            raise ValueError(
+                "algorithm.icepop_low and algorithm.icepop_high bound one band: set both "
+                f"(e.g. 0.5 and 2.0) or neither (got {self.icepop_low} and {self.icepop_high})")
+        if self.tis_mode == "mask" and self.tis_cap is None:
+            raise ValueError(
+                "algorithm.tis_mode=mask masks the tokens whose ratio exceeds algorithm.tis_cap, "
+                "which is not set: set algorithm.tis_cap (e.g. 2.0) or tis_mode=truncate")
+        return self
+
+    @property
+    def corrects_rollout(self) -> bool:
+        """Whether the loss compares the trainer's log-probs with the rollout engine's."""
+        return (self.tis_cap is not None or self.icepop_low is not None
+                or self.seq_mask_threshold is not None)
 
 
 class JudgeConfig(_Section):

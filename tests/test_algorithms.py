@@ -20,6 +20,7 @@ from rl_core.algorithms.losses import (
     masked_mean,
     masked_sum,
     policy_loss,
+    rollout_correction,
     tis_weights,
 )
 
@@ -522,6 +523,172 @@ def test_tis_errors_and_empty() -> None:
 
 
 # ======================================================================================
+# rollout corrections: MIS, IcePop, sequence masking (and TIS, composed)
+# ======================================================================================
+
+
+def _corr_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # rollout_logp = 0, so d = old - rollout = old exactly: a ratio of 2 is exactly 2 after exp
+    # and the band edges exactly ln(edge). Ratios: row 0 [1, 3, .5, 2]; row 1 [.4, 1.25, pad].
+    ratios = torch.tensor([[1.0, 3.0, 0.5, 2.0], [0.4, 1.25, 1.0, 1.0]])
+    mask = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    old = torch.where(mask, ratios.log(), torch.tensor(math.nan))
+    return old, torch.zeros_like(old), mask
+
+
+def test_mis_token_level_masks_above_the_cap_and_keeps_the_edge() -> None:
+    old, rollout, mask = _corr_case()
+    w, keep, m = rollout_correction(old, rollout, mask, tis_cap=2.0, tis_mode="mask")
+    # 3 > 2 is masked; exactly 2 is kept with weight 2; the others keep their raw ratio
+    assert close(w, [[1.0, 0.0, 0.5, 2.0], [0.4, 1.25, 0.0, 0.0]])
+    assert keep.tolist() == [[True, False, True, True], [True, True, False, False]]
+    assert w[0, 3].item() == 2.0
+    assert close(m["mis_masked_token_frac"], 1 / 6)
+    assert close(m["tis_clip_frac"], 1 / 6)
+    assert close(m["tis_mean"], (1 + 0 + 0.5 + 2 + 0.4 + 1.25) / 6)
+    assert close(m["tis_max"], 2.0)
+    assert "mis_masked_sample_frac" not in m  # token level: no sample is masked as a whole
+    assert {"icepop_masked_token_frac", "seq_masked_sample_frac"}.isdisjoint(m)
+
+
+def test_mis_sequence_and_geometric_levels_mask_whole_samples() -> None:
+    old, rollout, mask = _corr_case()
+    # sequence: row 0 product 1 * 3 * .5 * 2 = 3 > 2 -> all of row 0 masked; row 1 .4 * 1.25 = .5
+    w, keep, m = rollout_correction(old, rollout, mask, tis_cap=2.0, tis_level="sequence",
+                                    tis_mode="mask")  # fmt: skip
+    assert close(w, [[0.0] * 4, [0.5, 0.5, 0.0, 0.0]])
+    assert keep.tolist() == [[False] * 4, [True, True, False, False]]
+    assert close(m["mis_masked_token_frac"], 4 / 6)
+    assert close(m["mis_masked_sample_frac"], 1 / 2)
+    assert close(m["tis_mean"], 1.0 / 6) and close(m["tis_max"], 0.5)
+    # geometric: row 0 3^(1/4) = 1.316 > 1.2 masked; row 1 .5^(1/2) = .707 kept
+    w, keep, m = rollout_correction(old, rollout, mask, tis_cap=1.2, tis_level="geometric",
+                                    tis_mode="mask")  # fmt: skip
+    assert close(w, [[0.0] * 4, [0.5**0.5] * 2 + [0.0] * 2])
+    assert close(m["mis_masked_sample_frac"], 1 / 2)
+    # ... and truncated at the geometric level: both rows capped at 1.2 / kept below it
+    w, keep, _ = rollout_correction(old, rollout, mask, tis_cap=1.2, tis_level="geometric")
+    assert close(w, [[1.2] * 4, [0.5**0.5] * 2 + [0.0] * 2])
+    assert torch.equal(keep, mask)
+
+
+def test_icepop_masks_outside_the_band_edges_included() -> None:
+    old, rollout, mask = _corr_case()
+    w, keep, m = rollout_correction(old, rollout, mask, icepop_low=0.5, icepop_high=2.0)
+    # row 0 [1, 3, .5, 2]: only 3 is outside [.5, 2] (both edges are kept); row 1: .4 is below
+    assert keep.tolist() == [[True, False, True, True], [False, True, False, False]]
+    assert torch.equal(w, keep.float())  # masked or not: no reweighting
+    assert close(m["icepop_masked_token_frac"], 2 / 6)
+    assert set(m) == {"rollout_trainer_logp_diff", "icepop_masked_token_frac"}
+    # just inside / just outside the edges
+    d = torch.tensor([[LN(0.5) - 1e-4, LN(0.5) + 1e-4, LN(2.0) - 1e-4, LN(2.0) + 1e-4]])
+    _, keep, _ = rollout_correction(d, torch.zeros_like(d), torch.ones_like(d, dtype=torch.bool),
+                                    icepop_low=0.5, icepop_high=2.0)  # fmt: skip
+    assert keep.tolist() == [[False, True, True, False]]
+
+
+def test_sequence_masking_max_and_mean_metrics() -> None:
+    old, rollout, mask = _corr_case()
+    # max |d|: row 0 ln 3 = 1.10 > 1 -> dropped; row 1 max(|ln .4|, ln 1.25) = .92 -> kept
+    w, keep, m = rollout_correction(old, rollout, mask, seq_mask_threshold=1.0)
+    assert keep.tolist() == [[False] * 4, [True, True, False, False]]
+    assert torch.equal(w, keep.float())
+    assert close(m["seq_masked_sample_frac"], 1 / 2)
+    # |mean d|: row 0 ln 3 / 4 = .27 -> kept; row 1 |ln .5| / 2 = .35 > .3 -> dropped
+    _, keep, m = rollout_correction(old, rollout, mask, seq_mask_threshold=0.3,
+                                    seq_mask_metric="mean")  # fmt: skip
+    assert keep.tolist() == [[True] * 4, [False] * 4]
+    assert close(m["seq_masked_sample_frac"], 1 / 2)
+
+
+def test_corrections_compose() -> None:
+    old, rollout, mask = _corr_case()
+    w, keep, m = rollout_correction(old, rollout, mask, tis_cap=1.5, icepop_low=0.5,
+                                    icepop_high=2.0, seq_mask_threshold=0.3,
+                                    seq_mask_metric="mean")  # fmt: skip
+    # TIS truncates row 0 to [1, 1.5, .5, 1.5]; IcePop drops row 0's 3 and row 1's .4;
+    # the sequence mask drops row 1
+    assert keep.tolist() == [[True, False, True, True], [False] * 4]
+    assert close(w, [[1.0, 0.0, 0.5, 1.5], [0.0] * 4])
+    # each rule reports its own share; the TIS metrics describe the TIS factor alone
+    assert close(m["tis_mean"], (1 + 1.5 + 0.5 + 1.5 + 0.4 + 1.25) / 6)
+    assert close(m["tis_clip_frac"], 2 / 6)
+    assert close(m["icepop_masked_token_frac"], 2 / 6)
+    assert close(m["seq_masked_sample_frac"], 1 / 2)
+    # mean |d| = (0 + ln3 + ln2 + ln2 + |ln .4| + ln 1.25) / 6
+    diff = (LN(3) + 2 * LN(2) - LN(0.4) + LN(1.25)) / 6
+    assert close(m["rollout_trainer_logp_diff"], diff)
+    # IcePop's own objective: M(k) = k on [low, high], 0 outside = IcePop + TIS with C >= high
+    w, _, _ = rollout_correction(old, rollout, mask, tis_cap=2.0, icepop_low=0.5, icepop_high=2.0)
+    assert close(w, [[1.0, 0.0, 0.5, 2.0], [0.0, 1.25, 0.0, 0.0]])
+
+
+def test_tis_weights_is_rollout_correction_with_tis_alone() -> None:
+    old, rollout, mask = _corr_case()
+    for level in ("token", "sequence", "geometric"):
+        w, m = tis_weights(old, rollout, mask, cap=2.0, level=level)  # type: ignore[arg-type]
+        w2, keep, m2 = rollout_correction(old, rollout, mask, tis_cap=2.0, tis_level=level)  # type: ignore[arg-type]
+        assert torch.equal(w, w2) and torch.equal(keep, mask)
+        assert set(m) == {"tis_mean", "tis_max", "tis_clip_frac", "rollout_trainer_logp_diff"}
+        assert all(torch.equal(m[k], m2[k]) for k in m)
+
+
+def test_corrections_non_finite_log_probs() -> None:
+    # valid tokens: rollout -inf (ratio +inf), rollout NaN (counts as +inf), old -inf (ratio 0),
+    # and one clean token; padding holds inf / NaN in both inputs
+    old = torch.tensor([[-1.0, -1.0, -math.inf, -1.0, math.inf], [math.nan, 0, 0, 0, 0]])
+    rollout = torch.tensor([[-math.inf, math.nan, -1.0, -1.0, math.nan],
+                            [-math.inf, 0, 0, 0, 0]])  # fmt: skip
+    mask = torch.tensor([[True, True, True, True, False], [False, True, True, False, False]])
+    configs = [
+        {"tis_cap": 2.0}, {"tis_cap": 2.0, "tis_mode": "mask"},
+        {"tis_cap": 2.0, "tis_level": "sequence"}, {"tis_cap": 2.0, "tis_level": "geometric"},
+        {"icepop_low": 0.5, "icepop_high": 2.0}, {"seq_mask_threshold": 1.0},
+        {"seq_mask_threshold": 1.0, "seq_mask_metric": "mean"},
+    ]
+    for kw in configs:
+        w, keep, m = rollout_correction(old, rollout, mask, **kw)  # type: ignore[arg-type]
+        assert all_finite(w), kw
+        assert all(math.isfinite(v.item()) for v in m.values()), kw
+        assert torch.equal(w[~mask], torch.zeros(int((~mask).sum()))), kw
+        assert not (keep & ~mask).any(), kw
+        assert close(m["rollout_trainer_logp_diff"], 0.0)  # over the finite log-ratios only
+    w, _, m = rollout_correction(old, rollout, mask, tis_cap=2.0)
+    assert close(w[0, :4], [2.0, 2.0, 0.0, 1.0])  # +inf, NaN -> capped; -inf -> 0
+    assert close(m["tis_clip_frac"], 2 / 6)
+    _, keep, m = rollout_correction(old, rollout, mask, tis_cap=2.0, tis_mode="mask")
+    assert keep[0, :4].tolist() == [False, False, True, True]
+    _, keep, m = rollout_correction(old, rollout, mask, icepop_low=0.5, icepop_high=2.0)
+    assert keep[0, :4].tolist() == [False, False, False, True]  # ratio 0 is below the band
+    _, keep, m = rollout_correction(old, rollout, mask, seq_mask_threshold=1.0)
+    assert keep.tolist()[0] == [False] * 5 and keep[1].tolist() == mask[1].tolist()
+    assert close(m["seq_masked_sample_frac"], 1 / 2)
+
+
+def test_corrections_errors_and_empty_mask() -> None:
+    old, rollout, mask = _corr_case()
+    bad = [
+        ({"tis_cap": 2.0, "tis_mode": "clip"}, "mode"),
+        ({"tis_cap": 2.0, "tis_level": "seq"}, "level"),
+        ({"tis_cap": 0.0}, "tis_cap"),
+        ({"icepop_low": 0.5}, "together"),
+        ({"icepop_low": 1.0, "icepop_high": 2.0}, "icepop_low < 1"),
+        ({"icepop_low": 0.5, "icepop_high": 1.0}, "1 < icepop_high"),
+        ({"seq_mask_threshold": 0.0}, "seq_mask_threshold"),
+        ({"seq_mask_threshold": 1.0, "seq_mask_metric": "median"}, "seq_mask_metric"),
+    ]
+    for kw, match in bad:
+        with pytest.raises(ValueError, match=match):
+            rollout_correction(old, rollout, mask, **kw)  # type: ignore[arg-type]
+    empty = torch.zeros_like(mask)
+    w, keep, m = rollout_correction(old, rollout, empty, tis_cap=2.0, tis_mode="mask",
+                                    tis_level="sequence", icepop_low=0.5, icepop_high=2.0,
+                                    seq_mask_threshold=1.0)  # fmt: skip
+    assert torch.equal(w, torch.zeros_like(w)) and not keep.any()
+    assert all(v.item() == 0.0 for v in m.values())
+
+
+# ======================================================================================
 # composition and NaN safety
 # ======================================================================================
 
@@ -697,3 +864,74 @@ def test_masked_inf_nan_do_not_leak(ratio_type: str, kl_kind: str, loss_agg: str
         tis_cap=2.0,
     )
     assert close(loss, clean, atol=1e-6)
+
+
+# ======================================================================================
+# rollout corrections inside the loss: gradients and the normaliser
+# ======================================================================================
+
+
+def _grad(b: dict[str, torch.Tensor], loss_agg: str = "token-mean",
+          **kw: object) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    logp = b["logp"].clone().requires_grad_(True)
+    loss, metrics = compute_grpo_loss(
+        logp, b["old_logp"], b["advantages"], b["mask"], clip_high=0.28,
+        loss_agg=loss_agg, rollout_logp=b["rollout_logp"], **kw)  # type: ignore[arg-type]  # fmt: skip
+    (g,) = torch.autograd.grad(loss, logp)
+    return loss, g, metrics
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_masked_tokens_get_zero_gradient_and_the_others_the_unmasked_one(loss_agg: str) -> None:
+    b = _random_batch(4)
+    mask = b["mask"]
+    kw = {"icepop_low": 0.7, "icepop_high": 1.4, "seq_mask_threshold": 1.0}
+    _, keep, _ = rollout_correction(b["old_logp"], b["rollout_logp"], mask, **kw)  # type: ignore[arg-type]
+    dropped = mask & ~keep
+    assert dropped.any() and keep.any()  # the case exercises both
+    loss, g, metrics = _grad(b, loss_agg, **kw)
+    plain_loss, g_plain, plain_metrics = _grad(b, loss_agg)
+    assert torch.equal(g[dropped], torch.zeros(int(dropped.sum())))
+    assert torch.equal(g[keep], g_plain[keep])
+    # masked tokens stay in the normaliser: the loss is the kept tokens' part of the plain one
+    pg, _ = policy_loss(b["logp"], b["old_logp"], b["advantages"], mask, clip_high=0.28)
+    assert close(loss, aggregate_loss(torch.where(keep, pg, 0.0), mask, loss_agg), atol=1e-7)  # type: ignore[arg-type]
+    # the policy-loss metrics are over every response token, as without the correction
+    assert metrics["clip_frac"] == plain_metrics["clip_frac"]
+    assert metrics["ratio_mean"] == plain_metrics["ratio_mean"]
+    assert {"icepop_masked_token_frac", "seq_masked_sample_frac"} <= set(metrics)
+
+
+def test_mis_gradient_is_the_weighted_unmasked_one() -> None:
+    b = _random_batch(5)
+    kw = {"tis_cap": 1.5, "tis_mode": "mask"}
+    w, keep, m = rollout_correction(b["old_logp"], b["rollout_logp"], b["mask"], **kw)  # type: ignore[arg-type]
+    dropped = b["mask"] & ~keep
+    assert dropped.any() and keep.any()
+    _, g, metrics = _grad(b, **kw)
+    _, g_plain, _ = _grad(b)
+    assert torch.equal(g[dropped], torch.zeros(int(dropped.sum())))
+    assert torch.allclose(g[keep], w[keep] * g_plain[keep], atol=1e-8, rtol=1e-6)
+    assert close(metrics["mis_masked_token_frac"], m["mis_masked_token_frac"])
+    assert metrics["mis_masked_token_frac"] > 0
+
+
+def test_corrections_in_the_loss_with_poisoned_padding() -> None:
+    b = _random_batch(6)
+    pad = ~b["mask"]
+    logp = torch.where(pad, math.nan, b["logp"]).requires_grad_(True)
+    old = torch.where(pad, math.inf, b["old_logp"])
+    rollout = torch.where(pad, math.nan, b["rollout_logp"])
+    kw = {"tis_cap": 1.5, "tis_mode": "mask", "tis_level": "geometric", "icepop_low": 0.5,
+          "icepop_high": 2.0, "seq_mask_threshold": 1.2}
+    loss, metrics = compute_grpo_loss(logp, old, b["advantages"], b["mask"], rollout_logp=rollout,
+                                      **kw)  # type: ignore[arg-type]  # fmt: skip
+    clean, _ = compute_grpo_loss(b["logp"], b["old_logp"], b["advantages"], b["mask"],
+                                 rollout_logp=b["rollout_logp"], **kw)  # type: ignore[arg-type]  # fmt: skip
+    loss.backward()
+    assert all_finite(loss) and all_finite(logp.grad)
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert torch.equal(logp.grad[pad], torch.zeros(int(pad.sum())))
+    assert close(loss, clean, atol=1e-7)
+    assert {"mis_masked_token_frac", "mis_masked_sample_frac", "icepop_masked_token_frac",
+            "seq_masked_sample_frac", "tis_mean"} <= set(metrics)

@@ -236,6 +236,37 @@ def test_clip_low_above_clip_high():
     assert "algorithm.clip_low (0.3) must not exceed algorithm.clip_high (0.2)" in msg
 
 
+def test_rollout_correction_fields_validate_and_name_the_field():
+    msg = _error(["algorithm.icepop_low=0.5"])
+    assert "algorithm.icepop_low and algorithm.icepop_high bound one band" in msg
+    assert "got 0.5 and None" in msg
+    assert "algorithm.icepop_high: Input should be greater than 1 (got 0.9)" in _error(
+        ["algorithm.icepop_low=0.5", "algorithm.icepop_high=0.9"])
+    assert "algorithm.icepop_low: Input should be less than 1 (got 1.5)" in _error(
+        ["algorithm.icepop_low=1.5", "algorithm.icepop_high=2"])
+    assert "algorithm.seq_mask_threshold:" in _error(["algorithm.seq_mask_threshold=0"])
+    msg = _error(["algorithm.seq_mask_metric=median"])
+    assert "algorithm.seq_mask_metric: got 'median'" in msg and "'mean'" in msg
+    assert "algorithm.tis_mode: got 'clip'" in _error(["algorithm.tis_mode=clip"])
+    # MIS masks above tis_cap: without a cap it would silently do nothing, also when
+    # max_staleness would turn truncated TIS on by itself
+    for extra in ([], ["rollout.max_staleness=1"]):
+        msg = _error(["algorithm.tis_mode=mask", *extra])
+        assert "algorithm.tis_mode=mask" in msg and "set algorithm.tis_cap" in msg
+    cfg = load_config(TINY, ["algorithm.tis_cap=2", "algorithm.tis_mode=mask",
+                             "algorithm.tis_level=geometric", "algorithm.icepop_low=0.5",
+                             "algorithm.icepop_high=2", "algorithm.seq_mask_threshold=1",
+                             "algorithm.seq_mask_metric=mean"])  # fmt: skip
+    a = cfg.algorithm
+    assert (a.tis_mode, a.tis_level, a.icepop_low, a.icepop_high) == ("mask", "geometric", 0.5, 2.0)
+    assert (a.seq_mask_threshold, a.seq_mask_metric) == (1.0, "mean")
+    # every correction needs the trainer's old log-probs (TorchTrainer.needs_old_logp)
+    assert not load_config(TINY).algorithm.corrects_rollout
+    for on in (["algorithm.tis_cap=2"], ["algorithm.seq_mask_threshold=1"],
+               ["algorithm.icepop_low=0.5", "algorithm.icepop_high=2"]):  # fmt: skip
+        assert load_config(TINY, on).algorithm.corrects_rollout, on
+
+
 def test_grpo_needs_two_samples():
     msg = _error(["rollout.n_samples=1"])
     assert "rollout.n_samples must be >= 2" in msg

@@ -213,6 +213,24 @@ def test_one_rank_equals_the_torch_backend(megatron_trainer, model_dir, tied_dir
     weights_equal(ref.export_weights(), mg.export_weights(), atol=TOL)
 
 
+def test_rollout_corrections_reach_the_megatron_loss(megatron_trainer, model_dir) -> None:
+    """MIS, IcePop and sequence masking act the same in both backends (one shared loss)."""
+    algo = AlgorithmConfig(clip_high=0.28, tis_cap=1.5, tis_mode="mask", icepop_low=0.5,
+                           icepop_high=2.0, seq_mask_threshold=1.0)  # fmt: skip
+    batch = batch_of(seed=7)
+    ref, mg = torch_trainer(model_dir, algo), megatron_trainer(model_dir, algo)
+    assert mg.needs_old_logp and ref.needs_old_logp
+    batch.old_logp = ref.compute_logprobs(batch)
+    noise = 0.6 * torch.randn(batch.old_logp.shape, generator=torch.Generator().manual_seed(0))
+    batch.rollout_logp = torch.where(batch.response_mask, batch.old_logp + noise, 0.0)
+    m_ref, m_mg = ref.train_step(batch), mg.train_step(batch)
+    for key in ("loss", "tis_mean", "mis_masked_token_frac", "icepop_masked_token_frac",
+                "seq_masked_sample_frac", "grad_norm"):  # fmt: skip
+        assert m_mg[key] == pytest.approx(m_ref[key], abs=TOL), key
+    assert 0 < m_ref["icepop_masked_token_frac"] < 1 and m_ref["mis_masked_token_frac"] > 0
+    weights_equal(ref.export_weights(), mg.export_weights(), atol=TOL)
+
+
 def test_reference_policy_and_hf_export(megatron_trainer, model_dir, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 

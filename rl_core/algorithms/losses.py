@@ -2,8 +2,9 @@
 
 Pure functions on torch tensors: PPO/GRPO clipped surrogates (with DAPO clip-higher, dual clip
 and GSPO sequence ratios), KL penalties against a reference policy, loss aggregation
-(token-mean, seq-mean-*, Dr.GRPO), entropy and log-probs from logits, and truncated importance
-sampling between the rollout engine and the trainer. Never imports prefect or mlflow, never
+(token-mean, seq-mean-*, Dr.GRPO), entropy and log-probs from logits, and the corrections for
+the rollout engine sampling from another policy than the trainer's (truncated or masked
+importance sampling, IcePop token masking, sequence masking). Never imports prefect or mlflow, never
 touches models, optimizers or devices, never does I/O: the trainer computes log-probs and
 calls these functions.
 
@@ -29,19 +30,23 @@ from torch import Tensor
 
 __all__ = ["KL_KINDS", "LOSS_AGG_MODES", "aggregate_loss", "compute_grpo_loss",
            "entropy_from_logits", "gspo_ratio", "kl_penalty", "logprobs_from_logits", "masked_mean",
-           "masked_sum", "policy_loss", "tis_weights"]
+           "masked_sum", "policy_loss", "rollout_correction", "tis_weights"]
 
 KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
 LossAggMode = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 RatioType = Literal["token", "sequence"]
-TISLevel = Literal["token", "sequence"]
+TISLevel = Literal["token", "sequence", "geometric"]
+TISMode = Literal["truncate", "mask"]
+SeqMaskMetric = Literal["max", "mean"]
 
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 RATIO_TYPES: tuple[str, ...] = ("token", "sequence")
-TIS_LEVELS: tuple[str, ...] = ("token", "sequence")
+TIS_LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
+TIS_MODES: tuple[str, ...] = ("truncate", "mask")
+SEQ_MASK_METRICS: tuple[str, ...] = ("max", "mean")
 
 _LOG_RATIO_CLAMP = 20.0  # verl clamps log-ratios before exp so one wild token cannot overflow
 _LOW_VAR_KL_CLAMP = 10.0  # verl's low_var_kl clamps the per-token estimate to [-10, 10]
@@ -309,19 +314,128 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.
     return z.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
 
 
+def _nan_as_inf(x: Tensor) -> Tensor:
+    """NaN -> +inf: a log-ratio nobody can compute counts as an unbounded mismatch."""
+    return torch.where(torch.isnan(x), torch.full_like(x, math.inf), x)
+
+
+def _sample_frac(hit: Tensor, rows: Tensor) -> Tensor:
+    """Share of the rows with at least one response token (``rows``) where ``hit`` holds."""
+    count = rows.sum()
+    frac = (hit & rows).sum() / count.clamp(min=1)
+    return torch.where(count > 0, frac, torch.zeros_like(frac))
+
+
+def rollout_correction(
+    old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, tis_cap: float | None = None,
+    tis_level: TISLevel = "token", tis_mode: TISMode = "truncate",
+    icepop_low: float | None = None, icepop_high: float | None = None,
+    seq_mask_threshold: float | None = None, seq_mask_metric: SeqMaskMetric = "max",
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    r"""Per-token weights and keep-mask correcting the rollout engine / trainer mismatch.
+
+    The rollout engine (vLLM/SGLang, or older weights when rollout overlaps training) samples
+    from pi_rollout, not from the trainer's pi_old, so the policy gradient is off-policy
+    (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+    Training"). With the per-token log-ratio (NaN counts as +inf)::
+
+        d_{i,t} = old_logp_{i,t} - rollout_logp_{i,t}  = log( pi_old / pi_rollout )
+
+    three corrections compose; each is off while its parameter is None:
+
+    * ``tis_cap`` = C, an importance weight rho at ``tis_level``::
+
+          token:     rho_{i,t} = exp(d_{i,t})
+          sequence:  rho_i     = exp( sum_{t in mask_i} d_{i,t} )        (product of ratios)
+          geometric: rho_i     = exp( (1/|y_i|) sum_{t in mask_i} d_{i,t} )
+
+      ``tis_mode="truncate"`` (TIS): w = min(rho, C). ``tis_mode="mask"`` (MIS, verl's
+      ``rollout_is_mode: mask``): w = rho where rho <= C, else the token (sequence, at the
+      sequence levels) is masked out.
+    * IcePop band ``icepop_low`` < 1 < ``icepop_high``: a token whose exp(d_{i,t}) lies
+      outside [low, high] is masked out (the edges are kept); the others are not reweighted.
+      With TIS truncate and C >= high this is IcePop's M(k) = k on [low, high], 0 outside.
+    * Sequence masking (rejection): sample i is masked out entirely when its mismatch
+      m_i = max_t |d_{i,t}| (``seq_mask_metric="max"``) or |(1/|y_i|) sum_t d_{i,t}|
+      (``"mean"``) exceeds ``seq_mask_threshold``.
+
+    Returns ``(w, keep, metrics)``, all detached. ``keep`` (bool (B, T)) is ``mask`` minus the
+    tokens any rule masked out; ``w`` (B, T) is the TIS weight (1 without ``tis_cap``) on
+    ``keep`` and exactly 0 elsewhere, finite everywhere: the caller multiplies the per-token
+    policy-gradient loss by it. Masked-out tokens still count in the loss normaliser (see
+    :func:`compute_grpo_loss`). ``metrics`` (0-dim, over ``mask``): ``rollout_trainer_logp_diff``
+    (mean |d| over tokens where d is finite); with ``tis_cap``, ``tis_mean`` and ``tis_max`` of
+    the TIS weight (0 where MIS masked) and ``tis_clip_frac`` (share of tokens with rho > C);
+    ``mis_masked_token_frac`` (mask mode) and ``mis_masked_sample_frac`` (mask mode, sequence
+    levels); ``icepop_masked_token_frac``; ``seq_masked_sample_frac``. Each rule's fraction is
+    its own (the rules may overlap); sample fractions are over rows with a response token.
+    """
+    if tis_level not in TIS_LEVELS:
+        raise ValueError(f"unknown TIS level {tis_level!r}; allowed: {TIS_LEVELS}")
+    if tis_mode not in TIS_MODES:
+        raise ValueError(f"unknown TIS mode {tis_mode!r}; allowed: {TIS_MODES}")
+    if seq_mask_metric not in SEQ_MASK_METRICS:
+        raise ValueError(
+            f"unknown seq_mask_metric {seq_mask_metric!r}; allowed: {SEQ_MASK_METRICS}")
+    if tis_cap is not None and tis_cap <= 0:
+        raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
+    if (icepop_low is None) != (icepop_high is None):
+        raise ValueError("icepop_low and icepop_high must be given together")
+    if icepop_low is not None and icepop_high is not None and not 0 < icepop_low < 1 < icepop_high:
+        raise ValueError(f"need 0 < icepop_low < 1 < icepop_high, got {icepop_low}, {icepop_high}")
+    if seq_mask_threshold is not None and seq_mask_threshold <= 0:
+        raise ValueError(f"seq_mask_threshold must be > 0, got {seq_mask_threshold}")
+    mask = _as_mask(mask)
+    _check_same_shape(mask, old_logp=old_logp, rollout_logp=rollout_logp)
+    with torch.no_grad():
+        d = _fill(_nan_as_inf(old_logp.detach() - rollout_logp.detach()), mask)
+        rows = mask.any(dim=-1)
+        count = mask.sum(dim=-1, keepdim=True).clamp(min=1).to(d.dtype)
+        seq_sum = _nan_as_inf(d.sum(dim=-1, keepdim=True))  # +inf and -inf tokens: NaN -> inf
+        keep = mask.clone()
+        w = torch.ones_like(d)
+        finite = mask & torch.isfinite(d)
+        metrics = {"rollout_trainer_logp_diff": masked_mean(d.abs(), finite)}
+        if tis_cap is not None:
+            log_rho = {"token": d, "sequence": seq_sum, "geometric": seq_sum / count}[tis_level]
+            raw = torch.exp(log_rho).expand_as(d)
+            over = (raw > tis_cap) & mask
+            if tis_mode == "truncate":
+                w = _fill(raw.clamp(max=tis_cap), mask)
+            else:
+                w = torch.where(over | ~mask, torch.zeros_like(raw), raw)
+                keep &= ~over
+                metrics["mis_masked_token_frac"] = masked_mean(over.float(), mask)
+                if tis_level != "token":
+                    metrics["mis_masked_sample_frac"] = _sample_frac(over.any(dim=-1), rows)
+            metrics.update(tis_mean=masked_mean(w, mask), tis_max=_masked_max(w, mask),
+                           tis_clip_frac=masked_mean(over.float(), mask))
+        if icepop_low is not None and icepop_high is not None:
+            # Compared in log space: the band edges are exact for d = log(edge).
+            outside = ~((d >= math.log(icepop_low)) & (d <= math.log(icepop_high))) & mask
+            keep &= ~outside
+            metrics["icepop_masked_token_frac"] = masked_mean(outside.float(), mask)
+        if seq_mask_threshold is not None:
+            if seq_mask_metric == "max":
+                mismatch = _fill(d.abs(), mask).amax(dim=-1)
+            else:
+                mismatch = (seq_sum / count).abs().squeeze(-1)
+            dropped = (mismatch > seq_mask_threshold) & rows
+            keep &= ~dropped.unsqueeze(-1)
+            metrics["seq_masked_sample_frac"] = _sample_frac(dropped, rows)
+        w = _fill(w, keep)
+    return w, keep, metrics
+
+
 def tis_weights(
     old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float = 2.0,
     level: TISLevel = "token",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    r"""Truncated importance-sampling weights correcting rollout/trainer mismatch.
-
-    The rollout engine (vLLM/SGLang) samples with pi_rollout, numerically different from the
-    trainer's pi_old. TIS (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
-    Off-Policy RL Training") reweights the policy-gradient loss by::
+    r"""Truncated importance-sampling weights: :func:`rollout_correction` with TIS alone.
 
         token:    w_{i,t} = min( exp(old_logp_{i,t} - rollout_logp_{i,t}), cap )
         sequence: w_{i,t} = min( exp( sum_{t in mask_i} (old_logp - rollout_logp) ), cap )
-                  (one weight per sequence, broadcast to its tokens)
+                  (one weight per sequence, broadcast to its tokens; ``geometric``: the mean)
 
     ``w`` (B, T) is detached and 0 at masked positions, so the caller multiplies the per-token
     loss by it directly. Metrics (detached, 0-dim, over masked tokens): ``tis_mean``,
@@ -332,20 +446,7 @@ def tis_weights(
         raise ValueError(f"unknown TIS level {level!r}; allowed: {TIS_LEVELS}")
     if cap <= 0:
         raise ValueError(f"cap must be > 0, got {cap}")
-    mask = _as_mask(mask)
-    _check_same_shape(mask, old_logp=old_logp, rollout_logp=rollout_logp)
-    with torch.no_grad():
-        log_ratio = _fill(old_logp.detach(), mask) - _fill(rollout_logp.detach(), mask)
-        if level == "token":
-            raw = torch.exp(log_ratio)
-        else:
-            raw = torch.exp(log_ratio.sum(dim=-1, keepdim=True)).expand_as(log_ratio)
-        w = _fill(raw.clamp(max=cap), mask)
-        metrics = {
-            "tis_mean": masked_mean(w, mask), "tis_max": _masked_max(w, mask),
-            "tis_clip_frac": masked_mean(((raw > cap) & mask).float(), mask),
-            "rollout_trainer_logp_diff": masked_mean(log_ratio.abs(), mask),
-        }
+    w, _, metrics = rollout_correction(old_logp, rollout_logp, mask, tis_cap=cap, tis_level=level)
     return w, metrics
 
 
@@ -356,26 +457,36 @@ def compute_grpo_loss(
     ratio_type: RatioType = "token", loss_agg: LossAggMode = "token-mean",
     norm_const: float | None = None, entropy: Tensor | None = None, entropy_coef: float = 0.0,
     rollout_logp: Tensor | None = None, tis_cap: float | None = None,
-    tis_level: TISLevel = "token", global_tokens: float | None = None,
-    global_seqs: float | None = None,
+    tis_level: TISLevel = "token", tis_mode: TISMode = "truncate",
+    icepop_low: float | None = None, icepop_high: float | None = None,
+    seq_mask_threshold: float | None = None, seq_mask_metric: SeqMaskMetric = "max",
+    global_tokens: float | None = None, global_seqs: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     r"""Full GRPO objective for one (micro-)batch.
 
-        loss = agg(L_pg * w_tis) + kl_coef * agg(KL) - entropy_coef * agg(H)
+        loss = agg(L_pg * w) + kl_coef * agg(KL) - entropy_coef * agg(H)
 
-    L_pg from :func:`policy_loss`; w_tis from :func:`tis_weights` (only when both
-    ``rollout_logp`` and ``tis_cap`` are given, else 1); KL from :func:`kl_penalty` against
-    ``ref_logp``, a loss term as in GRPO (DeepSeekMath eq. 3), not folded into the reward; H the
-    per-token entropy; agg :func:`aggregate_loss` with ``loss_agg``/``norm_const``/
-    ``global_tokens``/``global_seqs`` for all three terms. A term is only added when its
-    coefficient is non-zero; ``kl`` / ``entropy`` are still reported when given.
+    L_pg from :func:`policy_loss`; w from :func:`rollout_correction` (TIS/MIS, IcePop,
+    sequence masking; only when ``rollout_logp`` and one of ``tis_cap``, ``icepop_low``/
+    ``icepop_high``, ``seq_mask_threshold`` are given, else 1); KL from :func:`kl_penalty`
+    against ``ref_logp``, a loss term as in GRPO (DeepSeekMath eq. 3), not folded into the
+    reward; H the per-token entropy; agg :func:`aggregate_loss` with ``loss_agg``/
+    ``norm_const``/``global_tokens``/``global_seqs`` for all three terms. A term is only
+    added when its coefficient is non-zero; ``kl`` / ``entropy`` are still reported when given.
+
+    A token the correction masks out gets w = 0 in the policy-gradient term only (KL and
+    entropy keep every token) and still counts in agg's normaliser: masking is an importance
+    weight of 0 in sum w L / N, as in IcePop and MIS, not a smaller batch. So micro-batches
+    and data-parallel ranks keep the normalisers counted from ``mask`` before any loss
+    (gradient accumulation stays exact), and a step where many tokens are masked moves the
+    policy less instead of scaling the survivors up (verl drops them from the denominator).
 
     Returns ``(loss, metrics)``: a 0-dim loss with grad and python floats ``loss``, ``pg_loss``
     (with the global normalisers when given), ``kl`` (masked mean, if ``ref_logp``),
-    ``entropy`` (masked mean, if ``entropy``), every :func:`policy_loss` metric and, with TIS,
-    every :func:`tis_weights` metric; all but ``loss``/``pg_loss`` are local to the micro-batch.
-    Raises ValueError for ``kl_coef != 0`` without ``ref_logp`` or ``entropy_coef != 0``
-    without ``entropy``.
+    ``entropy`` (masked mean, if ``entropy``), every :func:`policy_loss` metric (over all of
+    ``mask``) and, with a correction, every :func:`rollout_correction` metric; all but
+    ``loss``/``pg_loss`` are local to the micro-batch. Raises ValueError for ``kl_coef != 0``
+    without ``ref_logp`` or ``entropy_coef != 0`` without ``entropy``.
     """
     if kl_coef != 0.0 and ref_logp is None:
         raise ValueError("kl_coef != 0 requires ref_logp")
@@ -391,10 +502,15 @@ def compute_grpo_loss(
                                      clip_high=clip_high, dual_clip=dual_clip,
                                      ratio_type=ratio_type)
     metrics: dict[str, float] = {k: v.item() for k, v in pg_metrics.items()}
-    if rollout_logp is not None and tis_cap is not None:
-        w, tis_metrics = tis_weights(old_logp, rollout_logp, mask, cap=tis_cap, level=tis_level)
-        pg_mat = pg_mat * w
-        metrics.update({k: v.item() for k, v in tis_metrics.items()})
+    correcting = (tis_cap is not None or icepop_low is not None or icepop_high is not None
+                  or seq_mask_threshold is not None)
+    if rollout_logp is not None and correcting:
+        w, keep, corr_metrics = rollout_correction(
+            old_logp, rollout_logp, mask, tis_cap=tis_cap, tis_level=tis_level,
+            tis_mode=tis_mode, icepop_low=icepop_low, icepop_high=icepop_high,
+            seq_mask_threshold=seq_mask_threshold, seq_mask_metric=seq_mask_metric)
+        pg_mat = torch.where(keep, pg_mat * w, torch.zeros_like(pg_mat))
+        metrics.update({k: v.item() for k, v in corr_metrics.items()})
     loss = pg_loss = agg(pg_mat)
     metrics["pg_loss"] = pg_loss.item()
     if ref_logp is not None:

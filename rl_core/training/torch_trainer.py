@@ -165,11 +165,12 @@ class TorchTrainer(WeightSource):
 
         With one mini-batch and one epoch the policy being trained *is* the one whose
         log-probs would be recomputed, so the ratio is exactly 1 at the first (only)
-        gradient and the extra forward pass is skipped (as nanochat and verl do). TIS
-        needs them to compare the trainer with the rollout engine.
+        gradient and the extra forward pass is skipped (as nanochat and verl do). The
+        rollout corrections (TIS/MIS, IcePop, sequence masking) need them to compare the
+        trainer with the rollout engine.
         """
         cfg = self.train_cfg
-        return cfg.mini_batches > 1 or cfg.ppo_epochs > 1 or self.algo.tis_cap is not None
+        return cfg.mini_batches > 1 or cfg.ppo_epochs > 1 or self.algo.corrects_rollout
 
     # ---------------------------------------------------------------------- train
 
@@ -312,8 +313,10 @@ def grpo_micro_loss(
         clip_high=algo.clip_high, dual_clip=algo.dual_clip, ratio_type=algo.ratio_type,
         loss_agg=algo.loss_agg, norm_const=norm_const, entropy=entropy,
         entropy_coef=algo.entropy_coef, rollout_logp=part.rollout_logp.to(device),
-        tis_cap=algo.tis_cap, tis_level=algo.tis_level, global_tokens=mini.tokens,
-        global_seqs=mini.seqs,
+        tis_cap=algo.tis_cap, tis_level=algo.tis_level, tis_mode=algo.tis_mode,
+        icepop_low=algo.icepop_low, icepop_high=algo.icepop_high,
+        seq_mask_threshold=algo.seq_mask_threshold, seq_mask_metric=algo.seq_mask_metric,
+        global_tokens=mini.tokens, global_seqs=mini.seqs,
     )
 
 
