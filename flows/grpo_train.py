@@ -90,7 +90,8 @@ def grpo_train(
                 continue
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                 metrics.update(save_checkpoint(planes, run.ckpt_root, step, rollouts.state_dict(),
-                                               data.train_digest, tracking and tracking.run_id))
+                                               data.train_digest, tracking and tracking.run_id,
+                                               opaque(rollouts.buffer())))
                 log_checkpoint(tracking, step, run.ckpt_root)
             run.record_step(step, metrics, scored, tracking, get_planes(planes).tokenizer)
             if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
@@ -155,8 +156,8 @@ def _bring_up(run: Run, model_path: str, data: Any, checkpoint: Any) -> tuple:  
         run.dir.truncate_after(0 if run.started else -1)  # a fresh start: fresh logs
         run.started = True
         return planes, rollouts, 1
-    state = restore_checkpoint(planes, str(checkpoint), data.train_digest)
-    rollouts.load_state_dict(state.sampler)
+    state, buffer = restore_checkpoint(planes, str(checkpoint), data.train_digest)
+    rollouts.load_state_dict(state.sampler, buffer)
     run.dir.truncate_after(state.step)
     if not run.started:
         run.resumed_from_step = state.step

@@ -17,13 +17,18 @@ the groups whose rewards differ and draws more prompt batches until the step has
 ``train.prompts_per_step`` of them (or the rounds run out).
 
 Every prompt batch drawn stays in ``pending`` until its step has trained and is written into
-the checkpoint with the sampler's position (:meth:`state_dict`): a resume regenerates the
-batches that were drawn ahead, so consumed data is neither skipped nor repeated.
+the checkpoint with the sampler's position (:meth:`state_dict`), and the rollouts generated
+ahead (all finished when a checkpoint is written: the weight sync waited for them) are written
+beside it (:meth:`buffer`). A resume takes them back (:meth:`load_buffer`) instead of
+generating them again from other weights, so consumed data is neither skipped nor repeated and
+the resumed run trains on exactly the samples the uninterrupted one did; a batch drawn ahead
+without its samples (an older checkpoint) is regenerated.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from typing import Any
 
 from prefect.utilities.annotations import opaque
@@ -31,6 +36,7 @@ from prefect.utilities.annotations import opaque
 from rl_core.data.sampler import PromptSampler
 from rl_core.grpo import split_informative_groups, summarize_samples
 from rl_core.planes import PlanesHandle, get_planes
+from rl_core.types import Sample
 from tasks.step import StepSamples, reward, rollout
 
 __all__ = ["Rollouts", "StalenessError"]
@@ -53,6 +59,7 @@ class Rollouts:
         self.max_staleness, self.steps = cfg.rollout.max_staleness, cfg.train.steps
         self.pending: dict[int, list[int]] = {}  # step -> prompt indices drawn, not trained
         self._futures: dict[int, Any] = {}
+        self._ready: dict[int, StepSamples] = {}  # generated before a resume (the buffer)
 
     def _indices(self, step: int) -> list[int]:
         if step not in self.pending:
@@ -62,8 +69,11 @@ class Rollouts:
     def take(self, step: int) -> StepSamples:
         """Step ``step``'s samples: the rollout submitted ahead, or one run now."""
         future = self._futures.pop(step, None)
-        samples = future.result() if future is not None else rollout(
-            self.planes, self._indices(step), step)
+        if step in self._ready:
+            samples = self._ready.pop(step)
+        else:
+            samples = future.result() if future is not None else rollout(
+                self.planes, self._indices(step), step)
         # Before step t trains, the trainer's policy is version t-1.
         ages = [step - 1 - s.weight_version for s in samples.samples]
         if ages and max(ages) > self.max_staleness:
@@ -72,6 +82,8 @@ class Rollouts:
                 f"{max(ages)} versions old, beyond rollout.max_staleness={self.max_staleness}")
         samples.metrics["staleness_max"] = float(max(ages, default=0))
         samples.metrics["staleness_mean"] = float(sum(ages) / len(ages)) if ages else 0.0
+        for age in range(self.max_staleness + 1):  # the histogram of sample ages
+            samples.metrics[f"staleness_frac/{age}"] = ages.count(age) / max(len(ages), 1)
         return samples
 
     def informative(self, scored: StepSamples, step: int) -> StepSamples:
@@ -105,10 +117,16 @@ class Rollouts:
         return StepSamples(step, kept, metrics, dropped=dropped + surplus)
 
     def prefetch(self, step: int) -> None:
-        """Submit the rollouts of steps ``step+1 .. step+k`` that are not in flight yet."""
+        """Submit the rollouts of steps ``step+1 .. step+k`` that are not in flight yet, each
+        after the one before it: rollouts never share the engines' batches, so what the
+        engines compute (tokens and log-probs, to the last bit) does not depend on how two
+        rollouts' requests happened to interleave."""
         for ahead in range(step + 1, min(step + self.max_staleness, self.steps) + 1):
-            if ahead not in self._futures:
-                self._futures[ahead] = rollout.submit(self.planes, self._indices(ahead), ahead)
+            if ahead not in self._futures and ahead not in self._ready:
+                before = self._futures.get(ahead - 1)
+                self._futures[ahead] = rollout.submit(
+                    self.planes, self._indices(ahead), ahead,
+                    wait_for=[before] if before is not None else None)
 
     def drain(self) -> None:
         """Wait for the rollouts in flight (before the engines' weights change)."""
@@ -124,12 +142,34 @@ class Rollouts:
         pending = [[step, list(idx)] for step, idx in sorted(self.pending.items())]
         return {**self.sampler.state_dict(), "pending": pending}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], buffer: list[dict[str, Any]] | None = None
+                        ) -> None:
+        """The sampler's position and batches drawn ahead, and the rollouts generated for them
+        (``buffer``, :meth:`buffer`'s rows)."""
         state = dict(state)
         pending = state.pop("pending", [])
         self.sampler.load_state_dict(state)
         self.pending = {int(step): list(idx) for step, idx in pending}
         self._futures.clear()
-        if self.pending:
-            log.info("regenerating the prompt batches drawn ahead for steps %s",
-                     sorted(self.pending))
+        self._ready = {}
+        for row in buffer or []:
+            step = int(row["step"])
+            if self.pending.get(step) == list(row["indices"]):  # the batch it was drawn for
+                self._ready[step] = StepSamples(step, [Sample(**x) for x in row["samples"]],
+                                                dict(row["metrics"]))
+        if self._ready:
+            log.info("took back the rollouts generated ahead for steps %s", sorted(self._ready))
+        if again := sorted(set(self.pending) - set(self._ready)):
+            log.info("regenerating the prompt batches drawn ahead for steps %s", again)
+
+    def buffer(self) -> list[dict[str, Any]]:
+        """The rollouts generated ahead of the current step, finished (call after
+        :meth:`drain`), as JSON-able rows for the checkpoint: step, prompt indices, samples
+        (every field: tokens, log-probs, versions) and their metrics."""
+        rows = []
+        for step in sorted({*self._futures, *self._ready}):
+            done = self._ready[step] if step in self._ready else self._futures[step].result()
+            rows.append({"step": step, "indices": list(self.pending[step]),
+                         "samples": [asdict(s) for s in done.samples],
+                         "metrics": dict(done.metrics)})
+        return rows

@@ -145,6 +145,12 @@ class RolloutConfig(_Section):
     max_running_requests: int = Field(256, ge=1, description="Per engine (embedded, local).")
     request_batch_size: int = Field(
         16, ge=1, description="Samples per /generate request; 1 = one request per sample.")
+    deterministic: bool | None = Field(
+        None, description="Timing-free rollouts: a generation goes to each embedded engine as "
+        "one request, so the samples that share its batches (and the last bit of every "
+        "log-prob) do not depend on when requests arrive; runs repeat bit for bit on CPU, "
+        "overlapped (max_staleness > 0) or not. Default: on for the embedded engine, off for "
+        "SGLang (whose own batching decides).")
     weight_sync: Literal["disk", "object_store", "distributed", "shared"] = Field(
         "disk", description="`disk`: trainer writes safetensors, engines reload them (one node "
         "or a shared filesystem); `object_store`: through Ray's object store (cluster.mode ray); "

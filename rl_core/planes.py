@@ -156,8 +156,9 @@ def start_rollout(
         failure_threshold=r.health_failure_threshold, startup_timeout_s=r.startup_timeout_s,
         client_kwargs={"read_timeout_s": r.timeout_s, "total_timeout_s": r.timeout_s},
     )
+    deterministic = r.deterministic if r.deterministic is not None else r.engine == "embedded"
     plane = HttpPlane(pool, request_batch_size=r.request_batch_size, timeout_s=r.timeout_s,
-                      weight_sync_timeout_s=r.weight_sync_timeout_s)
+                      weight_sync_timeout_s=r.weight_sync_timeout_s, deterministic=deterministic)
     if r.weight_sync == "distributed":
         from rl_core.weight_sync.broadcast import BroadcastSync
 

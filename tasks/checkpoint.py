@@ -1,11 +1,14 @@
 """Tasks that save and restore a run: periodic checkpoints and resume.
 
 A checkpoint holds everything a resumed run needs to continue as if it had never stopped:
-weights, optimizer, LR schedule, RNG states, data-sampler position, step and weight version.
+weights, optimizer, LR schedule, RNG states, data-sampler position, step and weight version,
+and the rollouts generated ahead of the step (``rollouts.json``, with
+``rollout.max_staleness > 0``).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -24,13 +27,16 @@ from rl_core.checkpoint import write_checkpoint as commit_checkpoint
 from rl_core.config import config_digest
 from rl_core.planes import PlanesHandle, get_planes
 
-__all__ = ["restore_checkpoint", "save_checkpoint"]
+__all__ = ["ROLLOUT_BUFFER", "restore_checkpoint", "save_checkpoint"]
+
+ROLLOUT_BUFFER = "rollouts.json"  # the samples generated ahead (flows.rollouts.Rollouts.buffer)
 
 
 @task(name="checkpoint", task_run_name="checkpoint-step-{step}", timeout_seconds=1800, retries=2,
       retry_delay_seconds=[2, 10], cache_policy=NO_CACHE)
 def save_checkpoint(planes: PlanesHandle, root: str, step: int, sampler_state: dict[str, Any],
-                    train_digest: str, tracking_run_id: str | None = None) -> dict[str, float]:
+                    train_digest: str, tracking_run_id: str | None = None,
+                    rollout_buffer: list[dict[str, Any]] | None = None) -> dict[str, float]:
     """Write a complete checkpoint for ``step`` (idempotent: a re-run replaces it)."""
     p = get_planes(planes)
     started = time.perf_counter()
@@ -38,6 +44,8 @@ def save_checkpoint(planes: PlanesHandle, root: str, step: int, sampler_state: d
     def payload(tmp: Path) -> None:
         p.trainer.save_state(tmp)
         p.tokenizer.save_pretrained(tmp / "model")
+        if rollout_buffer:
+            (tmp / ROLLOUT_BUFFER).write_text(json.dumps(rollout_buffer, allow_nan=True))
 
     state = CheckpointState(step=step, weight_version=p.weight_version, sampler=sampler_state,
                             config_digest=config_digest(p.config), train_digest=train_digest,
@@ -48,8 +56,10 @@ def save_checkpoint(planes: PlanesHandle, root: str, step: int, sampler_state: d
 
 
 @task(name="restore-checkpoint", timeout_seconds=1800, cache_policy=NO_CACHE)
-def restore_checkpoint(planes: PlanesHandle, path: str, train_digest: str) -> CheckpointState:
-    """Load a verified checkpoint into the planes; returns where the run stands."""
+def restore_checkpoint(planes: PlanesHandle, path: str, train_digest: str
+                       ) -> tuple[CheckpointState, list[dict[str, Any]]]:
+    """Load a verified checkpoint into the planes; returns where the run stands and the
+    rollouts it had generated ahead (empty when none)."""
     log = get_run_logger()
     p = get_planes(planes)
     local = fetch_checkpoint(path, p.config.storage.cache_dir)  # s3://: download, verified
@@ -65,5 +75,7 @@ def restore_checkpoint(planes: PlanesHandle, path: str, train_digest: str) -> Ch
     p.trainer.load_state(local)
     p.sync_weights(state.weight_version)
     restore_rng(rng)
+    buffer = local / ROLLOUT_BUFFER
+    rows = json.loads(buffer.read_text()) if buffer.is_file() else []
     log.info("resumed from %s at step %d", path, state.step)
-    return state
+    return state, rows

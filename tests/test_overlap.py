@@ -1,9 +1,12 @@
 """Rollout overlapping training (``rollout.max_staleness``) and DAPO's dynamic sampling.
 
 - The staleness bound holds: with ``max_staleness=1`` every step from the second on trains
-  on samples of the previous-but-one weights (exactly one version old), never older; TIS is
-  on by default; the rollouts drawn ahead are in the checkpoint, so a resume regenerates them
-  and the run consumes the same prompts as an uninterrupted one (none skipped or repeated).
+  on samples of the previous-but-one weights (exactly one version old), never older, and the
+  histogram of sample ages says so; TIS is on by default; the prompt batches drawn ahead and
+  the rollouts generated for them are in the checkpoint.
+- Overlapped runs are deterministic (``max_staleness=2``): two runs end with the same weights,
+  and a run resumed from a checkpoint takes back the rollouts generated ahead and ends with
+  the samples and weights of the uninterrupted run, bit for bit.
 - Dynamic sampling never trains on a zero-variance group: the ledger marks them (and the
   surplus groups) as not trained, and the trained groups of each step all carry gradient.
 """
@@ -82,26 +85,47 @@ def test_one_step_off_policy_bound_holds_and_resume_consumes_the_same_prompts(
         assert versions == ({0} if step == 1 else {step - 2}), (step, versions)
     metrics = _metrics(run)
     assert [m["staleness_max"] for m in metrics] == [0.0, 1.0, 1.0, 1.0]
+    assert [(m["staleness_frac/0"], m["staleness_frac/1"]) for m in metrics] == [
+        (1.0, 0.0), (0.0, 1.0), (0.0, 1.0), (0.0, 1.0)]  # the histogram of sample ages
     assert all("tis_mean" in m or "tis_max" in m for m in metrics), sorted(metrics[0])
-    state = json.loads((run / "checkpoints" / "step-000002" / "state.json").read_text())
+    ckpt = run / "checkpoints" / "step-000002"
+    state = json.loads((ckpt / "state.json").read_text())
     assert [p[0] for p in state["sampler"]["pending"]] == [3]  # drawn ahead, not trained
+    buffer = json.loads((ckpt / "rollouts.json").read_text())  # ... and generated
+    assert [row["step"] for row in buffer] == [3]
+    assert [s["uid"] for s in buffer[0]["samples"]] == [r["uid"] for r in ledger[3]]
 
-    # Resume from step 2 in a copy of the run: the batch drawn ahead for step 3 is
-    # regenerated (from the step-2 weights, so it is fresh), and steps 3-4 consume exactly
-    # the prompts the uninterrupted run did.
-    copy = tmp_path / "stale-resumed" / "checkpoints" / "step-000002"
-    shutil.copytree(run / "checkpoints" / "step-000002", copy)
-    resumed = _run(tmp_path, tiny_cache, "stale-resumed", "train.steps=4",
-                   "rollout.max_staleness=1", "checkpoint.every=2", resume="always")  # fmt: skip
+
+def _weights(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "model" / "model.safetensors")
+
+
+def test_overlapped_runs_repeat_bit_for_bit_and_resume_exactly(
+    prefect_harness, tiny_cache: Path, tmp_path: Path
+) -> None:
+    """max_staleness=2: two runs end with the same weights; a run resumed from its step-2
+    checkpoint takes back the rollouts generated ahead (steps 3 and 4), generates step 5 as
+    the uninterrupted run did, and ends with the same samples and weights."""
+    import torch
+
+    args = ["train.steps=5", "rollout.max_staleness=2", "checkpoint.every=2", "checkpoint.keep_last=3"]
+    first = Path(_run(tmp_path, tiny_cache, "first", *args)["run_dir"])
+    second = Path(_run(tmp_path, tiny_cache, "second", *args)["run_dir"])
+    a, b = _weights(first), _weights(second)
+    assert all(torch.equal(a[k], b[k]) for k in a), "two runs of one config differ"
+    assert _ledger(first) == _ledger(second)
+
+    copy = tmp_path / "resumed" / "checkpoints" / "step-000002"
+    shutil.copytree(first / "checkpoints" / "step-000002", copy)
+    resumed = _run(tmp_path, tiny_cache, "resumed", *args, resume="always")
     assert resumed["resumed_from_step"] == 2
-
-    def prompts(rows: list[dict]) -> list[str]:
-        return [r["uid"] for r in rows]
-
-    again = _ledger(Path(resumed["run_dir"]))
-    for step in (3, 4):
-        assert prompts(again[step]) == prompts(ledger[step]), step
-    assert {r["weight_version"] for r in again[3]} == {2}  # regenerated after the resume
+    again, ledger = _ledger(Path(resumed["run_dir"])), _ledger(first)
+    for step in (3, 4, 5):
+        assert again[step] == ledger[step], f"step {step} differs after the resume"
+    c = _weights(Path(resumed["run_dir"]))
+    assert all(torch.equal(a[k], c[k]) for k in a), "the resumed run ends with other weights"
 
 
 def test_dynamic_sampling_never_trains_on_a_zero_variance_group(

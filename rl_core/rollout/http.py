@@ -57,15 +57,20 @@ class HttpPlane:
 
     ``pool`` is started and owned by this object (``close()`` stops it). ``before_generate``
     (set by the planes) runs before each generation while restarted engines wait for weights
-    (the distributed transport re-broadcasts then).
+    (the distributed transport re-broadcasts then). ``deterministic``: a generation goes to
+    each engine as one request (the engine admits its samples together), so which samples
+    share the engine's batches, and so the last bit of every log-prob, does not depend on when
+    requests arrive (with one engine, or the router's one-sample requests excepted).
     """
 
     def __init__(self, pool: EnginePool, *, request_batch_size: int = 16, timeout_s: float = 600.0,
-                 weight_sync_timeout_s: float = 600.0, verify_checksum: bool = True) -> None:
+                 weight_sync_timeout_s: float = 600.0, verify_checksum: bool = True,
+                 deterministic: bool = False) -> None:
         if request_batch_size < 1:
             raise ValueError(f"request_batch_size must be >= 1, got {request_batch_size}")
         self.pool = pool
         self.request_batch_size = request_batch_size
+        self.deterministic = deterministic
         self.timeout_s = timeout_s
         self.weight_sync_timeout_s = weight_sync_timeout_s
         self.verify_checksum = verify_checksum
@@ -143,6 +148,8 @@ class HttpPlane:
             self.before_generate()
         client = self.client
         size = 1 if self.pool.url else self.request_batch_size
+        if self.deterministic and not self.pool.url:
+            size = -(-len(prompts) // len(self.pool.engines))  # one request per engine
         chunks = [(prompts[i : i + size], [sampling_payload(p) for p in params[i : i + size]])
                   for i in range(0, len(prompts), size)]
 
