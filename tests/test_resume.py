@@ -6,6 +6,12 @@ checkpoint (the sample ledger: uids, rewards, token counts) and the final weight
 identical to the uninterrupted run's. Both runs use one torch thread, per-sample sampling
 seeds and batch-invariant decoding, so identity is bit-exact on CPU.
 
+``test_sigkills_at_random_points_then_resume_is_exact`` kills at random moments instead (start-up,
+a step, a checkpoint write, the final evaluation), resumes each time, and checks the ledger,
+the final weights and that no kill left a process running; once in CI for an overlapped run,
+``GRPOFLOW_SOAK_KILLS`` times per mode under ``-m soak`` (``GRPOFLOW_SOAK_SEED`` replays a
+failure: the seed is in every assertion message).
+
 The epoch-boundary variant keeps its checkpoints in S3 (the session's moto server) and
 resumes on "another machine": a fresh ``storage.root`` with nothing of the killed run, so
 the checkpoint is found and downloaded from the bucket.
@@ -227,3 +233,75 @@ def test_a_step_that_keeps_failing_fails_the_run_naming_task_and_step(
                        r"RuntimeError: out of memory \(injected\)"):
         grpo_train(config=DEMO, overrides=_in_process(tmp_path, tiny_cache, "broken"),
                    show_progress=False)
+
+
+def _kill_at_random_points(tmp: Path, cache: Path, env: dict[str, str], extra: list[str],
+                           kills: int, span_s: float, seed: int) -> list[str]:
+    """SIGKILL ``grpoflow train`` (resuming whatever its run directory holds) at ``kills``
+    random moments of up to ``span_s`` seconds after its start; every process it had started
+    must be gone after each kill (the reaper). Returns what was killed when, for messages."""
+    import random
+
+    import psutil
+
+    rng = random.Random(seed)
+    log = []
+    for i in range(kills):
+        at = rng.uniform(1.0, span_s)
+        proc = subprocess.Popen(_argv(tmp, cache, "killed", *extra), env=env, cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(at)
+            tree = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None \
+                else []
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        metrics = tmp / "killed" / "metrics.jsonl"
+        steps = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+        log.append(f"kill {i + 1} at {at:.1f}s (after {steps} logged steps)")
+        _, alive = psutil.wait_procs(tree, timeout=30)
+        assert not alive, f"{log[-1]}: left running: {[p.pid for p in alive]}"
+    return log
+
+
+_SOAK_KILLS = int(os.environ.get("GRPOFLOW_SOAK_KILLS", "8"))
+
+
+# In CI: one kill of an overlapped run (the synchronous mode's single kill is the test above);
+# `pytest -m soak`: many kills in both modes.
+@pytest.mark.parametrize(("staleness", "kills"), [
+    pytest.param(2, 1, id="overlap-2-1-kill"),
+    pytest.param(0, _SOAK_KILLS, id="sync-soak", marks=pytest.mark.soak),
+    pytest.param(2, _SOAK_KILLS, id="overlap-2-soak", marks=pytest.mark.soak),
+])
+def test_sigkills_at_random_points_then_resume_is_exact(
+    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, staleness: int,
+    kills: int,
+) -> None:
+    """Kill the run at random moments (start-up, a step, a checkpoint write, the final
+    evaluation), resume each time, and let the last resume finish: the ledger (every step
+    once, the same samples) and the final weights equal the uninterrupted run's, in the
+    synchronous and the overlapped mode, and no kill leaves a process running."""
+    extra = [f"rollout.max_staleness={staleness}", "checkpoint.keep_last=1"]
+    env = _env()
+    t0 = time.monotonic()
+    done = subprocess.run(_argv(tmp_path, tiny_cache, "straight", *extra), env=env, cwd=ROOT,
+                          timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    span = time.monotonic() - t0
+    seed = int(os.environ.get("GRPOFLOW_SOAK_SEED", str(time.time_ns() % 10**6)))
+    log = _kill_at_random_points(tmp_path, tiny_cache, env, extra, kills, span, seed)
+    final = subprocess.run(_argv(tmp_path, tiny_cache, "killed", *extra), env=env, cwd=ROOT,
+                           timeout=600, capture_output=True, text=True)
+    where = f"GRPOFLOW_SOAK_SEED={seed}: {'; '.join(log)}"
+    assert final.returncode == 0, f"{where}\n{final.stderr[-3000:]}"
+    straight, killed = _ledger(tmp_path / "straight"), _ledger(tmp_path / "killed")
+    assert sorted(killed) == list(range(1, STEPS + 1)), where
+    for step in killed:
+        assert killed[step] == straight[step], f"{where}: step {step} differs"
+    a = load_file(tmp_path / "straight" / "model" / "model.safetensors")
+    b = load_file(tmp_path / "killed" / "model" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a), f"{where}: other final weights"
