@@ -42,7 +42,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rl_core.rewards.math import format_reward
-from rl_core.rewards.runner import _MAX_ERROR_MESSAGES, RewardFunctionError, RewardResult, _short
+from rl_core.rewards.runner import (
+    _MAX_ERROR_MESSAGES,
+    FailedStepStreak,
+    RewardFunctionError,
+    RewardResult,
+    _short,
+)
 
 if TYPE_CHECKING:  # the config module imports no rewards code; only the types are needed
     from rl_core.config import ExperimentConfig, RewardConfig
@@ -185,9 +191,8 @@ class JudgeRunner:
         self._recent: deque[Judgement] = deque(maxlen=_RECENT)
         # Fault budget, as RewardRunner keeps it: the current step, whether it had samples and
         # whether the judge scored any, the failed steps in a row before it.
-        self._step: object = None
-        self._step_seen = self._step_scored = False
-        self._done_streak = self._failed_streak = 0
+        self._streak = FailedStepStreak()
+        self._failed_streak = 0
         self._fatal: JudgeError | None = None
         self._lock, self._closed = threading.Lock(), False
         # A fast tokenizer is not safe to share between threads (its Rust state is borrowed
@@ -478,18 +483,9 @@ class JudgeRunner:
         """`RewardRunner`'s fault budget (called under the lock): a step fails once it has
         samples and the judge scored none of them; ``max_failed_steps`` failed steps in a row
         raise `JudgeError`."""
-        if step != self._step:  # a new step begins
-            failed_before = self._step_seen and not self._step_scored
-            self._done_streak = self._done_streak + 1 if failed_before else 0
-            self._step, self._step_seen, self._step_scored = step, False, False
-        if result.scores:  # an empty call proves nothing
-            self._step_seen = True
-            if result.all_failed:
-                self._stats["all_failed_calls"] += 1
-            else:
-                self._step_scored, self._done_streak = True, 0
-        current = 1 if self._step_seen and not self._step_scored else 0
-        self._failed_streak = result.failed_streak = self._done_streak + current
+        if result.scores and result.all_failed:
+            self._stats["all_failed_calls"] += 1
+        self._failed_streak = self._streak.count(result, step)
         if self.max_failed_steps and self._failed_streak >= self.max_failed_steps:
             self._fatal = JudgeError(self.spec, self._failed_streak,
                                      result.last_error or "no message")

@@ -46,7 +46,7 @@ from rl_core.rewards.math import format_reward, gsm8k_reward
 if TYPE_CHECKING:  # the config module imports no rewards code; only the type is needed
     from rl_core.config import RewardConfig
 
-__all__ = ["BUILTIN_REWARDS", "DEFAULT_MAX_FAILED_STEPS", "DEFAULT_MEMORY_LIMIT_MB", "RewardFn",
+__all__ = ["BUILTIN_REWARDS", "DEFAULT_MAX_FAILED_STEPS", "DEFAULT_MEMORY_LIMIT_MB", "FailedStepStreak", "RewardFn",
            "RewardFunctionError", "RewardResult", "RewardRunner", "load_reward_fn"]
 
 RewardFn = Callable[[str, str], float]
@@ -212,6 +212,31 @@ _WORKER_BOOT = (
     "from rl_core.rewards.runner import _worker_main\n_worker_main(cfg)\n")
 
 
+class FailedStepStreak:
+    """Consecutive steps whose every sample failed: the fault budget of the reward function
+    (``reward.max_failed_steps``) and of the judge. A step fails once it has samples and none
+    was scored; a later call of the same step that scores one clears it; an empty call proves
+    nothing."""
+
+    def __init__(self) -> None:
+        self._step: object = None
+        self._seen = self._scored = False
+        self._done = 0  # failed steps in a row before the current one
+
+    def count(self, result: RewardResult, step: object) -> int:
+        """Count ``result`` (a call of ``step``); the streak, this step included (also set as
+        ``result.failed_streak``)."""
+        if step != self._step:  # a new step begins
+            self._done = self._done + 1 if self._seen and not self._scored else 0
+            self._step, self._seen, self._scored = step, False, False
+        if result.scores:
+            self._seen = True
+            if not result.all_failed:
+                self._scored, self._done = True, 0
+        result.failed_streak = self._done + (1 if self._seen and not self._scored else 0)
+        return result.failed_streak
+
+
 def _watch_parent(parent_pid: int) -> None:
     # A worker stuck in user code never sees EOF; without this it outlives a SIGKILLed trainer.
     while True:
@@ -348,9 +373,8 @@ class RewardRunner:
         self.max_failed_steps, self.pass_threshold = max_failed_steps, float(pass_threshold)
         # Fault budget state: the current step, whether it scored samples and whether the
         # function scored any of them, the failed steps in a row before it and with it.
-        self._step: object = None
-        self._step_seen = self._step_scored = False
-        self._done_streak = self._failed_streak = 0
+        self._streak = FailedStepStreak()
+        self._failed_streak = 0
         self._fatal: RewardFunctionError | None = None
         self._builtin, self._closed, self._lock = builtin, False, threading.Lock()
         self._stats = dict.fromkeys(("calls", "samples", "errors", "timeouts", "worker_restarts",
@@ -410,18 +434,9 @@ class RewardRunner:
         """Track consecutive steps whose every sample failed; raise at ``max_failed_steps``. A
         step fails once it has samples and the function scored none; a later call of the same
         step that scores one clears it."""
-        if step != self._step:  # a new step begins
-            failed_before = self._step_seen and not self._step_scored
-            self._done_streak = self._done_streak + 1 if failed_before else 0
-            self._step, self._step_seen, self._step_scored = step, False, False
-        if result.scores:  # an empty call proves nothing
-            self._step_seen = True
-            if result.all_failed:
-                self._stats["all_failed_calls"] += 1
-            else:
-                self._step_scored, self._done_streak = True, 0
-        current = 1 if self._step_seen and not self._step_scored else 0
-        self._failed_streak = result.failed_streak = self._done_streak + current
+        if result.scores and result.all_failed:
+            self._stats["all_failed_calls"] += 1
+        self._failed_streak = self._streak.count(result, step)
         if self.max_failed_steps and self._failed_streak >= self.max_failed_steps:
             last = result.last_error or "no message"
             self._fatal = RewardFunctionError(str(self.spec), self._failed_streak, last)
