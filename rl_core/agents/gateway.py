@@ -246,7 +246,7 @@ class GatewaySession:
         self.index, self.group, self.attempt = index, group, attempt
         self.step, self.seed, self.params, self.limits = step, seed, params, limits
         self.url = f"{gateway.url}/sessions/{sid}"
-        self.opened = time.monotonic()
+        self.opened, self.opened_at = time.monotonic(), time.time()  # the latter for traces
         self.deadline = self.opened + limits.timeout_s
         self.closed, self.close_reason = False, ""
         self.lock = threading.Lock()  # state, between the server's loop and the runner
@@ -437,7 +437,8 @@ class GatewaySession:
                          "refused_requests": self.refused},
                 "masked_tokens": len(mask) - sum(mask),
                 "trace": list(self.trace) if trace is None else trace,
-                "seconds": time.monotonic() - (self.opened if started is None else started)}
+                "seconds": time.monotonic() - (self.opened if started is None else started),
+                "started_at": self.opened_at}
             rec = self.task
             return Sample(prompt, list(self.ids), list(self.logps), dict(self.finish_reason),
                           self.version, self.text, loss_mask=mask,
