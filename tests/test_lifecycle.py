@@ -12,7 +12,6 @@ tests/test_resume.py's.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from test_resume import _wait_for_step
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "tiny-cpu.yaml")
@@ -89,19 +89,6 @@ def test_exit_within_ends_a_process_whose_threads_do_not(tmp_path: Path) -> None
     assert done.returncode == 143, done.stderr
     assert time.monotonic() - t0 < 30
     assert "still running 1s after the stop signal" in done.stderr
-
-
-def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the run exited (rc={proc.returncode}) before step {step}")
-        if metrics.is_file():
-            steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if x]
-            if step in steps:
-                return
-        time.sleep(0.1)
-    raise AssertionError(f"step {step} not logged within {timeout_s}s")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
