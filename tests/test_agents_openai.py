@@ -262,7 +262,7 @@ def check_layout(samples: list, records: list[Record], n: int, step: int) -> Non
 
 
 EPISODE_KEYS = {"status", "finish", "turns", "attempts", "errors", "env_reward", "tool_calls",
-                "info", "masked_tokens", "trace", "seconds"}
+                "info", "masked_tokens", "trace", "seconds", "started_at"}
 
 
 def check_token_exact(sample: Any, chat: ChatTokens, ref: Any, step: int, seed: int,
