@@ -91,30 +91,41 @@ def exit_within(seconds: float, code: int) -> None:
     threading.Thread(target=deadline, name="grpoflow-exit-deadline", daemon=True).start()
 
 
+class _ParentGone(Exception):  # noqa: N818 (a signal, not an error)
+    """Raised by the parent-death signal's handler, out of whatever the loop is doing."""
+
+
+def _parent_gone(signum: int, frame: object) -> None:
+    # Only raise: a handler that took a lock (threading.Event.set) could deadlock with the
+    # very code it interrupted.
+    raise _ParentGone
+
+
 def _watch(pid: int, grace_s: float, poll_s: float) -> int:
     """The reaper's loop (see the module docstring); returns its exit code."""
-    gone = threading.Event()
-    signal.signal(signal.SIGUSR1, lambda *_: gone.set())
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGUSR1, 0, 0, 0)
+    me = os.getpid()
+    seen: dict[int, psutil.Process] = {}
     try:
         parent = psutil.Process(pid)
     except psutil.Error:
         return 0
-    me = os.getpid()
-    seen: dict[int, psutil.Process] = {}
-    while not gone.is_set():
-        if os.getppid() != pid or not parent.is_running():  # died before PDEATHSIG was set
-            break
-        with contextlib.suppress(psutil.Error):
-            for child in parent.children(recursive=True):
-                if child.pid != me:
-                    seen.setdefault(child.pid, child)
-            # forget the ones that ended (a pid may be reused by another process)
-            for p_id in [p_id for p_id, p in seen.items() if not p.is_running()]:
-                del seen[p_id]
-        gone.wait(poll_s)
+    try:
+        signal.signal(signal.SIGUSR1, _parent_gone)
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGUSR1, 0, 0, 0)
+        while os.getppid() == pid and parent.is_running():  # (dead before PDEATHSIG was set)
+            with contextlib.suppress(psutil.Error):
+                for child in parent.children(recursive=True):
+                    if child.pid != me:
+                        seen.setdefault(child.pid, child)
+                # forget the ones that ended (a pid may be reused by another process)
+                for p_id in [p_id for p_id, p in seen.items() if not p.is_running()]:
+                    del seen[p_id]
+            time.sleep(poll_s)
+    except _ParentGone:
+        pass
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     kill_descendants(list(seen.values()), grace_s)
     return 0
 
