@@ -50,12 +50,19 @@ VARIANTS: dict[str, list[str]] = {
     # on 2 cores) instead of each plane taking them all: no OpenMP oversubscription
     "overlap_split": ["rollout.max_staleness=1", "rollout.engine_threads=1",
                       "train.num_threads=1"],
+    # fully asynchronous (rollout.streaming): partial rollouts, a stream of groups
+    "stream": ["rollout.max_staleness=2", "rollout.streaming=true"],
+    # the planes on separate cores (as on separate GPUs): 1 engine thread + 1 trainer thread
+    **{f"{name}_disagg": [*extra, "cluster.placement=disaggregated", "train.num_threads=1"]
+       for name, extra in (("sync", []), ("overlap", ["rollout.max_staleness=1"]),
+                           ("stream", ["rollout.max_staleness=2", "rollout.streaming=true"]))},
 }
 DEFAULT_VARIANTS = ("sync", "overlap", "dynamic")
 
 
 def run_variant(
-    name: str, extra: list[str], steps: int, eval_examples: int, work: Path, round_: int = 0
+    name: str, extra: list[str], steps: int, eval_examples: int, work: Path, round_: int = 0,
+    config: Path = ROOT / "configs" / "tiny-cpu.yaml",
 ) -> dict:
     """One ``grpoflow train`` of the demo; its timings and accuracy."""
     overrides = [
@@ -66,7 +73,7 @@ def run_variant(
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     subprocess.run(
-        [*GRPOFLOW, "train", str(ROOT / "configs" / "tiny-cpu.yaml"), "--quiet",
+        [*GRPOFLOW, "train", str(config), "--quiet",
          "--no-resume", *overrides],
         check=True, cwd=ROOT, timeout=1800,
     )  # fmt: skip
@@ -88,6 +95,12 @@ def run_variant(
             k: mean(f"time/{k}")
             for k in ("rollout", "reward", "logprobs", "train", "overlap_wait", "sync")
         },
+        "overlapped_rollout_s_mean": mean("overlap/time/rollout"),
+        "trained_samples_per_s": len(later) * _batch(metrics)
+        / max(sum(m["time/step"] for m in later), 1e-9),
+        "response_len_mean": mean("response_len_mean"),
+        "response_len_max_mean": mean("response_len_max"),
+        "stale_groups": sum(m.get("stream_stale_groups", 0.0) for m in metrics),
         "reward_mean_last5": statistics.fmean(m["reward_mean"] for m in metrics[-5:]),
         "pass_at_1_first": summary["first_eval"]["pass_at_1"],
         "pass_at_1_last": summary["last_eval"]["pass_at_1"],
@@ -101,6 +114,12 @@ def run_variant(
             m["dynamic_sampling_zero_var_groups"] for m in metrics
         )
     return out
+
+
+def _batch(metrics: list[dict]) -> float:
+    """Samples a step trains on (the ledger's count, from the metrics: tokens / mean length)."""
+    m = metrics[-1]
+    return round(m["response_tokens"] / max(m["response_len_mean"], 1e-9))
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -121,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
                     choices=list(VARIANTS))  # fmt: skip
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "tiny-cpu.yaml",
+                    help="e.g. configs/long-tail-cpu.yaml (a long-tailed response length)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds; each round runs every variant once, in turn")  # fmt: skip
     args = ap.parse_args(argv)
@@ -129,26 +150,29 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.repeats):
             for name in args.variants:
                 runs[name].append(run_variant(
-                    name, VARIANTS[name], args.steps, args.eval_examples, Path(tmp), i))  # fmt: skip
+                    name, VARIANTS[name], args.steps, args.eval_examples, Path(tmp), i,
+                    args.config))  # fmt: skip
                 r = runs[name][-1]
                 print(f"round {i + 1} {name:<8} {r['step_s_mean']:.2f} s/step, pass@1 "
                       f"{r['pass_at_1_first']:.3f}->{r['pass_at_1_last']:.3f} "
                       f"(load1 {r['load_avg_1m_start']:.2f})", flush=True)  # fmt: skip
     results = {name: _summary(rs) for name, rs in runs.items()}
-    base = results.get("sync", {}).get("step_s_mean")
-    print(f"{'variant':<10} {'step s':>8} {'speedup':>8} {'paired':>8} {'rollout':>8} "
-          f"{'train':>8} {'wait':>6} {'pass@1':>14}")  # fmt: skip
+    print(f"{'variant':<14} {'step s':>8} {'samples/s':>9} {'speedup':>8} {'paired':>8} "
+          f"{'rollout':>8} {'train':>8} {'wait':>6} {'pass@1':>14}")  # fmt: skip
     for name, r in results.items():
         ph = r["phases_s_mean"]
+        sync = "sync_disagg" if name.endswith("_disagg") else "sync"  # same placement
+        base = results.get(sync, {}).get("step_s_mean")
         speed = f"{base / r['step_s_mean']:.2f}x" if base else "-"
         paired = "-"
-        if base and name != "sync":
+        if base and name != sync:
             ratios = [a["step_s_mean"] / b["step_s_mean"]
-                      for a, b in zip(runs["sync"], runs[name], strict=True)]  # fmt: skip
+                      for a, b in zip(runs[sync], runs[name], strict=True)]  # fmt: skip
             r["speedup_paired_median"] = statistics.median(ratios)
             paired = f"{r['speedup_paired_median']:.2f}x"
-        print(f"{name:<10} {r['step_s_mean']:>8.2f} {speed:>8} {paired:>8} {ph['rollout']:>8.2f} "
-              f"{ph['train']:>8.2f} {ph['overlap_wait']:>6.2f} "
+        print(f"{name:<14} {r['step_s_mean']:>8.2f} {r['trained_samples_per_s']:>9.1f} "
+              f"{speed:>8} {paired:>8} {ph['rollout']:>8.2f} {ph['train']:>8.2f} "
+              f"{ph['overlap_wait']:>6.2f} "
               f"{r['pass_at_1_first']:.3f}->{r['pass_at_1_last']:.3f}")  # fmt: skip
     if "dynamic" in results:
         d = results["dynamic"]

@@ -143,7 +143,7 @@ def grpo_step(planes: PlanesHandle, rollouts: Rollouts, step: int) -> tuple[Step
     rollouts.drain()
     metrics["time/overlap_wait"] = time.perf_counter() - t0
     metrics.update(sync_weights(planes, step))
-    rollouts.done(step)
+    metrics.update(rollouts.done(step))
     metrics["time/step"] = time.perf_counter() - started
     return scored, metrics
 

@@ -8,6 +8,10 @@ then syncs the weights, in turn (fully synchronous, on-policy).
 AReaL and prime-rl do): before step ``t`` trains, the rollouts of steps ``t+1 .. t+k`` are
 submitted as Prefect tasks (threads) that the engines serve with the weights they have
 (version ``t-1``) while the trainer trains; the weight sync after the update waits for them.
+Where the two planes' thread pools do not fit on the cores side by side
+(:attr:`~rl_core.config.ExperimentConfig.overlaps_training`: ``cluster.placement:
+colocated`` on one machine) the same rollouts run just before the step trains instead, in
+turn, so the run computes the same samples without oversubscribing the cores.
 Step ``t+j`` then trains on samples from weights at most ``k`` versions old; every sample
 carries its ``weight_version`` and :meth:`Rollouts.take` refuses one older than the bound
 (the TIS correction uses the engine's log-probs recorded with it).
@@ -15,6 +19,13 @@ carries its ``weight_version`` and :meth:`Rollouts.take` refuses one older than 
 Dynamic sampling (DAPO, ``algorithm.dynamic_sampling``): :meth:`Rollouts.informative` keeps
 the groups whose rewards differ and draws more prompt batches until the step has
 ``train.prompts_per_step`` of them (or the rounds run out).
+
+Fully asynchronous rollouts (``rollout.streaming``): prompts stream through the engines in
+rounds and each step trains on the first finished groups, long samples continuing across
+weight updates (:mod:`rl_core.rollout.stream`, partial rollouts). A round runs before each
+step's training only when too few groups are ready, and one runs while it trains; the weight
+sync waits for that round (deterministic: a bounded token count per sample) or aborts it
+(``rollout.deterministic=false``: the update's pause cuts it).
 
 Every prompt batch drawn stays in ``pending`` until its step has trained and is written into
 the checkpoint with the sampler's position (:meth:`state_dict`), and the rollouts generated
@@ -28,6 +39,7 @@ without its samples (an older checkpoint) is regenerated.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import asdict
 from typing import Any
 
@@ -36,8 +48,9 @@ from prefect.utilities.annotations import opaque
 from rl_core.data.sampler import PromptSampler
 from rl_core.grpo import split_informative_groups, summarize_samples
 from rl_core.planes import PlanesHandle, get_planes
+from rl_core.rollout.stream import GroupStream
 from rl_core.types import Sample
-from tasks.step import StepSamples, reward, rollout
+from tasks.step import StepSamples, reward, rollout, rollout_round, sampling_params
 
 __all__ = ["Rollouts", "StalenessError"]
 
@@ -56,10 +69,25 @@ class Rollouts:
         cfg = p.config
         self.planes = planes
         self.sampler = PromptSampler(len(p.train_records), cfg.train.prompts_per_step, cfg.seed)
+        self.config = cfg
         self.max_staleness, self.steps = cfg.rollout.max_staleness, cfg.train.steps
+        # Generation for later steps runs during training only where the planes' threads
+        # fit side by side (cluster.placement); else before it, in turn: the same samples.
+        self.overlap = cfg.overlaps_training
         self.pending: dict[int, list[int]] = {}  # step -> prompt indices drawn, not trained
         self._futures: dict[int, Any] = {}
         self._ready: dict[int, StepSamples] = {}  # generated before a resume (the buffer)
+        self.stream: GroupStream | None = None
+        self._stop: threading.Event | None = None  # ends a round that the update aborts
+        if cfg.rollout.streaming:
+            tok = p.tokenizer
+            self.stream = GroupStream(
+                p.train_records, p.train_prompts, self.sampler, n=cfg.rollout.n_samples,
+                params=sampling_params(cfg.rollout), seed=cfg.seed,
+                per_step=cfg.train.prompts_per_step, max_staleness=self.max_staleness,
+                partial_tokens=cfg.rollout.segment_tokens,
+                decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
+            self.stream.limit = self.steps + self.max_staleness
 
     def _indices(self, step: int) -> list[int]:
         if step not in self.pending:
@@ -68,6 +96,8 @@ class Rollouts:
 
     def take(self, step: int) -> StepSamples:
         """Step ``step``'s samples: the rollout submitted ahead, or one run now."""
+        if self.stream is not None:
+            return self._take_streamed(step)
         future = self._futures.pop(step, None)
         if step in self._ready:
             samples = self._ready.pop(step)
@@ -80,11 +110,53 @@ class Rollouts:
             raise StalenessError(
                 f"step {step}: samples from weight version {step - 1 - max(ages)} are "
                 f"{max(ages)} versions old, beyond rollout.max_staleness={self.max_staleness}")
-        samples.metrics["staleness_max"] = float(max(ages, default=0))
-        samples.metrics["staleness_mean"] = float(sum(ages) / len(ages)) if ages else 0.0
-        for age in range(self.max_staleness + 1):  # the histogram of sample ages
-            samples.metrics[f"staleness_frac/{age}"] = ages.count(age) / max(len(ages), 1)
+        samples.metrics.update(_ages(ages, self.max_staleness))
         return samples
+
+    def _take_streamed(self, step: int) -> StepSamples:
+        """The first ``train.prompts_per_step`` finished groups young enough for ``step``;
+        rounds run now (the trainer waits) only while too few are ready."""
+        stream = self.stream
+        assert stream is not None
+        waited: dict[str, float] = {}
+        rounds = 0
+        while not stream.ready(step):
+            if not stream.in_flight and stream.limit is not None and stream.admitted >= stream.limit:
+                stream.limit += 1  # stale groups were dropped: one more batch than planned
+            rounds += 1
+            for key, value in rollout_round(self.planes, opaque(stream), rounds, step).items():
+                waited[key] = waited.get(key, 0.0) + value
+        ready, stale = stream.take(step)
+        samples = [s for g in ready for s in g.samples]
+        for i, s in enumerate(samples):
+            s.group = i // stream.n
+        dropped = [s for g in stale for s in g.samples]
+        for s in dropped:
+            s.meta["stale"] = True
+        ages = [step - 1 - s.weight_version for s in samples]
+        tokens = [step - 1 - v for s in samples for v in (s.versions or [])]
+        metrics = {"time/rollout": waited.get("time/rollout", 0.0),
+                   "stream_sync_rounds": float(rounds),
+                   "stream_in_flight_groups": float(len(stream.in_flight)),
+                   "stream_buffered_groups": float(len(stream.finished)),
+                   "stream_stale_groups": float(len(stale)),
+                   "partial_sample_frac": sum(len(set(s.versions or [])) > 1 for s in samples)
+                   / max(len(samples), 1),
+                   "token_age_mean": sum(tokens) / max(len(tokens), 1),
+                   **_ages(ages, self.max_staleness)}
+        if step == self.steps:  # the run ends: what it drew and never trained, to the ledger
+            for s in (s for g in stream.groups for s in g.samples):
+                s.meta["unused"] = True
+                dropped.append(s)
+            stream.groups = []
+        if stale:
+            log.warning("step %d: %d finished group(s) older than rollout.max_staleness=%d are "
+                        "not trained on (recorded in the ledger as stale)", step, len(stale),
+                        self.max_staleness)
+        if not samples:
+            raise RuntimeError(f"step {step}: the stream has no finished group to train on "
+                               f"({len(stream.in_flight)} in flight, {len(stale)} stale)")
+        return StepSamples(step, samples, metrics, dropped=dropped)
 
     def informative(self, scored: StepSamples, step: int) -> StepSamples:
         """DAPO's dynamic sampling: keep the groups whose rewards differ, roll out more prompt
@@ -117,30 +189,54 @@ class Rollouts:
         return StepSamples(step, kept, metrics, dropped=dropped + surplus)
 
     def prefetch(self, step: int) -> None:
-        """Submit the rollouts of steps ``step+1 .. step+k`` that are not in flight yet, each
+        """Streaming: submit a round that generates while ``step`` trains. Otherwise submit
+        the rollouts of steps ``step+1 .. step+k`` that are not in flight yet, each
         after the one before it: rollouts never share the engines' batches, so what the
         engines compute (tokens and log-probs, to the last bit) does not depend on how two
         rollouts' requests happened to interleave."""
+        if self.stream is not None:
+            limit = self.stream.limit or 0
+            if step < self.steps and (self.stream.admitted < limit or self.stream.in_flight):
+                abort = self.overlap and not self.config.rollout.timing_free
+                self._stop = threading.Event() if abort else None
+                self._futures[step] = future = rollout_round.submit(
+                    self.planes, opaque(self.stream), 0, step, self._stop)
+                if not self.overlap:  # the planes take turns on the cores
+                    future.wait()
+            return
         for ahead in range(step + 1, min(step + self.max_staleness, self.steps) + 1):
             if ahead not in self._futures and ahead not in self._ready:
                 before = self._futures.get(ahead - 1)
-                self._futures[ahead] = rollout.submit(
+                self._futures[ahead] = future = rollout.submit(
                     self.planes, self._indices(ahead), ahead,
                     wait_for=[before] if before is not None else None)
+                if not self.overlap:
+                    future.wait()
 
     def drain(self) -> None:
-        """Wait for the rollouts in flight (before the engines' weights change)."""
+        """Before the engines' weights change: wait for the rollouts in flight, or (a
+        stream whose rounds the update aborts) tell the round to stop after this one."""
+        if self._stop is not None:
+            self._stop.set()
+            return
         for future in self._futures.values():
             future.wait()
 
-    def done(self, step: int) -> None:
-        """Step ``step`` has trained: its prompts are consumed."""
+    def done(self, step: int) -> dict[str, float]:
+        """Step ``step`` has trained and synced: its prompts are consumed; a stream's round
+        has ended (an aborted one returns as soon as the update's pause cut it). Returns what
+        the round measured."""
         self.pending.pop(step, None)
+        if self.stream is None or (future := self._futures.pop(step, None)) is None:
+            return {}
+        self._stop = None
+        return {f"overlap/{k}": v for k, v in future.result().items()}
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's position and the batches drawn but not trained (JSON-able)."""
         pending = [[step, list(idx)] for step, idx in sorted(self.pending.items())]
-        return {**self.sampler.state_dict(), "pending": pending}
+        stream = {"stream": self.stream.state_dict()} if self.stream is not None else {}
+        return {**self.sampler.state_dict(), "pending": pending, **stream}
 
     def load_state_dict(self, state: dict[str, Any], buffer: list[dict[str, Any]] | None = None
                         ) -> None:
@@ -148,7 +244,16 @@ class Rollouts:
         (``buffer``, :meth:`buffer`'s rows)."""
         state = dict(state)
         pending = state.pop("pending", [])
+        stream = state.pop("stream", None)
         self.sampler.load_state_dict(state)
+        if self.stream is not None:
+            if stream is None:
+                raise RuntimeError("this checkpoint was written without rollout.streaming: "
+                                   "resume it with rollout.streaming=false")
+            self.stream.load(stream, buffer or [])
+            log.info("took back the stream: %d group(s) in flight, %d finished",
+                     len(self.stream.in_flight), len(self.stream.finished))
+            return
         self.pending = {int(step): list(idx) for step, idx in pending}
         self._futures.clear()
         self._ready = {}
@@ -166,6 +271,8 @@ class Rollouts:
         """The rollouts generated ahead of the current step, finished (call after
         :meth:`drain`), as JSON-able rows for the checkpoint: step, prompt indices, samples
         (every field: tokens, log-probs, versions) and their metrics."""
+        if self.stream is not None:
+            return self.stream.rows()
         rows = []
         for step in sorted({*self._futures, *self._ready}):
             done = self._ready[step] if step in self._ready else self._futures[step].result()
@@ -173,3 +280,12 @@ class Rollouts:
                          "samples": [asdict(s) for s in done.samples],
                          "metrics": dict(done.metrics)})
         return rows
+
+
+def _ages(ages: list[int], max_staleness: int) -> dict[str, float]:
+    """Staleness of a step's samples in weight versions: max, mean, and the histogram."""
+    out = {"staleness_max": float(max(ages, default=0)),
+           "staleness_mean": float(sum(ages) / len(ages)) if ages else 0.0}
+    for age in range(max_staleness + 1):
+        out[f"staleness_frac/{age}"] = ages.count(age) / max(len(ages), 1)
+    return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -85,13 +86,19 @@ class DataConfig(_Section):
     synthetic_digits: tuple[int, int] = (1, 1)
     synthetic_operations: list[Literal["+", "-", "*"]] = ["+", "-"]
     synthetic_steps: tuple[int, int] = (1, 2)
+    synthetic_long_frac: float = Field(0.0, ge=0.0, le=1.0, description="Share of problems "
+        "with synthetic_long_steps steps: a long-tailed response length (benchmarks).")
+    synthetic_long_steps: int = Field(12, ge=1)
     seed: int = 0
 
     def synthetic_knobs(self) -> dict[str, Any]:
         """The generator's knobs, as :func:`rl_core.data.generate_splits` takes them."""
-        return {"digits": tuple(self.synthetic_digits),
-                "operations": tuple(self.synthetic_operations),
-                "steps": tuple(self.synthetic_steps)}
+        knobs: dict[str, Any] = {"digits": tuple(self.synthetic_digits),
+                                 "operations": tuple(self.synthetic_operations),
+                                 "steps": tuple(self.synthetic_steps)}
+        if self.synthetic_long_frac:  # (absent when off: data and model digests unchanged)
+            knobs.update(long_frac=self.synthetic_long_frac, long_steps=self.synthetic_long_steps)
+        return knobs
 
     @model_validator(mode="after")
     def _check_fields(self) -> DataConfig:
@@ -129,6 +136,13 @@ class RolloutConfig(_Section):
     max_staleness: int = Field(0, ge=0, description="Overlap rollout and training: step t+k's "
         "samples are generated while step t trains, from weights at most k versions old (0 = "
         "synchronous). TIS is on by default when > 0 (algorithm.tis_cap 2.0).")
+    streaming: bool = Field(False, description="Fully asynchronous rollouts: prompts stream "
+        "through the engines in rounds, a step trains on the first train.prompts_per_step "
+        "groups that finish, and long samples continue across weight updates (partial "
+        "rollouts, per-token versions). Needs max_staleness >= 1 (docs/rollout.md).")
+    partial_tokens: int | None = Field(None, ge=1, description="streaming with deterministic "
+        "rollouts: new tokens per sample per round (the point where a sample may change "
+        "weight version). Default: ceil(max_new_tokens / (max_staleness + 1)).")
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
@@ -180,6 +194,18 @@ class RolloutConfig(_Section):
     sglang_mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
     sglang_platform: Literal["cuda", "rocm"] = "cuda"
     sglang_extra_args: list[str] = []
+
+    @property
+    def timing_free(self) -> bool:
+        """``deterministic`` as resolved: on for grpoflow's engines, off for SGLang."""
+        return self.deterministic if self.deterministic is not None else self.engine != "sglang"
+
+    @property
+    def segment_tokens(self) -> int | None:
+        """Streaming: a round's new tokens per sample (None: until the update aborts it)."""
+        if not self.timing_free:
+            return None
+        return self.partial_tokens or -(-self.max_new_tokens // (self.max_staleness + 1))
 
 
 class MegatronConfig(_Section):
@@ -510,6 +536,39 @@ class ExperimentConfig(_Section):
     storage: StorageConfig = StorageConfig()
     tracking: TrackingConfig = TrackingConfig()
 
+    def thread_budget(self) -> tuple[int, int | None]:
+        """(torch threads per embedded engine, trainer threads; None: torch's default).
+
+        ``cluster.mode: local`` with ``placement: colocated`` (the default): each plane may use
+        every core, and they take turns. ``placement: disaggregated``: the cores are split,
+        half for the engines and the rest for the trainer, so the planes can run at once (as
+        separate GPUs would). ``rollout.engine_threads`` / ``train.num_threads`` override."""
+        cores = os.cpu_count() or 1
+        split = self.cluster.mode == "local" and self.cluster.placement == "disaggregated"
+        engine_cores = max(1, cores // 2) if split else cores
+        engine = self.rollout.engine_threads or max(1, engine_cores // self.rollout.num_engines)
+        trainer = self.train.num_threads or (max(1, cores - engine_cores) if split else None)
+        return engine, trainer
+
+    @property
+    def overlaps_training(self) -> bool:
+        """Whether generation for later steps runs *while* the trainer trains
+        (``rollout.max_staleness > 0``). On this machine's CPU cores only when the planes'
+        thread pools fit side by side; otherwise (colocated, or the in-process engine, whose
+        threads are the trainer's) the same rollouts run before the step trains, in turn:
+        the same samples and weights, without two OpenMP teams fighting over the cores
+        (docs/benchmarks.md measured 3x slower steps that way)."""
+        r = self.rollout
+        if r.max_staleness == 0:
+            return False
+        if r.engine == "sglang" or self.cluster.mode == "ray":
+            return True  # the engines' own devices (GPUs) or Ray's resource placement
+        if r.engine == "local":
+            return False
+        engine, trainer = self.thread_budget()
+        cores = os.cpu_count() or 1
+        return engine * r.num_engines + (trainer or cores) <= cores
+
     @model_validator(mode="after")
     def _check_cross_fields(self) -> ExperimentConfig:
         if self.algorithm.advantage == "grpo" and self.rollout.n_samples < 2:
@@ -549,12 +608,27 @@ class ExperimentConfig(_Section):
                 # Off-policy samples: correct them by truncated importance sampling unless the
                 # config says otherwise (tis_cap: null turns it off explicitly).
                 self.algorithm.tis_cap = 2.0
+        if self.rollout.streaming:
+            self._check_streaming()
         rollouts = self.train.prompts_per_step * self.rollout.n_samples
         if rollouts % self.train.mini_batches:
             raise ValueError(
                 f"train.prompts_per_step * rollout.n_samples ({rollouts}) must be divisible by "
                 f"train.mini_batches ({self.train.mini_batches})")
         return self
+
+    def _check_streaming(self) -> None:
+        r, why = self.rollout, []
+        if r.max_staleness < 1:
+            why.append("rollout.max_staleness is 0 (a stream trains on samples generated while "
+                       "earlier steps trained: set it to 1 or more)")
+        if self.agent.enabled:
+            why.append("agent.env/agent.program is set (multi-turn episodes are not streamed "
+                       "yet: use rollout.max_staleness alone)")
+        if self.algorithm.dynamic_sampling:
+            why.append("algorithm.dynamic_sampling is on (not combined with streaming yet)")
+        if why:
+            raise ValueError("rollout.streaming=true: " + "; ".join(why))
 
     def _check_shared(self) -> None:
         r, why = self.rollout, []

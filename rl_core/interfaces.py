@@ -35,9 +35,13 @@ class RolloutPlane(Protocol):
     weight_version: int  # the version every sample is checked against (set by sync_weights)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], *,
+        partial: bool = False,
     ) -> list[Sample]:
-        """One sample per prompt, in order (a group is ``n`` copies of a prompt)."""
+        """One sample per prompt, in order (a group is ``n`` copies of a prompt).
+        ``partial``: a weight update may interrupt the call; an interrupted sample comes back
+        aborted with its tokens so far, each sample tagged (``weight_version``) with the
+        version that produced its tokens (:mod:`rl_core.rollout.stream` continues it)."""
 
     def paused(self) -> AbstractContextManager[list[Any]]:
         """Pause every engine, abort what is in flight and flush its cache; yield the

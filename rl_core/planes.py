@@ -14,7 +14,6 @@ Never imports Prefect or MLflow.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -134,7 +133,7 @@ def start_rollout(
 
     work_dir = Path(work_dir)
     if r.engine == "embedded":
-        threads = r.engine_threads or max(1, (os.cpu_count() or 1) // r.num_engines)
+        threads = cfg.thread_budget()[0]
         command = embedded_engine_command(
             model_path, dtype=cfg.model.dtype, num_threads=threads,
             max_running_requests=r.max_running_requests,
@@ -156,7 +155,7 @@ def start_rollout(
         failure_threshold=r.health_failure_threshold, startup_timeout_s=r.startup_timeout_s,
         client_kwargs={"read_timeout_s": r.timeout_s, "total_timeout_s": r.timeout_s},
     )
-    deterministic = r.deterministic if r.deterministic is not None else r.engine == "embedded"
+    deterministic = r.timing_free
     plane = HttpPlane(pool, request_batch_size=r.request_batch_size, timeout_s=r.timeout_s,
                       weight_sync_timeout_s=r.weight_sync_timeout_s, deterministic=deterministic)
     if r.weight_sync == "distributed":
@@ -206,8 +205,8 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
     ``work_dir`` (the run directory) holds the engines' logs, the weight-sync staging and a
     local Ray's temp dir. ``with_trainer=False`` brings up the rollout plane alone.
     """
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
+    if trainer_threads := cfg.thread_budget()[1]:
+        torch.set_num_threads(trainer_threads)
     cluster = placement = trainer = rollout = transport = agents = rewards = None
     try:
         if cfg.cluster.mode == "ray":

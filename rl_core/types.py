@@ -73,6 +73,12 @@ class Sample:
         """What the sample ledger keeps: which prompt, which weights, what it scored."""
         row = {"uid": self.uid, "weight_version": self.weight_version, "reward": self.reward,
                "tokens": len(self.completion_ids), "trained": trained}
+        if self.versions and min(self.versions) != max(self.versions):  # a partial rollout
+            row["versions"] = [min(self.versions), max(self.versions)]
+        if self.meta.get("stale"):  # finished too late for rollout.max_staleness
+            row["stale"] = True
+        if self.meta.get("unused"):  # streamed, not trained when the run ended
+            row["unused"] = True
         if (episode := self.meta.get("episode")) is not None:  # a multi-turn episode
             row.update(episode=episode["status"], turns=episode["turns"],
                        tool_calls=episode["tool_calls"])

@@ -10,6 +10,7 @@ applied twice.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +28,8 @@ from rl_core.rewards import RewardFunctionError, RewardResult
 from rl_core.types import Batch, Sample
 
 __all__ = ["BUDGET_ERRORS", "StepSamples", "StepTaskError", "compute_advantages", "compute_logprobs",
-           "needs_logprobs", "release_rollout_memory", "reward", "rollout", "sync_weights", "train"]
+           "needs_logprobs", "release_rollout_memory", "reward", "rollout", "rollout_round",
+           "sampling_params", "sync_weights", "train"]
 
 # Failures a retry cannot fix: the run stops with the error (the flow does not restart planes).
 BUDGET_ERRORS = (RewardFunctionError, EpisodeFailureError)
@@ -88,6 +90,13 @@ def _not_a_spent_budget(task: Any, task_run: Any, state: Any) -> bool:
     return not isinstance(getattr(exc, "__cause__", None), BUDGET_ERRORS)
 
 
+def sampling_params(r: Any) -> SamplingParams:  # noqa: ANN401 - a RolloutConfig
+    """The training rollouts' sampling parameters, from ``rollout.*``."""
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_new_tokens=r.max_new_tokens, stop=list(r.stop),
+                          stop_token_ids=list(r.stop_token_ids))
+
+
 @task(name="rollout", task_run_name="rollout-step-{step}", timeout_seconds=1800,
       retry_condition_fn=_not_a_spent_budget, **_RETRY)
 @_named("rollout")
@@ -96,9 +105,7 @@ def rollout(planes: PlanesHandle, indices: list[int], step: int) -> StepSamples:
     p = get_planes(planes)
     r = p.config.rollout
     started = time.perf_counter()
-    params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                            max_new_tokens=r.max_new_tokens, stop=list(r.stop),
-                            stop_token_ids=list(r.stop_token_ids))
+    params = sampling_params(r)
     records = [p.train_records[i] for i in indices]
     metrics: dict[str, float] = {}
     if p.agents is not None:  # multi-turn episodes (agent.env / agent.program)
@@ -113,6 +120,29 @@ def rollout(planes: PlanesHandle, indices: list[int], step: int) -> StepSamples:
     tokens = sum(len(s.completion_ids) for s in samples)
     return StepSamples(step, samples, {**metrics, "time/rollout": seconds,
                                        "rollout_tokens_per_s": tokens / max(seconds, 1e-9)})
+
+
+# No task timeout: a round runs in a worker thread, where Prefect's cannot interrupt it;
+# each generate call in it is bounded by rollout.timeout_s.
+@task(name="rollout-round", task_run_name="rollout-round-{step}-{n}", **_RETRY)
+@_named("rollout-round")
+def rollout_round(planes: PlanesHandle, stream: Any, n: int, step: int,
+                  stop: threading.Event | None = None) -> dict[str, float]:
+    """Rounds of the streamed rollout (:class:`rl_core.rollout.stream.GroupStream`) at the
+    plane's weight version, before ``step`` trains (``n`` > 0: the n-th round the trainer
+    waits for) or while it trains (``n`` = 0): one round, or with ``stop`` (an update
+    that aborts in-flight requests ends the round) rounds until ``stop`` is set or nothing is
+    left to generate. Safe to retry: a failed round leaves the samples as they were."""
+    plane = get_planes(planes).rollout
+    started, metrics, rounds = time.perf_counter(), {}, 0
+    while True:
+        for key, value in stream.round(plane, plane.weight_version).items():
+            metrics[key] = metrics.get(key, 0.0) + value
+        rounds += 1
+        if stop is None or stop.is_set() or not stream.in_flight:
+            break
+    metrics.update({"stream_rounds": float(rounds), "time/rollout": time.perf_counter() - started})
+    return metrics
 
 
 @task(name="reward", task_run_name="reward-step-{step}", timeout_seconds=900,
@@ -132,7 +162,7 @@ def reward(planes: PlanesHandle, batch: StepSamples, step: int) -> StepSamples:
                     "reward_timeouts": float(result.num_timeouts),
                     "reward_failed_streak": float(result.failed_streak),
                     "time/reward": time.perf_counter() - started})
-    return StepSamples(step, batch.samples, metrics)
+    return StepSamples(step, batch.samples, metrics, dropped=batch.dropped)
 
 
 @task(name="release-rollout-memory", task_run_name="release-rollout-memory-step-{step}",

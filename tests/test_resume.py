@@ -8,7 +8,7 @@ seeds and batch-invariant decoding, so identity is bit-exact on CPU.
 
 ``test_sigkills_at_random_points_then_resume_is_exact`` kills at random moments instead (start-up,
 a step, a checkpoint write, the final evaluation), resumes each time, and checks the ledger,
-the final weights and that no kill left a process running; once in CI for an overlapped run,
+the final weights and that no kill left a process running; once in CI for a streamed run,
 ``GRPOFLOW_SOAK_KILLS`` times per mode under ``-m soak`` (``GRPOFLOW_SOAK_SEED`` replays a
 failure: the seed is in every assertion message).
 
@@ -270,22 +270,27 @@ def _kill_at_random_points(tmp: Path, cache: Path, env: dict[str, str], extra: l
 _SOAK_KILLS = int(os.environ.get("GRPOFLOW_SOAK_KILLS", "8"))
 
 
-# In CI: one kill of an overlapped run (the synchronous mode's single kill is the test above);
-# `pytest -m soak`: many kills in both modes.
-@pytest.mark.parametrize(("staleness", "kills"), [
-    pytest.param(2, 1, id="overlap-2-1-kill"),
-    pytest.param(0, _SOAK_KILLS, id="sync-soak", marks=pytest.mark.soak),
-    pytest.param(2, _SOAK_KILLS, id="overlap-2-soak", marks=pytest.mark.soak),
+_MODES = {"sync": [], "overlap-2": ["rollout.max_staleness=2"],
+          "stream-2": ["rollout.max_staleness=2", "rollout.streaming=true",
+                       "rollout.partial_tokens=8"]}
+
+
+# In CI: one kill of a streamed run (the most state in flight: partial samples; the
+# synchronous mode's single kill is the test above, the overlapped mode's exact resume is
+# tests/test_overlap.py); `pytest -m soak`: many kills in every mode.
+@pytest.mark.parametrize(("mode", "kills"), [
+    pytest.param("stream-2", 1, id="stream-2-1-kill"),
+    *(pytest.param(m, _SOAK_KILLS, id=f"{m}-soak", marks=pytest.mark.soak) for m in _MODES),
 ])
 def test_sigkills_at_random_points_then_resume_is_exact(
-    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, staleness: int,
+    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, mode: str,
     kills: int,
 ) -> None:
     """Kill the run at random moments (start-up, a step, a checkpoint write, the final
     evaluation), resume each time, and let the last resume finish: the ledger (every step
     once, the same samples) and the final weights equal the uninterrupted run's, in the
-    synchronous and the overlapped mode, and no kill leaves a process running."""
-    extra = [f"rollout.max_staleness={staleness}", "checkpoint.keep_last=1"]
+    synchronous, the overlapped and the streamed mode, and no kill leaves a process running."""
+    extra = [*_MODES[mode], "checkpoint.keep_last=1"]
     env = _env()
     t0 = time.monotonic()
     done = subprocess.run(_argv(tmp_path, tiny_cache, "straight", *extra), env=env, cwd=ROOT,

@@ -58,13 +58,18 @@ def _subtrahend(rng: random.Random, current: int, digits: tuple[int, int]) -> in
 
 
 def _problem(rng: random.Random, digits: tuple[int, int], ops: tuple[str, ...],
-             steps: tuple[int, int], allow_negative: bool) -> tuple[str, str]:
-    """One (question, answer) pair; restarts when "-" cannot stay non-negative."""
+             steps: tuple[int, int], allow_negative: bool,
+             long_tail: tuple[float, int] = (0.0, 0)) -> tuple[str, str]:
+    """One (question, answer) pair; restarts when "-" cannot stay non-negative. With
+    ``long_tail = (p, s)``, p > 0, a problem has ``s`` steps with probability p."""
     for _ in range(_MAX_RESTARTS):
         current = _operand(rng, digits)
         expression, top_op = str(current), None
         lines: list[str] = []
-        for step in range(rng.randint(*steps)):
+        count = rng.randint(*steps)
+        if long_tail[0] > 0 and rng.random() < long_tail[0]:  # no draw when off: same data
+            count = long_tail[1]
+        for step in range(count):
             op = rng.choice(ops)
             # The right operand of "*" is one digit (2-9) so products stay small.
             operand = rng.randint(2, 9) if op == "*" else _operand(rng, digits)
@@ -94,7 +99,7 @@ def _problem(rng: random.Random, digits: tuple[int, int], ops: tuple[str, ...],
 def generate_arithmetic(
     n: int, seed: int, *, digits: tuple[int, int] = (1, 2),
     operations: Sequence[str] = ("+", "-"), steps: tuple[int, int] = (1, 2),
-    allow_negative: bool = False,
+    allow_negative: bool = False, long_frac: float = 0.0, long_steps: int = 12,
 ) -> list[Record]:
     """``n`` GSM8K-format arithmetic problems, deterministic for ``seed``; ids ``syn-{seed}-{i}``.
 
@@ -104,19 +109,28 @@ def generate_arithmetic(
     result is negative: a first ``-`` swaps its operands, a later one resamples its operand.
     Questions are evaluated left to right (see the module docstring). Duplicate questions are
     possible in one call (:func:`generate_splits` makes disjoint train/test sets).
+    ``long_frac``: the share of problems with ``long_steps`` steps instead (a long-tailed
+    response length: their worked answers are several times longer than the rest).
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     ops = _check_knobs(digits, operations, steps)
-    rng = random.Random(seed)
-    return [Record(f"syn-{seed}-{i}", *_problem(rng, digits, ops, steps, allow_negative))
+    rng, tail = random.Random(seed), _tail(long_frac, long_steps)
+    return [Record(f"syn-{seed}-{i}", *_problem(rng, digits, ops, steps, allow_negative, tail))
             for i in range(n)]
+
+
+def _tail(long_frac: float, long_steps: int) -> tuple[float, int]:
+    if not 0.0 <= long_frac <= 1.0 or long_steps < 1:
+        raise ValueError(f"long_frac must be in [0, 1] and long_steps >= 1, got {long_frac}, "
+                         f"{long_steps}")
+    return long_frac, long_steps
 
 
 def generate_splits(
     n_train: int, n_test: int, seed: int, *, digits: tuple[int, int] = (1, 2),
     operations: Sequence[str] = ("+", "-"), steps: tuple[int, int] = (1, 2),
-    allow_negative: bool = False,
+    allow_negative: bool = False, long_frac: float = 0.0, long_steps: int = 12,
 ) -> tuple[list[Record], list[Record]]:
     """(train, test): train is ``generate_arithmetic(n_train, seed, ...)``; test questions are
     unique and never appear in train; test ids are ``syn-{seed}-test-{i}``. Raises ValueError
@@ -125,7 +139,9 @@ def generate_splits(
     if n_test < 0:
         raise ValueError(f"n_test must be >= 0, got {n_test}")
     train = generate_arithmetic(n_train, seed, digits=digits, operations=operations, steps=steps,
-                                allow_negative=allow_negative)
+                                allow_negative=allow_negative, long_frac=long_frac,
+                                long_steps=long_steps)
+    tail = _tail(long_frac, long_steps)
     ops = _check_knobs(digits, operations, steps)
     seen = {r.question for r in train}
     rng = random.Random(f"grpoflow-synthetic-test:{seed}")
@@ -138,7 +154,7 @@ def generate_splits(
                 f"training set after {attempts} tries; widen digits/steps/operations or "
                 "lower n_train/n_test")
         attempts += 1
-        question, answer = _problem(rng, digits, ops, steps, allow_negative)
+        question, answer = _problem(rng, digits, ops, steps, allow_negative, tail)
         if question in seen:
             continue
         seen.add(question)

@@ -83,6 +83,9 @@ class TinyModelSpec:
     # learns the tool-call format from them. The warm start then runs sft_max_steps (no
     # accuracy target) and records the greedy success of calculator episodes. 0: none.
     tool_demos: float = 0.0
+    # A long-tailed task (data.synthetic_long_frac): this share has long_steps steps.
+    long_frac: float = 0.0
+    long_steps: int = 12
 
     def digest(self) -> str:
         import hashlib
@@ -90,6 +93,9 @@ class TinyModelSpec:
         spec = asdict(self)
         if not self.tool_demos:  # models built before tool demos existed keep their digest
             spec.pop("tool_demos")
+        if not self.long_frac:  # likewise before the long-tailed task
+            spec.pop("long_frac")
+            spec.pop("long_steps")
         blob = json.dumps(spec, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
@@ -278,7 +284,8 @@ def bootstrap_tiny_model(
             and json.loads(marker.read_text()).get("digest") == spec.digest()):
         return out
     started = time.perf_counter()
-    knobs = dict(digits=spec.digits, operations=spec.operations, steps=spec.steps)
+    knobs = dict(digits=spec.digits, operations=spec.operations, steps=spec.steps,
+                 long_frac=spec.long_frac, long_steps=spec.long_steps)
     train, _ = generate_splits(spec.train_size, spec.test_size, seed=spec.data_seed, **knobs)
     if len(train) <= 2 * spec.val_examples:
         raise ValueError(

@@ -31,7 +31,7 @@ from rl_core.rollout.pool import EnginePool
 from rl_core.types import Sample
 from rl_core.weight_sync import WeightSyncError
 
-__all__ = ["HttpPlane", "sampling_payload"]
+__all__ = ["HttpPlane", "sampling_payload", "served_version"]
 
 log = logging.getLogger(__name__)
 
@@ -128,12 +128,18 @@ class HttpPlane:
     # ------------------------------------------------------------------ generation
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+        *, partial: bool = False,
     ) -> list[Sample]:
         """One sample per prompt, in order. Requests go out concurrently (each retried by the
         client): chunks of ``request_batch_size`` samples straight to the engines, one sample
         per request through the router (sglang-router 0.3 refuses per-sample parameters in a
-        batch, and every sample has its own seed)."""
+        batch, and every sample has its own seed).
+
+        ``partial``: a segment of a partial rollout (:mod:`rl_core.rollout.stream`). A weight
+        update may interrupt it: an aborted sample comes back with the tokens it has, and each
+        sample is tagged with the version the engine served it with, which may be newer than
+        the plane's when the call began."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -163,15 +169,18 @@ class HttpPlane:
 
         samples = [s for chunk in client.run(run_all(), timeout_s=self.timeout_s) for s in chunk]
         for s in samples:
-            self._check(s)
+            self._check(s, partial)
         return samples
 
-    def _check(self, s: Sample) -> None:
+    def _check(self, s: Sample, partial: bool = False) -> None:
         where = s.meta.get("base_url", "an engine")
+        served = s.meta.get("weight_version")
+        if partial:  # interrupted by an update, or served after one: the engine's label says
+            s.weight_version = served_version(served)
+            return
         if s.aborted:
             raise RolloutError(f"{where}: sample {s.meta.get('id')} was aborted "
                                f"({s.finish_reason.get('message')}); the rollout is retried")
-        served = s.meta.get("weight_version")
         # Version 0 is the base model, which engines report under their own initial label.
         if self._version and served is not None and str(served) != str(self._version):
             raise WeightSyncError(f"{where} answered with weight_version {served}, expected "
@@ -211,6 +220,14 @@ class HttpPlane:
                     f"weight sync to version {version}: {url} serves checksum {got[:21]} but the "
                     f"trainer wrote {checksum[:21]}; refusing to sample from weights that are "
                     "not the trainer's")
+
+
+def served_version(label: object) -> int:
+    """The weight version an engine's label names: the engines' initial label (``default``)
+    is the base model they were started on, version 0 (a restarted engine is re-synced before
+    it serves)."""
+    text = str(label) if label is not None else ""
+    return int(text) if text.isdigit() else 0
 
 
 def _algorithm(checksum: str) -> str:

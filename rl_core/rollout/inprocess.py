@@ -29,6 +29,7 @@ import torch
 
 from rl_core.engine.core import EmbeddedEngine, GenerateRequest
 from rl_core.engine.sampling import SamplingParams
+from rl_core.rollout.http import served_version
 from rl_core.types import Sample
 from rl_core.weight_sync import WeightSyncError
 
@@ -63,9 +64,12 @@ class InProcessPlane:
         self.weight_version = 0
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+        *, partial: bool = False,
     ) -> list[Sample]:
-        """One sample per prompt, in order, scheduled together by the engine."""
+        """One sample per prompt, in order, scheduled together by the engine (``partial``:
+        a partial rollout's segment; an update's pause may abort it, and each sample is
+        tagged with the version the engine served it with)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -75,8 +79,12 @@ class InProcessPlane:
                 for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
         outs = self.engine.generate_sync(reqs, timeout=self.timeout_s)
         tok = self.engine.tokenizer
-        return [Sample(list(p), o.output_ids, o.output_logprobs, o.finish_reason,
-                       self.weight_version, tok.decode(o.output_ids, skip_special_tokens=True)
+
+        def version(o: Any) -> int:  # a partial segment: the version that served it
+            return served_version(o.weight_version) if partial else self.weight_version
+
+        return [Sample(list(p), o.output_ids, o.output_logprobs, o.finish_reason, version(o),
+                       tok.decode(o.output_ids, skip_special_tokens=True)
                        if tok is not None else "", meta={"id": o.rid})
                 for p, o in zip(prompts, outs, strict=True)]
 

@@ -117,7 +117,8 @@ def _dataset_source(source: str, cfg: ExperimentConfig, split: str) -> Any:
     from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
 
     if source == "synthetic":
-        knobs = {k: list(v) for k, v in cfg.data.synthetic_knobs().items()}
+        knobs = {k: list(v) if isinstance(v, tuple) else v
+                 for k, v in cfg.data.synthetic_knobs().items()}
         return CodeDatasetSource({"generator": "rl_core.data.synthetic", "split": split, **knobs})
     if "://" in source or Path(source).exists() or source.endswith((".jsonl", ".parquet")):
         try:

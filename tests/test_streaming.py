@@ -1,0 +1,272 @@
+"""Fully asynchronous rollouts (``rollout.streaming``): the stream of groups and partial
+rollouts across weight updates.
+
+Pinned here, on real engines (the in-process engine core and an HTTP engine process):
+
+- A sample generated in segments is the sample its weights would score: every token's
+  log-prob equals the teacher-forced log-prob under the weights that produced it, also when
+  the weights change between segments (the tokens before the update score under the old
+  weights, the rest under the new ones, each tagged with its version).
+- An update interrupts long generations instead of waiting for them (SGLang's pause with
+  ``mode=abort``): the aborted samples come back with their tokens, and the next round
+  continues them with the new weights to their full length.
+- Admission keeps generation at most ``max_staleness`` batches ahead, and a finished group
+  older than the bound is never trained on.
+- Through the flow: streamed runs repeat bit for bit, a resume from a checkpoint continues
+  the in-flight samples from their saved tokens and ends with the uninterrupted run's samples
+  and weights, and the ledger holds every sample once, none older than the bound.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import save_tiny_model
+
+from rl_core.config import AlgorithmConfig, TrainConfig, load_config
+from rl_core.data.records import Record
+from rl_core.data.sampler import PromptSampler
+from rl_core.engine.sampling import SamplingParams
+from rl_core.rollout.http import HttpPlane
+from rl_core.rollout.inprocess import InProcessPlane
+from rl_core.rollout.launch import embedded_engine_command
+from rl_core.rollout.pool import EnginePool
+from rl_core.rollout.stream import GroupStream
+from rl_core.training.torch_trainer import TorchTrainer
+from rl_core.types import Batch
+from rl_core.weight_sync import sync_weights
+from rl_core.weight_sync.transports import DiskSync, TensorSync
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDS = [Record(id=f"r{i}", question=f"q{i}", answer="1") for i in range(6)]
+PROMPTS = [[5 + i, 6, 7 + i] for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=5)
+
+
+def _stream(per_step: int = 2, *, k: int = 1, tokens: int | None = 3, max_new: int = 12,
+            n: int = 2) -> GroupStream:
+    params = SamplingParams(temperature=1.0, max_new_tokens=max_new, ignore_eos=True)
+    return GroupStream(RECORDS, PROMPTS, PromptSampler(len(RECORDS), per_step, seed=0), n=n,
+                       params=params, seed=0, per_step=per_step, max_staleness=k,
+                       partial_tokens=tokens)
+
+
+def _trainer(model_dir: Path) -> TorchTrainer:
+    return TorchTrainer(model_dir, TrainConfig(lr=1e-2), AlgorithmConfig(), max_response_len=16)
+
+
+def _scored(trainer: TorchTrainer, samples: list) -> list[list[float]]:
+    """Teacher-forced log-probs of each sample's completion under ``trainer``'s weights."""
+    batch = Batch.from_samples(samples, [0.0] * len(samples), pad_id=0)
+    logp = trainer.compute_logprobs(batch)
+    return [logp[i][batch.response_mask[i]].tolist() for i in range(len(samples))]
+
+
+def _nudge(trainer: TorchTrainer) -> None:
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+
+
+def test_segments_across_an_update_score_under_the_weights_that_made_them(model_dir: Path) -> None:
+    torch.manual_seed(0)
+    plane, trainer = InProcessPlane(model_dir), _trainer(model_dir)
+    try:
+        stream = _stream()
+        stream.limit = 2
+        stream.round(plane, 0)  # admits 2 batches (the next step's and one ahead): 4 groups
+        assert stream.admitted == 2 and len(stream.in_flight) == 4
+        head = [list(s.completion_ids) for g in stream.in_flight for s in g.samples]
+        assert all(len(ids) == 3 for ids in head)  # one segment: partial_tokens each
+        before = _trainer(model_dir)  # the weights of version 0
+        _nudge(trainer)
+        sync_weights(trainer, plane, TensorSync(plane), 1)
+        while stream.in_flight:
+            stream.round(plane, plane.weight_version)
+        groups = stream.finished
+        samples = [s for g in groups for s in g.samples]
+        assert len(samples) == 8 and all(len(s.completion_ids) == 12 for s in samples)
+        for s, ids in zip(samples, head, strict=True):
+            assert s.completion_ids[:3] == ids  # the tokens before the update are kept
+            assert s.versions == [0] * 3 + [1] * 9
+            assert s.weight_version == 0  # its oldest token's
+            assert s.meta["segments"] == 4
+        old, new = _scored(before, samples), _scored(trainer, samples)
+        for s, o, w in zip(samples, old, new, strict=True):
+            assert s.logprobs[:3] == pytest.approx(o[:3], abs=1e-4)
+            assert s.logprobs[3:] == pytest.approx(w[3:], abs=1e-4)
+            assert s.logprobs[3:] != pytest.approx(o[3:], abs=1e-4)  # the update mattered
+    finally:
+        plane.close()
+
+
+def test_admission_stays_within_the_staleness_bound_and_stale_groups_never_train(
+    model_dir: Path,
+) -> None:
+    plane = InProcessPlane(model_dir)
+    try:
+        stream = _stream(per_step=2, k=2, tokens=None)
+        stream.round(plane, 0)
+        assert stream.admitted == 3  # the batches steps 1..3 train on, no more
+        stream.round(plane, 0)
+        assert stream.admitted == 3 and len(stream.finished) == 6
+        ready, stale = stream.take(1)
+        assert [g.index for g in ready] == [0, 1] and not stale
+        plane.engine.update_weight_version(1)  # (the same weights, relabelled)
+        plane.weight_version = 1
+        stream.round(plane, 1)  # one more batch: version 1 may run ahead to step 4
+        assert stream.admitted == 4
+        # step 4 trains with version 3: the version-0 groups are 3 versions old (> 2)
+        ready, stale = stream.take(4)
+        assert [g.index for g in stale] == [2, 3, 4, 5] and [g.index for g in ready] == [6, 7]
+        assert not stream.groups
+    finally:
+        plane.close()
+
+
+def test_an_update_aborts_long_generations_and_the_next_round_continues_them(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Timing mode (SGLang's way): the round asks for everything; the update's pause aborts
+    it; the samples keep their tokens and finish with the new weights."""
+    pool = EnginePool(embedded_engine_command(model_dir, num_threads=1), 1,
+                      log_dir=tmp_path / "engines", health_interval_s=0.5, health_timeout_s=10,
+                      startup_timeout_s=120)  # fmt: skip
+    plane = HttpPlane(pool, request_batch_size=8, weight_sync_timeout_s=60).start()
+    sync = DiskSync(plane, tmp_path / "staging", 60)
+    trainer = _trainer(model_dir)
+    _nudge(trainer)
+    try:
+        stream = _stream(per_step=6, k=1, tokens=None, max_new=240, n=8)
+        stream.limit = 2
+        errors: list[BaseException] = []
+
+        def first_round() -> None:
+            try:
+                stream.round(plane, 0)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        worker = threading.Thread(target=first_round)
+        worker.start()
+        deadline = time.monotonic() + 60
+        while (not plane.client.loads()["loads"][0]["num_used_tokens"]
+               and time.monotonic() < deadline):
+            time.sleep(0.02)  # until the engine is decoding
+        started = time.monotonic()
+        sync_weights(trainer, plane, sync, 1)
+        synced_in = time.monotonic() - started
+        worker.join(60)
+        assert not worker.is_alive() and not errors, errors
+        cut = [s for g in stream.in_flight for s in g.samples]
+        assert cut and all(s.aborted for s in cut), "the update waited for the generations"
+        assert all(0 <= len(s.completion_ids) < 240 for s in cut)
+        kept = {s.uid: list(s.completion_ids) for s in cut}
+        while stream.in_flight:
+            stream.round(plane, plane.weight_version)
+        samples = [s for g in stream.finished for s in g.samples]
+        assert len(samples) == 96 and all(len(s.completion_ids) == 240 for s in samples)
+        for s in samples:
+            assert s.completion_ids[: len(kept[s.uid])] == kept[s.uid]
+            assert s.versions == [0] * len(kept[s.uid]) + [1] * (240 - len(kept[s.uid]))
+        assert any(len(ids) > 0 for ids in kept.values())  # some were cut mid-generation
+        assert synced_in < 30
+    finally:
+        plane.close()
+
+
+# ---------------------------------------------------------------------------- the flow
+
+SMALL = ["train.prompts_per_step=8", "rollout.n_samples=4", "eval.every=0",
+         "eval.num_examples=8", "eval.pass_k_examples=0", "tracking.backend=none",
+         "train.num_threads=1", "rollout.engine_threads=1", "rollout.streaming=true",
+         "rollout.max_staleness=2", "rollout.partial_tokens=8"]  # fmt: skip
+
+
+def _run(tmp: Path, cache: Path, name: str, *extra: str, resume: str = "never") -> Path:
+    from flows.grpo_train import grpo_train
+
+    overrides = [f"storage.root={tmp}", f"storage.cache_dir={cache}", f"run_name={name}",
+                 *SMALL, *extra]  # fmt: skip
+    out = grpo_train(config=str(ROOT / "configs" / "tiny-cpu.yaml"), overrides=overrides,
+                     show_progress=False, resume=resume)
+    return Path(out["run_dir"])
+
+
+def _ledger(run: Path) -> dict[int, list[dict]]:
+    rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    return {r["step"]: r["samples"] for r in rows}
+
+
+def _weights(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(run / "model" / "model.safetensors")
+
+
+def test_streaming_needs_staleness_and_says_what_it_does_not_combine_with() -> None:
+    demo = ROOT / "configs" / "tiny-cpu.yaml"
+    with pytest.raises(ValueError, match="max_staleness is 0"):
+        load_config(demo, ["rollout.streaming=true"])
+    with pytest.raises(ValueError, match="dynamic_sampling"):
+        load_config(demo, ["rollout.streaming=true", "rollout.max_staleness=1",
+                           "algorithm.dynamic_sampling=true"])
+    cfg = load_config(demo, ["rollout.streaming=true", "rollout.max_staleness=3"])
+    assert cfg.rollout.segment_tokens == 8  # ceil(32 / 4)
+    sglang = load_config(demo, ["rollout.engine=sglang", "rollout.streaming=true",
+                                "rollout.max_staleness=1"])
+    assert sglang.rollout.segment_tokens is None  # the update's abort ends a round
+
+
+def test_streamed_runs_repeat_bit_for_bit_and_resume_exactly(
+    prefect_harness, tiny_cache: Path, tmp_path: Path
+) -> None:
+    args = ["train.steps=5", "checkpoint.every=2", "checkpoint.keep_last=3"]
+    first = _run(tmp_path, tiny_cache, "first", *args)
+    second = _run(tmp_path, tiny_cache, "second", *args)
+    a, b = _weights(first), _weights(second)
+    assert all(torch.equal(a[k], b[k]) for k in a), "two streamed runs of one config differ"
+    ledger = _ledger(first)
+    assert ledger == _ledger(second)
+
+    uids = [r["uid"] for rows in ledger.values() for r in rows]
+    assert len(uids) == len(set(uids)), "a sample in the ledger twice"
+    # every prompt drawn is there: the batches admitted up to version 3 (the last round
+    # runs while step 4 trains: 3 + 1 + max_staleness), 8 prompts x 4 samples each
+    batches = [int(u.split(":")[0]) for u in uids]
+    assert sorted(set(batches)) == list(range(1, 7))
+    assert all(batches.count(b) == 32 for b in range(1, 7))
+    unused = [r for r in ledger[5] if r.get("unused")]
+    assert unused and not any(r["trained"] for r in unused)
+    for step, rows in ledger.items():
+        trained = [r for r in rows if r["trained"]]
+        assert len(trained) == 8 * 4, step
+        assert all(step - 1 - r["weight_version"] <= 2 for r in trained), step
+    assert any("versions" in r for rows in ledger.values() for r in rows), \
+        "no sample continued across a weight update"  # fmt: skip
+    metrics = [json.loads(x) for x in (first / "metrics.jsonl").read_text().splitlines()]
+    assert any(m["partial_sample_frac"] > 0 for m in metrics)
+
+    ckpt = first / "checkpoints" / "step-000002"
+    rows = json.loads((ckpt / "rollouts.json").read_text())
+    assert rows and any(r["finished_round"] is None for r in rows)  # in flight, with tokens
+    assert any(s["completion_ids"] for r in rows for s in r["samples"])
+    shutil.copytree(ckpt, tmp_path / "resumed" / "checkpoints" / "step-000002")
+    resumed = _run(tmp_path, tiny_cache, "resumed", *args, resume="always")
+    again = _ledger(resumed)
+    for step in (3, 4, 5):
+        assert again[step] == ledger[step], f"step {step} differs after the resume"
+    c = _weights(resumed)
+    assert all(torch.equal(a[k], c[k]) for k in a), "the resumed run ends with other weights"
