@@ -97,7 +97,10 @@ def sampling_params(r: Any) -> SamplingParams:  # noqa: ANN401 - a RolloutConfig
                           stop_token_ids=list(r.stop_token_ids))
 
 
-@task(name="rollout", task_run_name="rollout-step-{step}", timeout_seconds=1800,
+# No task timeout: rollouts generated ahead run in worker threads, where Prefect's timeout
+# cannot interrupt them (and warns each step); every generate call is bounded by
+# rollout.timeout_s, every episode by agent.timeout_s.
+@task(name="rollout", task_run_name="rollout-step-{step}",
       retry_condition_fn=_not_a_spent_budget, **_RETRY)
 @_named("rollout")
 def rollout(planes: PlanesHandle, indices: list[int], step: int) -> StepSamples:
