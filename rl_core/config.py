@@ -307,12 +307,6 @@ class AlgorithmConfig(_Section):
                 "which is not set: set algorithm.tis_cap (e.g. 2.0) or tis_mode=truncate")
         return self
 
-    @property
-    def corrects_rollout(self) -> bool:
-        """Whether the loss compares the trainer's log-probs with the rollout engine's."""
-        return (self.tis_cap is not None or self.icepop_low is not None
-                or self.seq_mask_threshold is not None)
-
 
 class JudgeConfig(_Section):
     """An LLM judge or reward model on engines of its own (`reward.fn: judge`, docs/judges.md)."""

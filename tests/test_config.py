@@ -260,11 +260,6 @@ def test_rollout_correction_fields_validate_and_name_the_field():
     a = cfg.algorithm
     assert (a.tis_mode, a.tis_level, a.icepop_low, a.icepop_high) == ("mask", "geometric", 0.5, 2.0)
     assert (a.seq_mask_threshold, a.seq_mask_metric) == (1.0, "mean")
-    # every correction needs the trainer's old log-probs (TorchTrainer.needs_old_logp)
-    assert not load_config(TINY).algorithm.corrects_rollout
-    for on in (["algorithm.tis_cap=2"], ["algorithm.seq_mask_threshold=1"],
-               ["algorithm.icepop_low=0.5", "algorithm.icepop_high=2"]):  # fmt: skip
-        assert load_config(TINY, on).algorithm.corrects_rollout, on
 
 
 def test_grpo_needs_two_samples():

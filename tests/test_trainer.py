@@ -252,7 +252,8 @@ def test_needs_old_logp_truth_table(model_dir):
         ({"mini_batches": 2}, {}, True),
         ({"ppo_epochs": 2}, {}, True),
         ({"mini_batches": 2, "ppo_epochs": 3}, {}, True),
-        ({}, {"tis_cap": 2.0}, True),
+        ({}, {"tis_cap": 2.0}, False),  # the training forward's detached log-probs serve
+        ({"mini_batches": 2}, {"tis_cap": 2.0}, True),
         ({}, {"kl_coef": 0.1, "entropy_coef": 0.01}, False),
     ]
     for train, algo, expected in cases:

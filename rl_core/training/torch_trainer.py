@@ -165,12 +165,13 @@ class TorchTrainer(WeightSource):
 
         With one mini-batch and one epoch the policy being trained *is* the one whose
         log-probs would be recomputed, so the ratio is exactly 1 at the first (only)
-        gradient and the extra forward pass is skipped (as nanochat and verl do). The
-        rollout corrections (TIS/MIS, IcePop, sequence masking) need them to compare the
-        trainer with the rollout engine.
+        gradient and the extra forward pass is skipped (as nanochat and verl do); the
+        rollout corrections (TIS/MIS, IcePop, sequence masking) then compare the rollout
+        engine with the training forward's own log-probs, detached (``grpo_micro_loss``),
+        which are the same numbers a separate pass would compute.
         """
         cfg = self.train_cfg
-        return cfg.mini_batches > 1 or cfg.ppo_epochs > 1 or self.algo.corrects_rollout
+        return cfg.mini_batches > 1 or cfg.ppo_epochs > 1
 
     # ---------------------------------------------------------------------- train
 
