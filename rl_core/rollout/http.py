@@ -29,9 +29,9 @@ from rl_core.engine.sampling import SamplingParams
 from rl_core.rollout.client import RolloutError
 from rl_core.rollout.pool import EnginePool
 from rl_core.types import Sample
-from rl_core.weight_sync import WeightSyncError
+from rl_core.weight_sync import WeightSyncError, served_version
 
-__all__ = ["HttpPlane", "sampling_payload", "served_version"]
+__all__ = ["HttpPlane", "sampling_payload"]
 
 log = logging.getLogger(__name__)
 
@@ -220,14 +220,6 @@ class HttpPlane:
                     f"weight sync to version {version}: {url} serves checksum {got[:21]} but the "
                     f"trainer wrote {checksum[:21]}; refusing to sample from weights that are "
                     "not the trainer's")
-
-
-def served_version(label: object) -> int:
-    """The weight version an engine's label names: the engines' initial label (``default``)
-    is the base model they were started on, version 0 (a restarted engine is re-synced before
-    it serves)."""
-    text = str(label) if label is not None else ""
-    return int(text) if text.isdigit() else 0
 
 
 def _algorithm(checksum: str) -> str:

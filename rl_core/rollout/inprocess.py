@@ -29,9 +29,8 @@ import torch
 
 from rl_core.engine.core import EmbeddedEngine, GenerateRequest
 from rl_core.engine.sampling import SamplingParams
-from rl_core.rollout.http import served_version
 from rl_core.types import Sample
-from rl_core.weight_sync import WeightSyncError
+from rl_core.weight_sync import WeightSyncError, served_version
 
 __all__ = ["InProcessPlane", "shared_view"]
 

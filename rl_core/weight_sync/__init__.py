@@ -25,7 +25,7 @@ from typing import Any
 
 from rl_core.weight_sync.checksum import WeightSyncError, weights_checksum
 
-__all__ = ["WeightSyncError", "sync_weights", "weights_checksum"]
+__all__ = ["WeightSyncError", "served_version", "sync_weights", "weights_checksum"]
 
 
 def sync_weights(trainer: Any, plane: Any, transport: Any, version: int) -> dict[str, float]:
@@ -40,3 +40,11 @@ def sync_weights(trainer: Any, plane: Any, transport: Any, version: int) -> dict
     done = time.perf_counter()
     return {"sync_seconds": done - t0, "sync_stage_seconds": t1 - t0,
             "sync_paused_seconds": done - t1, "sync_bytes": float(staged.nbytes)}
+
+
+def served_version(label: object) -> int:
+    """The weight version an engine's label names (``meta_info.weight_version``): the
+    engines' initial label (``default``) is the base model they were started on, version 0
+    (a restarted engine is re-synced before it serves)."""
+    text = str(label) if label is not None else ""
+    return int(text) if text.isdigit() else 0
