@@ -20,7 +20,9 @@ only comparable on the same machine at the same load. A benchmark, never a test.
 
 With ``--repeats R`` every variant runs R times, round-robin (a drift in machine load hits
 all alike); figures are medians, and the speedup is also given as the median of each
-round's own ratio ("paired").
+round's own ratio ("paired"). With ``--seed-per-round`` round i runs with ``seed=i``
+(accuracy across seeds: is a mode's final accuracy within the seed-to-seed spread of sync's?);
+the per-round accuracies are kept in the JSON (``runs``) and printed.
 
 Run: ``.venv/bin/python -m benchmarks.overlap --steps 20 --repeats 2``.
 """
@@ -62,13 +64,14 @@ DEFAULT_VARIANTS = ("sync", "overlap", "dynamic")
 
 def run_variant(
     name: str, extra: list[str], steps: int, eval_examples: int, work: Path, round_: int = 0,
-    config: Path = ROOT / "configs" / "tiny-cpu.yaml",
+    config: Path = ROOT / "configs" / "tiny-cpu.yaml", seed: int | None = None,
 ) -> dict:
     """One ``grpoflow train`` of the demo; its timings and accuracy."""
     overrides = [
         f"storage.root={work}", f"run_name={name}-{round_}", f"train.steps={steps}",
         "tracking.backend=none", "eval.every=0", f"eval.num_examples={eval_examples}",
         "eval.pass_k_examples=0", "checkpoint.every=0", *extra,
+        *([f"seed={seed}"] if seed is not None else []),
     ]  # fmt: skip
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -88,6 +91,7 @@ def run_variant(
 
     out: dict[str, Any] = {
         "overrides": extra,
+        "seed": seed,
         "wall_s": wall,
         "load_avg_1m_start": load,
         "step_s_mean": mean("time/step"),
@@ -126,7 +130,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over the rounds of one variant (every number of :func:`run_variant`)."""
     out: dict[str, Any] = {"rounds": len(runs), "overrides": runs[0]["overrides"]}
     for key, value in runs[0].items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "seed":
             out[key] = statistics.median(r[key] for r in runs)
     out["phases_s_mean"] = {k: statistics.median(r["phases_s_mean"][k] for r in runs)
                             for k in runs[0]["phases_s_mean"]}  # fmt: skip
@@ -144,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="e.g. configs/long-tail-cpu.yaml (a long-tailed response length)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds; each round runs every variant once, in turn")  # fmt: skip
+    ap.add_argument("--seed-per-round", action="store_true",
+                    help="round i runs with seed=i (accuracy across seeds)")
     args = ap.parse_args(argv)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants}
     with tempfile.TemporaryDirectory(prefix="grpoflow-overlap-") as tmp:
@@ -151,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in args.variants:
                 runs[name].append(run_variant(
                     name, VARIANTS[name], args.steps, args.eval_examples, Path(tmp), i,
-                    args.config))  # fmt: skip
+                    args.config, i if args.seed_per_round else None))  # fmt: skip
                 r = runs[name][-1]
                 print(f"round {i + 1} {name:<8} {r['step_s_mean']:.2f} s/step, pass@1 "
                       f"{r['pass_at_1_first']:.3f}->{r['pass_at_1_last']:.3f} "
@@ -174,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{speed:>8} {paired:>8} {ph['rollout']:>8.2f} {ph['train']:>8.2f} "
               f"{ph['overlap_wait']:>6.2f} "
               f"{r['pass_at_1_first']:.3f}->{r['pass_at_1_last']:.3f}")  # fmt: skip
+    if args.repeats > 1:
+        for name, rs in runs.items():
+            accs = ", ".join(f"{r['pass_at_1_last']:.3f}" for r in rs)
+            print(f"{name:<14} final pass@1 per round: {accs}")
     if "dynamic" in results:
         d = results["dynamic"]
         print(f"dynamic sampling: {d['untrained_token_frac_mean']:.1%} of generated tokens kept "

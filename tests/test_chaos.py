@@ -100,11 +100,14 @@ def _rows(path: Path) -> list[dict]:
 
 
 def check_ledger(
-    run_dir: Path, steps: int, groups: int, n: int, *, one_epoch: bool = True
+    run_dir: Path, steps: int, groups: int, n: int, *, one_epoch: bool = True,
+    max_staleness: int = 0,
 ) -> dict[int, list[str]]:
-    """Every step once; each step's ``groups`` prompts once, each with samples 0..n-1; no
-    sample twice; (``one_epoch``: the run stays in its first epoch) no prompt consumed
-    twice. Returns step -> record ids."""
+    """Every step once; each step trains ``groups`` prompts once, each with samples 0..n-1;
+    no sample twice; every trained sample at most ``max_staleness`` versions old (0: made by
+    the previous step's weights, from that step's batch) and never one marked stale or
+    unused; (``one_epoch``: the run stays in its first epoch) no prompt trained twice.
+    Returns step -> record ids trained."""
     rows = _rows(run_dir / "samples.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), "a step lost or repeated"
     uids = [s["uid"] for r in rows for s in r["samples"]]
@@ -114,9 +117,17 @@ def check_ledger(
         step = r["step"]
         by_group: dict[str, list[int]] = {}
         for s in r["samples"]:
+            if not s["trained"]:
+                assert max_staleness and (s.get("stale") or s.get("unused")), s
+                continue
+            assert not s.get("stale") and not s.get("unused"), s
             at, record, j = s["uid"].split(":")
-            assert int(at) == step, f"step {step} holds a sample of step {at}"
-            assert s["weight_version"] == step - 1, s  # on-policy: the previous step's weights
+            age = step - 1 - s["weight_version"]  # the oldest token's version
+            if max_staleness:
+                assert int(at) <= step + max_staleness and 0 <= age <= max_staleness, (step, s)
+            else:
+                assert int(at) == step, f"step {step} holds a sample of step {at}"
+                assert age == 0, s  # on-policy: the previous step's weights
             by_group.setdefault(record, []).append(int(j))
         assert len(by_group) == groups, f"step {step}: {len(by_group)} groups, want {groups}"
         for record, js in by_group.items():
@@ -195,10 +206,16 @@ def test_an_engine_hung_during_a_weight_update_is_taken_out_and_replaced(tmp_pat
         assert [p.client.weight_version(url=e.url) for e in p.engines] == ["2", "2"]
 
 
+STREAM = ["rollout.streaming=true", "rollout.max_staleness=2", "rollout.partial_tokens=8"]
+
+
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["sync", "stream"])
 def test_training_survives_engine_kills_hangs_and_reward_faults(
-    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, monkeypatch
+    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, monkeypatch, mode: str
 ) -> None:
+    """The synchronous loop, and the stream (rounds of partial rollouts in flight across
+    weight updates: a kill or a hang lands on half-generated samples, every wait bounded)."""
     steps, groups, n = 6, 8, 4
     run_dir = tmp_path / "chaos"
     log = tmp_path / "reward-faults.log"
@@ -211,6 +228,7 @@ def test_training_survives_engine_kills_hangs_and_reward_faults(
         # a hung engine replaced after 2 x 5 s probes (the defaults, 3 x 20 s, take a minute)
         "rollout.health_timeout_s=5", "rollout.health_failure_threshold=2",
         "checkpoint.every=4", "eval.every=0", "eval.num_examples=16", "eval.pass_k_examples=0", *CHAOS_REWARD,
+        *(STREAM if mode == "stream" else ()),
     )  # fmt: skip
     chaos = EngineChaos(run_dir / "metrics.jsonl", seed=SEED, num_engines=2, last_step=steps,
                         plan={2: "kill", 4: "hang"})  # fmt: skip
@@ -219,7 +237,9 @@ def test_training_survives_engine_kills_hangs_and_reward_faults(
     seconds = time.monotonic() - t0
 
     assert [f.kind for f in chaos.faults] == ["kill", "hang"], chaos.faults
-    check_ledger(run_dir, steps, groups, n)
+    check_ledger(run_dir, steps, groups, n, max_staleness=2 if mode == "stream" else 0)
+    if mode == "stream":  # samples were in flight across updates, the faults among them
+        assert any(m["partial_sample_frac"] > 0 for m in _rows(run_dir / "metrics.jsonl"))
     _check_engines(seen, steps, chaos)
     injected = _check_rewards(run_dir, log, summary)
     assert not engine_processes(), "an engine outlived the run"

@@ -86,6 +86,30 @@ def _kill_engine_after_first_step(run_dir: Path, killed: dict) -> threading.Thre
     return t
 
 
+def _kill_trainer_rank_after_first_step(run_dir: Path, killed: dict) -> threading.Thread:
+    """SIGKILL trainer rank 1's process once step 1 is logged (step 2 is then generating)."""
+    import os
+    import signal
+
+    from rl_core import planes as planes_mod
+
+    def killer() -> None:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if metrics.is_file() and metrics.read_text().strip():
+                p = next(iter(planes_mod._REGISTRY.values()), None)
+                if p is not None:
+                    killed["pids"] = p.trainer.apply(lambda _: os.getpid())
+                    os.kill(killed["pids"][1], signal.SIGKILL)
+                    return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    return t
+
+
 MEGATRON_TP2 = ("train.backend=megatron", "train.megatron.tp=2")
 
 
@@ -105,18 +129,24 @@ def test_flow_on_ray_matches_one_process(
     TP ranks (its weights broadcast from rank 0 after a TP gather). The disaggregated run
     also loses engine 1's actor after step 1: it is restarted and brought back to the
     current weights (by a new broadcast group), the run finishes, and no step samples from
-    stale weights."""
+    stale weights. The colocated run loses trainer rank 1's process (SIGKILL) during step 2:
+    the step fails naming the rank, the planes are rebuilt from the step-1 checkpoint (the
+    engines serve its weights, checked by checksum), and the run still ends where the
+    one-process run ends, every step once in the ledger."""
     from flows.grpo_train import grpo_train
 
     killed: dict = {}
-    killer = None
+    killer, extra = None, ()
     if placement == "disaggregated":
         killer = _kill_engine_after_first_step(tmp_path / "ray", killed)
+    elif not backend:
+        killer = _kill_trainer_rank_after_first_step(tmp_path / "ray", killed)
+        extra = ("checkpoint.every=1",)
     out = grpo_train(
         config=DEMO,
         overrides=_overrides(
             tmp_path, tiny_cache, "ray", *RAY, "rollout.health_interval_s=0.5",
-            f"cluster.placement={placement}", f"rollout.weight_sync={sync}", *backend,
+            f"cluster.placement={placement}", f"rollout.weight_sync={sync}", *backend, *extra,
         ),  # fmt: skip
         show_progress=False,
     )
@@ -139,10 +169,16 @@ def test_flow_on_ray_matches_one_process(
     # every step's samples came from that step's weights (stale samples fail the rollout)
     for step, rows in _ledger(run).items():
         assert {r["weight_version"] for r in rows} == {step - 1}
+    steps = [m["step"] for m in got]
+    assert steps == list(range(1, STEPS + 1)), f"a step lost or logged twice: {steps}"
     if killer is not None:
         killer.join(5)
+    if "engine" in killed:
         victim = killed["engine"]
         assert victim.restarts > killed["restarts"], "the killed engine was never restarted"
+        assert out["plane_restarts"] == 0
+    elif "pids" in killed:
+        assert out["plane_restarts"] == 1, "the lost trainer rank did not rebuild the planes"
     import ray
 
     assert not ray.is_initialized()
