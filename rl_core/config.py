@@ -228,11 +228,30 @@ class MegatronConfig(_Section):
         128, ge=1, description="Pad the vocabulary to a multiple of this * tp (masked out).")
 
 
+class LoraConfig(_Section):
+    """LoRA on the torch backend (``rank > 0``; docs/lora.md): only adapters train, the
+    reference is the base (adapter disabled), a sync moves the adapter only."""
+    rank: int = Field(0, ge=0, description="LoRA rank r; 0 = full-weight training.")
+    alpha: float = Field(16.0, gt=0.0, description="Scaling alpha (scale alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1, description="Linear layers (name suffixes) that get adapters.")
+    use_rslora: bool = Field(False, description="Scale by alpha / sqrt(r) (rsLoRA).")
+    name: str = Field("policy", min_length=1, description="The adapter's name on the engines "
+                      "(SGLang's lora_name; requests carry it as lora_path).")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class TrainConfig(_Section):
     """The training plane and the loop around it."""
     backend: Literal["torch", "megatron"] = Field(
         "torch", description="`torch` (HF model, DDP/FSDP2) or `megatron` (megatron-core).")
     megatron: MegatronConfig = MegatronConfig()
+    lora: LoraConfig = LoraConfig()
     steps: int = Field(60, ge=0)
     prompts_per_step: int = Field(32, ge=1)
     lr: float = Field(1e-4, gt=0.0)
@@ -592,6 +611,8 @@ class ExperimentConfig(_Section):
             self._check_shared()
         if self.train.backend == "megatron":
             self._check_megatron()
+        if self.train.lora.enabled:
+            self._check_lora()
         if self.rollout.max_staleness > 0:
             if self.rollout.release_memory_while_training:
                 raise ValueError(
@@ -623,6 +644,14 @@ class ExperimentConfig(_Section):
             why.append("algorithm.dynamic_sampling is on (not combined with streaming yet)")
         if why:
             raise ValueError("rollout.streaming=true: " + "; ".join(why))
+
+    def _check_lora(self) -> None:
+        if self.train.backend != "torch":
+            raise ValueError("train.lora.rank > 0 needs train.backend=torch (megatron-core 0.16 "
+                             "has no LoRA layers of its own; docs/lora.md)")
+        if (sync := self.rollout.weight_sync) != "disk":
+            raise ValueError(f"train.lora.rank > 0 with rollout.weight_sync={sync!r}: adapters "
+                             "travel as PEFT files (SGLang's /load_lora_adapter); use disk")
 
     def _check_shared(self) -> None:
         r, why = self.rollout, []

@@ -126,7 +126,8 @@ def start_rollout(
         plane = InProcessPlane(model_path, dtype=cfg.model.dtype, timeout_s=r.timeout_s,
                                max_running_requests=r.max_running_requests,
                                trust_remote_code=cfg.model.trust_remote_code, share=share)
-        return plane, (SharedSync(trainer) if share is not None else TensorSync(plane))
+        lora = cfg.train.lora.name if cfg.train.lora.enabled else None
+        return plane, (SharedSync(trainer) if share is not None else TensorSync(plane, lora))
     from rl_core.rollout.http import HttpPlane
     from rl_core.rollout.launch import embedded_engine_command, sglang_engine
     from rl_core.rollout.pool import EnginePool
@@ -167,8 +168,11 @@ def start_rollout(
     else:
         from rl_core.weight_sync.transports import DiskSync, ObjectStoreSync
 
-        kind = ObjectStoreSync if r.weight_sync == "object_store" else DiskSync
-        transport = kind(plane, work_dir / "weight_sync", r.weight_sync_timeout_s)
+        if r.weight_sync == "object_store":
+            transport = ObjectStoreSync(plane, work_dir / "weight_sync", r.weight_sync_timeout_s)
+        else:  # LoRA: the adapter, swapped by name (train.lora)
+            transport = DiskSync(plane, work_dir / "weight_sync", r.weight_sync_timeout_s,
+                                 cfg.train.lora.name if cfg.train.lora.enabled else None)
     pool.resync = transport.resync  # a restarted engine serves the current weights first
     return plane.start(), transport
 

@@ -224,7 +224,7 @@ def pip_requirements() -> list[str]:
 
 
 def _new_version(tracker: Tracker, name: str, logged: Any, step: int,
-                 metrics: dict[str, float]) -> Any:
+                 metrics: dict[str, float], extra_tags: Mapping[str, str]) -> Any:
     """A new version of registered model ``name`` (created if needed) from the logged model."""
     h, client = tracker.handle, tracker.client
     try:
@@ -241,14 +241,17 @@ def _new_version(tracker: Tracker, name: str, logged: Any, step: int,
         description=f"GRPO run {h.run_name}, step {step}. Final evaluation: {summary}",
         tags={**{metric_name(k): f"{v:.6g}" for k, v in metrics.items()},
               "grpoflow.run_id": h.run_id, "grpoflow.run_name": h.run_name,
-              "grpoflow.step": str(step)})
+              "grpoflow.step": str(step), **extra_tags})
 
 
 def register_model(tracker: Tracker, model_dir: str, eval_result: Mapping[str, Any],
                    model_name: str | None) -> dict[str, Any]:
     """Log the Hugging Face model in ``model_dir`` on the tracker's run (transformers
     flavor, linked to the run's metrics at the final step) and register it as ``model_name``
-    (default ``model.name``) with the handle's alias; raises when either fails."""
+    (default ``model.name``) with the handle's alias; raises when either fails. The version
+    records the base model it was trained from (``grpoflow.base_model``: the run's
+    ``model.path``); a LoRA run's version is the merged model, with the adapter's rank, alpha
+    and targets as tags and the adapter itself logged beside it (``adapter/``)."""
     import mlflow
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
@@ -263,6 +266,15 @@ def register_model(tracker: Tracker, model_dir: str, eval_result: Mapping[str, A
     signature = ModelSignature(inputs=text, outputs=text, params=ParamSchema([
         ParamSpec("max_new_tokens", "long", 64), ParamSpec("do_sample", "boolean", False),
         ParamSpec("temperature", "double", 1.0)]))
+    base = client.get_run(h.run_id).data.params.get("model.path", "")
+    extra = {"grpoflow.base_model": base}
+    adapter = Path(model_dir) / "adapter"
+    if (adapter / "adapter_config.json").is_file():
+        a = json.loads((adapter / "adapter_config.json").read_text())
+        extra.update({"grpoflow.lora.rank": str(a.get("r")),
+                      "grpoflow.lora.alpha": str(a.get("lora_alpha")),
+                      "grpoflow.lora.target_modules": ",".join(sorted(a.get("target_modules")
+                                                                      or []))})
     started = time.perf_counter()
     # The flavor API knows only the global URI and the active run (whose experiment the
     # logged model joins); the registry resolves models:/ URIs through the global URI too.
@@ -272,9 +284,11 @@ def register_model(tracker: Tracker, model_dir: str, eval_result: Mapping[str, A
             pip_requirements=pip_requirements(), run_id=h.run_id,
             step=step,  # links the run's metrics at this step (the final evaluation) to the model
             metadata={"grpoflow.run_name": h.run_name, "grpoflow.step": step})
+        if "grpoflow.lora.rank" in extra:
+            mlflow.log_artifacts(str(adapter), artifact_path="adapter")
         seconds = time.perf_counter() - started
         version = retrying(f"registering {name}",
-                           lambda: _new_version(tracker, name, logged, step, metrics))
+                           lambda: _new_version(tracker, name, logged, step, metrics, extra))
         retrying(f"setting alias {h.alias} on {name} v{version.version}",
                  lambda: client.set_registered_model_alias(name, h.alias, version.version))
     info(f"tracking: model logged in {seconds:.1f}s and registered as {name} v{version.version}"

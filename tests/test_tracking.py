@@ -332,6 +332,7 @@ def test_training_run_on_server(
     mv = client.get_model_version_by_alias("trk-server-policy", "candidate")
     assert mv.run_id == h.run_id and mv.version == out["version"]
     assert float(mv.tags["eval/pass_at_1"]) == pytest.approx(0.4)
+    assert mv.tags["grpoflow.base_model"] == params["model.path"]  # what it was trained from
     logged = client.get_logged_model(mv.source.removeprefix("models:/"))
     assert {m.key for m in logged.metrics} >= {"eval/pass_at_1", "reward_mean"}
 

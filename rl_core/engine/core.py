@@ -41,6 +41,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rl_core.engine.kv import make_kv_batch
+from rl_core.engine.lora import Adapters, parse_adapter, read_adapter
 from rl_core.engine.sampling import SamplingParams, hit_stop, sample_next
 from rl_core.engine.weights import ServedWeights
 from rl_core.models import eos_token_ids, read_weights, torch_dtype
@@ -79,6 +80,7 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     return_logprob: bool = False
     logprob_start_len: int = -1
+    lora: str | None = None  # SGLang's lora_path: the adapter's name (None: the base model)
 
 
 @dataclass
@@ -173,6 +175,7 @@ class EmbeddedEngine:
         self.weight_version, self.control_timeout_s = INITIAL_WEIGHT_VERSION, control_timeout_s
         self.weight_sync_timeout_s, self.on_step = weight_sync_timeout_s, on_step
         self._weights = ServedWeights(self.model)
+        self._lora = Adapters(self._weights.named, lambda: self._kv.weights_changed())
         # Scheduler state. Only the scheduler thread touches the running batch; the waiting
         # queue, the rid index and the control queue are shared under ``_cond``.
         self._cond = threading.Condition()
@@ -230,6 +233,8 @@ class EmbeddedEngine:
                 "Please use a smaller logprob_start_len.")
         if req.params.stop and self.tokenizer is None:
             raise EngineRequestError("stop strings need a tokenizer; this model has none.")
+        if req.lora is not None:
+            self._lora.get(req.lora)  # AdapterError (a ValueError, 400) if not loaded
 
     def submit(self, req: GenerateRequest) -> cf.Future:
         """Queue ``req``; the future resolves to a :class:`GenerateOutput`."""
@@ -483,9 +488,29 @@ class EmbeddedEngine:
             raise EngineStateError(f"no weight update group {group_name!r}")
         pgroup.destroy_process_group(self._groups.pop(group_name)[0])
 
-    def checksum(self) -> str:
-        """The served weights' :func:`~rl_core.weight_sync.weights_checksum`, cached per change."""
-        return self._weights.checksum
+    def checksum(self, lora_name: str | None = None) -> str:
+        """The base weights' :func:`~rl_core.weight_sync.weights_checksum`, cached per change
+        (an adapter merged for a batch does not change it), or adapter ``lora_name``'s."""
+        return self._weights.checksum if lora_name is None else self._lora.get(lora_name).checksum
+
+    # ------------------------------------------------------------------ LoRA (engine/lora.py)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str | Path | None = None, *,
+                          tensors: Mapping[str, torch.Tensor] | None = None,
+                          config: Mapping[str, Any] | None = None) -> str:
+        """Hold an adapter under ``lora_name``: a PEFT directory, or ``tensors`` + ``config``
+        (in process); its checksum. A name already loaded is refused (unload it first)."""
+        if tensors is None:
+            config, tensors = read_adapter(lora_path or "")
+        adapter = parse_adapter(lora_name, config or {}, tensors, self._weights.shapes,
+                                None if lora_path is None else str(lora_path))
+        self._call(lambda: self._lora.add(adapter), f"load LoRA adapter {lora_name!r}")
+        return adapter.checksum
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Drop adapter ``lora_name``; refused while running requests use it."""
+        self._call(lambda: self._lora.remove(lora_name, len(self._running)),
+                   f"unload LoRA adapter {lora_name!r}")
 
     def _update(self, named: dict[str, torch.Tensor], version: str | int | None, abort_all: bool,
                 source: str, complete: bool = False) -> str:
@@ -497,6 +522,7 @@ class EmbeddedEngine:
             self.abort(abort_all=True)
 
         def apply() -> str:
+            self._lora.activate(None)  # the base weights change; adapters re-merge on them
             self._weights.copy_in(named)
             self._weights_changed(version)
             return self._weights.checksum
@@ -613,6 +639,14 @@ class EmbeddedEngine:
             reserved, prefill_tokens = sum(s.reserve for s in self._running), 0
             while self._waiting and len(self._running) + len(new) < self.max_running_requests:
                 s = self._waiting[0]
+                if s.req.lora != self._lora.active:  # one adapter per batch, in arrival order
+                    if self._running or new:
+                        break
+                    if s.req.lora is not None and s.req.lora not in self._lora.loaded:
+                        self._waiting.popleft()  # unloaded since it was queued
+                        self._finish(s, _abort_reason(f"LoRA {s.req.lora!r} unloaded", 400))
+                        continue
+                    self._lora.activate(s.req.lora)
                 n = len(s.req.input_ids) + len(s.output_ids)
                 if reserved + s.reserve > self.max_total_tokens:
                     break

@@ -47,7 +47,7 @@ _SAMPLING_KNOWN = _SAMPLING_IMPLEMENTED | set(_SAMPLING_DEFAULT_ONLY) | _SAMPLIN
 # Top-level /generate fields refused unless at their default.
 _GENERATE_DEFAULT_ONLY: dict[str, Any] = {
     "input_embeds": None, "stream": False, "top_logprobs_num": 0, "token_ids_logprob": None,
-    "lora_path": None, "image_data": None, "video_data": None, "audio_data": None,
+    "image_data": None, "video_data": None, "audio_data": None,
     "return_hidden_states": False, "return_routed_experts": False}
 
 
@@ -301,6 +301,9 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine, max_samples: in
     starts = _per_item(field(body, "logprob_start_len", lambda v: is_int(v) or isinstance(v, list),
                              "an int"), batch, "logprob_start_len", n, -1)
     text_in_lp = bool(body.get("return_text_in_logprobs") or False)
+    loras = _per_item(body.get("lora_path"), batch, "lora_path", n, None)
+    if not all(x is None or isinstance(x, str) for x in loras):
+        raise BadRequest("lora_path must be an adapter name, a list of them, or null")
 
     reqs: list[GenerateRequest] = []
     opts: list[ItemOpts] = []
@@ -315,7 +318,7 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine, max_samples: in
                 rids[i] if n == 1 else f"{rids[i]}_{j}")
             seeded = n > 1 and params.seed is not None
             p = replace(params, seed=params.seed + j) if seeded else params
-            reqs.append(GenerateRequest(sample_rid, list(prompt), p, want_lp, start))
+            reqs.append(GenerateRequest(sample_rid, list(prompt), p, want_lp, start, loras[i]))
             opts.append(ItemOpts(list(prompt), want_lp, start, **text_opts,
                                  return_text_in_logprobs=text_in_lp))
     return single and n == 1, reqs, opts  # SGLang answers a list for n > 1

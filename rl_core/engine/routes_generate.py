@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from rl_core.engine.core import EngineRequestError
+from rl_core.engine.lora import AdapterError
 from rl_core.engine.protocol import Engine, error, parse_generate, read_body, response_item
 
 router = APIRouter()
@@ -25,7 +26,7 @@ async def generate(request: Request, eng: Engine) -> Any:
     try:
         single, reqs, opts = parse_generate(body, eng, request.app.state.max_request_samples)
         futures = eng.submit_all(reqs)  # all or none: a bad item rejects the batch
-    except EngineRequestError as e:
+    except (EngineRequestError, AdapterError) as e:
         return error(str(e))
     gathered = asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
     while not (await asyncio.wait({gathered}, timeout=1.0))[0]:

@@ -5,7 +5,9 @@ default on a CPU engine, where SGLang's ``nccl`` needs a GPU; one broadcast per 
 version bumps, memory release/resume. No ``/update_weights_from_tensor``: its payloads are
 pickled CUDA IPC handles, never unpickled here. ``GET /weights_checksum`` (ours):
 ``{"checksum", "weight_version"}``, the XXH3-128 checksum cached when the engine applied the
-weights, for the trainer to compare with its own. Never imports Prefect or MLflow.
+weights, for the trainer to compare with its own (``?lora_name=``: that adapter's). LoRA
+adapters: SGLang's ``/load_lora_adapter`` (``{"lora_name", "lora_path"}``, a PEFT directory)
+and ``/unload_lora_adapter`` (``{"lora_name"}``). Never imports Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -102,8 +104,29 @@ async def update_weight_version(request: Request, eng: Engine) -> JSONResponse:
 
 
 @router.get("/weights_checksum")
-async def weights_checksum(eng: Engine) -> dict[str, Any]:
-    return {"checksum": eng.checksum(), "weight_version": eng.weight_version}
+async def weights_checksum(eng: Engine, lora_name: str | None = None) -> Any:
+    try:
+        return {"checksum": eng.checksum(lora_name), "weight_version": eng.weight_version}
+    except ValueError as e:  # no such adapter
+        return error(str(e))
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(request: Request, eng: Engine) -> JSONResponse:
+    body = await read_body(request)
+    name, path = body.get("lora_name"), body.get("lora_path")
+    if not (isinstance(name, str) and name and isinstance(path, str) and path):
+        return control(False, "lora_name and lora_path are required (strings)")
+    return await _run(lambda: eng.load_lora_adapter(name, path),
+                      f"LoRA adapter {name!r} loaded.", loaded_adapters=[name])
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(request: Request, eng: Engine) -> JSONResponse:
+    name = (await read_body(request)).get("lora_name")
+    if not (isinstance(name, str) and name):
+        return control(False, "lora_name is required (a string)")
+    return await _run(lambda: eng.unload_lora_adapter(name), f"LoRA adapter {name!r} unloaded.")
 
 
 @router.api_route("/release_memory_occupation", methods=["GET", "POST"])

@@ -35,6 +35,11 @@ class ServedWeights:
         self._checksum: str | None = None
 
     @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every state_dict name and its shape."""
+        return self._shapes
+
+    @property
     def checksum(self) -> str:
         """:func:`~rl_core.weight_sync.weights_checksum` of the weights, computed on first use
         after a change."""

@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import httpx
 
@@ -240,13 +241,16 @@ class SGLangClient:
         await self.aclose()
 
     async def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
-                       return_logprob: bool = True, rid: str | None = None) -> Sample:
-        """One sample for one prompt (one HTTP request, as slime sends them)."""
+                       return_logprob: bool = True, rid: str | None = None,
+                       lora_path: str | None = None) -> Sample:
+        """One sample for one prompt (one HTTP request, as slime sends them); ``lora_path``:
+        the name of a loaded LoRA adapter to sample with (SGLang's field)."""
         if not input_ids:
             raise ValueError("generate: input_ids is empty")
         rid = rid or uuid.uuid4().hex
         payload = {"input_ids": [int(t) for t in input_ids], "rid": rid,
-                   "sampling_params": dict(sampling_params), "return_logprob": return_logprob}
+                   "sampling_params": dict(sampling_params), "return_logprob": return_logprob,
+                   **({"lora_path": lora_path} if lora_path else {})}
         resp, base = await self._request("POST", "/generate", json=payload, rid=rid, limited=True)
         body = resp.json()  # a list from a server that answers n>1 style even for one sample
         return _sample(input_ids, body[0] if isinstance(body, list) else body, base, rid)
@@ -254,7 +258,7 @@ class SGLangClient:
     async def generate_batch(self, input_ids: Sequence[Sequence[int]],
                              sampling_params: dict[str, Any] | Sequence[dict[str, Any]], *,
                              return_logprob: bool = True, rid: Sequence[str] | None = None,
-                             ) -> list[Sample]:
+                             lora_path: str | None = None) -> list[Sample]:
         """One batched request: one sample per prompt, in order (retried as a whole)."""
         if not (n := len(input_ids)) or any(len(p) == 0 for p in input_ids):
             raise ValueError("generate_batch: empty batch or empty prompt")
@@ -267,7 +271,8 @@ class SGLangClient:
                 raise ValueError(
                     f"generate_batch: {len(sampling_params)} sampling_params for {n} prompts")
         payload = {"input_ids": [[int(t) for t in p] for p in input_ids], "rid": rids,
-                   "sampling_params": sampling_params, "return_logprob": return_logprob}
+                   "sampling_params": sampling_params, "return_logprob": return_logprob,
+                   **({"lora_path": [lora_path] * n} if lora_path else {})}
         resp, base = await self._request("POST", "/generate", json=payload, limited=True)
         if not isinstance(body := resp.json(), list) or len(body) != n:
             raise RolloutError(
@@ -313,11 +318,14 @@ class SGLangClient:
             return str(info["weight_version"])
         return str((await self._control("GET", "/get_weight_version", url=url))["weight_version"])
 
-    async def weights_checksum(self, *, url: str | None = None) -> str | None:
-        """The checksum of the served weights (the embedded engine's ``/weights_checksum``);
-        ``None`` from a server without that endpoint (real SGLang answers 404)."""
+    async def weights_checksum(self, *, url: str | None = None,
+                               lora_name: str | None = None) -> str | None:
+        """The checksum of the served weights, or of LoRA adapter ``lora_name`` (the embedded
+        engine's ``/weights_checksum``); ``None`` from a server without that endpoint (real
+        SGLang answers 404)."""
+        path = "/weights_checksum" + (f"?lora_name={quote(lora_name)}" if lora_name else "")
         try:
-            body = await self._control("GET", "/weights_checksum", url=url)
+            body = await self._control("GET", path, url=url)
         except RolloutRequestError as e:
             if e.status == 404:
                 return None
@@ -374,6 +382,24 @@ class SGLangClient:
                 "abort_all_requests": abort_all_requests, **_version(weight_version)}
         return await self._control("POST", "/update_weights_from_disk", json=body, url=url,
                                    retries=1, timeout_s=timeout_s)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, *, url: str | None = None,
+                                timeout_s: float | None = None) -> dict[str, Any]:
+        """``/load_lora_adapter``: hold the PEFT adapter at ``lora_path`` as ``lora_name``."""
+        body = {"lora_name": lora_name, "lora_path": str(lora_path)}
+        return await self._control("POST", "/load_lora_adapter", json=body, url=url, retries=1,
+                                   timeout_s=timeout_s)
+
+    async def unload_lora_adapter(self, lora_name: str, *, url: str | None = None,
+                                  missing_ok: bool = False) -> dict[str, Any] | None:
+        """``/unload_lora_adapter``; ``missing_ok``: an adapter not loaded is no error."""
+        try:
+            return await self._control("POST", "/unload_lora_adapter",
+                                       json={"lora_name": lora_name}, url=url, retries=1)
+        except RolloutRequestError as e:
+            if missing_ok and e.status == 400:  # SGLang's wording differs from ours
+                return None
+            raise
 
     async def init_weights_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int, *,

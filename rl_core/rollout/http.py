@@ -75,6 +75,7 @@ class HttpPlane:
         self.weight_sync_timeout_s = weight_sync_timeout_s
         self.verify_checksum = verify_checksum
         self.before_generate: Callable[[], None] | None = None
+        self.lora_name: str | None = None  # set by a LoRA weight sync: requests carry it
         self._version = 0  # the base model, until the first sync
         self._warned_no_checksum = False
 
@@ -159,10 +160,12 @@ class HttpPlane:
         chunks = [(prompts[i : i + size], [sampling_payload(p) for p in params[i : i + size]])
                   for i in range(0, len(prompts), size)]
 
+        lora = self.lora_name
+
         async def one(p: Sequence[Sequence[int]], sp: list[dict[str, Any]]) -> list[Sample]:
             if len(p) == 1:
-                return [await client.aio.generate(p[0], sp[0])]
-            return await client.aio.generate_batch(p, sp)
+                return [await client.aio.generate(p[0], sp[0], lora_path=lora)]
+            return await client.aio.generate_batch(p, sp, lora_path=lora)
 
         async def run_all() -> list[list[Sample]]:
             return list(await asyncio.gather(*(one(p, sp) for p, sp in chunks)))
@@ -204,7 +207,7 @@ class HttpPlane:
                 raise WeightSyncError(f"{url} serves weight_version {served}, expected {version}")
             if not self.verify_checksum or checksum is None:
                 continue
-            got = client.weights_checksum(url=url)
+            got = client.weights_checksum(url=url, lora_name=self.lora_name)
             if got is None:
                 if not self._warned_no_checksum:
                     log.warning("%s has no /weights_checksum: verified by version only", url)

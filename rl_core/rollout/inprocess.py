@@ -61,6 +61,7 @@ class InProcessPlane:
         self.engine = EmbeddedEngine(model_path, model=model, **engine_kw)
         self.timeout_s = timeout_s
         self.weight_version = 0
+        self.lora_name: str | None = None  # set by a LoRA weight sync: requests carry it
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -74,7 +75,8 @@ class InProcessPlane:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         batch = uuid.uuid4().hex[:12]
-        reqs = [GenerateRequest(f"{batch}-{i}", list(p), sp, return_logprob=True)
+        reqs = [GenerateRequest(f"{batch}-{i}", list(p), sp, return_logprob=True,
+                                lora=self.lora_name)
                 for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
         outs = self.engine.generate_sync(reqs, timeout=self.timeout_s)
         tok = self.engine.tokenizer
@@ -101,7 +103,7 @@ class InProcessPlane:
         served = self.engine.weight_version
         if served != str(version):
             raise WeightSyncError(f"the engine serves weight_version {served}, expected {version}")
-        if checksum is not None and (got := self.engine.checksum()) != checksum:
+        if checksum is not None and (got := self.engine.checksum(self.lora_name)) != checksum:
             raise WeightSyncError(f"weight sync to version {version}: the engine serves checksum "
                                   f"{got[:21]} but the trainer exported {checksum[:21]}")
 

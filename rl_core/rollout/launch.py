@@ -125,13 +125,16 @@ def sglang_env(cfg: SGLangLaunchConfig, base: Mapping[str, str] | None = None,
 
 def sglang_engine(cfg: Any, model_path: str | Path) -> tuple[EngineCommand, dict[str, str]]:
     """The command factory and environment of ``rollout.engine: sglang`` for a run config."""
-    r = cfg.rollout
+    r, lora = cfg.rollout, cfg.train.lora
+    # LoRA (train.lora): adapters are loaded by name at each sync, one per batch
+    lora_args = ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules",
+                 *lora.target_modules, "--max-loras-per-batch", "1"] if lora.enabled else []
     launch = SGLangLaunchConfig(
         model_path=str(model_path), tp=r.sglang_tp,
         mem_fraction_static=r.sglang_mem_fraction_static,
         enable_memory_saver=cfg.cluster.placement == "colocated",
         dtype="auto" if cfg.model.dtype == "float32" else cfg.model.dtype,
-        trust_remote_code=cfg.model.trust_remote_code, extra_args=list(r.sglang_extra_args),
+        trust_remote_code=cfg.model.trust_remote_code, extra_args=[*lora_args, *r.sglang_extra_args],
         platform=r.sglang_platform,
     )
     return sglang_engine_command(launch), sglang_env(launch, overrides=cfg.cluster.env)

@@ -36,8 +36,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import state_dict as dcp
 
 from rl_core.config import AlgorithmConfig, TrainConfig
-from rl_core.models import read_weights
-from rl_core.training.torch_trainer import MiniBatch, TorchTrainer, check_loaded
+from rl_core.training.torch_trainer import MiniBatch, TorchTrainer
 from rl_core.types import Batch
 from rl_core.weight_sync.process_group import host_tcp_store
 from rl_core.weight_sync.source import from_arrays, to_arrays
@@ -168,16 +167,15 @@ class _RankTrainer(TorchTrainer):
         return out[0], out[1]
 
     # Weights and state: gathered whole on rank 0 (a collective under FSDP2).
-    def export_weights(self) -> dict[str, torch.Tensor]:
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full weights on rank 0; ``{}`` on the others."""
-        weights = dcp.get_model_state_dict(self.model, options=_FULL)
-        return {k: v.detach() for k, v in weights.items()}
+        return dcp.get_model_state_dict(self.model, options=_FULL)
 
     def _barrier(self) -> None:
         dist.barrier()
 
     def save_state(self, path: str | Path) -> Path:
-        path, weights = Path(path), self.export_weights()
+        path, weights = Path(path), self.export_weights()  # LoRA: the adapter only
         optimizer = dcp.get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)
         self._write_hf(path / "model", weights)
         if self.rank == 0:
@@ -188,8 +186,8 @@ class _RankTrainer(TorchTrainer):
 
     def load_state(self, path: str | Path) -> None:
         path, options = Path(path), dcp.StateDictOptions(full_state_dict=True, strict=False)
-        result = dcp.set_model_state_dict(self.model, read_weights(path / "model"), options=options)
-        check_loaded(path, result.missing_keys, result.unexpected_keys)
+        result = dcp.set_model_state_dict(self.model, self._loadable(path), options=options)
+        self._check_restore(path, result.missing_keys, result.unexpected_keys)
         # Our own file, written by save_state: it holds optimizer tensors and plain numbers.
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         names = {id(p): n for n, p in self.model.named_parameters()}

@@ -13,6 +13,11 @@ sequence count of the whole mini-batch, so micro-batching changes speed, not the
 Data parallelism is the same rule: ``train_step(batch, minis=...)`` takes each mini-batch's
 *global* counts, so a rank holding part of a mini-batch contributes its exact share.
 
+With ``train.lora`` (:mod:`rl_core.training.lora`) only the adapters train, the reference
+log-probs are the base model's (the adapter disabled: no second copy), the exported weights
+(sync, checkpoints) are the adapter's tensors, and :meth:`save_pretrained` writes the merged
+model with the adapter beside it.
+
 Never imports Prefect or MLflow.
 """
 
@@ -34,6 +39,7 @@ from transformers import AutoModelForCausalLM
 from rl_core.algorithms.losses import compute_grpo_loss, entropy_from_logits, logprobs_from_logits
 from rl_core.config import AlgorithmConfig, TrainConfig
 from rl_core.models import read_weights, torch_dtype
+from rl_core.training import lora as lora_lib
 from rl_core.training.packing import plan_packing
 from rl_core.types import Batch
 from rl_core.weight_sync.source import WeightSource
@@ -81,9 +87,12 @@ class TorchTrainer(WeightSource):
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
         ).to(self.device)
+        self.lora = train.lora if train.lora.enabled else None
+        if self.lora is not None:
+            self.model = lora_lib.apply_lora(self.model, self.lora)
         self.model.train()
         self.ref_model = (copy.deepcopy(self.model).eval().requires_grad_(False)
-                          if algorithm.kl_coef > 0 else None)
+                          if algorithm.kl_coef > 0 and self.lora is None else None)
         self._build_optimizer()
         self._n_params = sum(p.numel() for p in self.model.parameters())
         self.global_step = 0  # optimizer steps applied
@@ -91,10 +100,14 @@ class TorchTrainer(WeightSource):
     def _build_optimizer(self) -> None:
         """AdamW and the LR schedule over the current parameters (FSDP2 rebuilds them)."""
         train = self.train_cfg
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr,
+        self.optimizer = torch.optim.AdamW(self._trained(), lr=train.lr,
                                            betas=tuple(train.betas),
                                            weight_decay=train.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(train))
+
+    def _trained(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer updates (LoRA: the adapters only)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     # ------------------------------------------------- data-parallel hooks (one rank: no-ops)
 
@@ -139,9 +152,15 @@ class TorchTrainer(WeightSource):
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, *, reference: bool = False) -> torch.Tensor:
         """Per-token log-probs (B, L-1) under the policy or the reference policy."""
+        if reference and self.lora is not None:
+            with self.model.disable_adapter():  # the base model is the reference
+                return self._logprobs(self.model, batch)
         model = self.ref_model if reference else self.model
         if model is None:
             raise ValueError("no reference model: algorithm.kl_coef is 0")
+        return self._logprobs(model, batch)
+
+    def _logprobs(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         was_training = model.training
         model.eval()
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
@@ -157,7 +176,7 @@ class TorchTrainer(WeightSource):
     @property
     def has_ref_model(self) -> bool:
         """Whether reference log-probs exist (``algorithm.kl_coef > 0``)."""
-        return self.ref_model is not None
+        return self.ref_model is not None or (self.lora is not None and self.algo.kl_coef > 0)
 
     @property
     def needs_old_logp(self) -> bool:
@@ -194,7 +213,7 @@ class TorchTrainer(WeightSource):
                 loss, m = self._micro_loss(part, norm_const, mini)
                 loss.backward()
             metrics.append((m, float(part.response_mask.sum())))
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self._trained(), self.train_cfg.grad_clip)
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
             norm = norm.full_tensor()
         grad_norm = float(norm)
@@ -213,16 +232,59 @@ class TorchTrainer(WeightSource):
 
     # -------------------------------------------------------------------- weights
 
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's whole state_dict on the sending rank (a gather on sharded ranks)."""
+        return self.model.state_dict()
+
     def export_weights(self) -> dict[str, torch.Tensor]:
-        """The policy's weights by HF parameter name (what the rollout plane loads)."""
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        """The policy's weights by HF parameter name (what the rollout plane loads); with
+        LoRA, the adapter's tensors by peft's names."""
+        full = self._full_state_dict()
+        if self.lora is not None:
+            return lora_lib.adapter_tensors(full)
+        return {k: v.detach() for k, v in full.items()}
+
+    def adapter_config(self) -> dict[str, Any]:
+        """LoRA: the adapter's ``adapter_config.json`` (the in-process sync sends it along)."""
+        return lora_lib.adapter_config(self.model)
 
     def _write_hf(self, path: Path, weights: dict[str, torch.Tensor]) -> None:
-        """HF format (config + safetensors) from the sending rank; the others wait for it."""
+        """HF format (config + safetensors; LoRA: a PEFT adapter directory) from the sending
+        rank; the others wait for it."""
         if self._sends_weights:
             path.mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(path, state_dict=weights, safe_serialization=True)
+            if self.lora is not None:
+                lora_lib.write_adapter(self.model, path, weights)
+            else:
+                self.model.save_pretrained(path, state_dict=weights, safe_serialization=True)
         self._barrier()
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """The policy in HF format; with LoRA, the base with the adapter merged in, and the
+        adapter itself in ``path/adapter`` (a PEFT directory: SGLang's ``--lora-paths``)."""
+        if self.lora is None:
+            return super().save_pretrained(path)
+        path = Path(path)
+        full = self._full_state_dict()
+        if self._sends_weights:
+            path.mkdir(parents=True, exist_ok=True)
+            base = self.model.get_base_model()
+            base.save_pretrained(path, state_dict=lora_lib.merged_tensors(full, self.lora),
+                                 safe_serialization=True)
+            lora_lib.write_adapter(self.model, path / lora_lib.ADAPTER_DIR,
+                                   lora_lib.adapter_tensors(full))
+        self._barrier()
+        return path
+
+    def _loadable(self, path: Path) -> dict[str, torch.Tensor]:
+        """What :meth:`save_state` wrote in ``path/model``, by the model's state_dict names."""
+        named = read_weights(path / "model")
+        return lora_lib.model_keys(named) if self.lora is not None else named
+
+    def _check_restore(self, path: Path, missing: Sequence[str], unexpected: Sequence[str]) -> None:
+        if self.lora is not None:  # a LoRA checkpoint holds the adapter, not the base weights
+            missing = [k for k in missing if ".lora_" in k]
+        check_loaded(path, missing, unexpected)
 
     def _barrier(self) -> None:
         """Wait for every rank (one rank: nothing to wait for)."""
@@ -230,7 +292,7 @@ class TorchTrainer(WeightSource):
     def save_state(self, path: str | Path) -> Path:
         """Model (``path/model``, HF format), optimizer and scheduler (``trainer_state.pt``)."""
         path = Path(path)
-        self.save_pretrained(path / "model")
+        self.write_weights(path / "model")  # LoRA: the adapter only
         state = {"optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict(), "global_step": self.global_step}
         torch.save(state, path / "trainer_state.pt")
@@ -239,8 +301,8 @@ class TorchTrainer(WeightSource):
     def load_state(self, path: str | Path) -> None:
         """Restore what :meth:`save_state` wrote."""
         path = Path(path)
-        missing, unexpected = self.model.load_state_dict(read_weights(path / "model"), strict=False)
-        check_loaded(path, missing, unexpected)
+        missing, unexpected = self.model.load_state_dict(self._loadable(path), strict=False)
+        self._check_restore(path, missing, unexpected)
         # Our own file, written by save_state: it holds optimizer tensors and plain numbers.
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])

@@ -15,6 +15,12 @@ The in-process plane uses :class:`TensorSync` (the engine core copies the traine
 or, with ``rollout.weight_sync: shared``, :class:`SharedSync` (the engine reads the trainer's
 parameters in place; the sync checks that they still alias and bumps the version).
 
+With LoRA (``train.lora``) the disk and in-process transports move the *adapter* only: the
+trainer writes or exports its LoRA tensors (a PEFT directory on disk), and each engine swaps
+adapter ``lora_name`` by SGLang's protocol (``/unload_lora_adapter`` then
+``/load_lora_adapter``, then ``/update_weight_version``); the plane then sends every request
+with ``lora_path=lora_name`` and verifies the adapter's checksum.
+
 Each keeps what it last delivered, so an engine that restarts is brought back to the current
 weights (:meth:`resync`) before it serves again. Never imports Prefect or MLflow; every wait
 is bounded.
@@ -22,11 +28,13 @@ is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rl_core.engine.lora import AdapterError
 from rl_core.weight_sync.checksum import WeightSyncError, weights_checksum
 
 __all__ = ["DiskSync", "ObjectStoreSync", "SharedSync", "Staged", "TensorSync"]
@@ -44,8 +52,10 @@ class Staged:
 class DiskSync:
     """``disk``: a safetensors directory per version; only the newest is kept."""
 
-    def __init__(self, plane: Any, staging_dir: str | Path, timeout_s: float) -> None:
+    def __init__(self, plane: Any, staging_dir: str | Path, timeout_s: float,
+                 lora_name: str | None = None) -> None:
         self.plane, self.staging_dir, self.timeout_s = plane, Path(staging_dir), timeout_s
+        self.lora_name = lora_name
         self.current: tuple[Path, int] | None = None
 
     def stage(self, trainer: Any, version: int) -> Staged:
@@ -58,18 +68,34 @@ class DiskSync:
         return Staged(target, checksum, sum(f.stat().st_size for f in target.glob("*.safetensors")))
 
     def load(self, staged: Staged, urls: list[str], version: int) -> None:
-        self.plane.pool.each(urls, "update_weights_from_disk", lambda aio, u: (
-            aio.update_weights_from_disk(str(staged.payload), version, url=u,
-                                         timeout_s=self.timeout_s)), self.timeout_s + 10.0)
+        if self.lora_name is None:
+            self.plane.pool.each(urls, "update_weights_from_disk", lambda aio, u: (
+                aio.update_weights_from_disk(str(staged.payload), version, url=u,
+                                             timeout_s=self.timeout_s)), self.timeout_s + 10.0)
+        else:
+            self.plane.pool.each(urls, "load_lora_adapter", lambda aio, u: self._swap(
+                aio, u, staged.payload, version), self.timeout_s + 10.0)
+            self.plane.lora_name = self.lora_name
         self.current = (staged.payload, version)
         for old in self.staging_dir.glob("v*"):
             if old != staged.payload:
                 shutil.rmtree(old, ignore_errors=True)
 
+    async def _swap(self, aio: Any, url: str, path: Path, version: int) -> None:
+        """SGLang's adapter update: unload the old one (if any), load, relabel the version."""
+        assert self.lora_name is not None
+        await aio.unload_lora_adapter(self.lora_name, url=url, missing_ok=True)
+        await aio.load_lora_adapter(self.lora_name, str(path), url=url, timeout_s=self.timeout_s)
+        await aio.update_weight_version(version, url=url)
+
     def resync(self, url: str) -> bool:
         if self.current is not None:
             path, version = self.current
-            self.plane.pool.client.update_weights_from_disk(str(path), version, url=url)
+            client = self.plane.pool.client
+            if self.lora_name is None:
+                client.update_weights_from_disk(str(path), version, url=url)
+            else:
+                client.run(self._swap(client.aio, url, path, version), timeout_s=self.timeout_s)
         return True
 
     def close(self) -> None:
@@ -117,19 +143,30 @@ class ObjectStoreSync:
 
 
 class TensorSync:
-    """The in-process plane: the engine core copies the trainer's tensors at a safe point."""
+    """The in-process plane: the engine core copies the trainer's tensors at a safe point
+    (``lora_name``: holds them as that LoRA adapter)."""
 
-    def __init__(self, plane: Any = None) -> None:
-        self.plane = plane
+    def __init__(self, plane: Any = None, lora_name: str | None = None) -> None:
+        self.plane, self.lora_name = plane, lora_name
 
     def stage(self, trainer: Any, version: int) -> Staged:
         weights = trainer.export_weights()
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-        return Staged(weights, weights_checksum(weights), float(nbytes))
+        config = trainer.adapter_config() if self.lora_name else None
+        return Staged((weights, config), weights_checksum(weights), float(nbytes))
 
     def load(self, staged: Staged, engines: list[Any], version: int) -> None:
+        weights, config = staged.payload
         for engine in engines:
-            engine.update_weights_from_tensors(staged.payload, version)
+            if self.lora_name is None:
+                engine.update_weights_from_tensors(weights, version)
+                continue
+            with contextlib.suppress(AdapterError):  # not loaded yet
+                engine.unload_lora_adapter(self.lora_name)
+            engine.load_lora_adapter(self.lora_name, tensors=weights, config=config)
+            engine.update_weight_version(version, abort_all_requests=False)
+        if self.lora_name is not None:
+            self.plane.lora_name = self.lora_name
 
     def resync(self, engine: Any) -> bool:
         return True
