@@ -39,6 +39,7 @@ from tasks.step import (
     release_rollout_memory,
     reward,
     sync_weights,
+    teacher_score,
     train,
 )
 from tasks.tracking import finish_tracking, log_checkpoint, log_evaluation, start_tracking
@@ -126,6 +127,8 @@ def grpo_step(planes: PlanesHandle, rollouts: Rollouts, step: int) -> tuple[Step
     # opaque(): Prefect resolves the argument but does not walk the thousands of token lists
     # inside it looking for futures (that walk cost ~150 ms per task call on the demo).
     scored = reward(planes, opaque(samples), step)
+    if p.teacher is not None:
+        scored = teacher_score(planes, opaque(scored), step)
     if p.config.algorithm.dynamic_sampling:
         scored = rollouts.informative(scored, step)
     metrics = {**scored.metrics, **released}

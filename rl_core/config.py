@@ -20,6 +20,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rl_core.teacher import TeacherConfig
+
 __all__ = ["ConfigError", "ExperimentConfig", "apply_overrides", "config_digest", "flatten",
            "load_config"]
 
@@ -543,6 +545,7 @@ class ExperimentConfig(_Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     reward: RewardConfig = RewardConfig()
     agent: AgentConfig = AgentConfig()
+    teacher: TeacherConfig = TeacherConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     cluster: ClusterConfig = ClusterConfig()
@@ -613,6 +616,10 @@ class ExperimentConfig(_Section):
             self._check_megatron()
         if self.train.lora.enabled:
             self._check_lora()
+        if self.teacher.enabled and (self.rollout.temperature != 1.0 or self.agent.enabled):
+            raise ValueError("teacher.path (on-policy distillation) scores the student's tokens "
+                             "at temperature 1 and single-turn samples: set rollout.temperature"
+                             "=1.0 and leave agent.env/agent.program unset")
         if self.rollout.max_staleness > 0:
             if self.rollout.release_memory_while_training:
                 raise ValueError(

@@ -64,6 +64,7 @@ class Planes:
     placement: Any = None  # its PlanePlacement
     time_share: bool = False  # engines release their memory while the trainer works
     agents: Any = None  # an rl_core.agents.rollout.AgentRollout when agent.env/program is set
+    teacher: Any = None  # the teacher's rollout plane (teacher.path: on-policy distillation)
 
     @property
     def weight_version(self) -> int:
@@ -94,7 +95,8 @@ class Planes:
 
     def close(self) -> None:
         self.reward_runner.close()
-        _close_all(self.agents, self.weights, self.rollout, self.trainer, self.placement, self.cluster)
+        _close_all(self.agents, self.teacher, self.weights, self.rollout, self.trainer,
+                   self.placement, self.cluster)
 
 
 _REGISTRY: dict[str, Planes] = {}
@@ -211,7 +213,7 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
     """
     if trainer_threads := cfg.thread_budget()[1]:
         torch.set_num_threads(trainer_threads)
-    cluster = placement = trainer = rollout = transport = agents = rewards = None
+    cluster = placement = trainer = rollout = transport = agents = rewards = teacher = None
     try:
         if cfg.cluster.mode == "ray":
             cluster, placement = _ray_cluster(cfg, work_dir, with_trainer)
@@ -231,22 +233,45 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
             )
         eval_records, eval_prompts, skip_eval = _encode_within_limit(tokenizer, eval_records, cfg)
         rollout, transport = start_rollout(cfg, model_path, work_dir, placement, trainer)
+        if cfg.teacher.enabled and with_trainer:
+            teacher = _start_teacher(cfg, tokenizer, str(model_path), work_dir)
         if cfg.agent.enabled:
             from rl_core.agents.rollout import AgentRollout
 
             agents = AgentRollout(cfg.agent, rollout, tokenizer)
         rewards = _reward_runner(cfg, work_dir, [*train_records, *eval_records])
     except BaseException:
-        _close_all(rewards, agents, transport, rollout, trainer, placement, cluster)
+        _close_all(rewards, agents, teacher, transport, rollout, trainer, placement, cluster)
         raise
     key = uuid.uuid4().hex
     _REGISTRY[key] = Planes(
         cfg, rollout, transport, trainer, tokenizer, pad_token_id, train_records, train_prompts,
         eval_records, eval_prompts, rewards,
         skipped_long_prompts=skipped + skip_eval, cluster=cluster, placement=placement,
-        time_share=_time_share(cfg), agents=agents,
+        time_share=_time_share(cfg), agents=agents, teacher=teacher,
     )
     return PlanesHandle(key)
+
+
+def _start_teacher(cfg: ExperimentConfig, tokenizer: Any, student: str,
+                   work_dir: str | Path) -> RolloutPlane:
+    """The teacher's rollout plane (``teacher.*``), after checking it shares the student's
+    tokenizer; it serves fixed weights (never synced)."""
+    from rl_core.config import ModelConfig
+    from rl_core.models.hub import snapshot_model
+    from rl_core.teacher import check_tokenizers
+
+    t = cfg.teacher
+    path = snapshot_model(ModelConfig(path=t.path), cfg.data, cfg.storage.cache_dir).path
+    check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(path), student, str(t.path))
+    sub = cfg.model_copy(update={
+        "rollout": cfg.rollout.model_copy(update={"engine": t.engine, "num_engines": t.num_engines,
+                                                  "weight_sync": "disk"}),
+        "train": cfg.train.model_copy(update={"lora": cfg.train.lora.model_copy(
+            update={"rank": 0})})})  # fmt: skip
+    plane, _ = start_rollout(sub, path, Path(work_dir) / "teacher")
+    log.info("teacher plane: %s serving %s", t.engine, t.path)
+    return plane
 
 
 def _reward_runner(cfg: ExperimentConfig, work_dir: str | Path,

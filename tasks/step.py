@@ -25,11 +25,12 @@ from rl_core.engine.sampling import SamplingParams
 from rl_core.grpo import advantages_for, rollout_groups, score_samples, summarize_samples
 from rl_core.planes import PlanesHandle, get_planes
 from rl_core.rewards import RewardFunctionError, RewardResult
+from rl_core.teacher import distill_advantages, score_with_teacher
 from rl_core.types import Batch, Sample
 
 __all__ = ["BUDGET_ERRORS", "StepSamples", "StepTaskError", "compute_advantages", "compute_logprobs",
            "needs_logprobs", "release_rollout_memory", "reward", "rollout", "rollout_round",
-           "sampling_params", "sync_weights", "train"]
+           "sampling_params", "sync_weights", "teacher_score", "train"]
 
 # Failures a retry cannot fix: the run stops with the error (the flow does not restart planes).
 BUDGET_ERRORS = (RewardFunctionError, EpisodeFailureError)
@@ -184,7 +185,21 @@ def compute_advantages(planes: PlanesHandle, batch: StepSamples) -> Batch:
     p = get_planes(planes)
     cfg = p.config
     adv = advantages_for(batch.samples, cfg.rollout.n_samples, cfg.algorithm.advantage)
-    return Batch.from_samples(batch.samples, adv, p.pad_token_id)
+    out = Batch.from_samples(batch.samples, adv, p.pad_token_id)
+    if p.teacher is not None:  # on-policy distillation: per-token advantages
+        out.advantages = distill_advantages(out, batch.samples, cfg.teacher)
+    return out
+
+
+@task(name="teacher-score", task_run_name="teacher-score-step-{step}", timeout_seconds=1800,
+      **_RETRY)
+@_named("teacher-score")
+def teacher_score(planes: PlanesHandle, batch: StepSamples, step: int) -> StepSamples:
+    """On-policy distillation: the teacher's log-prob of every sampled token (prefill)."""
+    started = time.perf_counter()
+    metrics = score_with_teacher(get_planes(planes).teacher, batch.samples)
+    metrics["time/teacher"] = time.perf_counter() - started
+    return StepSamples(step, batch.samples, {**batch.metrics, **metrics}, dropped=batch.dropped)
 
 
 @task(name="logprobs", task_run_name="logprobs-step-{step}", timeout_seconds=1800, **_RETRY)

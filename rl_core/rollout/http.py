@@ -175,6 +175,13 @@ class HttpPlane:
             self._check(s, partial)
         return samples
 
+    def score(self, prompt: Sequence[int], completions: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Each completion's per-token log-probs after ``prompt`` under the served weights
+        (prefill only: a teacher scoring a student's samples). One request per call."""
+        client, start = self.client, len(prompt) - 1
+        seqs = [[*prompt, *c] for c in completions]
+        return client.run(client.aio.score(seqs, start), timeout_s=self.timeout_s)
+
     def _check(self, s: Sample, partial: bool = False) -> None:
         where = s.meta.get("base_url", "an engine")
         served = s.meta.get("weight_version")

@@ -89,6 +89,15 @@ class InProcessPlane:
                        if tok is not None else "", meta={"id": o.rid})
                 for p, o in zip(prompts, outs, strict=True)]
 
+    def score(self, prompt: Sequence[int], completions: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Each completion's per-token log-probs after ``prompt`` (prefill only)."""
+        start, batch = len(prompt) - 1, uuid.uuid4().hex[:12]
+        reqs = [GenerateRequest(f"{batch}-s{i}", [*prompt, *c], SamplingParams(max_new_tokens=0),
+                                return_logprob=True, logprob_start_len=start)
+                for i, c in enumerate(completions)]
+        outs = self.engine.generate_sync(reqs, timeout=self.timeout_s)
+        return [[float(x) for x in o.input_logprobs[1:]] for o in outs]
+
     @contextlib.contextmanager
     def paused(self) -> Iterator[list[EmbeddedEngine]]:
         """Pause (aborting what runs), flush the KV cache, yield the engine; resume always."""
