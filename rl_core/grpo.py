@@ -97,4 +97,5 @@ def summarize_samples(samples: Sequence[Sample], n: int) -> dict[str, float]:
         "truncation_rate": statistics.fmean(float(s.truncated) for s in samples),
         "zero_std_group_frac": statistics.fmean(float(len(set(g)) == 1) for g in groups),
         "response_tokens": float(sum(lengths)),
+        "prompt_tokens": float(sum(len(s.prompt_ids) for s in samples)),
     }

@@ -94,7 +94,7 @@ def prepare(trainer, batch: Batch) -> Batch:
     """What the loop does before train_step: old and reference log-probs where needed."""
     if trainer.needs_old_logp:
         batch.old_logp = trainer.compute_logprobs(batch)
-    if trainer.ref_model is not None:
+    if trainer.has_ref_model:
         batch.ref_logp = trainer.compute_logprobs(batch, reference=True)
     return batch
 
@@ -328,3 +328,35 @@ def test_killed_rank_fails_the_next_call_naming_it(ray_session, model_dir):
     finally:
         group.shutdown()
     assert group.num_ranks == 0
+
+
+def test_lora_ranks_make_the_single_rank_update(ray_session, model_dir, tmp_path):
+    """LoRA (train.lora) on two DDP ranks: the same log-probs (the reference: the base with
+    the adapter disabled), the same adapter after a step, an adapter-only checkpoint the
+    single trainer resumes from, and the same merged export."""
+    from transformers import AutoModelForCausalLM
+
+    from rl_core.config import LoraConfig
+
+    train = TrainConfig(lr=1e-2, steps=10, micro_batch_size=2, lora=LoraConfig(rank=4))
+    algo = AlgorithmConfig(kl_coef=0.05)
+    single = TorchTrainer(model_dir, train, algo)
+    group = start_group(model_dir, train, algo, num_ranks=2, data_parallel="ddp")
+    try:
+        check_logprobs(group, single)
+        expected = single.train_step(prepare(single, random_batch(6, seed=3)))
+        got = group.train_step(prepare(group, random_batch(6, seed=3)))
+        assert_metrics_close(got, expected, 0)
+        adapter = group.export_weights()
+        assert adapter and all(".lora_" in k for k in adapter)
+        assert_weights_close(adapter, single.export_weights(), atol=1e-5)
+        resumed = TorchTrainer(model_dir, train, algo)
+        resumed.load_state(group.save_state(tmp_path / "group"))
+        assert_weights_close(resumed.export_weights(), single.export_weights(), atol=1e-5)
+        assert {p.name for p in (tmp_path / "group" / "model").iterdir()} == {
+            "adapter_config.json", "adapter_model.safetensors"}
+        merged = AutoModelForCausalLM.from_pretrained(group.save_pretrained(tmp_path / "hf"))
+        want = AutoModelForCausalLM.from_pretrained(single.save_pretrained(tmp_path / "one"))
+        assert_weights_close(merged.state_dict(), want.state_dict(), atol=1e-5)
+    finally:
+        group.shutdown()
