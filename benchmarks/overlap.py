@@ -65,6 +65,7 @@ DEFAULT_VARIANTS = ("sync", "overlap", "dynamic")
 def run_variant(
     name: str, extra: list[str], steps: int, eval_examples: int, work: Path, round_: int = 0,
     config: Path = ROOT / "configs" / "tiny-cpu.yaml", seed: int | None = None,
+    timeout_s: float = 1800,
 ) -> dict:
     """One ``grpoflow train`` of the demo; its timings and accuracy."""
     overrides = [
@@ -78,7 +79,7 @@ def run_variant(
     subprocess.run(
         [*GRPOFLOW, "train", str(config), "--quiet",
          "--no-resume", *overrides],
-        check=True, cwd=ROOT, timeout=1800,
+        check=True, cwd=ROOT, timeout=timeout_s,
     )  # fmt: skip
     wall = time.perf_counter() - t0
     run = work / f"{name}-{round_}"
@@ -150,18 +151,28 @@ def main(argv: list[str] | None = None) -> int:
                     help="rounds; each round runs every variant once, in turn")  # fmt: skip
     ap.add_argument("--seed-per-round", action="store_true",
                     help="round i runs with seed=i (accuracy across seeds)")
+    ap.add_argument("--seeds", type=int, nargs="+",
+                    help="one round per seed, with that seed (overrides --repeats)")
+    ap.add_argument("--timeout", type=float, default=1800, help="per run, seconds")
     args = ap.parse_args(argv)
+    seeds = args.seeds or [i if args.seed_per_round else None for i in range(args.repeats)]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants}
+    failed: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="grpoflow-overlap-") as tmp:
-        for i in range(args.repeats):
+        for i, seed in enumerate(seeds):
             for name in args.variants:
-                runs[name].append(run_variant(
-                    name, VARIANTS[name], args.steps, args.eval_examples, Path(tmp), i,
-                    args.config, i if args.seed_per_round else None))  # fmt: skip
-                r = runs[name][-1]
+                try:
+                    r = run_variant(name, VARIANTS[name], args.steps, args.eval_examples,
+                                    Path(tmp), i, args.config, seed, args.timeout)
+                except (subprocess.SubprocessError, OSError) as e:  # keep the other runs
+                    failed.append({"variant": name, "round": i, "seed": seed, "error": str(e)})
+                    print(f"round {i + 1} {name}: FAILED ({e})", flush=True)
+                    continue
+                runs[name].append(r)
                 print(f"round {i + 1} {name:<8} {r['step_s_mean']:.2f} s/step, pass@1 "
                       f"{r['pass_at_1_first']:.3f}->{r['pass_at_1_last']:.3f} "
                       f"(load1 {r['load_avg_1m_start']:.2f})", flush=True)  # fmt: skip
+    runs = {name: rs for name, rs in runs.items() if rs}
     results = {name: _summary(rs) for name, rs in runs.items()}
     print(f"{'variant':<14} {'step s':>8} {'samples/s':>9} {'speedup':>8} {'paired':>8} "
           f"{'rollout':>8} {'train':>8} {'wait':>6} {'pass@1':>14}")  # fmt: skip
@@ -173,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         paired = "-"
         if base and name != sync:
             ratios = [a["step_s_mean"] / b["step_s_mean"]
-                      for a, b in zip(runs[sync], runs[name], strict=True)]  # fmt: skip
+                      for a, b in zip(runs[sync], runs[name], strict=False)]  # fmt: skip
             r["speedup_paired_median"] = statistics.median(ratios)
             paired = f"{r['speedup_paired_median']:.2f}x"
         print(f"{name:<14} {r['step_s_mean']:>8.2f} {r['trained_samples_per_s']:>9.1f} "
@@ -194,10 +205,11 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "steps": args.steps,
-        "repeats": args.repeats,
+        "repeats": len(seeds), "seeds": seeds,
         "load_avg_end": os.getloadavg(),
         "results": results,
         "runs": runs,
+        "failed": failed,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2))

@@ -159,3 +159,21 @@ def assert_matches_hf(out, model, prompt: list[int], params: SamplingParams, *,
     else:
         assert out.finish_reason == {"type": "length", "length": n}
         assert n == params.max_new_tokens
+
+
+# A demo flow run small enough for a test: 8 prompts x 4 samples, no tracking, one thread each.
+SMALL_RUN = ["train.prompts_per_step=8", "rollout.n_samples=4", "eval.every=0",
+             "eval.num_examples=8", "eval.pass_k_examples=0", "tracking.backend=none",
+             "train.num_threads=1", "rollout.engine_threads=1"]  # fmt: skip
+
+
+def run_demo_flow(tmp: Path, cache: Path, name: str, *overrides: str,
+                  resume: str = "never") -> dict:
+    """``grpo_train`` of configs/tiny-cpu.yaml in this process with :data:`SMALL_RUN` and
+    ``overrides``; its summary."""
+    from flows.grpo_train import grpo_train
+
+    args = [f"storage.root={tmp}", f"storage.cache_dir={cache}", f"run_name={name}",
+            *SMALL_RUN, *overrides]  # fmt: skip
+    return grpo_train(config=str(REPO_ROOT / "configs" / "tiny-cpu.yaml"), overrides=args,
+                      show_progress=False, resume=resume)

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from engine_helpers import save_tiny_model
+from engine_helpers import run_demo_flow, save_tiny_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -257,19 +257,11 @@ def test_lora_config_errors() -> None:
 
 # ---------------------------------------------------------------------------- the flow
 
-SMALL = ["train.prompts_per_step=8", "rollout.n_samples=4", "eval.every=0",
-         "eval.num_examples=8", "eval.pass_k_examples=0", "tracking.backend=none",
-         "train.num_threads=1", "rollout.engine_threads=1", "train.lora.rank=8",
-         "train.lr=1e-3", "algorithm.kl_coef=0.01"]  # fmt: skip
+LORA_RUN = ["train.lora.rank=8", "train.lr=1e-3", "algorithm.kl_coef=0.01"]
 
 
 def _run(tmp: Path, cache: Path, name: str, *extra: str, resume: str = "never") -> dict:
-    from flows.grpo_train import grpo_train
-
-    overrides = [f"storage.root={tmp}", f"storage.cache_dir={cache}", f"run_name={name}",
-                 *SMALL, *extra]  # fmt: skip
-    return grpo_train(config=str(ROOT / "configs" / "tiny-cpu.yaml"), overrides=overrides,
-                      show_progress=False, resume=resume)
+    return run_demo_flow(tmp, cache, name, *LORA_RUN, *extra, resume=resume)
 
 
 def test_lora_grpo_flow_resumes_exactly(prefect_harness, tiny_cache: Path,

@@ -64,50 +64,46 @@ def reference(prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path_fact
     )
 
 
-def _kill_engine_after_first_step(run_dir: Path, killed: dict) -> threading.Thread:
-    """SIGKILL engine 1's actor once step 1 is logged (its server goes with it)."""
+def _after_first_step(run_dir: Path, act) -> threading.Thread:  # noqa: ANN001
+    """Run ``act(planes)`` once step 1 is logged (step 2 is then generating)."""
     from rl_core import planes as planes_mod
 
-    def killer() -> None:
+    def watch() -> None:
         metrics = run_dir / "metrics.jsonl"
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if metrics.is_file() and metrics.read_text().strip():
                 p = next(iter(planes_mod._REGISTRY.values()), None)
                 if p is not None:
-                    victim = p.rollout.pool.engines[1]
-                    killed["engine"], killed["restarts"] = victim, victim.restarts
-                    victim.proc.kill()  # ray.kill of the actor
-                    return
+                    return act(p)
             time.sleep(0.05)
 
-    t = threading.Thread(target=killer, daemon=True)
+    t = threading.Thread(target=watch, daemon=True)
     t.start()
     return t
+
+
+def _kill_engine_after_first_step(run_dir: Path, killed: dict) -> threading.Thread:
+    """SIGKILL engine 1's actor once step 1 is logged (its server goes with it)."""
+
+    def kill(p) -> None:  # noqa: ANN001
+        victim = p.rollout.pool.engines[1]
+        killed["engine"], killed["restarts"] = victim, victim.restarts
+        victim.proc.kill()  # ray.kill of the actor
+
+    return _after_first_step(run_dir, kill)
 
 
 def _kill_trainer_rank_after_first_step(run_dir: Path, killed: dict) -> threading.Thread:
-    """SIGKILL trainer rank 1's process once step 1 is logged (step 2 is then generating)."""
+    """SIGKILL trainer rank 1's process once step 1 is logged."""
     import os
     import signal
 
-    from rl_core import planes as planes_mod
+    def kill(p) -> None:  # noqa: ANN001
+        killed["pids"] = p.trainer.apply(lambda _: os.getpid())
+        os.kill(killed["pids"][1], signal.SIGKILL)
 
-    def killer() -> None:
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if metrics.is_file() and metrics.read_text().strip():
-                p = next(iter(planes_mod._REGISTRY.values()), None)
-                if p is not None:
-                    killed["pids"] = p.trainer.apply(lambda _: os.getpid())
-                    os.kill(killed["pids"][1], signal.SIGKILL)
-                    return
-            time.sleep(0.05)
-
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
-    return t
+    return _after_first_step(run_dir, kill)
 
 
 MEGATRON_TP2 = ("train.backend=megatron", "train.megatron.tp=2")

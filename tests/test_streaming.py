@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import save_tiny_model
+from engine_helpers import run_demo_flow, save_tiny_model
 
 from rl_core.config import AlgorithmConfig, TrainConfig, load_config
 from rl_core.data.records import Record
@@ -189,19 +189,11 @@ def test_an_update_aborts_long_generations_and_the_next_round_continues_them(
 
 # ---------------------------------------------------------------------------- the flow
 
-SMALL = ["train.prompts_per_step=8", "rollout.n_samples=4", "eval.every=0",
-         "eval.num_examples=8", "eval.pass_k_examples=0", "tracking.backend=none",
-         "train.num_threads=1", "rollout.engine_threads=1", "rollout.streaming=true",
-         "rollout.max_staleness=2", "rollout.partial_tokens=8"]  # fmt: skip
+STREAM_RUN = ["rollout.streaming=true", "rollout.max_staleness=2", "rollout.partial_tokens=8"]
 
 
 def _run(tmp: Path, cache: Path, name: str, *extra: str, resume: str = "never") -> Path:
-    from flows.grpo_train import grpo_train
-
-    overrides = [f"storage.root={tmp}", f"storage.cache_dir={cache}", f"run_name={name}",
-                 *SMALL, *extra]  # fmt: skip
-    out = grpo_train(config=str(ROOT / "configs" / "tiny-cpu.yaml"), overrides=overrides,
-                     show_progress=False, resume=resume)
+    out = run_demo_flow(tmp, cache, name, *STREAM_RUN, *extra, resume=resume)
     return Path(out["run_dir"])
 
 
