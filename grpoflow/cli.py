@@ -123,6 +123,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sft(args: argparse.Namespace) -> int:
+    from rl_core.sft import load_sft_config
+
+    config, overrides = _split(args)
+    load_sft_config(config, overrides)  # a bad config fails here, before any flow starts
+    sft_train = _flow("flows.sft:sft_train", args.debug)
+    summary = sft_train(config=config, overrides=overrides, show_progress=not args.quiet,
+                        resume=args.resume)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from rl_core.report import format_eval
 
@@ -232,6 +245,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_train)
 
+    p = sub.add_parser("sft", help="supervised fine-tuning (Prefect flow sft-train); its "
+                       "model feeds `train` as model.path (docs/sft.md)")
+    _config_args(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bar or step lines")
+    p.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--resume", dest="resume", action="store_const", const="always",
+                       default="auto", help="continue from the latest complete checkpoint")
+    group.add_argument("--no-resume", dest="resume", action="store_const", const="never",
+                       help="start over even if the run directory has a checkpoint")
+    p.set_defaults(func=cmd_sft)
+
     p = sub.add_parser("evaluate", help="evaluate a model on the held-out set")
     _config_args(p)
     p.add_argument(
@@ -329,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     rl_core_log.addHandler(handler)
     rl_core_log.setLevel(logging.INFO)
     _env_defaults()
-    if entry and args.command in ("train", "evaluate"):
+    if entry and args.command in ("train", "sft", "evaluate"):
         _stop_cleanly()
     try:
         return args.func(args)

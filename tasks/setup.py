@@ -23,7 +23,7 @@ from rl_core.data.synthetic import generate_splits
 from rl_core.models.hub import snapshot_model
 from rl_core.planes import PlanesHandle, bring_up_planes
 
-__all__ = ["PreparedData", "bring_up", "fetch_model", "prepare_data"]
+__all__ = ["PreparedData", "bring_up", "fetch_model", "prepare_data", "source_fingerprint"]
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class PreparedData:
     cached: bool
 
 
-def _source_fingerprint(source: str) -> str:
+def source_fingerprint(source: str) -> str:
     if storage.is_remote(source):
         return storage.fingerprint(source)  # ETags and sizes: a changed object is new data
     p = Path(source)
@@ -57,8 +57,8 @@ def _source_fingerprint(source: str) -> str:
 def data_key(data: DataConfig) -> str:
     """The digest of everything that determines the prepared data."""
     blob = json.dumps({"config": data.model_dump(mode="json"),
-                       "source": _source_fingerprint(data.source),
-                       "eval_source": _source_fingerprint(data.eval_source or data.source)},
+                       "source": source_fingerprint(data.source),
+                       "eval_source": source_fingerprint(data.eval_source or data.source)},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -32,7 +32,7 @@ from rl_core.data import records as _records
 from rl_core.data.records import BadRow, DataValidationError, Record, validate_numbered_rows
 from rl_core.secrets import redact
 
-__all__ = ["load_records", "read_parquet", "write_parquet"]
+__all__ = ["SourceRequest", "dispatch_source", "load_records", "read_parquet", "write_parquet"]
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class RowSource:
 
 
 @dataclass(frozen=True)
-class _Request:
+class SourceRequest:
     split: str
     subset: str | None
     columns: tuple[str, ...]  # fields we need, id last if any
@@ -67,7 +67,7 @@ class _Request:
 _S3_DATA_FILES = (*_JSON_SUFFIXES, ".parquet", ".arrow")
 
 
-def _read_s3(uri: str, request: _Request) -> RowSource:
+def _read_s3(uri: str, request: SourceRequest) -> RowSource:
     """An object (``.jsonl``/``.json``/``.parquet``) or a prefix, read through a local copy in
     ``<cache_dir>/s3-data/<digest of URI, ETags, sizes>/`` (only changed objects download again)."""
     cache = (request.cache_dir or storage.default_cache_dir()) / "s3-data"
@@ -113,11 +113,11 @@ def _cache_key(uri: str, files: Sequence[tuple[str, int, str]]) -> str:
 
 
 # scheme -> reader(source, request). Register a new scheme (gs://, https://) here.
-_SCHEME_READERS: dict[str, Callable[[str, _Request], RowSource]] = {
+_SCHEME_READERS: dict[str, Callable[[str, SourceRequest], RowSource]] = {
     "s3": _read_s3, "file": lambda uri, request: _read_local_or_hub(uri[len("file://"):], request)}
 
 
-def _dispatch(source: str, request: _Request) -> RowSource:
+def dispatch_source(source: str, request: SourceRequest) -> RowSource:
     if (match := _SCHEME_RE.match(source)) is None:
         return _read_local_or_hub(source, request)
     scheme = match.group(1).lower()
@@ -135,7 +135,7 @@ def _looks_like_path(source: str, path: Path) -> bool:
             or (len(path.parts) == 2 and path.parent.is_dir()))
 
 
-def _read_local_or_hub(source: str, request: _Request) -> RowSource:
+def _read_local_or_hub(source: str, request: SourceRequest) -> RowSource:
     path = Path(source).expanduser()
     if path.is_dir():
         return _read_dir(path, request)
@@ -152,7 +152,7 @@ def _unsupported(name: object, suffix: str) -> ValueError:
                       "use .jsonl (one JSON object per line) or .parquet")
 
 
-def _read_file(path: Path, request: _Request) -> RowSource:
+def _read_file(path: Path, request: SourceRequest) -> RowSource:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         return _parquet_source([path], str(path), request)
@@ -163,7 +163,7 @@ def _read_file(path: Path, request: _Request) -> RowSource:
     raise _unsupported(path, suffix)
 
 
-def _read_dir(path: Path, request: _Request) -> RowSource:
+def _read_dir(path: Path, request: SourceRequest) -> RowSource:
     if request.subset and (path / request.subset).is_dir():
         path = path / request.subset
     if any((path / marker).is_file() for marker in _SAVE_TO_DISK_MARKERS):
@@ -183,7 +183,7 @@ def _read_dir(path: Path, request: _Request) -> RowSource:
                             f"{', '.join(searched)}; the directory has: {present}")
 
 
-def _saved_dataset_source(path: Path, request: _Request) -> RowSource:
+def _saved_dataset_source(path: Path, request: SourceRequest) -> RowSource:
     import datasets
 
     try:
@@ -206,7 +206,7 @@ def _saved_dataset_source(path: Path, request: _Request) -> RowSource:
     return RowSource(name=name, rows=_dataset_rows(loaded, name, request))
 
 
-def _read_hub(name: str, request: _Request) -> RowSource:
+def _read_hub(name: str, request: SourceRequest) -> RowSource:
     import datasets
 
     try:
@@ -221,7 +221,7 @@ def _read_hub(name: str, request: _Request) -> RowSource:
     return RowSource(name=label, rows=_dataset_rows(loaded, label, request))
 
 
-def _dataset_rows(dataset: Any, name: str, request: _Request) -> Iterator[tuple[int, Row]]:
+def _dataset_rows(dataset: Any, name: str, request: SourceRequest) -> Iterator[tuple[int, Row]]:
     """Rows of a ``datasets`` Dataset (or any iterable of mappings), only the fields we use."""
     column_names = getattr(dataset, "column_names", None)
     if isinstance(column_names, list):
@@ -230,7 +230,7 @@ def _dataset_rows(dataset: Any, name: str, request: _Request) -> Iterator[tuple[
     return enumerate(dataset, start=1)
 
 
-def _check_columns(name: str, columns: Sequence[str], request: _Request) -> None:
+def _check_columns(name: str, columns: Sequence[str], request: SourceRequest) -> None:
     if not (missing := [c for c in request.required if c not in columns]):
         return
     args = {request.required[0]: "question_field", request.required[1]: "answer_field"}
@@ -302,7 +302,7 @@ def _open_parquet(path: Path) -> pq.ParquetFile:
             "DataFrame.to_parquet) or use .jsonl") from exc
 
 
-def _parquet_source(paths: Sequence[Path], name: str, request: _Request) -> RowSource:
+def _parquet_source(paths: Sequence[Path], name: str, request: SourceRequest) -> RowSource:
     files, ranges, start = [_open_parquet(p) for p in paths], [], 1
     for p, f in zip(paths, files, strict=True):
         _check_columns(str(p), f.schema_arrow.names, request)
@@ -350,9 +350,9 @@ def load_records(
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
     columns = [question_field, answer_field] + ([id_field] if id_field is not None else [])
-    request = _Request(split, subset, tuple(dict.fromkeys(columns)), (question_field, answer_field),
+    request = SourceRequest(split, subset, tuple(dict.fromkeys(columns)), (question_field, answer_field),
                        Path(cache_dir) if cache_dir is not None else None)
-    read = _dispatch(os.fspath(source), request)
+    read = dispatch_source(os.fspath(source), request)
     records, problems = validate_numbered_rows(read.rows, read.name, question_field=question_field,
         answer_field=answer_field, id_field=id_field, max_bad_fraction=max_bad_fraction,
         row_label=read.row_label, note=read.note)

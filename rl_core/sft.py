@@ -1,0 +1,529 @@
+"""Supervised fine-tuning (SFT): its config schema and its data, up to token ids and labels.
+
+The SFT flow (``flows/sft.py``) trains a model on demonstrations before GRPO does: its
+exported model is a Hugging Face directory that ``grpo_train`` takes as ``model.path``. This
+module holds what that needs without torch:
+
+- :class:`SFTConfig`, its own pydantic schema (sections ``model``, ``data``, ``train``,
+  ``eval``, ``checkpoint``, ``storage``, ``tracking``; the shared ones are
+  :mod:`rl_core.config`'s), loaded from YAML with dotted overrides by :func:`load_sft_config`;
+- :func:`read_examples`: rows from a JSONL/Parquet file, a directory, a hub dataset or
+  ``s3://`` (through :mod:`rl_core.data.sources`' readers), each either chat-formatted
+  (``{"messages": [{"role", "content"}, ...]}``) or ``{"prompt", "completion"}``; every bad
+  row is reported by its file and row number; ``synthetic`` renders the demo's arithmetic
+  task (:mod:`rl_core.data.synthetic`) with its worked answers, as the tiny model's warm
+  start learns it;
+- :func:`tokenize_example`: token ids and labels, ``-100`` everywhere but the tokens the model
+  must produce: the completion (prompt rows) or the assistant turns (chat rows, through the
+  tokenizer's chat template), each closed by its end-of-turn token. Each part is tokenized on
+  its own, as the rollout sees it: the prompt as :func:`rl_core.data.prompts.render_prompt`
+  renders a question for GRPO, the completion as the engine would generate it.
+
+Never imports torch, Prefect or MLflow; never downloads on its own (only an explicit hub
+dataset name or ``s3://`` URI is read remotely).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+
+from rl_core.config import (
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    LoraConfig,
+    ModelConfig,
+    StorageConfig,
+    TrackingConfig,
+    TrainConfig,
+    _Section,
+    apply_overrides,
+)
+from rl_core.data.prompts import PLAIN_TEMPLATE, render_prompt
+from rl_core.data.records import BadRow, DataValidationError, extract_final_answer
+from rl_core.rewards.math import parse_number
+
+__all__ = ["TINY_INIT", "Example", "SFTConfig", "SFTDataConfig", "SFTEvalConfig",
+           "SFTTrainConfig", "TokenizedExample", "examples_digest", "load_sft_config",
+           "read_examples", "split_examples", "synthetic_examples", "tokenize_example"]
+
+log = logging.getLogger(__name__)
+
+# model.path of a bare tiny model: the demo's tokenizer and architecture, randomly initialised
+# (what rl_core.models.tiny builds before its warm start), so SFT does the warm start's job.
+TINY_INIT = "embedded:tiny-init"
+MAX_LISTED = 10  # bad rows named in one error
+
+
+# ---------------------------------------------------------------------------------- config
+
+
+class SFTDataConfig(_Section):
+    """Demonstrations: where they come from and how a row becomes tokens."""
+    source: str = Field("synthetic", min_length=1, description="`synthetic` (the demo's "
+        "arithmetic with worked answers), a .jsonl/.parquet file, a directory with "
+        "{split}.jsonl/.parquet, a hub dataset name or s3://.")
+    eval_source: str | None = Field(None, description="Held-out rows (read with eval_split); "
+        "null: `synthetic`'s test split, else eval_size rows held out of `source`.")
+    subset: str | None = None
+    train_split: str = "train"
+    eval_split: str = "test"
+    eval_size: int = Field(200, ge=1, description="Rows held out of `source` (a seeded choice) "
+        "when there is no eval_source.")
+    messages_field: str = Field("messages", min_length=1, description="Chat rows: the list of "
+        "{role, content} turns; loss on the assistant turns.")
+    prompt_field: str = Field("prompt", min_length=1, description="Prompt rows: the prompt.")
+    completion_field: str = Field("completion", min_length=1,
+                                  description="Prompt rows: the completion (the loss is on it).")
+    id_field: str | None = Field("id", description="null: ids are content hashes.")
+    max_train_examples: int | None = Field(None, ge=1)
+    max_bad_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    max_seq_len: int = Field(512, ge=8, description="Tokens per example; longer ones are cut "
+        "(from the right), and dropped when nothing to train on is left.")
+    render_prompts: bool = Field(True, description="Prompt rows: render the prompt as "
+        "grpo_train renders a question (chat template with system_prompt, else plain_template), "
+        "so the model learns the format GRPO samples from; false: the prompt is literal text.")
+    system_prompt: str | None = Field(None, description="A system turn for rendered prompts and "
+        "for chat rows that have none.")
+    use_chat_template: bool | None = None
+    plain_template: str = PLAIN_TEMPLATE
+    # The synthetic task: the same knobs (and defaults) as GRPO's data section.
+    synthetic_train_size: int = Field(3000, ge=1)
+    synthetic_test_size: int = Field(300, ge=1)
+    synthetic_digits: tuple[int, int] = (1, 1)
+    synthetic_operations: list[Literal["+", "-", "*"]] = ["+", "-"]
+    synthetic_steps: tuple[int, int] = (1, 2)
+    seed: int = 0
+
+    def grpo_data(self) -> DataConfig:
+        """GRPO's data section for the same synthetic task and prompt rendering (what
+        ``fetch_model`` builds the embedded tiny models from)."""
+        return DataConfig(
+            synthetic_train_size=self.synthetic_train_size,
+            synthetic_test_size=self.synthetic_test_size, synthetic_digits=self.synthetic_digits,
+            synthetic_operations=self.synthetic_operations, synthetic_steps=self.synthetic_steps,
+            seed=self.seed, system_prompt=self.system_prompt,
+            use_chat_template=self.use_chat_template, plain_template=self.plain_template)
+
+    @field_validator("plain_template")
+    @classmethod
+    def _check_plain_template(cls, template: str) -> str:
+        if "{question}" not in template:
+            raise ValueError(f"must contain '{{question}}' where the prompt goes, got "
+                             f"{template!r}")
+        return template
+
+    @model_validator(mode="after")
+    def _check_synthetic(self) -> SFTDataConfig:
+        for name in ("synthetic_digits", "synthetic_steps"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} must be (low, high) with 1 <= low <= high, got "
+                                 f"{lo, hi}")
+        return self
+
+
+class SFTTrainConfig(_Section):
+    """The optimizer and the batches it sees."""
+    steps: int = Field(200, ge=0, description="Optimizer steps.")
+    batch_size: int = Field(32, ge=1, description="Examples per optimizer step.")
+    micro_batch_size: int = Field(32, ge=1, description="Rows per forward/backward (packed rows "
+        "with `packing`); the gradient is accumulated exactly across them.")
+    packing: bool = Field(False, description="Pack a step's examples into rows of pack_length "
+        "tokens (block-diagonal attention, positions restart per example): less padding.")
+    pack_length: int | None = Field(None, ge=8, description="Tokens per packed row; default "
+        "data.max_seq_len.")
+    lr: float = Field(1e-4, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)],
+                 Annotated[float, Field(ge=0.0, lt=1.0)]] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    grad_clip: float = Field(1.0, gt=0.0)
+    lora: LoraConfig = LoraConfig()
+    steps_per_task: int = Field(10, ge=1, description="Optimizer steps per Prefect task run "
+        "(fewer where an evaluation or a checkpoint falls).")
+    step_timeout_s: float = Field(600.0, gt=0, description="Bound on one optimizer step (a "
+        "train-steps task run gets this much per step).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when "
+        "torch sees a GPU (ROCm included), else cpu.")
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads.")
+    seed: int = 0
+
+    def torch_config(self) -> TrainConfig:
+        """The torch trainer's section for these optimizer settings (one update per step)."""
+        return TrainConfig(
+            steps=self.steps, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas,
+            warmup_steps=self.warmup_steps, lr_schedule=self.lr_schedule,
+            min_lr_ratio=self.min_lr_ratio, grad_clip=self.grad_clip, lora=self.lora,
+            micro_batch_size=self.micro_batch_size, num_threads=self.num_threads, seed=self.seed)
+
+
+class SFTEvalConfig(_Section):
+    """Held-out loss, and greedy accuracy where the references end in a number."""
+    every: int = Field(50, ge=0, description="Evaluate every N steps; 0: before and after only.")
+    num_examples: int = Field(200, ge=1, description="Held-out examples for the loss.")
+    greedy_examples: int = Field(100, ge=0, description="Of those, how many the model answers "
+        "greedily, scored by gsm8k_reward against the reference's final number (rows whose "
+        "reference has none are skipped); 0: no accuracy.")
+    max_new_tokens: int = Field(64, ge=1)
+    batch_size: int = Field(32, ge=1, description="Rows per forward of the held-out loss.")
+
+
+class SFTConfig(_Section):
+    """A whole SFT run."""
+    name: str = "sft"
+    run_name: str | None = Field(None, description="Defaults to `<name>-<timestamp>`.")
+    model: ModelConfig = ModelConfig()
+    data: SFTDataConfig = SFTDataConfig()
+    train: SFTTrainConfig = SFTTrainConfig()
+    eval: SFTEvalConfig = SFTEvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    storage: StorageConfig = StorageConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @property
+    def pack_length(self) -> int:
+        return self.train.pack_length or self.data.max_seq_len
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> SFTConfig:
+        if self.train.packing and self.pack_length < self.data.max_seq_len:
+            raise ValueError(
+                f"train.pack_length ({self.pack_length}) is shorter than data.max_seq_len "
+                f"({self.data.max_seq_len}): an example could fit in no row; raise "
+                "train.pack_length or lower data.max_seq_len")
+        return self
+
+
+def _format_error(err: ValidationError, origin: str) -> str:
+    lines = [f"invalid config ({origin}):"]
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            cls: type[BaseModel] | None = SFTConfig
+            for part in e["loc"][:-1]:
+                ann = getattr(cls.model_fields.get(str(part)), "annotation", None) if cls else None
+                cls = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+            msg = "unknown key" + (f"; allowed keys: {', '.join(sorted(cls.model_fields))}"
+                                   if cls else "")
+        elif e["type"] == "literal_error":
+            msg = f"got {e.get('input')!r}; allowed values: {e.get('ctx', {}).get('expected')}"
+        elif "input" in e and not isinstance(e["input"], dict) and e["type"] != "value_error":
+            msg += f" (got {e['input']!r})"
+        lines.append(f"  {path}: {msg}")
+    return "\n".join(lines)
+
+
+def load_sft_config(path: str | Path | None = None,
+                    overrides: Sequence[str] | None = None) -> SFTConfig:
+    """Load an SFT YAML config (the defaults when ``path`` is None) with dotted overrides;
+    raises :class:`~rl_core.config.ConfigError` naming the field and the allowed values."""
+    data: dict[str, Any] = {}
+    origin = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist (try configs/sft-tiny-cpu.yaml)")
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+        data, origin = loaded or {}, str(p)
+    if overrides:
+        data = apply_overrides(data, list(overrides))
+        origin += " + overrides " + " ".join(overrides)
+    if grpo := sorted({"rollout", "algorithm", "reward"} & set(data)):
+        raise ConfigError(f"{origin} is a GRPO config (it has {', '.join(grpo)}); `grpoflow sft` "
+                          "takes an SFT config, e.g. configs/sft-tiny-cpu.yaml (docs/sft.md)")
+    try:
+        return SFTConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc, origin)) from None
+
+
+# ------------------------------------------------------------------------------------ rows
+
+
+@dataclass(frozen=True)
+class Example:
+    """One demonstration: chat ``messages``, or a ``prompt`` and its ``completion``.
+    ``origin`` names where it came from (``data/train.jsonl line 12``) for errors."""
+
+    id: str
+    origin: str
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content)
+    prompt: str | None = None
+    completion: str | None = None
+
+    @property
+    def reference(self) -> str:
+        """What the model should answer last: the completion, or the last assistant turn."""
+        if self.completion is not None:
+            return self.completion
+        return next(c for r, c in reversed(self.messages) if r == "assistant")
+
+    def to_json(self) -> str:
+        body = ({"messages": [{"role": r, "content": c} for r, c in self.messages]}
+                if self.messages else {"prompt": self.prompt, "completion": self.completion})
+        return json.dumps({"id": self.id, "origin": self.origin, **body}, ensure_ascii=False,
+                          sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Example:
+        d = json.loads(text)
+        turns = tuple((m["role"], m["content"]) for m in d.get("messages", ()))
+        return cls(d["id"], d["origin"], turns, d.get("prompt"), d.get("completion"))
+
+
+def _check_row(row: object, d: SFTDataConfig) -> tuple[dict[str, Any] | None, str | None]:
+    """(the example's fields, None) or (None, why the row is bad)."""
+    if isinstance(row, BadRow):
+        return None, row.reason
+    if not isinstance(row, Mapping):
+        return None, f"expected an object, got {type(row).__name__}"
+    if d.messages_field in row:
+        turns = row[d.messages_field]
+        if not isinstance(turns, list) or not turns:
+            return None, f"field {d.messages_field!r} must be a non-empty list of turns"
+        out = []
+        for i, t in enumerate(turns, 1):
+            if not (isinstance(t, Mapping) and isinstance(t.get("role"), str)
+                    and isinstance(t.get("content"), str)):
+                return None, (f"turn {i} of {d.messages_field!r} must be an object with string "
+                              "'role' and 'content'")
+            out.append((t["role"], t["content"]))
+        if not any(r == "assistant" and c.strip() for r, c in out):
+            return None, f"{d.messages_field!r} has no non-empty assistant turn to train on"
+        if out[0][0] == "assistant":
+            return None, "the first turn is the assistant's; start with a user (or system) turn"
+        return {"messages": tuple(out)}, None
+    p, c = d.prompt_field, d.completion_field
+    if p not in row or c not in row:
+        have = ", ".join(sorted(map(str, row))[:8]) or "none"
+        return None, (f"neither {d.messages_field!r} nor {p!r} + {c!r} (row has: {have}); map "
+                      "the columns with data.messages_field or data.prompt_field / "
+                      "data.completion_field")
+    if not isinstance(row[p], str) or not isinstance(row[c], str):
+        return None, f"fields {p!r} and {c!r} must be strings"
+    if not row[c].strip():
+        return None, f"field {c!r} is empty: nothing to train on"
+    return {"prompt": row[p], "completion": row[c]}, None
+
+
+def _content_id(fields: Mapping[str, Any]) -> str:
+    blob = json.dumps(fields, ensure_ascii=False, sort_keys=True, default=list)
+    return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def validate_rows(rows: Iterable[tuple[int, object]], name: str, d: SFTDataConfig,
+                  row_label: str = "row") -> list[Example]:
+    """Examples from numbered raw rows; raises :class:`DataValidationError` naming ``name``
+    and each bad row's number when more than ``data.max_bad_fraction`` are bad, or none is good."""
+    good: list[Example] = []
+    problems: list[tuple[int, str]] = []
+    seen: dict[str, int] = {}
+    total = 0
+    for number, row in rows:
+        total += 1
+        fields, why = _check_row(row, d)
+        if fields is not None:
+            raw = row.get(d.id_field) if d.id_field and isinstance(row, Mapping) else None
+            given = isinstance(raw, str | int) and not isinstance(raw, bool) and str(raw).strip()
+            ex_id = str(raw) if given else _content_id(fields)
+            if ex_id in seen:
+                why, fields = f"duplicate id {ex_id!r} (first at {row_label} {seen[ex_id]})", None
+            else:
+                seen[ex_id] = number
+                good.append(Example(ex_id, f"{name} {row_label} {number}", **fields))
+        if why is not None:
+            problems.append((number, why))
+    listed = "\n".join(f"  {row_label} {n}: {why}" for n, why in problems[:MAX_LISTED])
+    if len(problems) > MAX_LISTED:
+        listed += f"\n  ... and {len(problems) - MAX_LISTED} more"
+    if not good:
+        detail = f"all {total} rows are invalid:\n{listed}" if total else "no rows found"
+        raise DataValidationError(name, problems, f"{name}: no usable SFT rows: {detail}")
+    if problems and len(problems) / total > d.max_bad_fraction:
+        raise DataValidationError(name, problems, (
+            f"{name}: {len(problems)} of {total} rows are invalid (above data.max_bad_fraction="
+            f"{d.max_bad_fraction}):\n{listed}\nFix these rows, or raise data.max_bad_fraction "
+            "to skip them."))
+    if problems:
+        log.warning("%s: skipped %d of %d bad rows (data.max_bad_fraction=%s): %s", name,
+                    len(problems), total, d.max_bad_fraction, listed.strip())
+    return good
+
+
+def synthetic_examples(d: SFTDataConfig) -> tuple[list[Example], list[Example]]:
+    """(train, test): the demo's arithmetic problems as prompt/completion rows whose
+    completions are the worked answers (``3 + 4 = 7`` lines, then ``#### 7``)."""
+    from rl_core.data.synthetic import generate_splits
+
+    knobs = d.grpo_data().synthetic_knobs()
+    train, test = generate_splits(d.synthetic_train_size, d.synthetic_test_size, d.seed, **knobs)
+    def rows(split: str, records: Sequence[Any]) -> list[Example]:
+        return [Example(r.id, f"synthetic {split} {i}", prompt=r.question, completion=r.answer)
+                for i, r in enumerate(records, 1)]
+
+    return rows("train", train), rows("test", test)
+
+
+def read_examples(source: str, split: str, d: SFTDataConfig,
+                  cache_dir: str | None = None) -> list[Example]:
+    """Validated examples of ``source`` (one split), through :mod:`rl_core.data.sources`'
+    readers: local files and directories, hub datasets, ``s3://`` (cached in ``cache_dir``)."""
+    from rl_core.data.sources import SourceRequest, dispatch_source
+
+    fields = (d.messages_field, d.prompt_field, d.completion_field,
+              *([d.id_field] if d.id_field else []))
+    request = SourceRequest(split, d.subset, tuple(dict.fromkeys(fields)), (),
+                       Path(cache_dir) if cache_dir else None)
+    read = dispatch_source(source, request)
+    return validate_rows(read.rows, read.name, d, read.row_label)
+
+
+def split_examples(d: SFTDataConfig, cache_dir: str | None = None
+                   ) -> tuple[list[Example], list[Example]]:
+    """(train, eval) examples as the data section says (see :class:`SFTDataConfig`)."""
+    if d.source == "synthetic":
+        train, test = synthetic_examples(d)
+    else:
+        train = read_examples(d.source, d.train_split, d, cache_dir)
+        if d.eval_source:
+            test = read_examples(d.eval_source, d.eval_split, d, cache_dir)
+        else:
+            if len(train) <= d.eval_size:
+                raise ValueError(
+                    f"{d.source}: {len(train)} rows, but data.eval_size={d.eval_size} are to be "
+                    "held out for evaluation; lower data.eval_size or set data.eval_source")
+            held = set(random.Random(f"grpoflow-sft-eval:{d.seed}").sample(
+                range(len(train)), d.eval_size))
+            test = [e for i, e in enumerate(train) if i in held]
+            train = [e for i, e in enumerate(train) if i not in held]
+    return train[: d.max_train_examples], test
+
+
+def examples_digest(examples: Sequence[Example]) -> str:
+    """sha256 over the examples' ids and texts, in order (lineage and resume checks); where
+    they were read from is not part of it (a moved file is the same data)."""
+    h = hashlib.sha256(b"grpoflow.sft-examples.v1\n")
+    for e in examples:
+        line = json.dumps([e.id, e.messages, e.prompt, e.completion], ensure_ascii=False)
+        h.update(line.encode() + b"\n")
+    return h.hexdigest()
+
+
+# -------------------------------------------------------------------------------- tokens
+
+
+@dataclass(frozen=True)
+class TokenizedExample:
+    """``ids`` and ``labels`` (``-100``: no loss; else the id itself), unshifted; the prompt
+    of the last trained span is ``ids[:prompt_len]`` (what a greedy evaluation answers)."""
+
+    id: str
+    ids: list[int]
+    labels: list[int]
+    prompt_len: int
+    reference: str
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the loss is on."""
+        return sum(1 for y in self.labels if y != -100)
+
+    @property
+    def scorable(self) -> bool:
+        """Whether the reference ends in a number (``#### 7`` or a bare number) to score."""
+        return parse_number(extract_final_answer(self.reference)) is not None
+
+
+def _render(tokenizer: Any, turns: Sequence[tuple[str, str]], generation_prompt: bool) -> str:
+    text = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in turns],
+                                         tokenize=False, add_generation_prompt=generation_prompt)
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
+    return text
+
+
+def _chat_segments(tokenizer: Any, turns: Sequence[tuple[str, str]]) -> list[tuple[str, bool]]:
+    """The rendered conversation as (text, trained) parts: each assistant turn is trained
+    through its end-of-turn marker (what the template writes after the content, trailing
+    whitespace excluded: the model stops at the marker, so the text after it is never
+    generated); everything else is not. Found by rendering the conversation turn by turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("a chat row needs the tokenizer's chat template, and this tokenizer "
+                         "has none; use prompt/completion rows, or a chat model's tokenizer")
+    parts: list[tuple[str, bool]] = []
+    done = ""
+    for i, (role, content) in enumerate(turns):
+        if role != "assistant":
+            continue
+        head = _render(tokenizer, turns[:i], generation_prompt=True)
+        full = _render(tokenizer, turns[: i + 1], generation_prompt=False)
+        if not head.startswith(done) or not full.startswith(head):
+            raise ValueError("the chat template renders earlier turns differently once more "
+                             "follow (it rewrites history), so assistant turns cannot be "
+                             "located; split the conversation into one row per assistant turn")
+        turn = full[len(head):]
+        at = turn.find(content) if content else -1
+        end = at + len(content) if at >= 0 else 0
+        turn = turn[:end] + turn[end:].rstrip()  # the content, then the end-of-turn marker
+        parts += [(head[len(done):], False), (turn, True)]
+        done = head + turn
+    return parts
+
+
+def tokenize_example(tokenizer: Any, ex: Example, d: SFTDataConfig) -> TokenizedExample:
+    """Token ids and labels of ``ex`` (module docstring); raises ValueError naming its origin
+    when the template cannot place its turns or nothing to train on fits data.max_seq_len."""
+    def enc(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    try:
+        if ex.messages:
+            turns = list(ex.messages)
+            if d.system_prompt is not None and turns[0][0] != "system":
+                turns.insert(0, ("system", d.system_prompt))
+            parts = [(enc(text), trained) for text, trained in _chat_segments(tokenizer, turns)]
+        else:
+            prompt = ex.prompt or ""
+            if d.render_prompts:
+                prompt = render_prompt(tokenizer, prompt, system_prompt=d.system_prompt,
+                                       use_chat_template=d.use_chat_template,
+                                       plain_template=d.plain_template)
+            if tokenizer.eos_token_id is None:
+                raise ValueError("the tokenizer has no eos_token: a completion could never "
+                                 "end; set eos_token in tokenizer_config.json")
+            parts = [(enc(prompt), False),
+                     (enc(ex.completion or "") + [tokenizer.eos_token_id], True)]
+    except ValueError as exc:
+        raise ValueError(f"{ex.origin}: {exc}") from None
+    ids: list[int] = []
+    labels: list[int] = []
+    prompt_len = 0
+    for part, trained in parts:
+        if trained:
+            prompt_len = len(ids)
+        ids += part
+        labels += part if trained else [-100] * len(part)
+    ids, labels = ids[: d.max_seq_len], labels[: d.max_seq_len]
+    if all(y == -100 for y in labels):
+        raise ValueError(f"{ex.origin}: nothing to train on within data.max_seq_len="
+                         f"{d.max_seq_len} tokens (the prompt alone is {prompt_len}); raise it")
+    return TokenizedExample(ex.id, ids, labels, min(prompt_len, len(ids)), ex.reference)

@@ -1,0 +1,191 @@
+"""Prefect tasks of the SFT flow (``flows/sft.py``): thin, timed, retryable where a retry is
+safe, each a call into :mod:`rl_core.sft` / :mod:`rl_core.training.sft`.
+
+Prepared data is keyed by the digest of its inputs (a second run skips the work and says so);
+the model and optimizer stay in the flow's process behind an
+:class:`~rl_core.training.sft.SFTHandle`, never in a task result. ``train-steps`` never
+retries, so an optimizer step is never applied twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from rl_core.config import ModelConfig
+from rl_core.sft import Example, SFTConfig, SFTDataConfig, examples_digest, split_examples
+from rl_core.training.sft import (
+    SFTHandle,
+    build_bare_tiny,
+    get_session,
+    start_session,
+)
+from tasks.evaluate import artifact_key
+from tasks.setup import source_fingerprint
+
+__all__ = ["PreparedSFTData", "bare_tiny_model", "evaluate_sft", "export_sft_model",
+           "prepare_sft_data", "restore_sft_checkpoint", "save_sft_checkpoint", "start_sft",
+           "train_steps"]
+
+
+@dataclass(frozen=True)
+class PreparedSFTData:
+    """Validated examples (one JSON object a line) of the train and held-out sets."""
+
+    train_path: str
+    eval_path: str
+    train_digest: str
+    eval_digest: str
+    num_train: int
+    num_eval: int
+    source: str
+    cached: bool
+
+
+def _data_key(data: SFTDataConfig) -> str:
+    blob = json.dumps({"config": data.model_dump(mode="json"),
+                       "source": source_fingerprint(data.source),
+                       "eval_source": source_fingerprint(data.eval_source or data.source)},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _write(examples: list[Example], path: Path) -> str:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(e.to_json() + "\n" for e in examples), encoding="utf-8")
+    os.replace(tmp, path)
+    return examples_digest(examples)
+
+
+def read_prepared(path: str) -> list[Example]:
+    """The examples :func:`prepare_sft_data` wrote."""
+    return [Example.from_json(line) for line in Path(path).read_text(encoding="utf-8").splitlines()
+            if line.strip()]
+
+
+def _transient(task: object, task_run: object, state: object) -> bool:
+    """Retry what may pass the next time (a network read, S3), not bad rows or a bad config
+    (ValueError: DataValidationError, ConfigError): those fail the same way again."""
+    failure = state.result(raise_on_failure=False)  # type: ignore[attr-defined]
+    return not isinstance(failure, ValueError)
+
+
+@task(name="prepare-sft-data", timeout_seconds=1800, retries=2, retry_delay_seconds=5,
+      retry_condition_fn=_transient)
+def prepare_sft_data(data: SFTDataConfig, cache_dir: str) -> PreparedSFTData:
+    """Any supported source -> validated example snapshots with content digests."""
+    log = get_run_logger()
+    out = Path(cache_dir) / "sft-data" / _data_key(data)
+    meta = out / "meta.json"
+    if meta.is_file():
+        log.info("data: cached SFT snapshot %s (inputs unchanged), skipping preparation", out)
+        return PreparedSFTData(**{**json.loads(meta.read_text()), "cached": True})
+    started = time.perf_counter()
+    train, held = split_examples(data, cache_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prepared = PreparedSFTData(
+        str(out / "train.jsonl"), str(out / "eval.jsonl"), _write(train, out / "train.jsonl"),
+        _write(held, out / "eval.jsonl"), len(train), len(held), data.source, cached=False)
+    tmp = meta.with_suffix(".tmp")  # meta.json last: without it, the snapshot is redone
+    tmp.write_text(json.dumps(asdict(prepared), indent=2))
+    os.replace(tmp, meta)
+    log.info("data: %d train / %d held-out SFT examples from %s in %.1fs -> %s", len(train),
+             len(held), data.source, time.perf_counter() - started, out)
+    return prepared
+
+
+@task(name="build-bare-model", timeout_seconds=1800, retries=1)
+def bare_tiny_model(model: ModelConfig, data: SFTDataConfig, cache_dir: str) -> str:
+    """``embedded:tiny-init``: the demo's tiny model before any training (built once, cached)."""
+    path = build_bare_tiny(model, data, cache_dir)
+    get_run_logger().info("model: bare tiny model (random weights) in %s", path)
+    return str(path)
+
+
+@task(name="start-sft", timeout_seconds=1800, cache_policy=NO_CACHE)
+def start_sft(cfg: SFTConfig, model_path: str, data: PreparedSFTData) -> SFTHandle:
+    """Load the model, tokenize both sets, place the sampler at the start."""
+    handle = start_session(cfg, model_path, read_prepared(data.train_path),
+                           read_prepared(data.eval_path))
+    s = get_session(handle)
+    tokens = sum(e.tokens for e in s.train)
+    get_run_logger().info(
+        "SFT: %d train / %d held-out examples (%d trained tokens, %.1f per example) on %s, "
+        "%s parameters trained", len(s.train), len(s.eval), tokens, tokens / len(s.train),
+        s.trainer.device, f"{sum(p.numel() for p in s.trainer._trained()):,}")
+    return handle
+
+
+@task(name="train-steps", task_run_name="train-steps-{first}-{last}", timeout_seconds=3600,
+      cache_policy=NO_CACHE)
+def _train_steps(handle: SFTHandle, first: int, last: int) -> list[dict[str, float]]:
+    return get_session(handle).train_steps(first, last)
+
+
+def train_steps(handle: SFTHandle, first: int, last: int,
+                step_timeout_s: float) -> list[dict[str, float]]:
+    """Optimizer steps ``first..last`` as one task run, bounded by ``step_timeout_s`` per step
+    (``train.step_timeout_s``); never retried: a step is applied once."""
+    bound = _train_steps.with_options(timeout_seconds=step_timeout_s * (last - first + 1))
+    return bound(handle, first, last)
+
+
+def _markdown(result: dict[str, Any], title: str) -> str:
+    lines = [f"# {title}", "", "| metric | value |", "|---|---|",
+             f"| held-out loss | {result['loss']:.4f} |", f"| examples | {result['num_examples']} |"]
+    if result.get("pass_at_1") is not None:
+        lines += [f"| greedy accuracy | {result['pass_at_1']:.3f} |",
+                  f"| answered | {result['accuracy_examples']} |"]
+    if result.get("samples"):
+        lines += ["", "| prompt | completion | answer | correct |", "|---|---|---|---|"]
+        for r in result["samples"]:
+            cells = (str(r[k]).replace("|", "\\|").replace("\n", "<br>")
+                     for k in ("question", "completion", "answer", "correct"))
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+@task(name="evaluate", task_run_name="evaluate-step-{step}", timeout_seconds=1800, retries=1,
+      retry_delay_seconds=5, cache_policy=NO_CACHE)
+def evaluate_sft(handle: SFTHandle, step: int) -> dict[str, Any]:
+    """Held-out loss, and greedy accuracy where the references end in a number."""
+    s = get_session(handle)
+    result = s.evaluate(step)
+    create_markdown_artifact(markdown=_markdown(result, f"{s.config.name}: SFT evaluation at "
+                                                f"step {step}"),
+                             key=artifact_key("eval", s.config.name),
+                             description=f"held-out evaluation at step {step}")
+    return result
+
+
+@task(name="checkpoint", task_run_name="checkpoint-step-{step}", timeout_seconds=1800, retries=2,
+      retry_delay_seconds=[2, 10], cache_policy=NO_CACHE)
+def save_sft_checkpoint(handle: SFTHandle, root: str, step: int, train_digest: str,
+                        tracking_run_id: str | None = None) -> dict[str, float]:
+    """A complete checkpoint of ``step`` (idempotent: a re-run replaces it)."""
+    started = time.perf_counter()
+    get_session(handle).save(root, step, train_digest, tracking_run_id)
+    return {"time/checkpoint": time.perf_counter() - started}
+
+
+@task(name="restore-checkpoint", timeout_seconds=1800, cache_policy=NO_CACHE)
+def restore_sft_checkpoint(handle: SFTHandle, path: str, train_digest: str) -> int:
+    """Load a verified checkpoint; the step it was written at."""
+    step = get_session(handle).restore(path, train_digest)
+    get_run_logger().info("resumed from %s at step %d", path, step)
+    return step
+
+
+@task(name="export-model", timeout_seconds=1800, retries=1, cache_policy=NO_CACHE)
+def export_sft_model(handle: SFTHandle, out_dir: str) -> str:
+    """The model and its tokenizer in Hugging Face format (``grpo_train``'s ``model.path``)."""
+    return get_session(handle).export(out_dir)
