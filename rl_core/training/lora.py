@@ -17,6 +17,7 @@ Never imports Prefect or MLflow.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,10 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                               target_modules=list(cfg.target_modules), bias="none",
                               use_rslora=cfg.use_rslora, task_type="CAUSAL_LM")
-    return get_peft_model(model, peft_cfg)
+    with warnings.catch_warnings():  # peft asks transformers a deprecated question
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                category=FutureWarning)
+        return get_peft_model(model, peft_cfg)
 
 
 def scaling(cfg: LoraConfig) -> float:
