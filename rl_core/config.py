@@ -17,17 +17,19 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rl_core.config_files import (
+    ConfigError,
+    apply_overrides,
+    flatten,
+    read_config,
+    validate_config,
+)
 from rl_core.teacher import TeacherConfig
 
 __all__ = ["ConfigError", "ExperimentConfig", "apply_overrides", "config_digest", "flatten",
-           "load_config"]
-
-
-class ConfigError(ValueError):
-    """A configuration problem a user can fix; the message names the field and the fix."""
+           "load_config", "read_config", "validate_config"]
 
 
 class _Section(BaseModel):
@@ -703,104 +705,11 @@ class ExperimentConfig(_Section):
                 "to derive it")
 
 
-def _format_error(err: ValidationError, origin: str) -> str:
-    lines = [f"invalid config ({origin}):"]
-    for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "<root>"
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key"
-            if (parent := _section_for(e["loc"][:-1])) is not None:
-                msg += f"; allowed keys: {', '.join(sorted(parent.model_fields))}"
-        elif e["type"] == "literal_error":
-            msg = f"got {e.get('input')!r}; allowed values: {e.get('ctx', {}).get('expected')}"
-        elif e["type"] == "value_error":
-            msg = msg.removeprefix("Value error, ")  # our validators name the value themselves
-        elif "input" in e and not isinstance(e["input"], dict):
-            msg += f" (got {e['input']!r})"
-        lines.append(f"  {path}: {msg}")
-    return "\n".join(lines)
-
-
-def _section_for(loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    cls: type[BaseModel] = ExperimentConfig
-    for part in loc:
-        field = cls.model_fields.get(str(part))
-        ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return None
-        cls = ann
-    return cls
-
-
-def _parse_value(raw: str) -> Any:
-    """Parse an override's value as YAML so `0.001`, `true`, `[1, 2]` and `null` work."""
-    try:
-        return yaml.safe_load(raw)
-    except yaml.YAMLError:
-        return raw
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `a.b.c=value` overrides to a nested dict (a copy is returned)."""
-    out = json.loads(json.dumps(data))
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form section.key=value "
-                              "(for example algorithm.kl_coef=0.001)")
-        key, raw = item.split("=", 1)
-        parts = [p for p in key.strip().split(".") if p]
-        if not parts:
-            raise ConfigError(f"override {item!r} has an empty key")
-        node = out
-        for i, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(
-                    f"override {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
-            node = child
-        node[parts[-1]] = _parse_value(raw)
-    return out
-
-
 def load_config(path: str | Path | None = None,
                 overrides: list[str] | None = None) -> ExperimentConfig:
     """Load a YAML config (or the defaults when ``path`` is None) and apply overrides."""
-    data: dict[str, Any] = {}
-    origin = "defaults"
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist (try configs/tiny-cpu.yaml)")
-        try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p} must hold a mapping at the top level")
-        data, origin = loaded or {}, str(p)
-    if overrides:
-        data = apply_overrides(data, overrides)
-        origin += " + overrides " + " ".join(overrides)
-    try:
-        return ExperimentConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_format_error(exc, origin)) from None
-
-
-def flatten(cfg: BaseModel | dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Flatten a config to dotted keys (for tracking params and run summaries)."""
-    data = cfg.model_dump(mode="json") if isinstance(cfg, BaseModel) else cfg
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, name + "."))
-        elif isinstance(value, dict):  # an empty mapping field (cluster.env) stays visible
-            out[name] = "{}"
-        else:
-            out[name] = value
-    return out
+    data, origin = read_config(path, overrides, "configs/tiny-cpu.yaml")
+    return validate_config(ExperimentConfig, data, origin)
 
 
 def config_digest(cfg: ExperimentConfig) -> str:

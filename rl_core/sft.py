@@ -34,8 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rl_core.config import (
     CheckpointConfig,
@@ -47,7 +46,8 @@ from rl_core.config import (
     TrackingConfig,
     TrainConfig,
     _Section,
-    apply_overrides,
+    read_config,
+    validate_config,
 )
 from rl_core.data.prompts import PLAIN_TEMPLATE, render_prompt
 from rl_core.data.records import BadRow, DataValidationError, extract_final_answer
@@ -207,53 +207,15 @@ class SFTConfig(_Section):
         return self
 
 
-def _format_error(err: ValidationError, origin: str) -> str:
-    lines = [f"invalid config ({origin}):"]
-    for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "<root>"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            cls: type[BaseModel] | None = SFTConfig
-            for part in e["loc"][:-1]:
-                ann = getattr(cls.model_fields.get(str(part)), "annotation", None) if cls else None
-                cls = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
-            msg = "unknown key" + (f"; allowed keys: {', '.join(sorted(cls.model_fields))}"
-                                   if cls else "")
-        elif e["type"] == "literal_error":
-            msg = f"got {e.get('input')!r}; allowed values: {e.get('ctx', {}).get('expected')}"
-        elif "input" in e and not isinstance(e["input"], dict) and e["type"] != "value_error":
-            msg += f" (got {e['input']!r})"
-        lines.append(f"  {path}: {msg}")
-    return "\n".join(lines)
-
-
 def load_sft_config(path: str | Path | None = None,
                     overrides: Sequence[str] | None = None) -> SFTConfig:
     """Load an SFT YAML config (the defaults when ``path`` is None) with dotted overrides;
     raises :class:`~rl_core.config.ConfigError` naming the field and the allowed values."""
-    data: dict[str, Any] = {}
-    origin = "defaults"
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist (try configs/sft-tiny-cpu.yaml)")
-        try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p} must hold a mapping at the top level")
-        data, origin = loaded or {}, str(p)
-    if overrides:
-        data = apply_overrides(data, list(overrides))
-        origin += " + overrides " + " ".join(overrides)
+    data, origin = read_config(path, overrides, "configs/sft-tiny-cpu.yaml")
     if grpo := sorted({"rollout", "algorithm", "reward"} & set(data)):
         raise ConfigError(f"{origin} is a GRPO config (it has {', '.join(grpo)}); `grpoflow sft` "
                           "takes an SFT config, e.g. configs/sft-tiny-cpu.yaml (docs/sft.md)")
-    try:
-        return SFTConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_format_error(exc, origin)) from None
+    return validate_config(SFTConfig, data, origin)
 
 
 # ------------------------------------------------------------------------------------ rows
