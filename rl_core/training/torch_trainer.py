@@ -176,7 +176,9 @@ class TorchTrainer(WeightSource):
     @property
     def has_ref_model(self) -> bool:
         """Whether reference log-probs exist (``algorithm.kl_coef > 0``)."""
-        return self.ref_model is not None or (self.lora is not None and self.algo.kl_coef > 0)
+        # getattr: the megatron backend borrows this property without TorchTrainer's __init__
+        lora = getattr(self, "lora", None)
+        return self.ref_model is not None or (lora is not None and self.algo.kl_coef > 0)
 
     @property
     def needs_old_logp(self) -> bool:
