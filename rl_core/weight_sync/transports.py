@@ -148,15 +148,16 @@ class TensorSync:
 
     def __init__(self, plane: Any = None, lora_name: str | None = None) -> None:
         self.plane, self.lora_name = plane, lora_name
+        self._config: dict[str, Any] | None = None  # the staged adapter's config (LoRA)
 
     def stage(self, trainer: Any, version: int) -> Staged:
         weights = trainer.export_weights()
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-        config = trainer.adapter_config() if self.lora_name else None
-        return Staged((weights, config), weights_checksum(weights), float(nbytes))
+        self._config = trainer.adapter_config() if self.lora_name else None
+        return Staged(weights, weights_checksum(weights), float(nbytes))
 
     def load(self, staged: Staged, engines: list[Any], version: int) -> None:
-        weights, config = staged.payload
+        weights, config = staged.payload, self._config
         for engine in engines:
             if self.lora_name is None:
                 engine.update_weights_from_tensors(weights, version)
