@@ -30,7 +30,7 @@ from rl_core.training.sft import SFTHandle, close_session
 from tasks.evaluate import artifact_key
 from tasks.setup import fetch_model
 from tasks.sft import (
-    PreparedSFTData,
+    PreparedData,
     bare_tiny_model,
     evaluate_sft,
     export_sft_model,
@@ -112,7 +112,7 @@ def _chunk_end(cfg: SFTConfig, step: int) -> int:
     return last
 
 
-def _resume(run: Run, session: SFTHandle, data: PreparedSFTData) -> int:
+def _resume(run: Run, session: SFTHandle, data: PreparedData) -> int:
     """The step the run stands at: 0, or the checkpoint's (restored into the session)."""
     if run.resume_from is None:
         run.dir.truncate_after(-1)  # a fresh start: fresh logs
@@ -181,7 +181,7 @@ class _Progress:
             self.bar.close()
 
 
-def _finish(run: Run, cfg: SFTConfig, model_dir: str, data: PreparedSFTData,
+def _finish(run: Run, cfg: SFTConfig, model_dir: str, data: PreparedData,
             evals: list[dict[str, Any]], registered: Any) -> dict[str, Any]:  # noqa: ANN401
     """The run's summary: written to ``summary.json``, printed, returned by the flow."""
     first, last = Run.brief(evals[0]), Run.brief(evals[-1])

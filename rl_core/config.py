@@ -250,14 +250,8 @@ class LoraConfig(_Section):
         return self.rank > 0
 
 
-class TrainConfig(_Section):
-    """The training plane and the loop around it."""
-    backend: Literal["torch", "megatron"] = Field(
-        "torch", description="`torch` (HF model, DDP/FSDP2) or `megatron` (megatron-core).")
-    megatron: MegatronConfig = MegatronConfig()
-    lora: LoraConfig = LoraConfig()
-    steps: int = Field(60, ge=0)
-    prompts_per_step: int = Field(32, ge=1)
+class OptimizerConfig(_Section):
+    """AdamW, its LR schedule and LoRA: what every trainer (GRPO, SFT) takes."""
     lr: float = Field(1e-4, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)],
@@ -266,6 +260,16 @@ class TrainConfig(_Section):
     lr_schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     grad_clip: float = Field(1.0, gt=0.0)
+    lora: LoraConfig = LoraConfig()
+
+
+class TrainConfig(OptimizerConfig):
+    """The training plane and the loop around it."""
+    backend: Literal["torch", "megatron"] = Field(
+        "torch", description="`torch` (HF model, DDP/FSDP2) or `megatron` (megatron-core).")
+    megatron: MegatronConfig = MegatronConfig()
+    steps: int = Field(60, ge=0)
+    prompts_per_step: int = Field(32, ge=1)
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per GRPO step.")
     ppo_epochs: int = Field(1, ge=1)
     micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward.")

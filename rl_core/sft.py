@@ -32,7 +32,7 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -40,8 +40,8 @@ from rl_core.config import (
     CheckpointConfig,
     ConfigError,
     DataConfig,
-    LoraConfig,
     ModelConfig,
+    OptimizerConfig,
     StorageConfig,
     TrackingConfig,
     TrainConfig,
@@ -133,7 +133,7 @@ class SFTDataConfig(_Section):
         return self
 
 
-class SFTTrainConfig(_Section):
+class SFTTrainConfig(OptimizerConfig):
     """The optimizer and the batches it sees."""
     steps: int = Field(200, ge=0, description="Optimizer steps.")
     batch_size: int = Field(32, ge=1, description="Examples per optimizer step.")
@@ -143,15 +143,7 @@ class SFTTrainConfig(_Section):
         "tokens (block-diagonal attention, positions restart per example): less padding.")
     pack_length: int | None = Field(None, ge=8, description="Tokens per packed row; default "
         "data.max_seq_len.")
-    lr: float = Field(1e-4, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)],
-                 Annotated[float, Field(ge=0.0, lt=1.0)]] = (0.9, 0.999)
-    warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "cosine"] = "cosine"
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
-    grad_clip: float = Field(1.0, gt=0.0)
-    lora: LoraConfig = LoraConfig()
     steps_per_task: int = Field(10, ge=1, description="Optimizer steps per Prefect task run "
         "(fewer where an evaluation or a checkpoint falls).")
     step_timeout_s: float = Field(600.0, gt=0, description="Bound on one optimizer step (a "

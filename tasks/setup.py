@@ -28,7 +28,7 @@ __all__ = ["PreparedData", "bring_up", "fetch_model", "prepare_data", "source_fi
 
 @dataclass(frozen=True)
 class PreparedData:
-    """Validated, normalised Parquet snapshots of the train and eval sets."""
+    """Validated snapshots of the train and eval sets (GRPO: Parquet; SFT: JSON lines)."""
 
     train_path: str
     eval_path: str

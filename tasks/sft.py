@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -30,25 +30,11 @@ from rl_core.training.sft import (
     start_session,
 )
 from tasks.evaluate import artifact_key
-from tasks.setup import source_fingerprint
+from tasks.setup import PreparedData, source_fingerprint
 
-__all__ = ["PreparedSFTData", "bare_tiny_model", "evaluate_sft", "export_sft_model",
+__all__ = ["bare_tiny_model", "evaluate_sft", "export_sft_model",
            "prepare_sft_data", "restore_sft_checkpoint", "save_sft_checkpoint", "start_sft",
            "train_steps"]
-
-
-@dataclass(frozen=True)
-class PreparedSFTData:
-    """Validated examples (one JSON object a line) of the train and held-out sets."""
-
-    train_path: str
-    eval_path: str
-    train_digest: str
-    eval_digest: str
-    num_train: int
-    num_eval: int
-    source: str
-    cached: bool
 
 
 def _data_key(data: SFTDataConfig) -> str:
@@ -81,18 +67,18 @@ def _transient(task: object, task_run: object, state: object) -> bool:
 
 @task(name="prepare-sft-data", timeout_seconds=1800, retries=2, retry_delay_seconds=5,
       retry_condition_fn=_transient)
-def prepare_sft_data(data: SFTDataConfig, cache_dir: str) -> PreparedSFTData:
+def prepare_sft_data(data: SFTDataConfig, cache_dir: str) -> PreparedData:
     """Any supported source -> validated example snapshots with content digests."""
     log = get_run_logger()
     out = Path(cache_dir) / "sft-data" / _data_key(data)
     meta = out / "meta.json"
     if meta.is_file():
         log.info("data: cached SFT snapshot %s (inputs unchanged), skipping preparation", out)
-        return PreparedSFTData(**{**json.loads(meta.read_text()), "cached": True})
+        return PreparedData(**{**json.loads(meta.read_text()), "cached": True})
     started = time.perf_counter()
     train, held = split_examples(data, cache_dir)
     out.mkdir(parents=True, exist_ok=True)
-    prepared = PreparedSFTData(
+    prepared = PreparedData(
         str(out / "train.jsonl"), str(out / "eval.jsonl"), _write(train, out / "train.jsonl"),
         _write(held, out / "eval.jsonl"), len(train), len(held), data.source, cached=False)
     tmp = meta.with_suffix(".tmp")  # meta.json last: without it, the snapshot is redone
@@ -112,7 +98,7 @@ def bare_tiny_model(model: ModelConfig, data: SFTDataConfig, cache_dir: str) -> 
 
 
 @task(name="start-sft", timeout_seconds=1800, cache_policy=NO_CACHE)
-def start_sft(cfg: SFTConfig, model_path: str, data: PreparedSFTData) -> SFTHandle:
+def start_sft(cfg: SFTConfig, model_path: str, data: PreparedData) -> SFTHandle:
     """Load the model, tokenize both sets, place the sampler at the start."""
     handle = start_session(cfg, model_path, read_prepared(data.train_path),
                            read_prepared(data.eval_path))
