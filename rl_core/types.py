@@ -11,18 +11,40 @@ Position ``t`` of every (B, L-1) tensor scores token ``t + 1`` given tokens ``<=
 ``response_mask[:, t]`` is true where token ``t + 1`` is trained on. Token ids are int32 and
 masks bool (they dominate the rollout -> training transfer at scale); log-probs float32.
 
+Mixture-of-experts routing (routing replay, R3: docs/moe.md) travels as SGLang returns it:
+``Sample.routed_experts`` is ``meta_info.routed_experts`` of ``/generate`` with
+``return_routed_experts: true``, the base64 of an int32 array ``[seq_len - 1, moe_layers,
+top_k]`` (``seq_len = len(prompt_ids) + len(completion_ids)``; row ``t``: the experts token
+``t`` was routed to in each MoE layer, in layer order; the last token is never run through
+the model, so it has no row). :meth:`Batch.from_samples` lays it out as
+``Batch.routed_experts`` (B, L-1, moe_layers * top_k) int16, row ``t`` = token ``t``, -1 where
+nothing was recorded; ``.view(B, L-1, moe_layers, top_k)`` with the model's ``top_k``.
+
 Never imports Prefect or MLflow; holds no model.
 """
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["Batch", "Sample"]
+__all__ = ["Batch", "Sample", "decode_routed_experts", "encode_routed_experts"]
+
+
+def encode_routed_experts(ids: np.ndarray | torch.Tensor) -> str:
+    """SGLang's ``routed_experts``: the base64 of ``ids`` as C-ordered int32."""
+    arr = ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+    return base64.b64encode(np.ascontiguousarray(arr, dtype=np.int32).tobytes()).decode("ascii")
+
+
+def decode_routed_experts(data: str) -> np.ndarray:
+    """The flat int32 array of a ``routed_experts`` string (reshape it to [-1, layers, k])."""
+    return np.frombuffer(base64.b64decode(data), dtype=np.int32)
 
 
 @dataclass
@@ -46,6 +68,9 @@ class Sample:
     # Per completion token, the weight version that produced it (an episode's turns, or a
     # partial rollout continued after an update); None: every token is ``weight_version``'s.
     versions: list[int] | None = None
+    # MoE routing of every token but the last (SGLang's base64 int32 [seq_len - 1, moe_layers,
+    # top_k], module docstring); None: not asked for (train.moe.routing_replay off) or dense.
+    routed_experts: str | None = field(default=None, repr=False)
 
     @property
     def truncated(self) -> bool:
@@ -61,13 +86,14 @@ class Sample:
         ``[logprob, token_id, text]`` when present (as slime and AReaL read them), else from
         ``output_ids``; the engine's ``weight_version`` label stays in ``meta``."""
         meta = dict(body.get("meta_info") or {})
+        routed = meta.pop("routed_experts", None)  # kept once, in its own field
         entries = meta.get("output_token_logprobs") or []
         if entries:
             ids, logprobs = [int(e[1]) for e in entries], [float(e[0]) for e in entries]
         else:
             ids, logprobs = [int(t) for t in body.get("output_ids") or []], []
         return cls(list(prompt_ids), ids, logprobs, dict(meta.get("finish_reason") or {}),
-                   text=body.get("text") or "", meta=meta)
+                   text=body.get("text") or "", meta=meta, routed_experts=routed)
 
     def ledger_row(self, trained: bool) -> dict[str, Any]:
         """What the sample ledger keeps: which prompt, which weights, what it scored."""
@@ -97,6 +123,8 @@ class Batch:
     old_logp: torch.Tensor | None = None  # (B, L-1), trainer log-probs before the update
     ref_logp: torch.Tensor | None = None  # (B, L-1), reference-policy log-probs
     prompt_lens: torch.Tensor | None = None  # (B,) int64: rows sharing a prompt pack together
+    # (B, L-1, moe_layers * top_k) int16: the rollout's experts per token (module docstring)
+    routed_experts: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -145,4 +173,30 @@ class Batch:
             resp[i, start : start + len(r)] = mask
             rlogp[i, start : start + len(r)] = torch.tensor(s.logprobs, dtype=torch.float32) * mask
         return cls(ids, attn, resp, rlogp, torch.as_tensor(advantages, dtype=torch.float32),
-                   prompt_lens=torch.tensor([len(s.prompt_ids) for s in samples]))
+                   prompt_lens=torch.tensor([len(s.prompt_ids) for s in samples]),
+                   routed_experts=_routed_layout(samples, rlogp.shape[1]))
+
+
+def _routed_layout(samples: Sequence[Sample], columns: int) -> torch.Tensor | None:
+    """``Batch.routed_experts`` from the samples' ``routed_experts`` (None if none has any;
+    rows of a sample without them are -1: the trainer routes those tokens itself)."""
+    if all(s.routed_experts is None for s in samples):
+        return None
+    flat: list[np.ndarray | None] = []
+    width = None
+    for i, s in enumerate(samples):
+        if s.routed_experts is None:
+            flat.append(None)
+            continue
+        ids = decode_routed_experts(s.routed_experts)
+        rows = len(s.prompt_ids) + len(s.completion_ids) - 1
+        if rows <= 0 or ids.size % rows or (width is not None and ids.size // rows != width):
+            raise ValueError(f"sample {i}: routed_experts holds {ids.size} expert ids, not "
+                             f"{rows} tokens x {width or 'moe_layers * top_k'}")
+        width = ids.size // rows
+        flat.append(ids.reshape(rows, width))
+    out = torch.full((len(samples), columns, width or 1), -1, dtype=torch.int16)
+    for i, ids in enumerate(flat):
+        if ids is not None:
+            out[i, : ids.shape[0]] = torch.from_numpy(ids.astype(np.int16))
+    return out

@@ -238,3 +238,5 @@ def _extend(s: Sample, out: Sample, max_new_tokens: int) -> None:
         s.finish_reason["length"] = max_new_tokens
     s.text += out.text
     s.meta = {**out.meta, "segments": s.meta.get("segments", 0) + 1}
+    if out.routed_experts is not None:  # its request held every token so far: it covers all
+        s.routed_experts = out.routed_experts
