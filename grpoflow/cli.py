@@ -1,6 +1,8 @@
 """The ``grpoflow`` command line.
 
     grpoflow train [CONFIG] [section.key=value ...]     run the GRPO flow (--resume)
+    grpoflow sft [CONFIG] [section.key=value ...]       supervised fine-tuning (--resume)
+    grpoflow post-train SFT_CONFIG GRPO_CONFIG [...]    SFT -> GRPO -> registry evaluation
     grpoflow evaluate [CONFIG] [--model PATH] [...]     greedy pass@1 and sampled pass@k
     grpoflow prepare-data [CONFIG] [...]                validate and snapshot the data
     grpoflow download-model [CONFIG] [--uri URI]        fetch and verify a model (--revision)
@@ -136,6 +138,30 @@ def cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_post_train(args: argparse.Namespace) -> int:
+    from rl_core.config import ConfigError, load_config
+    from rl_core.preflight import preflight
+    from rl_core.sft import load_sft_config
+
+    if args.overrides:  # main() collects stray key=value arguments there
+        raise ConfigError(f"post-train: give overrides with --sft-override or --grpo-override "
+                          f"(got {' '.join(args.overrides)})")
+    load_sft_config(args.sft_config, args.sft_override)  # bad configs fail before any flow
+    preflight(load_config(args.grpo_config, args.grpo_override), model=False)
+    post_train = _flow("flows.pipeline:post_train", args.debug)
+    summary = post_train(sft_config=args.sft_config, grpo_config=args.grpo_config,
+                         sft_overrides=args.sft_override, grpo_overrides=args.grpo_override,
+                         run_name=args.run_name, show_progress=not args.quiet,
+                         resume=args.resume)
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+    else:
+        from flows.pipeline import format_post_train
+
+        print(format_post_train(summary))
+    return 0
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from rl_core.report import format_eval
 
@@ -257,6 +283,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start over even if the run directory has a checkpoint")
     p.set_defaults(func=cmd_sft)
 
+    p = sub.add_parser("post-train", help="SFT, then GRPO from its export, then the registry "
+                       "evaluation (Prefect flow post-train; docs/deployments.md)")
+    p.add_argument("sft_config", help="SFT YAML config (e.g. configs/sft-tiny-cpu.yaml)")
+    p.add_argument("grpo_config", help="GRPO YAML config (e.g. configs/tiny-cpu.yaml)")
+    p.add_argument("--sft-override", nargs="+", action="extend", default=[], metavar="K=V",
+                   help="dotted overrides of the SFT stage: train.steps=100")
+    p.add_argument("--grpo-override", nargs="+", action="extend", default=[], metavar="K=V",
+                   help="dotted overrides of the GRPO stage (not model.path: the SFT export)")
+    p.add_argument("--run-name", help="names the chain and its runs <name>-sft, <name>-grpo; "
+                   "the same name again skips finished stages and resumes the others")
+    p.add_argument("--no-resume", dest="resume", action="store_const", const="never",
+                   default="auto", help="run every stage again from scratch")
+    p.add_argument("--quiet", action="store_true", help="no progress bars or step lines")
+    p.add_argument("--json", action="store_true", help="print the chain's summary as JSON")
+    p.add_argument("--debug", action="store_true",
+                   help="on failure, show Prefect's failure logs and the full traceback")
+    p.set_defaults(func=cmd_post_train, overrides=[])
+
     p = sub.add_parser("evaluate", help="evaluate a model on the held-out set")
     _config_args(p)
     p.add_argument(
@@ -354,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     rl_core_log.addHandler(handler)
     rl_core_log.setLevel(logging.INFO)
     _env_defaults()
-    if entry and args.command in ("train", "sft", "evaluate"):
+    if entry and args.command in ("train", "sft", "post-train", "evaluate"):
         _stop_cleanly()
     try:
         return args.func(args)

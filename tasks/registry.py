@@ -33,7 +33,7 @@ from tasks.tracking.sender import Tracker
 
 __all__ = ["Decision", "RegistryVersion", "comparison_markdown", "decide", "evaluation_key",
            "fetch_registered_model", "promote", "record_evaluation", "recorded_evaluation",
-           "register_model", "registry_client", "resolve_aliases"]
+           "register_model", "registry_client", "resolve_aliases", "trained_by"]
 
 VERSION_TAG, KEY_TAG = "grpoflow.model_version", "grpoflow.eval_key"
 _TASK: dict[str, Any] = {"cache_policy": NO_CACHE, "retries": 2, "retry_delay_seconds": 5}
@@ -223,13 +223,26 @@ def pip_requirements() -> list[str]:
     return out
 
 
+def trained_by(params: Mapping[str, str]) -> str:
+    """What trained a run, read from its MLflow params: ``SFT`` (an SFT config has no
+    ``algorithm`` section), ``on-policy distillation`` (GRPO with a ``teacher.path``) or
+    ``GRPO``."""
+    if "algorithm.advantage" not in params:
+        return "SFT"
+    if params.get("teacher.path") not in (None, "", "null", "None"):
+        return "on-policy distillation"
+    return "GRPO"
+
+
 def _new_version(tracker: Tracker, name: str, logged: Any, step: int,
-                 metrics: dict[str, float], extra_tags: Mapping[str, str]) -> Any:
-    """A new version of registered model ``name`` (created if needed) from the logged model."""
+                 metrics: dict[str, float], extra_tags: Mapping[str, str], kind: str) -> Any:
+    """A new version of registered model ``name`` (created if needed) from the logged model;
+    ``kind`` (:func:`trained_by`) heads its description."""
     h, client = tracker.handle, tracker.client
     try:
         client.create_registered_model(
-            name, description="GRPO policies trained by grpoflow (Hugging Face format).")
+            name, description="Policies trained by grpoflow (Hugging Face format); each "
+                              "version's description says how.")
     except Exception as exc:
         if "ALREADY_EXISTS" not in str(exc) and "already exists" not in str(exc):
             raise
@@ -238,7 +251,7 @@ def _new_version(tracker: Tracker, name: str, logged: Any, step: int,
     return client.create_model_version(
         name, source=logged.model_uri, run_id=h.run_id, run_link=h.run_url(),
         model_id=logged.model_id,
-        description=f"GRPO run {h.run_name}, step {step}. Final evaluation: {summary}",
+        description=f"{kind} run {h.run_name}, step {step}. Final evaluation: {summary}",
         tags={**{metric_name(k): f"{v:.6g}" for k, v in metrics.items()},
               "grpoflow.run_id": h.run_id, "grpoflow.run_name": h.run_name,
               "grpoflow.step": str(step), **extra_tags})
@@ -266,8 +279,8 @@ def register_model(tracker: Tracker, model_dir: str, eval_result: Mapping[str, A
     signature = ModelSignature(inputs=text, outputs=text, params=ParamSchema([
         ParamSpec("max_new_tokens", "long", 64), ParamSpec("do_sample", "boolean", False),
         ParamSpec("temperature", "double", 1.0)]))
-    base = client.get_run(h.run_id).data.params.get("model.path", "")
-    extra = {"grpoflow.base_model": base}
+    params = client.get_run(h.run_id).data.params
+    extra = {"grpoflow.base_model": params.get("model.path", "")}
     adapter = Path(model_dir) / "adapter"
     if (adapter / "adapter_config.json").is_file():
         a = json.loads((adapter / "adapter_config.json").read_text())
@@ -288,7 +301,8 @@ def register_model(tracker: Tracker, model_dir: str, eval_result: Mapping[str, A
             mlflow.log_artifacts(str(adapter), artifact_path="adapter")
         seconds = time.perf_counter() - started
         version = retrying(f"registering {name}",
-                           lambda: _new_version(tracker, name, logged, step, metrics, extra))
+                           lambda: _new_version(tracker, name, logged, step, metrics, extra,
+                                                trained_by(params)))
         retrying(f"setting alias {h.alias} on {name} v{version.version}",
                  lambda: client.set_registered_model_alias(name, h.alias, version.version))
     info(f"tracking: model logged in {seconds:.1f}s and registered as {name} v{version.version}"

@@ -3,8 +3,10 @@ from deployments/prefect.yaml, ``prefect deployment run`` with parameters.
 
 Everything runs as separate processes on 127.0.0.1, as a user would start them: the server,
 the worker (polling every second), the CLI calls. The deployed demo run must complete and
-MLflow must hold its run (tagged with the flow run's id); the nightly evaluation's cron
-schedule must have produced scheduled runs. The worker is stopped before the server (the
+MLflow must hold its run (tagged with the flow run's id); the deployed chain (``post-train``:
+SFT -> GRPO -> registry evaluation) must complete with its GRPO version, trained from the SFT
+export, made champion of the model the nightly evaluation evaluates; the nightly evaluation's
+cron schedule must have produced scheduled runs. The worker is stopped before the server (the
 other order hangs the shutdown). Static checks of the file itself come first.
 """
 
@@ -39,6 +41,9 @@ def _spec() -> dict:
 def test_the_deployments_file_names_real_flows_and_configs() -> None:
     import importlib
 
+    from rl_core.config import load_config
+    from rl_core.sft import load_sft_config
+
     spec = _spec()
     by_flow: dict[str, list[str]] = {}
     for d in spec["deployments"]:
@@ -46,20 +51,30 @@ def test_the_deployments_file_names_real_flows_and_configs() -> None:
         module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
         flow = getattr(module, func)
         by_flow.setdefault(flow.name, []).append(d["name"])
-        config = d["parameters"].get("config")
-        assert config and (ROOT / config).is_file(), (d["name"], config)
-        from rl_core.config import load_config
-
-        load_config(ROOT / config, d["parameters"].get("overrides") or [])
-        unknown = set(d["parameters"]) - set(flow.parameters.properties)
+        params = d["parameters"]
+        configs = {"sft-train": [(params.get("config"), load_sft_config)],
+                   "post-train": [(params.get("sft_config"), load_sft_config),
+                                  (params.get("grpo_config"), load_config)]}.get(
+            flow.name, [(params.get("config"), load_config)])
+        for config, load in configs:
+            assert config and (ROOT / config).is_file(), (d["name"], config)
+            load(ROOT / config, params.get("overrides") or [])
+        unknown = set(params) - set(flow.parameters.properties)
         assert not unknown, f"{d['name']}: {unknown} are not parameters of {flow.name}"
     assert by_flow == {
         "grpo-train": ["tiny-cpu", "qwen2.5-0.5b-gsm8k"],
         "evaluate": ["nightly"],
+        "sft-train": ["tiny-cpu"],
+        "post-train": ["tiny-cpu"],
         "prepare-data": ["tiny-cpu"],
     }
-    nightly = next(d for d in spec["deployments"] if d["name"] == "nightly")
+    deployment = {(d["entrypoint"], d["name"]): d for d in spec["deployments"]}
+    nightly = deployment["flows/evaluate.py:evaluate", "nightly"]
     assert nightly["schedule"]["cron"] == "0 3 * * *" and nightly["parameters"]["registry"]
+    # the chain's GRPO stage registers the model the nightly evaluation evaluates
+    chain = deployment["flows/pipeline.py:post_train", "tiny-cpu"]["parameters"]
+    assert load_config(ROOT / chain["grpo_config"]).model.name == \
+        load_config(ROOT / nightly["parameters"]["config"]).model.name
     assert work_pools(PREFECT_FILE) == ["grpoflow-process", "grpoflow-gpu"]
     assert spec["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == (
         "{{ $GRPOFLOW_HOME }}"
@@ -160,14 +175,7 @@ def test_deploy_run_and_schedule_on_a_real_server(
         "rollout.engine_threads=1", "tracking.system_metrics=false",
     ]  # fmt: skip
     try:
-        started = _run(
-            [str(BIN / "prefect"), "deployment", "run", "grpo-train/tiny-cpu",
-             "--param", f"overrides={json.dumps(overrides)}"],
-            env,
-        )  # fmt: skip
-        match = re.search(r"UUID:\s*([0-9a-f-]{36})", started)
-        assert match, started
-        flow_run_id = match.group(1)
+        flow_run_id = _deployment_run(env, "grpo-train/tiny-cpu", overrides=overrides)
         state = _wait_final(url, flow_run_id, timeout_s=600, worker=worker)
         assert state == "COMPLETED", f"flow run ended {state}:\n{worker.tail()}"
 
@@ -182,12 +190,57 @@ def test_deploy_run_and_schedule_on_a_real_server(
         assert len(found) == 1 and found[0].info.status == "FINISHED"
         assert found[0].data.params["train.steps"] == "1"
 
+        # the chain SFT -> GRPO -> registry evaluation as one deployment run (one MLflow
+        # store, runs/mlflow.db, as no tracking URI is set): the GRPO stage's version, trained
+        # from the SFT export, is champion of the model evaluate/nightly evaluates
+        where = [f"storage.root={runs}", f"storage.cache_dir={tiny_cache}"]
+        small = ["train.num_threads=1", "tracking.system_metrics=false"]
+        evals = ["eval.num_examples=8", "eval.pass_k_examples=0"]
+        chain_id = _deployment_run(
+            env, "post-train/tiny-cpu", run_name="chain",
+            sft_overrides=[*where, *small, "train.steps=2", "train.batch_size=8",
+                           "train.micro_batch_size=8", "eval.every=0", "eval.num_examples=8",
+                           "eval.greedy_examples=4"],
+            grpo_overrides=[*where, *small, *evals, "train.steps=1", "train.prompts_per_step=4",
+                            "rollout.n_samples=4", "rollout.engine=local", "eval.every=0"])
+        state = _wait_final(url, chain_id, timeout_s=600, worker=worker)
+        assert state == "COMPLETED", f"post-train ended {state}:\n{worker.tail()}"
+        chain = MlflowClient(f"sqlite:///{runs / 'mlflow.db'}")
+        champion = chain.get_model_version_by_alias("grpoflow-tiny", "champion")
+        assert champion.tags["grpoflow.base_model"] == str(runs / "chain-sft" / "model")
+        assert champion.description.startswith("GRPO run chain-grpo, step 1.")
+        sft = chain.get_model_version_by_alias("grpoflow-tiny-sft", "candidate")
+        assert sft.description.startswith("SFT run chain-sft, step 2.")
+        assert "GRPO: run chain-grpo (1 step, trained)" in _artifacts(url, chain_id)[
+            "post-train-chain"]
+
         # the cron deployment has scheduled runs waiting
         scheduled = _scheduled_runs(url, "evaluate", "nightly")
         assert scheduled, "the nightly evaluation has no scheduled runs"
         assert all(r.expected_start_time.hour == 3 for r in scheduled)
     finally:
         worker.stop()  # before the server
+
+
+def _deployment_run(env: dict[str, str], name: str, **params: object) -> str:
+    """``prefect deployment run NAME --param k=v ...``; the flow run's id."""
+    cmd = [str(BIN / "prefect"), "deployment", "run", name]
+    for key, value in params.items():
+        cmd += ["--param", f"{key}={json.dumps(value) if isinstance(value, list) else value}"]
+    started = _run(cmd, env)
+    match = re.search(r"UUID:\s*([0-9a-f-]{36})", started)
+    assert match, started
+    return match.group(1)
+
+
+def _artifacts(url: str, flow_run_id: str) -> dict[str, str]:
+    """The flow run's artifacts: key -> data."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with _client(url) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    return {a.key: str(a.data) for a in found if a.key}
 
 
 def _client(url: str):  # noqa: ANN202
