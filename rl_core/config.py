@@ -60,6 +60,12 @@ class ModelConfig(_Section):
         "steps (no accuracy target).")
     tiny_target_accuracy: float = Field(
         0.3, gt=0.0, le=1.0, description="Warm start stops at this held-out greedy accuracy.")
+    tiny_arch: Literal["dense", "qwen3_moe", "qwen2_moe"] = Field("dense", description="`dense`: "
+        "Qwen2; `qwen3_moe` / `qwen2_moe` (shared expert): mixture-of-experts layers of "
+        "tiny_experts experts, tiny_experts_per_token per token (docs/moe.md).")
+    tiny_experts: int = Field(4, ge=2)
+    tiny_experts_per_token: int = Field(2, ge=1)
+    tiny_moe_intermediate_size: int = Field(128, ge=8, description="Each expert's MLP width.")
     seed: int = 0
 
 
@@ -250,6 +256,17 @@ class LoraConfig(_Section):
         return self.rank > 0
 
 
+class MoeConfig(_Section):
+    """Mixture-of-experts training (docs/moe.md): routing replay and the router's balance."""
+    routing_replay: bool = Field(False, description="R3: the rollout engines return every "
+        "token's experts (SGLang's return_routed_experts) and the training forwards route by "
+        "them instead of their own top-k (the gate weights still come from the training "
+        "router); needs an MoE model.")
+    aux_loss_coef: float = Field(0.0, ge=0.0, description="Weight of the load-balancing loss "
+        "(Switch/Qwen-MoE form, averaged over layers) in the training loss; 0: reported only.")
+    per_layer_metrics: bool = Field(False, description="Router metrics per MoE layer too.")
+
+
 class OptimizerConfig(_Section):
     """AdamW, its LR schedule and LoRA: what every trainer (GRPO, SFT) takes."""
     lr: float = Field(1e-4, gt=0.0)
@@ -268,6 +285,7 @@ class TrainConfig(OptimizerConfig):
     backend: Literal["torch", "megatron"] = Field(
         "torch", description="`torch` (HF model, DDP/FSDP2) or `megatron` (megatron-core).")
     megatron: MegatronConfig = MegatronConfig()
+    moe: MoeConfig = MoeConfig()
     steps: int = Field(60, ge=0)
     prompts_per_step: int = Field(32, ge=1)
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per GRPO step.")
@@ -622,6 +640,12 @@ class ExperimentConfig(_Section):
             self._check_megatron()
         if self.train.lora.enabled:
             self._check_lora()
+        if self.train.moe.routing_replay and self.model.path == "embedded:tiny" and (
+                self.model.tiny_arch == "dense"):
+            raise ValueError("train.moe.routing_replay=true replays mixture-of-experts routing, "
+                             "but model.path is the dense embedded:tiny: set "
+                             "model.tiny_arch=qwen3_moe (or an MoE model.path), or "
+                             "train.moe.routing_replay=false")
         if self.teacher.enabled and (self.rollout.temperature != 1.0 or self.agent.enabled):
             raise ValueError("teacher.path (on-policy distillation) scores the student's tokens "
                              "at temperature 1 and single-turn samples: set rollout.temperature"

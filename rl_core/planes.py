@@ -127,7 +127,8 @@ def start_rollout(
         share = getattr(trainer, "model", None) if r.weight_sync == "shared" else None
         plane = InProcessPlane(model_path, dtype=cfg.model.dtype, timeout_s=r.timeout_s,
                                max_running_requests=r.max_running_requests,
-                               trust_remote_code=cfg.model.trust_remote_code, share=share)
+                               trust_remote_code=cfg.model.trust_remote_code, share=share,
+                               routed_experts=cfg.train.moe.routing_replay)
         lora = cfg.train.lora.name if cfg.train.lora.enabled else None
         return plane, (SharedSync(trainer) if share is not None else TensorSync(plane, lora))
     from rl_core.rollout.http import HttpPlane
@@ -160,7 +161,8 @@ def start_rollout(
     )
     deterministic = r.timing_free
     plane = HttpPlane(pool, request_batch_size=r.request_batch_size, timeout_s=r.timeout_s,
-                      weight_sync_timeout_s=r.weight_sync_timeout_s, deterministic=deterministic)
+                      weight_sync_timeout_s=r.weight_sync_timeout_s, deterministic=deterministic,
+                      routed_experts=cfg.train.moe.routing_replay)
     if r.weight_sync == "distributed":
         from rl_core.weight_sync.broadcast import BroadcastSync
 

@@ -42,9 +42,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rl_core.engine.kv import make_kv_batch
 from rl_core.engine.lora import Adapters, parse_adapter, read_adapter
-from rl_core.engine.sampling import SamplingParams, hit_stop, sample_next
+from rl_core.engine.routing import RoutingCapture
+from rl_core.engine.sampling import SamplingParams, hit_stop, prompt_logprobs, sample_next
 from rl_core.engine.weights import ServedWeights
 from rl_core.models import eos_token_ids, read_weights, torch_dtype
+from rl_core.models.moe import prefer_fast_experts
 from rl_core.weight_sync import process_group as pgroup
 
 __all__ = ["PAUSE_MODES", "EmbeddedEngine", "EngineRequestError", "EngineStateError",
@@ -81,6 +83,7 @@ class GenerateRequest:
     return_logprob: bool = False
     logprob_start_len: int = -1
     lora: str | None = None  # SGLang's lora_path: the adapter's name (None: the base model)
+    return_routed_experts: bool = False  # MoE: every token's experts (engine/routing.py)
 
 
 @dataclass
@@ -98,6 +101,7 @@ class GenerateOutput:
     weight_version: str
     e2e_latency: float
     num_retractions: int = 0
+    routed_experts: str | None = None  # SGLang's base64 int32 [seq_len-1, moe_layers, top_k]
 
 
 @dataclass(eq=False)
@@ -158,6 +162,7 @@ class EmbeddedEngine:
             model_path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
         ).to(self.device)
         self.model.eval().requires_grad_(False)
+        prefer_fast_experts(self.model)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         self.context_length = int(context_length or cfg.max_position_embeddings)
@@ -176,6 +181,7 @@ class EmbeddedEngine:
         self.weight_sync_timeout_s, self.on_step = weight_sync_timeout_s, on_step
         self._weights = ServedWeights(self.model)
         self._lora = Adapters(self._weights.named, lambda: self._kv.weights_changed())
+        self._routing = RoutingCapture(self.model)
         # Scheduler state. Only the scheduler thread touches the running batch; the waiting
         # queue, the rid index and the control queue are shared under ``_cond``.
         self._cond = threading.Condition()
@@ -235,6 +241,9 @@ class EmbeddedEngine:
             raise EngineRequestError("stop strings need a tokenizer; this model has none.")
         if req.lora is not None:
             self._lora.get(req.lora)  # AdapterError (a ValueError, 400) if not loaded
+        if req.return_routed_experts and not self._routing.enabled:
+            raise EngineRequestError("return_routed_experts needs a mixture-of-experts model; "
+                                     f"{self.model_path} has no expert routers")
 
     def submit(self, req: GenerateRequest) -> cf.Future:
         """Queue ``req``; the future resolves to a :class:`GenerateOutput`."""
@@ -667,10 +676,12 @@ class EmbeddedEngine:
         if new[0].needs_input_logprobs:
             keep_logits = max(1, len(seqs[0]) - new[0].req.logprob_start_len)
         last, prompt_logits = self._kv.prefill(seqs, [s.reserve for s in new], keep_logits)
+        self._routing.prefill(new, self._kv.token_rows([len(q) for q in seqs]))
         self.stats["prefill_batches"] += 1
         if prompt_logits is not None:
             ids = torch.tensor(seqs[0], dtype=torch.long)
-            new[0].input_logprobs = self._prompt_logprobs(prompt_logits, ids, new[0])
+            new[0].input_logprobs = prompt_logprobs(prompt_logits, ids, len(new[0].req.input_ids),
+                                                    new[0].req.logprob_start_len)
         rows = [i for i, s in enumerate(new) if s.req.params.max_new_tokens > len(s.output_ids)]
         for i, s in enumerate(new):
             if i not in rows:  # max_new_tokens == 0: a scoring request, done after prefill
@@ -692,18 +703,6 @@ class EmbeddedEngine:
         self._pending = pending if self._pending is None else torch.cat([self._pending, pending])
         self._running.extend(new[i] for i in keep)
         self.stats["max_batch"] = max(self.stats["max_batch"], len(self._running))
-
-    @staticmethod
-    def _prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor, s: _Seq) -> list[float | None]:
-        """SGLang's ``input_token_logprobs`` for prompt positions k..n-1 (first one None):
-        ``ids`` is the prefilled row, ``logits`` its last positions, from position k on."""
-        n, k = len(s.req.input_ids), s.req.logprob_start_len
-        if n - k <= 1:  # k == n (validate refuses k > n): none; k == n - 1: the first only
-            return [None] * (n - k)
-        first = ids.shape[0] - logits.shape[0]  # the position logits[0] belongs to (k)
-        # Logits at position p score token p + 1.
-        logp = torch.log_softmax(logits[k - first : n - 1 - first].float(), dim=-1).cpu()
-        return [None, *logp.gather(-1, ids[k + 1 : n][:, None]).squeeze(-1).tolist()]
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
         ps = [s.req.params for s in seqs]
@@ -732,6 +731,7 @@ class EmbeddedEngine:
     def _decode(self) -> None:
         assert self._pending is not None
         tokens, logps = self._sample(self._kv.step(self._pending).float().cpu(), self._running)
+        self._routing.decode(self._running)
         self._pending = tokens
         steps = zip(self._running, tokens.tolist(), logps.tolist(), strict=True)
         keep = [j for j, (s, token, logp) in enumerate(steps) if not self._accept(s, token, logp)]
@@ -794,6 +794,7 @@ class EmbeddedEngine:
             input_logprobs=s.input_logprobs if s.req.logprob_start_len >= 0 else None,
             finish_reason=reason, prompt_tokens=len(s.req.input_ids), cached_tokens=0,
             completion_tokens=len(s.output_ids), weight_version=self.weight_version,
-            e2e_latency=time.perf_counter() - s.submitted, num_retractions=s.retractions)
+            e2e_latency=time.perf_counter() - s.submitted, num_retractions=s.retractions,
+            routed_experts=self._routing.result(s, len(s.req.input_ids) + len(s.output_ids)))
         with contextlib.suppress(cf.InvalidStateError):  # the caller cancelled its wait
             s.future.set_result(out)

@@ -3,8 +3,10 @@
 ``prefill`` computes new rows into staging (their logits), ``admit`` moves the staged rows
 the scheduler keeps into the batch, ``step`` decodes one token for every row, ``select`` keeps
 some rows (their new order), ``clear`` empties the batch, ``free`` also drops the buffers,
-``weights_changed`` drops anything derived from the weights. :class:`SlotBatch` (``slots``:
-Llama, Qwen2, Qwen3) copies nothing per step; :class:`PaddedBatch` (``padded``: any other
+``weights_changed`` drops anything derived from the weights, ``token_rows`` says where each
+prefilled sequence's tokens are in the forward's flattened token order (the engine's MoE
+routing capture reads them there). :class:`SlotBatch` (``slots``: Llama, Qwen2, Qwen3 and
+their MoE variants Qwen2-MoE, Qwen3-MoE) copies nothing per step; :class:`PaddedBatch` (``padded``: any other
 full-attention model) copies the whole cache every step, as ``transformers`` ``generate``
 does (``docs/benchmarks.md``). Used only by the scheduler thread of :mod:`rl_core.engine.core`.
 Never imports Prefect or MLflow; never changes the model's weights.
@@ -26,7 +28,7 @@ log = logging.getLogger(__name__)
 
 KV_LAYOUTS = ("auto", "slots", "padded")
 # Llama-family decoders SlotBatch runs on the model's own modules (checked in ``unsupported``).
-_SLOT_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
+_SLOT_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})
 
 
 def make_kv_batch(layout: str, model: torch.nn.Module, device: torch.device, pad_token_id: int,
@@ -66,7 +68,8 @@ class SlotBatch:
     exact for every real token; matrix products run on the packed real tokens. Embedding,
     norms, MLPs, rotary tables and LM head are the model's own modules, called at run time,
     so weight updates and offloading apply. Attention is HF's Llama/Qwen2/Qwen3 attention
-    (SDPA with GQA, rotary, optional q/k norms) without ``repeat_kv`` copies."""
+    (SDPA with GQA, rotary, optional q/k norms) without ``repeat_kv`` copies. An MoE layer's
+    MLP is the model's own sparse block (router and experts) on the packed tokens."""
 
     layout = "slots"
 
@@ -77,7 +80,6 @@ class SlotBatch:
         self.head_dim, self.scaling = int(attn.head_dim), float(attn.scaling)
         self.q_size, self.kv_size = int(attn.q_proj.out_features), int(attn.k_proj.out_features)
         self.kv_heads, self.qk_norm = self.kv_size // self.head_dim, hasattr(attn, "q_norm")
-        self.mlp_size = int(self.inner.layers[0].mlp.gate_proj.out_features)
         self._packed: list[Any] | None = None
         self.device, self.pad, self.max_rows = device, pad_token_id, max_rows
         self.k, self.v = [], []  # per layer: (slots, kv_heads, columns, head_dim) tensors
@@ -105,8 +107,9 @@ class SlotBatch:
             if getattr(attn, "sliding_window", None):
                 return "sliding-window attention"
             projs = [getattr(mlp, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
-            if not all(isinstance(p, torch.nn.Linear) for p in projs) or not hasattr(mlp, "act_fn"):
-                return "a decoder layer without a gated MLP (gate/up/down_proj, act_fn)"
+            dense = all(isinstance(p, torch.nn.Linear) for p in projs) and hasattr(mlp, "act_fn")
+            if not (dense or (hasattr(mlp, "gate") and hasattr(mlp, "experts"))):
+                return "a decoder layer without a gated MLP (gate/up/down_proj, act_fn) or MoE block"
             if not all(hasattr(layer, p) for p in ("input_layernorm", "post_attention_layernorm")):
                 return "a decoder layer without Llama-style norms"
         return None
@@ -133,6 +136,12 @@ class SlotBatch:
             prompt_logits, last = None, self.logits(h[0, ends])
         self._staged = (lengths, list(reserves))
         return last, prompt_logits
+
+    @staticmethod
+    def token_rows(lengths: list[int]) -> list[slice]:
+        """Each prefilled sequence's tokens in the forward's token order (packed back to back)."""
+        ends = [sum(lengths[: i + 1]) for i in range(len(lengths))]
+        return [slice(end - n, end) for n, end in zip(lengths, ends, strict=True)]
 
     def admit(self, keep: list[int]) -> None:
         """Append staged rows ``keep`` (indices into the last prefill) to the batch."""
@@ -279,18 +288,26 @@ class SlotBatch:
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
                 o = torch.bmm(probs, values).view(n, -1, 1, hd).transpose(1, 2).reshape(n, t, -1)
             h = h.add_(_matmul(o, o_w))
+            if gate_up_w is None:  # an MoE block: the model's router and experts
+                h = h.add_(layer.mlp(layer.post_attention_layernorm(h)))
+                continue
             gate_up = _matmul(layer.post_attention_layernorm(h), gate_up_w)
-            gate, up = gate_up[..., : self.mlp_size], gate_up[..., self.mlp_size :]
-            act = layer.mlp.act_fn(gate).mul_(up)
+            half = gate_up.shape[-1] // 2
+            act = layer.mlp.act_fn(gate_up[..., :half]).mul_(gate_up[..., half:])
             h = h.add_(_matmul(act, down_w))
         return self.inner.norm(h)
 
     def _weights(self) -> list[Any]:
-        """Per layer (qkv, o, gate_up, down), then the LM head, as ``_pack``ed matrices."""
+        """Per layer (qkv, o, gate_up, down), then the LM head, as ``_pack``ed matrices
+        (gate_up and down None for an MoE layer: it runs as the model's module)."""
         if self._packed is None:
+            def mlp(x: torch.nn.Module) -> tuple[Any, Any]:
+                if not hasattr(x.mlp, "gate_proj"):
+                    return None, None
+                return _pack(x.mlp.gate_proj, x.mlp.up_proj), _pack(x.mlp.down_proj)
+
             self._packed = [*[(_pack(x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj),
-                               _pack(x.self_attn.o_proj), _pack(x.mlp.gate_proj, x.mlp.up_proj),
-                               _pack(x.mlp.down_proj)) for x in self.inner.layers],
+                               _pack(x.self_attn.o_proj), *mlp(x)) for x in self.inner.layers],
                             _pack(self.model.lm_head)]
         return self._packed
 
@@ -354,6 +371,12 @@ class PaddedBatch:
                          logits_to_keep=max(1, keep_logits))
         self._staged = (out.past_key_values, mask, positions[:, -1] + 1)
         return out.logits[:, -1, :], (out.logits[0] if keep_logits else None)
+
+    @staticmethod
+    def token_rows(lengths: list[int]) -> list[slice]:
+        """Each prefilled sequence's tokens in the forward's token order (left-padded rows)."""
+        width = max(lengths)
+        return [slice((i + 1) * width - n, (i + 1) * width) for i, n in enumerate(lengths)]
 
     def admit(self, keep: list[int]) -> None:
         assert self._staged is not None

@@ -5,7 +5,10 @@ Reads bodies under a size cap (413 as soon as one is known too large; non-standa
 :class:`~rl_core.engine.core.GenerateRequest` (prompt-major for ``n > 1``, seeds ``seed + j``,
 at most ``max_request_samples``, checked before expanding) and answers in SGLang's shapes:
 ``{"object": "error", "message", "type": "Bad Request", "code": 400}`` (malformed),
-``{"error": {"message"}}`` (refused), ``{"success", "message"}`` (control). Penalties,
+``{"error": {"message"}}`` (refused), ``{"success", "message"}`` (control).
+``return_routed_experts`` (MoE models; SGLang needs ``--enable-return-routed-experts``, the
+embedded engine always serves it) adds ``meta_info.routed_experts``
+(:mod:`rl_core.engine.routing`). Penalties,
 grammars, ``stream``, ``input_embeds`` and top-k log-probs are refused unless at their
 default. Routers get the engine from the dependency :data:`Engine` (503 while none is
 attached). Never imports Prefect or MLflow; never unpickles request data.
@@ -48,7 +51,7 @@ _SAMPLING_KNOWN = _SAMPLING_IMPLEMENTED | set(_SAMPLING_DEFAULT_ONLY) | _SAMPLIN
 _GENERATE_DEFAULT_ONLY: dict[str, Any] = {
     "input_embeds": None, "stream": False, "top_logprobs_num": 0, "token_ids_logprob": None,
     "image_data": None, "video_data": None, "audio_data": None,
-    "return_hidden_states": False, "return_routed_experts": False}
+    "return_hidden_states": False}
 
 
 class BadRequest(Exception):
@@ -301,6 +304,8 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine, max_samples: in
     starts = _per_item(field(body, "logprob_start_len", lambda v: is_int(v) or isinstance(v, list),
                              "an int"), batch, "logprob_start_len", n, -1)
     text_in_lp = bool(body.get("return_text_in_logprobs") or False)
+    routed = _per_item(field(body, "return_routed_experts", lambda v: isinstance(v, bool | list),
+                             "a bool or list"), batch, "return_routed_experts", n, False)
     loras = _per_item(body.get("lora_path"), batch, "lora_path", n, None)
     if not all(x is None or isinstance(x, str) for x in loras):
         raise BadRequest("lora_path must be an adapter name, a list of them, or null")
@@ -318,7 +323,8 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine, max_samples: in
                 rids[i] if n == 1 else f"{rids[i]}_{j}")
             seeded = n > 1 and params.seed is not None
             p = replace(params, seed=params.seed + j) if seeded else params
-            reqs.append(GenerateRequest(sample_rid, list(prompt), p, want_lp, start, loras[i]))
+            reqs.append(GenerateRequest(sample_rid, list(prompt), p, want_lp, start, loras[i],
+                                        bool(routed[i])))
             opts.append(ItemOpts(list(prompt), want_lp, start, **text_opts,
                                  return_text_in_logprobs=text_in_lp))
     return single and n == 1, reqs, opts  # SGLang answers a list for n > 1
@@ -353,6 +359,8 @@ def response_item(out: GenerateOutput, o: ItemOpts, tokenizer: Any) -> dict[str,
         if out.input_logprobs is not None and (k := o.logprob_start_len) >= 0:
             prompt = o.prompt[k : k + len(out.input_logprobs)]
             meta["input_token_logprobs"] = items(out.input_logprobs, prompt)
+    if out.routed_experts is not None:
+        meta["routed_experts"] = out.routed_experts
     meta["e2e_latency"] = out.e2e_latency
     return {"text": text, "output_ids": out.output_ids, "meta_info": meta}
 

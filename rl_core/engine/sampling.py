@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SamplingParams", "hit_stop", "sample_next", "sampling_uniforms"]
+__all__ = ["SamplingParams", "hit_stop", "prompt_logprobs", "sample_next", "sampling_uniforms"]
 
 
 @dataclass
@@ -163,6 +163,19 @@ def _sample_block(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         if bool(greedy.any()):
             token = torch.where(greedy, torch.argmax(scaled, dim=-1), token)
     return token, logp_all.gather(-1, token[:, None]).squeeze(-1)
+
+
+def prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor, n: int,
+                    k: int) -> list[float | None]:
+    """SGLang's ``input_token_logprobs`` for prompt positions k..n-1 (first one None) of an
+    ``n``-token prompt: ``ids`` is the prefilled row, ``logits`` its last positions, from
+    position k on (unscaled ``log_softmax``: no temperature)."""
+    if n - k <= 1:  # k == n (validate refuses k > n): none; k == n - 1: the first only
+        return [None] * (n - k)
+    first = ids.shape[0] - logits.shape[0]  # the position logits[0] belongs to (k)
+    # Logits at position p score token p + 1.
+    logp = torch.log_softmax(logits[k - first : n - 1 - first].float(), dim=-1).cpu()
+    return [None, *logp.gather(-1, ids[k + 1 : n][:, None]).squeeze(-1).tolist()]
 
 
 def hit_stop(tokenizer: Any, output_ids: list[int], stops: list[str]) -> str | None:

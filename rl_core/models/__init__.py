@@ -41,8 +41,12 @@ def eos_token_ids(tokenizer: Any, model: Any, source: object) -> list[int]:
 
 
 def read_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the ``*.safetensors`` files of a Hugging Face model directory."""
+    """Every tensor of the ``*.safetensors`` files of a Hugging Face model directory, by the
+    names ``transformers`` runs the model with (an MoE checkpoint's per-expert tensors are
+    fused as it fuses them: :func:`rl_core.models.moe.fuse_expert_weights`)."""
     from safetensors.torch import load_file
+
+    from rl_core.models.moe import fuse_expert_weights
 
     path = Path(model_dir)
     if not path.is_dir():
@@ -53,4 +57,4 @@ def read_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         weights.update(load_file(str(f)))
-    return weights
+    return fuse_expert_weights(weights)

@@ -242,15 +242,17 @@ class SGLangClient:
 
     async def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
                        return_logprob: bool = True, rid: str | None = None,
-                       lora_path: str | None = None) -> Sample:
+                       lora_path: str | None = None, return_routed_experts: bool = False) -> Sample:
         """One sample for one prompt (one HTTP request, as slime sends them); ``lora_path``:
-        the name of a loaded LoRA adapter to sample with (SGLang's field)."""
+        the name of a loaded LoRA adapter to sample with (SGLang's field);
+        ``return_routed_experts``: the sample carries its MoE routing (``routed_experts``)."""
         if not input_ids:
             raise ValueError("generate: input_ids is empty")
         rid = rid or uuid.uuid4().hex
         payload = {"input_ids": [int(t) for t in input_ids], "rid": rid,
                    "sampling_params": dict(sampling_params), "return_logprob": return_logprob,
-                   **({"lora_path": lora_path} if lora_path else {})}
+                   **({"lora_path": lora_path} if lora_path else {}),
+                   **({"return_routed_experts": True} if return_routed_experts else {})}
         resp, base = await self._request("POST", "/generate", json=payload, rid=rid, limited=True)
         body = resp.json()  # a list from a server that answers n>1 style even for one sample
         return _sample(input_ids, body[0] if isinstance(body, list) else body, base, rid)
@@ -258,7 +260,8 @@ class SGLangClient:
     async def generate_batch(self, input_ids: Sequence[Sequence[int]],
                              sampling_params: dict[str, Any] | Sequence[dict[str, Any]], *,
                              return_logprob: bool = True, rid: Sequence[str] | None = None,
-                             lora_path: str | None = None) -> list[Sample]:
+                             lora_path: str | None = None,
+                             return_routed_experts: bool = False) -> list[Sample]:
         """One batched request: one sample per prompt, in order (retried as a whole)."""
         if not (n := len(input_ids)) or any(len(p) == 0 for p in input_ids):
             raise ValueError("generate_batch: empty batch or empty prompt")
@@ -272,7 +275,8 @@ class SGLangClient:
                     f"generate_batch: {len(sampling_params)} sampling_params for {n} prompts")
         payload = {"input_ids": [[int(t) for t in p] for p in input_ids], "rid": rids,
                    "sampling_params": sampling_params, "return_logprob": return_logprob,
-                   **({"lora_path": [lora_path] * n} if lora_path else {})}
+                   **({"lora_path": [lora_path] * n} if lora_path else {}),
+                   **({"return_routed_experts": True} if return_routed_experts else {})}
         resp, base = await self._request("POST", "/generate", json=payload, limited=True)
         if not isinstance(body := resp.json(), list) or len(body) != n:
             raise RolloutError(

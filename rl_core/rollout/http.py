@@ -61,16 +61,18 @@ class HttpPlane:
     each engine as one request (the engine admits its samples together), so which samples
     share the engine's batches, and so the last bit of every log-prob, does not depend on when
     requests arrive (with one engine, or the router's one-sample requests excepted).
+    ``routed_experts``: every request asks for its MoE routing (``train.moe.routing_replay``).
     """
 
     def __init__(self, pool: EnginePool, *, request_batch_size: int = 16, timeout_s: float = 600.0,
                  weight_sync_timeout_s: float = 600.0, verify_checksum: bool = True,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, routed_experts: bool = False) -> None:
         if request_batch_size < 1:
             raise ValueError(f"request_batch_size must be >= 1, got {request_batch_size}")
         self.pool = pool
         self.request_batch_size = request_batch_size
         self.deterministic = deterministic
+        self.routed_experts = routed_experts
         self.timeout_s = timeout_s
         self.weight_sync_timeout_s = weight_sync_timeout_s
         self.verify_checksum = verify_checksum
@@ -160,12 +162,12 @@ class HttpPlane:
         chunks = [(prompts[i : i + size], [sampling_payload(p) for p in params[i : i + size]])
                   for i in range(0, len(prompts), size)]
 
-        lora = self.lora_name
+        kw = {"lora_path": self.lora_name, "return_routed_experts": self.routed_experts}
 
         async def one(p: Sequence[Sequence[int]], sp: list[dict[str, Any]]) -> list[Sample]:
             if len(p) == 1:
-                return [await client.aio.generate(p[0], sp[0], lora_path=lora)]
-            return await client.aio.generate_batch(p, sp, lora_path=lora)
+                return [await client.aio.generate(p[0], sp[0], **kw)]
+            return await client.aio.generate_batch(p, sp, **kw)
 
         async def run_all() -> list[list[Sample]]:
             return list(await asyncio.gather(*(one(p, sp) for p, sp in chunks)))

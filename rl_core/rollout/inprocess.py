@@ -52,14 +52,16 @@ class InProcessPlane:
     """One engine core in this process, as a rollout plane."""
 
     def __init__(self, model_path: str | Path, *, timeout_s: float = 600.0,
-                 share: torch.nn.Module | None = None, **engine_kw: Any):
-        """``share``: serve a :func:`shared_view` of this model instead of loading one."""
+                 share: torch.nn.Module | None = None, routed_experts: bool = False,
+                 **engine_kw: Any):
+        """``share``: serve a :func:`shared_view` of this model instead of loading one;
+        ``routed_experts``: samples carry their MoE routing (``train.moe.routing_replay``)."""
         model = shared_view(share) if share is not None else None
         # No scheduler thread: the engine runs on the thread that asks it to generate (the
         # trainer's), so generation and training share one OpenMP team (docs/benchmarks.md).
         engine_kw.setdefault("background", False)
         self.engine = EmbeddedEngine(model_path, model=model, **engine_kw)
-        self.timeout_s = timeout_s
+        self.timeout_s, self.routed_experts = timeout_s, routed_experts
         self.weight_version = 0
         self.lora_name: str | None = None  # set by a LoRA weight sync: requests carry it
 
@@ -76,7 +78,7 @@ class InProcessPlane:
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         batch = uuid.uuid4().hex[:12]
         reqs = [GenerateRequest(f"{batch}-{i}", list(p), sp, return_logprob=True,
-                                lora=self.lora_name)
+                                lora=self.lora_name, return_routed_experts=self.routed_experts)
                 for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
         outs = self.engine.generate_sync(reqs, timeout=self.timeout_s)
         tok = self.engine.tokenizer
@@ -86,7 +88,8 @@ class InProcessPlane:
 
         return [Sample(list(p), o.output_ids, o.output_logprobs, o.finish_reason, version(o),
                        tok.decode(o.output_ids, skip_special_tokens=True)
-                       if tok is not None else "", meta={"id": o.rid})
+                       if tok is not None else "", meta={"id": o.rid},
+                       routed_experts=o.routed_experts)
                 for p, o in zip(prompts, outs, strict=True)]
 
     def score(self, prompt: Sequence[int], completions: Sequence[Sequence[int]]) -> list[list[float]]:

@@ -127,14 +127,16 @@ def sglang_engine(cfg: Any, model_path: str | Path) -> tuple[EngineCommand, dict
     """The command factory and environment of ``rollout.engine: sglang`` for a run config."""
     r, lora = cfg.rollout, cfg.train.lora
     # LoRA (train.lora): adapters are loaded by name at each sync, one per batch
-    lora_args = ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules",
+    args = ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules",
                  *lora.target_modules, "--max-loras-per-batch", "1"] if lora.enabled else []
+    if cfg.train.moe.routing_replay:  # requests ask for every token's experts (routing replay)
+        args.append("--enable-return-routed-experts")
     launch = SGLangLaunchConfig(
         model_path=str(model_path), tp=r.sglang_tp,
         mem_fraction_static=r.sglang_mem_fraction_static,
         enable_memory_saver=cfg.cluster.placement == "colocated",
         dtype="auto" if cfg.model.dtype == "float32" else cfg.model.dtype,
-        trust_remote_code=cfg.model.trust_remote_code, extra_args=[*lora_args, *r.sglang_extra_args],
+        trust_remote_code=cfg.model.trust_remote_code, extra_args=[*args, *r.sglang_extra_args],
         platform=r.sglang_platform,
     )
     return sglang_engine_command(launch), sglang_env(launch, overrides=cfg.cluster.env)

@@ -13,6 +13,10 @@ sequence count of the whole mini-batch, so micro-batching changes speed, not the
 Data parallelism is the same rule: ``train_step(batch, minis=...)`` takes each mini-batch's
 *global* counts, so a rank holding part of a mini-batch contributes its exact share.
 
+A mixture-of-experts model's forwards go through :class:`~rl_core.training.moe.MoeForward`:
+routing replay (``train.moe.routing_replay``), router metrics and the load-balancing loss
+(``train.moe.aux_loss_coef``).
+
 With ``train.lora`` (:mod:`rl_core.training.lora`) only the adapters train, the reference
 log-probs are the base model's (the adapter disabled: no second copy), the exported weights
 (sync, checkpoints) are the adapter's tensors, and :meth:`save_pretrained` writes the merged
@@ -39,7 +43,9 @@ from transformers import AutoModelForCausalLM
 from rl_core.algorithms.losses import compute_grpo_loss, entropy_from_logits, logprobs_from_logits
 from rl_core.config import AlgorithmConfig, TrainConfig
 from rl_core.models import read_weights, torch_dtype
+from rl_core.models.moe import prefer_fast_experts
 from rl_core.training import lora as lora_lib
+from rl_core.training.moe import MoeForward
 from rl_core.training.packing import plan_packing
 from rl_core.types import Batch
 from rl_core.weight_sync.source import WeightSource
@@ -88,6 +94,8 @@ class TorchTrainer(WeightSource):
             model_path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
         ).to(self.device)
         self.lora = train.lora if train.lora.enabled else None
+        prefer_fast_experts(self.model)
+        self.moe = MoeForward.for_model(self.model, train.moe, model_path)  # None: dense
         if self.lora is not None:
             self.model = lora_lib.apply_lora(self.model, self.lora)
         self.model.train()
@@ -138,14 +146,16 @@ class TorchTrainer(WeightSource):
                                 params=self._n_params, layers=cfg.num_hidden_layers,
                                 hidden=cfg.hidden_size, dtype=self.model.dtype)
         if plan is None:
-            out = model(input_ids=ids.to(self.device),
-                        attention_mask=batch.attention_mask.to(self.device).long())
-            logits = out.logits[:, :-1]
+            def forward() -> Any:
+                return model(input_ids=ids.to(self.device),
+                             attention_mask=batch.attention_mask.to(self.device).long())
         else:
-            out = model(input_ids=plan.input_ids.to(self.device),
-                        attention_mask=plan.attention_mask.to(self.device),
-                        position_ids=plan.position_ids.to(self.device))
-            logits = plan.gather(out.logits)
+            def forward() -> Any:
+                return model(input_ids=plan.input_ids.to(self.device),
+                             attention_mask=plan.attention_mask.to(self.device),
+                             position_ids=plan.position_ids.to(self.device))
+        out = forward() if self.moe is None else self.moe.run(model, batch, plan, forward)
+        logits = out.logits[:, :-1] if plan is None else plan.gather(out.logits)
         logits = logits.float() / self.temperature
         return logits, logprobs_from_logits(logits, ids[:, 1:].to(self.device))
 
@@ -230,7 +240,13 @@ class TorchTrainer(WeightSource):
         # Entropy is always reported; it carries gradient only when it is a bonus.
         with torch.set_grad_enabled(self.algo.entropy_coef > 0):
             ent = entropy_from_logits(logits)
-        return grpo_micro_loss(self.algo, part, logp, ent, norm_const, mini, self.device)
+        loss, metrics = grpo_micro_loss(self.algo, part, logp, ent, norm_const, mini, self.device)
+        if self.moe is not None and self.moe.last is not None:  # router metrics, balance loss
+            aux, router = self.moe.last
+            metrics.update(router)
+            if (coef := self.train_cfg.moe.aux_loss_coef) > 0:  # this micro-batch's share
+                loss = loss + coef * aux * float(part.response_mask.sum()) / max(mini.tokens, 1.0)
+        return loss, metrics
 
     # -------------------------------------------------------------------- weights
 

@@ -1,0 +1,212 @@
+"""Mixture-of-experts models: the tiny MoE demo model, routing capture and replay, router stats.
+
+Qwen3-MoE and Qwen2-MoE as ``transformers`` 5 runs them: every MoE layer's ``mlp.gate`` is a
+top-k router module (``Qwen3MoeTopKRouter``) that returns ``(logits, weights, indices)`` —
+softmax over the experts, the top-k, renormalised to sum to 1 where ``norm_topk_prob`` — and
+``mlp.experts`` holds the experts as 3-D tensors (``gate_up_proj`` (E, 2I, H), ``down_proj``
+(E, H, I)); Qwen2-MoE adds a sigmoid-gated shared expert. Checkpoints store the experts one
+by one (``mlp.experts.<e>.gate_proj.weight``): ``save_pretrained``/``from_pretrained``
+convert, and :func:`fuse_expert_weights` converts tensors read from disk the same way, so
+the engine and the trainer load them by their runtime names.
+
+Routing is read and replaced by forward hooks on the router modules, in layer order:
+:class:`RouterTap` records what each router chose (the engine's ``return_routed_experts``,
+the trainer's router metrics) and, given the rollout's expert indices, replaces the router's
+choice with them (routing replay, R3): the gate weights are the training router's softmax
+probabilities at those indices, renormalised as the architecture does, so the router still
+learns. A row of indices that holds a -1 keeps the router's own choice.
+
+Never imports Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["MOE_ARCHS", "RouterTap", "build_tiny_moe", "fuse_expert_weights", "moe_dims",
+           "prefer_fast_experts", "router_metrics", "routers"]
+
+# The tiny demo's MoE architectures (model.tiny_arch); any model whose routers are
+# transformers' TopKRouter modules runs on the engine and the trainer.
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
+
+
+def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's top-k router modules in layer order (empty: a dense model)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")
+            and hasattr(m, "top_k") and hasattr(m, "num_experts")]
+
+
+def moe_dims(model: torch.nn.Module) -> tuple[int, int, int] | None:
+    """(MoE layers, experts per token, experts), or None for a dense model."""
+    found = routers(model)
+    if not found:
+        return None
+    return len(found), int(found[0].top_k), int(found[0].num_experts)
+
+
+def prefer_fast_experts(model: torch.nn.Module) -> None:
+    """On CPU, run an MoE model's experts one by one (``transformers``' "eager" experts):
+    its default ``grouped_mm`` is about 10x slower there (a GPU keeps it)."""
+    param = next(model.parameters(), None)
+    if routers(model) and param is not None and param.device.type == "cpu":
+        model.set_experts_implementation("eager")
+
+
+def build_tiny_moe(arch: str, *, vocab_size: int, hidden_size: int, layers: int, heads: int,
+                   kv_heads: int, experts: int, experts_per_token: int,
+                   moe_intermediate_size: int, max_position_embeddings: int,
+                   bos_token_id: int | None, eos_token_id: int, pad_token_id: int,
+                   seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised Qwen3-MoE (or Qwen2-MoE, with a shared expert) causal LM: every
+    layer an MoE layer, top-k probabilities renormalised (Qwen3-30B-A3B's ``norm_topk_prob``),
+    tied embeddings."""
+    from transformers import (
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  num_experts=experts, num_experts_per_tok=experts_per_token,
+                  moe_intermediate_size=moe_intermediate_size, norm_topk_prob=True,
+                  intermediate_size=moe_intermediate_size * experts_per_token,
+                  max_position_embeddings=max_position_embeddings, tie_word_embeddings=True,
+                  bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                  pad_token_id=pad_token_id, torch_dtype="float32")
+    torch.manual_seed(seed)
+    if arch == "qwen3_moe":
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=hidden_size // heads, **common))
+    if arch == "qwen2_moe":
+        return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+            shared_expert_intermediate_size=moe_intermediate_size * experts_per_token, **common))
+    raise ValueError(f"model.tiny_arch={arch!r}: an MoE architecture is one of {MOE_ARCHS}")
+
+
+def fuse_expert_weights(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors by the names ``transformers`` 5 runs the model with: per-expert
+    ``<p>.experts.<e>.{gate,up,down}_proj.weight`` become ``<p>.experts.gate_up_proj`` (E, 2I,
+    H: gate rows, then up rows) and ``<p>.experts.down_proj`` (E, H, I); other names pass."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, t in named.items():
+        if m := _EXPERT.match(name):
+            parts.setdefault(m["prefix"], {}).setdefault(m["proj"], {})[int(m["e"])] = t
+        else:
+            out[name] = t
+    for prefix, projs in parts.items():
+        n = len(projs.get("down", {}))
+        if any(sorted(projs.get(p, {})) != list(range(n)) for p in ("gate", "up", "down")):
+            raise ValueError(f"{prefix}: the checkpoint lacks some experts' gate/up/down "
+                             f"projections (found {({p: len(v) for p, v in projs.items()})})")
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([projs["gate"][e], projs["up"][e]]) for e in range(n)])
+        out[f"{prefix}.down_proj"] = torch.stack([projs["down"][e] for e in range(n)])
+    return out
+
+
+class RouterTap:
+    """Forward hooks on every router of ``model`` (a context manager; ``close()`` removes them).
+
+    After a forward, :meth:`indices` holds the experts each flattened token went to, per
+    layer, and :attr:`logits` each router's logits (``keep_logits``). :meth:`replay` sets the
+    indices the next forwards must use instead: (tokens, layers, top_k) in the flattened
+    token order of the model's input (rows with a -1: the router's own choice)."""
+
+    def __init__(self, model: torch.nn.Module, *, keep_logits: bool = False) -> None:
+        self.routers = routers(model)
+        self.keep_logits = keep_logits
+        self.logits: list[torch.Tensor] = []
+        self._indices: list[torch.Tensor | None] = [None] * len(self.routers)
+        self._replay: torch.Tensor | None = None
+        self._handles = [r.register_forward_hook(self._hook(i))
+                         for i, r in enumerate(self.routers)]
+
+    def _hook(self, layer: int) -> Any:
+        def hook(module: torch.nn.Module, _: Any, out: tuple[torch.Tensor, ...]) -> Any:
+            logits, weights, idx = out
+            if self._replay is not None:
+                want = self._replay[:, layer].to(idx.device, torch.long)
+                if want.shape != idx.shape:
+                    raise ValueError(f"routing replay: {tuple(want.shape)} expert indices for a "
+                                     f"router that chose {tuple(idx.shape)}")
+                idx = torch.where((want < 0).any(-1, keepdim=True), idx, want)
+                probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+                top = probs.gather(-1, idx)
+                if getattr(module, "norm_topk_prob", False):
+                    top = top / top.sum(dim=-1, keepdim=True)
+                weights = top.to(logits.dtype)
+            if self.keep_logits:
+                self.logits.append(logits)
+            self._indices[layer] = idx
+            return logits, weights, idx
+
+        return hook
+
+    def replay(self, indices: torch.Tensor | None) -> None:
+        """Route the next forwards by ``indices`` (tokens, layers, top_k); None: by the router."""
+        self._replay = indices
+
+    def indices(self) -> torch.Tensor:
+        """(tokens, layers, top_k) int32: the last forward's experts per flattened token."""
+        if any(i is None for i in self._indices):
+            raise RuntimeError("no forward has run through every router since the last read")
+        out = torch.stack([i for i in self._indices if i is not None], dim=1).to(torch.int32)
+        self._indices = [None] * len(self.routers)
+        return out
+
+    def clear(self) -> None:
+        self.logits, self._indices = [], [None] * len(self.routers)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> RouterTap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def router_metrics(logits: list[torch.Tensor], indices: torch.Tensor, mask: torch.Tensor,
+                   *, per_layer: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+    """The load-balancing loss (with gradient) and router metrics over the tokens ``mask``
+    (flattened, bool) of one forward; ``indices`` (tokens, layers, top_k) the experts used.
+
+    Per layer, with ``f_e`` the share of tokens routed to expert ``e`` (the top-k counts over
+    tokens: sums to k) and ``P_e`` the mean router probability of ``e``: the auxiliary loss
+    ``E * sum_e f_e P_e`` (Switch Transformer's, as ``transformers`` computes it for Qwen-MoE;
+    k at perfect balance), ``moe_load_max`` = max load / mean load (1 = balanced, E / k =
+    everything on k experts), ``moe_load_cv`` = std / mean of the loads and
+    ``moe_router_entropy`` = mean entropy of the router's distribution (nats; ln E =
+    uniform). Each averaged over layers; ``per_layer`` adds ``..._l<i>`` entries."""
+    mask = mask.to(indices.device)
+    n = mask.sum().clamp(min=1)
+    losses, metrics, per = [], {}, {}
+    for layer, z in enumerate(logits):
+        probs = torch.softmax(z.float(), dim=-1)[mask.to(z.device)]
+        experts = probs.shape[-1]
+        load = torch.bincount(indices[mask, layer].reshape(-1).long(), minlength=experts).float()
+        share = load.to(probs.device) / n
+        losses.append(experts * (share * probs.mean(0)).sum())
+        with torch.no_grad():
+            mean = load.mean().clamp(min=1e-9)
+            vals = {"moe_load_max": float(load.max() / mean),
+                    "moe_load_cv": float(load.std(unbiased=False) / mean),
+                    "moe_router_entropy": float(-(probs * probs.clamp(min=1e-30).log())
+                                                .sum(-1).mean()) if len(probs) else 0.0}
+        for k, v in vals.items():
+            metrics[k] = metrics.get(k, 0.0) + v / len(logits)
+            if per_layer:
+                per[f"{k}_l{layer}"] = v
+    aux = torch.stack(losses).mean()
+    return aux, {**metrics, "moe_aux_loss": float(aux.detach()), **per}

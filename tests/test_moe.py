@@ -1,0 +1,262 @@
+"""Mixture-of-experts models end to end on CPU (issue 24, the torch side): HF round trips,
+generation and SGLang's ``return_routed_experts`` on the embedded engine (both KV layouts,
+in-process and over HTTP), routing replay (R3) in the torch trainer (the replayed forward
+routes exactly as the rollout did; the rollout/train log-prob mismatch of a bfloat16 engine
+drops), router metrics and the load-balancing loss, and the record through Batch, pickling
+and the stream's JSON checkpoint rows.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import EOS_ID, PAD_ID, TINY_VOCAB, tiny_tokenizer
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from rl_core.config import AlgorithmConfig, ConfigError, TrainConfig, load_config
+from rl_core.engine.core import EmbeddedEngine, EngineRequestError, GenerateRequest
+from rl_core.engine.sampling import SamplingParams
+from rl_core.models import read_weights
+from rl_core.models.moe import RouterTap, build_tiny_moe, moe_dims
+from rl_core.rollout.inprocess import InProcessPlane
+from rl_core.rollout.stream import Group, _extend
+from rl_core.training.torch_trainer import TorchTrainer
+from rl_core.types import Batch, Sample, decode_routed_experts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20, 21, 22]]
+
+
+def save_moe(path: Path, arch: str = "qwen3_moe", *, experts: int = 4, seed: int = 0) -> Path:
+    """A random tiny MoE model (weights wide enough for peaked routing) + tokenizer."""
+    model = build_tiny_moe(arch, vocab_size=TINY_VOCAB, hidden_size=32, layers=2, heads=4,
+                           kv_heads=2, experts=experts, experts_per_token=2,
+                           moe_intermediate_size=16, max_position_embeddings=256,
+                           bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=PAD_ID, seed=seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    GenerationConfig(eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    return save_moe(tmp_path_factory.mktemp("moe") / "qwen3")
+
+
+def _routing(model: torch.nn.Module, seq: list[int]) -> torch.Tensor:
+    """(len(seq), layers, top_k): the model's own routing of ``seq`` (a full forward)."""
+    with RouterTap(model) as tap, torch.no_grad():
+        model(input_ids=torch.tensor([seq]))
+        return tap.indices()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_hf_round_trip_is_exact(tmp_path, arch):
+    path = save_moe(tmp_path / arch, arch)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    again = tmp_path / "again"
+    model.save_pretrained(again)
+    back = AutoModelForCausalLM.from_pretrained(again)
+    own = model.state_dict()
+    assert moe_dims(model) == (2, 2, 4)
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in own.items())
+    # read_weights fuses the checkpoint's per-expert tensors the way transformers does
+    disk = read_weights(again)
+    assert set(disk) == set(own) - {"lm_head.weight"}  # tied
+    assert all(torch.equal(v, own[k]) for k, v in disk.items())
+    ids = torch.tensor([PROMPTS[2]])
+    assert torch.equal(model(input_ids=ids).logits, back(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("layout", ["slots", "padded"])
+def test_engine_returns_the_routing_its_tokens_took(moe_dir, layout):
+    ref = AutoModelForCausalLM.from_pretrained(moe_dir).eval()
+    ref.set_experts_implementation("eager")
+    with EmbeddedEngine(moe_dir, kv_layout=layout, background=False) as eng:
+        assert eng.kv_layout == layout
+        reqs = [GenerateRequest(f"r{i}", p, SamplingParams(max_new_tokens=10, seed=i),
+                                return_logprob=True, return_routed_experts=i != 1)
+                for i, p in enumerate(PROMPTS)]
+        outs = eng.generate_sync(reqs)
+    assert outs[1].routed_experts is None  # not asked for
+    for p, o in zip(PROMPTS, outs, strict=True):
+        seq = p + o.output_ids
+        want = _routing(ref, seq)[: len(seq) - 1]  # the last token is never run
+        logits = ref(input_ids=torch.tensor([seq])).logits[0, len(p) - 1 : -1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(o.output_ids)[:, None])
+        assert o.output_logprobs == pytest.approx(logp[:, 0].tolist(), abs=1e-5)
+        if o.routed_experts is not None:  # prefill rows, then one per decode step, exactly
+            got = decode_routed_experts(o.routed_experts).reshape(-1, 2, 2)
+            np.testing.assert_array_equal(got, want.numpy())
+
+
+def test_routed_experts_over_http_into_the_sample(moe_dir):
+    from engine_helpers import save_tiny_model
+
+    from rl_core.engine.server import ServerThread, create_app
+    from rl_core.rollout.client import SyncSGLangClient
+
+    with EmbeddedEngine(moe_dir) as eng:
+        server = ServerThread(create_app(eng)).start()
+        try:
+            with SyncSGLangClient(server.url) as client:
+                params = {"max_new_tokens": 6, "sampling_seed": 3}
+                one = client.generate(PROMPTS[0], params, return_routed_experts=True)
+                batch = client.generate_batch(PROMPTS[:2], params, return_routed_experts=True)
+                plain = client.generate(PROMPTS[0], params)
+        finally:
+            server.stop()
+    for s in [one, *batch]:
+        rows = len(s.prompt_ids) + len(s.completion_ids) - 1
+        assert decode_routed_experts(s.routed_experts).shape == (rows * 2 * 2,)
+        assert "routed_experts" not in s.meta  # one copy, in the field
+    assert one.routed_experts == batch[0].routed_experts  # same seed, same tokens, same routes
+    assert plain.routed_experts is None and plain.completion_ids == one.completion_ids
+    # a dense model refuses the field (the server answers 400 with this message)
+    with EmbeddedEngine(save_tiny_model(moe_dir.parent / "dense")) as eng, pytest.raises(
+            EngineRequestError, match="mixture-of-experts"):
+        eng.generate_sync([GenerateRequest("d", [5, 6], return_routed_experts=True)])
+
+
+def _samples(plane: InProcessPlane, n: int = 2, tokens: int = 12,
+             prompts: list[list[int]] = PROMPTS) -> list[Sample]:
+    prompts = [p for p in prompts for _ in range(n)]
+    params = [SamplingParams(max_new_tokens=tokens, seed=i) for i in range(len(prompts))]
+    return plane.generate(prompts, params)
+
+
+def _trainer(path: Path, replay: bool, **train: object) -> TorchTrainer:
+    cfg = TrainConfig(lr=1e-2, moe={"routing_replay": replay, "aux_loss_coef": 0.01}, **train)
+    return TorchTrainer(path, cfg, AlgorithmConfig())
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_replayed_forward_routes_exactly_as_the_rollout(moe_dir, pack):
+    plane = InProcessPlane(moe_dir, routed_experts=True, dtype="bfloat16")
+    # packed: long shared prompts, short completions (where packing is the cheaper layout)
+    prompts = [list(range(3 + k, 40 + k)) for k in range(2)] if pack else PROMPTS
+    try:
+        samples = _samples(plane, n=4, tokens=4 if pack else 12, prompts=prompts)
+    finally:
+        plane.close()
+    batch = Batch.from_samples(samples, [1.0, -1.0] * (len(samples) // 2), PAD_ID)
+    assert batch.routed_experts is not None and batch.routed_experts.dtype == torch.int16
+    trainer = _trainer(moe_dir, replay=True, pack_groups=pack)
+    trainer.compute_logprobs(batch)  # the trainer hooks its routers at its first forward
+    with RouterTap(trainer.model) as tap:  # after the trainer's own hooks: sees what was used
+        trainer.compute_logprobs(batch)
+        used = tap.indices()
+    b, cols, _ = batch.routed_experts.shape
+    if not pack:
+        used = used.view(b, cols + 1, 2, 2)[:, :-1]
+        rollout = batch.routed_experts.view(b, cols, 2, 2)
+        real = batch.attention_mask[:, 1:]
+        assert torch.equal(used[real].long(), rollout[real].long())
+    else:  # packed rows: every recorded token routes as its rollout did
+        from rl_core.training.packing import plan_packing
+
+        cfg = trainer.model.config
+        plan = plan_packing(batch.input_ids.long(), batch.attention_mask, batch.prompt_lens,
+                            params=trainer._n_params, layers=cfg.num_hidden_layers,
+                            hidden=cfg.hidden_size)
+        assert plan is not None
+        real = batch.attention_mask[:, 1:]
+        got = used.view(-1, 2, 2)[plan.src[real]]
+        want = batch.routed_experts.view(b, cols, 2, 2)[real]
+        assert torch.equal(got.long(), want.long())
+
+
+def test_replay_cuts_the_mismatch_of_bfloat16_planes(tmp_path):
+    """The realistic mismatch source: both planes compute in bfloat16 (SGLang's and the
+    trainer's kernels on GPUs), with different kernels and batch shapes (here: the engine's
+    packed prefill and KV-cached decode against the trainer's padded full forward). Rounding
+    then tips near-tied router scores to other experts, and those tokens' log-probs move far
+    more than rounding alone moves them; replayed, no token routes differently."""
+    path = save_moe(tmp_path / "m8", experts=8, seed=1)
+    plane = InProcessPlane(path, routed_experts=True, dtype="bfloat16")
+    try:
+        samples = _samples(plane, n=4, tokens=16)
+    finally:
+        plane.close()
+    batch = Batch.from_samples(samples, [0.0] * len(samples), PAD_ID)
+    b, cols, width = batch.routed_experts.shape
+    real = batch.attention_mask[:, 1:]
+    rollout = batch.routed_experts.long().sort(-1).values
+    gaps, flips = {}, {}
+    for replay in (False, True):
+        trainer = TorchTrainer(path, TrainConfig(moe={"routing_replay": replay}),
+                               AlgorithmConfig(), dtype="bfloat16")
+        trainer.compute_logprobs(batch)
+        with RouterTap(trainer.model) as tap:
+            logp = trainer.compute_logprobs(batch)
+            used = tap.indices().view(b, cols + 1, width)[:, :-1].long().sort(-1).values
+        flips[replay] = int((used != rollout)[real].any(-1).sum())
+        gaps[replay] = (logp - batch.rollout_logp)[batch.response_mask].abs()
+    assert flips[False] > 0 and flips[True] == 0, flips
+    assert gaps[True].mean() < gaps[False].mean() and gaps[True].max() < 0.5 * gaps[False].max()
+
+
+def test_train_step_reports_router_metrics_and_trains_the_router(moe_dir):
+    plane = InProcessPlane(moe_dir, routed_experts=True)
+    try:
+        samples = _samples(plane)
+    finally:
+        plane.close()
+    batch = Batch.from_samples(samples, [1.0, -1.0] * len(PROMPTS), PAD_ID)
+    trainer = _trainer(moe_dir, replay=True, micro_batch_size=3)
+    before = trainer.model.model.layers[0].mlp.gate.weight.detach().clone()
+    metrics = trainer.train_step(batch)
+    for key in ("moe_load_max", "moe_load_cv", "moe_router_entropy", "moe_aux_loss"):
+        assert np.isfinite(metrics[key]), key
+    assert 1.0 <= metrics["moe_load_max"] <= 4 / 2  # at most E / k
+    assert 0.0 < metrics["moe_router_entropy"] <= np.log(4) + 1e-6
+    assert not torch.equal(before, trainer.model.model.layers[0].mlp.gate.weight)
+
+
+def test_replay_needs_an_moe_model(tmp_path):
+    from engine_helpers import save_tiny_model
+
+    with pytest.raises(ConfigError, match="train.moe.routing_replay"):
+        load_config(None, ["train.moe.routing_replay=true"])
+    load_config(None, ["train.moe.routing_replay=true", "model.tiny_arch=qwen3_moe"])
+    dense = save_tiny_model(tmp_path / "dense")
+    with pytest.raises(ConfigError, match="train.moe.routing_replay=true"):
+        _trainer(dense, replay=True)
+    assert _trainer(dense, replay=False).moe is None
+
+
+def test_the_record_survives_batches_pickling_and_stream_rows():
+    full = np.arange(9 * 4).reshape(9, 2, 2)
+    from rl_core.types import encode_routed_experts
+
+    s = Sample([1, 2, 3], [4, 5], [-0.1, -0.2], {"type": "abort"}, uid="1:a:0", versions=[0, 0],
+               routed_experts=encode_routed_experts(full[:4]))
+    # a partial rollout's next segment re-ran the prefix: its routing covers everything
+    seg = Sample([1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [-0.3] * 5, {"type": "stop", "matched": 10},
+                 weight_version=1, routed_experts=encode_routed_experts(full))
+    _extend(s, seg, 8)
+    assert s.routed_experts == seg.routed_experts and len(s.completion_ids) == 7
+    _extend(s, Sample([1], [], [], {"type": "abort"}, weight_version=2), 8)  # nothing new
+    assert s.routed_experts == seg.routed_experts
+    assert pickle.loads(pickle.dumps(s)).routed_experts == s.routed_experts  # Ray's transfer
+    row = json.loads(json.dumps(Group(0, 1, 0, [s], [7]).row()))  # the stream's checkpoint
+    assert Group.from_row(row).samples[0].routed_experts == s.routed_experts
+    batch = Batch.from_samples([s, Sample([1, 2], [3], [-0.5])], [1.0, 1.0], PAD_ID)
+    assert batch.routed_experts.shape == (2, 9, 4)
+    assert torch.equal(batch.routed_experts[0], torch.from_numpy(full.reshape(9, 4)).short())
+    assert (batch.routed_experts[1] == -1).all()
+    assert torch.equal(batch.select(torch.tensor([0])).routed_experts, batch.routed_experts[:1])
+    with pytest.raises(ValueError, match="routed_experts holds"):
+        Batch.from_samples([Sample([1], [2, 3, 4, 5, 6], [0.0] * 5,
+                                   routed_experts=s.routed_experts)], [1.0], PAD_ID)
