@@ -236,6 +236,10 @@ class MegatronConfig(_Section):
     recompute_num_layers: int = Field(1, ge=1)
     vocab_divisible_by: int = Field(
         128, ge=1, description="Pad the vocabulary to a multiple of this * tp (masked out).")
+    ep: int = Field(1, ge=1, description="Expert parallelism (MoE models): shards the experts; "
+                    "divides the experts and the data-parallel ranks.")
+    moe_dispatcher: Literal["alltoall", "allgather"] = Field(
+        "alltoall", description="MoE token dispatcher across the EP ranks (both run on gloo).")
 
 
 class LoraConfig(_Section):
@@ -726,6 +730,10 @@ class ExperimentConfig(_Section):
                 + ("use cluster.mode=ray with cluster.trainer_ranks = tp * pp * dp"
                    if c.mode == "local" else "change cluster.trainer_ranks or tp/pp"))
         dp = ranks // (m.tp * m.pp)
+        if dp % m.ep:
+            raise ValueError(
+                f"train.megatron.ep={m.ep} must divide the data-parallel ranks ({dp} = {where} "
+                f"/ (tp * pp)): megatron-core carves the expert-parallel groups out of them")
         if m.dp is not None and m.dp != dp:
             raise ValueError(
                 f"train.megatron.tp * pp * dp = {m.tp} * {m.pp} * {m.dp} = {m.tp * m.pp * m.dp}, "

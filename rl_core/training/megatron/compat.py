@@ -8,8 +8,15 @@ GPU machine :func:`install` and :func:`cuda_free` do nothing.
 - :func:`install` (process-wide, idempotent): the RNG tracker's CUDA generator becomes the
   CPU default generator, ``torch.cuda.current_device`` answers ``"cpu"`` (RoPE's
   ``inv_freq``, DDP's and TP's buffers), and ``torch.cuda.synchronize`` / ``current_stream``
-  become no-ops (pipeline p2p, checkpoint writes, the grad-sync stream). These would raise on
-  this machine anyway, so nothing else that worked changes.
+  become no-ops (pipeline p2p, checkpoint writes, the grad-sync stream), as do
+  ``torch.cuda.Stream`` / ``torch.cuda.stream`` (the MoE all-to-all token dispatcher's
+  device-to-host side stream), and that dispatcher's split sizes become numpy arrays, as its
+  device-to-host copy makes them on GPUs. These would raise on this machine anyway, so nothing
+  else that worked changes.
+- :func:`fix_moe_without_te` (every platform, idempotent): megatron-core 0.16.1's MoE router
+  gating (``moe_utils.RouterGatingLinearFunction``) tests ``te_general_gemm is not None``, a
+  name bound only when Transformer Engine imports; without TE it raises ``NameError``. It binds
+  the name to ``None`` (the plain ``torch.mm`` path), on GPUs too: the local spec has no TE.
 - :func:`cuda_free` (a context manager around megatron's optimizer and DDP calls): a
   ``TorchFunctionMode`` making ``device='cuda'`` tensors CPU tensors (optimizer scale and
   overflow buffers, ``clip_grads``' norm buffers), ``Tensor.cuda()`` a no-op, and
@@ -32,7 +39,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["active", "cuda_free", "install"]
+__all__ = ["active", "cuda_free", "fix_moe_without_te", "install"]
 
 _lock = threading.Lock()
 _installed = False
@@ -77,7 +84,10 @@ def install() -> bool:
         torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed) and None
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.synchronize = lambda *args, **kwargs: None
-        torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
+        torch.cuda.current_stream = lambda *args, **kwargs: _NO_STREAM
+        torch.cuda.Stream = lambda *args, **kwargs: _NO_STREAM  # type: ignore[misc]
+        torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+        _split_sizes_as_numpy()
         _installed = True
         return True
 
@@ -90,6 +100,36 @@ class _NoStream:
     def wait_stream(self, *args: Any) -> None: ...
 
     def synchronize(self) -> None: ...
+
+    def record_event(self, *args: Any) -> _NoStream:
+        return self  # an "event" whose synchronize() has nothing to wait for
+
+
+_NO_STREAM = _NoStream()  # one instance: megatron compares streams (``!=``)
+
+
+def _split_sizes_as_numpy() -> None:
+    """The all-to-all dispatcher moves its split sizes "to the CPU as numpy"
+    (``maybe_move_tensor_to_cpu(..., as_numpy=True)``), which converts only CUDA tensors: on
+    CPU they stay tensors, and ``all_to_all_single`` refuses tensor split sizes."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    move = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_cpu
+
+
+def fix_moe_without_te() -> None:
+    """Bind ``moe_utils.te_general_gemm`` to None where Transformer Engine is absent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _is_cuda(device: Any) -> bool:

@@ -1,4 +1,4 @@
-"""Hugging Face <-> megatron-core weights for the dense decoders of :mod:`.model`.
+"""Hugging Face <-> megatron-core weights for the decoders of :mod:`.model`, dense and MoE.
 
 megatron-core's wheel ships no converter, and the bridges (megatron-bridge, mbridge) need
 CUDA and Transformer Engine; this is the mapping they implement, for the local layer spec (the
@@ -6,6 +6,16 @@ name-by-name table: docs/megatron.md, "Weight mapping"). Pipeline stages number 
 locally; the embedding lives on the first stage, the final norm and the head on the last.
 Both directions are exact (slicing and concatenation only), so HF -> megatron -> HF
 round-trips bit for bit. Never imports Prefect or MLflow.
+
+Experts (``qwen3_moe``, ``qwen2_moe``) come in two HF layouts, and both are read:
+``mlp.experts.gate_up_proj`` (E, 2I, H) / ``mlp.experts.down_proj`` (E, H, I), the fused
+tensors of transformers 5's modules (its ``state_dict()``, what both trainers export), and
+``mlp.experts.{e}.{gate,up,down}_proj.weight``, the per-expert tensors of hub checkpoints
+(what ``save_pretrained`` writes and SGLang loads; :func:`hub_layout` turns the first into the
+second). Expert ``e`` is ``mlp.experts.local_experts.{e - r * E/ep}`` on EP rank ``r``; the
+router ``mlp.gate.weight`` is ``mlp.router.weight`` and qwen2_moe's shared expert
+``mlp.shared_expert.*`` / ``mlp.shared_expert_gate.weight`` is ``mlp.shared_experts.*`` /
+``mlp.shared_experts.gate_weight``, all replicated on every EP rank.
 """
 
 from __future__ import annotations
@@ -17,9 +27,11 @@ import torch
 
 from rl_core.training.megatron.model import Arch
 
-__all__ = ["hf_to_mcore", "mcore_to_hf", "merge_tp", "stage_layers", "tp_split"]
+__all__ = ["expert_name", "hf_to_mcore", "hub_layout", "local_expert", "mcore_to_hf",
+           "merge_tp", "stage_layers", "tp_split"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 
 # Per-layer names: megatron suffix -> HF suffix (replicated tensors).
 _REPLICATED = {
@@ -27,7 +39,37 @@ _REPLICATED = {
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
 }
+
+
+def local_expert(name: str) -> tuple[str, int, str] | None:
+    """``(prefix, index, suffix)`` of a megatron expert tensor's name, else None."""
+    m = _LOCAL_EXPERT.match(name)
+    return None if m is None else (m.group(1), int(m.group(2)), m.group(3))
+
+
+def expert_name(name: str, index: int) -> str:
+    """``name`` (an expert tensor's) with the expert index replaced by ``index``."""
+    prefix, _, suffix = local_expert(name) or (None, 0, None)
+    if prefix is None:
+        raise KeyError(f"{name!r} is not an expert tensor")
+    return f"{prefix}{index}{suffix}"
+
+
+def _expert_fc(hf: Mapping[str, torch.Tensor], src: str,
+               e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ``e`` of layer ``src`` as megatron's (linear_fc1 = [gate; up], linear_fc2)."""
+    fused = hf.get(src + "mlp.experts.gate_up_proj")
+    if fused is not None:
+        return fused[e].clone(), hf[src + "mlp.experts.down_proj"][e].clone()
+    one = f"{src}mlp.experts.{e}."
+    if one + "gate_proj.weight" not in hf:
+        raise KeyError(f"HF weights lack the experts of {src.rstrip('.')} (neither "
+                       f"{src}mlp.experts.gate_up_proj nor {one}gate_proj.weight)")
+    return (torch.cat([hf[one + "gate_proj.weight"], hf[one + "up_proj.weight"]]),
+            hf[one + "down_proj.weight"].clone())
 
 
 def stage_layers(arch: Arch, pp_rank: int, pp: int) -> range:
@@ -62,9 +104,10 @@ def _unqkv(arch: Arch, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 def hf_to_mcore(
     hf: Mapping[str, torch.Tensor], arch: Arch, *, padded_vocab: int, tp_rank: int = 0,
-    tp: int = 1, pp_rank: int = 0, pp: int = 1,
+    tp: int = 1, pp_rank: int = 0, pp: int = 1, ep_rank: int = 0, ep: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """The local state dict of rank (``tp_rank``, ``pp_rank``) from full HF weights."""
+    """The local state dict of rank (``tp_rank``, ``pp_rank``, ``ep_rank``) from full HF
+    weights (either expert layout)."""
     out: dict[str, torch.Tensor] = {}
     first, last = pp_rank == 0, pp_rank == pp - 1
 
@@ -89,9 +132,20 @@ def hf_to_mcore(
             qkv = _qkv(arch, *(need(f"{a}{x}_proj.{kind}") for x in "qkv"))
             out[f"{dst}self_attention.linear_qkv.{kind}"] = shard(qkv, 0)
         out[dst + "self_attention.linear_proj.weight"] = shard(need(a + "o_proj.weight"), 1)
-        gate, up = need(src + "mlp.gate_proj.weight"), need(src + "mlp.up_proj.weight")
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([shard(gate, 0), shard(up, 0)])
-        out[dst + "mlp.linear_fc2.weight"] = shard(need(src + "mlp.down_proj.weight"), 1)
+        if arch.is_moe and arch.moe_layers[n]:
+            per = arch.experts // ep
+            for i in range(per):
+                fc1, fc2 = _expert_fc(hf, src, ep_rank * per + i)
+                out[f"{dst}mlp.experts.local_experts.{i}.linear_fc1.weight"] = fc1
+                out[f"{dst}mlp.experts.local_experts.{i}.linear_fc2.weight"] = fc2
+            mlp_src, mlp_dst = src + "mlp.shared_expert.", dst + "mlp.shared_experts."
+            if not arch.shared_ffn:
+                continue
+        else:
+            mlp_src, mlp_dst = src + "mlp.", dst + "mlp."
+        gate, up = need(mlp_src + "gate_proj.weight"), need(mlp_src + "up_proj.weight")
+        out[mlp_dst + "linear_fc1.weight"] = torch.cat([shard(gate, 0), shard(up, 0)])
+        out[mlp_dst + "linear_fc2.weight"] = shard(need(mlp_src + "down_proj.weight"), 1)
     if last:
         out["decoder.final_layernorm.weight"] = need("model.norm.weight").clone()
         head = embed if arch.tied else need("lm_head.weight")
@@ -101,8 +155,9 @@ def hf_to_mcore(
 
 
 def tp_split(name: str) -> bool:
-    """Whether megatron tensor ``name`` is split across TP ranks (norms are replicated)."""
-    return name.endswith(("linear_proj.weight", "linear_fc2.weight", "linear_fc1.weight",
+    """Whether megatron tensor ``name`` is split across TP ranks (norms, the router and the
+    experts (expert TP 1) are replicated)."""
+    return ".local_experts." not in name and name.endswith(("linear_proj.weight", "linear_fc2.weight", "linear_fc1.weight",
                           "linear_qkv.weight", "linear_qkv.bias")
                          ) or name in ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -125,8 +180,11 @@ def mcore_to_hf(
     """HF weights of one pipeline stage from its TP-merged (:func:`merge_tp`) tensors: the
     embedding from the first stage, the final norm and an untied head from the last. A tied
     model's ``lm_head.weight`` is the embedding tensor under a second name, as HF's
-    ``state_dict()`` lists it (the rollout plane's checksums cover both names)."""
+    ``state_dict()`` lists it (the rollout plane's checksums cover both names). Experts must
+    carry their global index (the trainer renames them after the EP gather) and come out
+    fused, as transformers 5's ``state_dict()`` has them (:func:`hub_layout`: per expert)."""
     out: dict[str, torch.Tensor] = {}
+    experts: dict[int, dict[int, tuple[torch.Tensor | None, torch.Tensor | None]]] = {}
     offset = stage_layers(arch, pp_rank, pp).start
     for name, t in merged.items():
         if t is None or name.endswith("_extra_state"):
@@ -147,7 +205,16 @@ def mcore_to_hf(
             continue
         layer, rest = int(m.group(1)) + offset, m.group(2)
         dst = f"model.layers.{layer}."
-        if rest in _REPLICATED:
+        if rest.startswith("mlp.shared_experts.linear_fc"):
+            rest, dst = rest.replace("shared_experts.", ""), dst + "mlp.shared_expert."
+            dst_mlp = dst
+        else:
+            dst_mlp = dst + "mlp."
+        if (expert := local_expert(name)) is not None:
+            fc1, fc2 = experts.setdefault(layer, {}).get(expert[1], (None, None))
+            pair = (t, fc2) if expert[2] == ".linear_fc1.weight" else (fc1, t)
+            experts[layer][expert[1]] = pair
+        elif rest in _REPLICATED:
             out[dst + _REPLICATED[rest]] = t
         elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             kind = rest.rsplit(".", 1)[1]
@@ -158,10 +225,38 @@ def mcore_to_hf(
             out[dst + "self_attn.o_proj.weight"] = t
         elif rest == "mlp.linear_fc1.weight":
             gate, up = t.chunk(2)
-            out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = (
+            out[dst_mlp + "gate_proj.weight"], out[dst_mlp + "up_proj.weight"] = (
                 gate.contiguous(), up.contiguous())
         elif rest == "mlp.linear_fc2.weight":
-            out[dst + "mlp.down_proj.weight"] = t
+            out[dst_mlp + "down_proj.weight"] = t
         else:
             raise KeyError(f"no HF name for megatron tensor {name!r}")
+    for layer, pairs in experts.items():
+        if sorted(pairs) != list(range(arch.experts)) or any(
+                None in pair for pair in pairs.values()):
+            raise KeyError(f"layer {layer}: experts {sorted(pairs)} of {arch.experts} (gather "
+                           "every EP rank's experts and give them global indices first)")
+        dst = f"model.layers.{layer}.mlp.experts."
+        out[dst + "gate_up_proj"] = torch.stack([pairs[e][0] for e in range(arch.experts)])
+        out[dst + "down_proj"] = torch.stack([pairs[e][1] for e in range(arch.experts)])
+    return out
+
+
+def hub_layout(hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``hf`` with fused expert tensors split per expert, as hub checkpoints (and transformers'
+    ``save_pretrained``, and SGLang's loader) name them; other tensors pass through."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in hf.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            base = name.removesuffix("gate_up_proj")
+            for e, fc1 in enumerate(t):
+                gate, up = fc1.chunk(2)
+                out[f"{base}{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"{base}{e}.up_proj.weight"] = up.contiguous()
+        elif name.endswith(".mlp.experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for e, fc2 in enumerate(t):
+                out[f"{base}{e}.down_proj.weight"] = fc2.contiguous()
+        else:
+            out[name] = t
     return out

@@ -1,6 +1,6 @@
 """A megatron-core ``GPTModel`` built from a Hugging Face config, and its parallel layout.
 
-Supported architectures (dense decoders, the local pure-PyTorch layer spec):
+Supported architectures (the local pure-PyTorch layer spec):
 
 - ``qwen2`` (Qwen2, Qwen2.5): GQA, RMSNorm, SwiGLU, RoPE, q/k/v bias, tied or untied head.
 - ``llama`` (Llama 2/3/3.1): as Qwen2 without the q/k/v bias (``attention_bias``); Llama
@@ -8,9 +8,17 @@ Supported architectures (dense decoders, the local pure-PyTorch layer spec):
 - ``qwen3`` (dense): per-head RMSNorm on queries and keys (``qk_layernorm``), explicit
   ``head_dim``, no q/k/v bias.
 
-Mixture-of-experts models (``qwen2_moe``, ``qwen3_moe``) are the GPU path (expert parallelism
-with Transformer Engine's grouped GEMMs, docs/megatron.md); they are refused here with that
-message rather than built wrong.
+- ``qwen3_moe`` (Qwen3-30B-A3B, -235B-A22B): Qwen3 attention, top-k softmax routing
+  (``norm_topk_prob``), no shared expert; layers in ``mlp_only_layers`` (or off the
+  ``decoder_sparse_step``) stay dense (megatron's ``moe_layer_freq`` list).
+- ``qwen2_moe`` (Qwen1.5/2-MoE): Qwen2 attention and a shared expert behind a sigmoid gate.
+
+Experts are megatron's ``SequentialMLP`` (``moe_grouped_gemm=False``: grouped GEMMs need
+Transformer Engine), one ``linear_fc1``/``linear_fc2`` pair per expert, sharded by expert
+parallelism (``ep``: rank ``r`` holds experts ``[r * E/ep, (r + 1) * E/ep)``) and never by
+tensor parallelism (``expert_tensor_parallel_size=1``). Training MoE layers at ``tp > 1``
+needs sequence parallelism (megatron-core refuses it otherwise), which needs the Transformer
+Engine spec: on this spec MoE models take ``tp = 1`` and grow with EP and DP.
 
 The vocabulary is padded to a multiple of ``vocab_divisible_by * tp`` (vocab-parallel layers
 split it evenly, as Megatron-LM does); the padded logits are masked out of every softmax, so
@@ -30,8 +38,9 @@ import torch
 
 __all__ = ["Arch", "arch_from_hf", "build_gpt_model", "transformer_config"]
 
-_SUPPORTED = ("qwen2", "llama", "qwen3")
-_MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
+_SUPPORTED = ("qwen2", "llama", "qwen3", "qwen2_moe", "qwen3_moe")
+_MOE_UNSUPPORTED = ("mixtral", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe")
+DISPATCHERS = ("alltoall", "allgather")
 
 
 @dataclass(frozen=True)
@@ -53,14 +62,42 @@ class Arch:
     qkv_bias: bool
     qk_norm: bool
     rope_scaling_factor: float | None = None
+    # Mixture of experts (0 experts: dense). moe_layers[n]: whether layer n routes.
+    experts: int = 0
+    topk: int = 0
+    moe_ffn: int = 0
+    norm_topk: bool = True
+    moe_layers: tuple[bool, ...] = ()
+    shared_ffn: int = 0  # qwen2_moe's gated shared expert
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        """The global indices of the MoE layers (SGLang's ``routed_experts`` layer axis)."""
+        return [n for n, moe in enumerate(self.moe_layers) if moe]
 
     def padded_vocab(self, tp: int, divisible_by: int) -> int:
         """The vocabulary rounded up to a multiple of ``divisible_by * tp``."""
         multiple = max(1, divisible_by) * tp
         return int(math.ceil(self.vocab / multiple) * multiple)
 
-    def check_parallel(self, tp: int, pp: int) -> None:
-        """Fail, naming the config field, when TP/PP cannot split this model."""
+    def check_parallel(self, tp: int, pp: int, ep: int = 1) -> None:
+        """Fail, naming the config field, when TP/PP/EP cannot split this model."""
+        if ep > 1 and not self.is_moe:
+            raise ValueError(f"train.megatron.ep={ep}: expert parallelism needs a mixture-of-"
+                             f"experts model, and this {self.model_type} model is dense")
+        if self.is_moe and self.experts % ep:
+            raise ValueError(f"train.megatron.ep={ep} must divide the number of experts "
+                             f"({self.experts})")
+        if self.is_moe and tp > 1:
+            raise ValueError(
+                f"train.megatron.tp={tp} with a mixture-of-experts model: megatron-core trains "
+                "MoE layers under TP only with sequence parallelism, which needs the Transformer "
+                "Engine layer spec (not built yet); use train.megatron.tp=1 and shard the "
+                "experts with train.megatron.ep (docs/megatron.md, MoE)")
         if self.heads % tp or self.kv_heads % tp:
             raise ValueError(
                 f"train.megatron.tp={tp} must divide the attention heads ({self.heads}) and the "
@@ -104,11 +141,10 @@ def arch_from_hf(config: Any) -> Arch:
 
         config = AutoConfig.from_pretrained(config)
     kind = config.model_type
-    if kind in _MOE:
+    if kind in _MOE_UNSUPPORTED:
         raise ValueError(
-            f"{kind} is a mixture-of-experts model: the megatron backend builds it only on GPUs "
-            "with Transformer Engine and expert parallelism (docs/megatron.md); on this "
-            "machine use a dense model")
+            f"{kind} is a mixture-of-experts model the megatron backend does not map yet "
+            "(qwen3_moe and qwen2_moe are supported); use train.backend=torch")
     if kind not in _SUPPORTED:
         raise ValueError(f"model_type {kind!r} is not supported by the megatron backend "
                          f"(supported: {', '.join(_SUPPORTED)}); use train.backend=torch")
@@ -124,17 +160,38 @@ def arch_from_hf(config: Any) -> Arch:
         max_positions=int(getattr(config, "max_position_embeddings", 4096)),
         tied=bool(getattr(config, "tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases; Llama and Qwen3 say so in attention_bias.
-        qkv_bias=kind == "qwen2" or bool(getattr(config, "attention_bias", False)),
-        qk_norm=kind == "qwen3",
-        rope_scaling_factor=_rope_scaling(config) if kind == "llama" else None)
+        qkv_bias=(kind == "qwen2" or bool(getattr(config, "attention_bias", False))
+                  or (kind == "qwen2_moe" and bool(getattr(config, "qkv_bias", True)))),
+        qk_norm=kind in ("qwen3", "qwen3_moe"),
+        rope_scaling_factor=_rope_scaling(config) if kind == "llama" else None,
+        **(_moe_fields(config) if kind.endswith("_moe") else {}))
+
+
+def _moe_fields(config: Any) -> dict[str, Any]:
+    """The MoE part of an HF ``qwen3_moe`` / ``qwen2_moe`` config (HF's rule for which layers
+    route: not in ``mlp_only_layers``, and ``(n + 1) % decoder_sparse_step == 0``)."""
+    experts, layers = int(config.num_experts), config.num_hidden_layers
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    moe = tuple(n not in dense and (n + 1) % step == 0 for n in range(layers))
+    shared = (int(config.shared_expert_intermediate_size)
+              if config.model_type == "qwen2_moe" else 0)
+    return {"experts": experts, "topk": int(config.num_experts_per_tok),
+            "moe_ffn": int(config.moe_intermediate_size),
+            "norm_topk": bool(getattr(config, "norm_topk_prob", False)), "moe_layers": moe,
+            "shared_ffn": shared}
 
 
 def transformer_config(
     arch: Arch, *, tp: int = 1, pp: int = 1, dtype: torch.dtype = torch.float32,
     sequence_parallel: bool = False, recompute: str = "none", recompute_num_layers: int = 1,
-    cpu_init: bool = True,
+    cpu_init: bool = True, ep: int = 1, dispatcher: str = "alltoall",
 ) -> Any:
-    """megatron's ``TransformerConfig`` for ``arch`` (per-token loss: see the trainer)."""
+    """megatron's ``TransformerConfig`` for ``arch`` (per-token loss: see the trainer). MoE:
+    HF's routing exactly (softmax over all experts, top-k; ``norm_topk_prob`` renormalises the
+    k weights, which is megatron's top-k-then-softmax; otherwise its pre-softmax top-k), fp32
+    router logits as HF computes them, no auxiliary loss in the gradient (HF adds it only
+    with ``output_router_logits``; the trainer reports it as a metric), no token dropping."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -143,6 +200,21 @@ def transformer_config(
         kw["recompute_granularity"] = recompute
         if recompute == "full":
             kw.update(recompute_method="uniform", recompute_num_layers=recompute_num_layers)
+    if arch.is_moe:
+        if dispatcher not in DISPATCHERS:
+            raise ValueError(f"train.megatron.moe_dispatcher={dispatcher!r}: choose one of "
+                             f"{', '.join(DISPATCHERS)}")
+        kw.update(
+            num_moe_experts=arch.experts, moe_router_topk=arch.topk,
+            moe_ffn_hidden_size=arch.moe_ffn, moe_router_pre_softmax=not arch.norm_topk,
+            moe_router_score_function="softmax", moe_router_dtype="fp32",
+            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=False,
+            moe_layer_freq=[int(x) for x in arch.moe_layers],
+            expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+        if arch.shared_ffn:
+            kw.update(moe_shared_expert_intermediate_size=arch.shared_ffn,
+                      moe_shared_expert_gate=True)
     return TransformerConfig(
         num_layers=arch.layers, hidden_size=arch.hidden, num_attention_heads=arch.heads,
         num_query_groups=arch.kv_heads, kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn,
@@ -167,7 +239,16 @@ def build_gpt_model(
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+    if arch.is_moe:  # per-layer specs: dense and MoE layers as moe_layer_freq says
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        from rl_core.training.megatron.compat import fix_moe_without_te
+
+        fix_moe_without_te()
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                          normalization="RMSNorm")
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
     theta = arch.rope_theta
     return GPTModel(
         config, spec, vocab_size=padded_vocab, max_sequence_length=arch.max_positions,

@@ -9,7 +9,10 @@ mini-batch's global token and sequence counts, through ``get_forward_backward_fu
 ``pp > 1``) with ``calculate_per_token_loss``, so gradients are summed over DP and N replicas
 equal one; megatron's optimizer (Adam, clipping, fp32 main weights, ZeRO-1) on the torch
 backend's schedule. Checkpoints: HF ``model/`` plus ``megatron/`` (``dist_checkpointing``,
-reloadable on another layout) and ``megatron_state.json``.
+reloadable on another layout) and ``megatron_state.json``. Mixture-of-experts models
+(``qwen3_moe``, ``qwen2_moe``) shard their experts by expert parallelism (``ep``, carved out of
+the data-parallel ranks), replay the rollout's routing when the batch carries it and report
+router metrics (:mod:`.moe`).
 
 Every method is collective: all ranks call it (the Ray ranks of a
 :class:`~rl_core.training.distributed.TrainerGroup`, or this process alone in ``cluster.mode:
@@ -20,6 +23,7 @@ ranks :attr:`reports` names. Never imports Prefect or MLflow.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -35,8 +39,16 @@ import torch.distributed as dist
 from rl_core.config import AlgorithmConfig, TrainConfig
 from rl_core.models import read_weights, torch_dtype
 from rl_core.training import torch_trainer
-from rl_core.training.megatron import compat
-from rl_core.training.megatron.convert import hf_to_mcore, mcore_to_hf, merge_tp, tp_split
+from rl_core.training.megatron import compat, moe
+from rl_core.training.megatron.convert import (
+    expert_name,
+    hf_to_mcore,
+    hub_layout,
+    local_expert,
+    mcore_to_hf,
+    merge_tp,
+    tp_split,
+)
 from rl_core.training.megatron.model import arch_from_hf, build_gpt_model, transformer_config
 from rl_core.training.torch_trainer import MiniBatch, MiniResult, TorchTrainer
 from rl_core.types import Batch
@@ -60,9 +72,11 @@ def _mpu() -> Any:
     return parallel_state
 
 
-def init_parallel(tp: int, pp: int, device: torch.device, timeout_s: float = 600.0) -> bool:
-    """The default process group (one rank when none exists) and megatron's TP/PP/DP groups;
-    True when this call created the default group (its owner destroys it)."""
+def init_parallel(tp: int, pp: int, device: torch.device, timeout_s: float = 600.0,
+                  ep: int = 1) -> bool:
+    """The default process group (one rank when none exists) and megatron's TP/PP/DP (and
+    expert-parallel) groups; True when this call created the default group (its owner
+    destroys it)."""
     ps = _mpu()
     created = not dist.is_initialized()
     if created:
@@ -76,14 +90,17 @@ def init_parallel(tp: int, pp: int, device: torch.device, timeout_s: float = 600
                                 world_size=1, timeout=timeout)
     if ps.model_parallel_is_initialized():
         if (ps.get_tensor_model_parallel_world_size(),
-                ps.get_pipeline_model_parallel_world_size()) == (tp, pp):
+                ps.get_pipeline_model_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size()) == (tp, pp, ep):
             return created
         ps.destroy_model_parallel()
     world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"train.megatron.tp * pp = {tp * pp} does not divide the {world} "
-                         "trainer ranks")
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if world % (tp * pp) or (world // (tp * pp)) % ep:
+        raise ValueError(f"train.megatron.tp * pp = {tp * pp} and ep = {ep} do not divide the "
+                         f"{world} trainer ranks (ep must divide world / (tp * pp))")
+    # Experts are never split by TP (expert_tensor_parallel_size 1): EP x expert-DP = world / pp.
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     return created
 
 
@@ -149,8 +166,8 @@ class MegatronTrainer(WeightSource):
         self.max_response_len, self.device = max_response_len, torch.device(device)
         self.model_path, self.dtype = Path(model_path), torch_dtype(dtype)
         compat.install()  # nothing on GPUs
-        tp, pp = self.mcfg.tp, self.mcfg.pp
-        self._owns_group = init_parallel(tp, pp, self.device)
+        tp, pp, ep = self.mcfg.tp, self.mcfg.pp, self.mcfg.ep
+        self._owns_group = init_parallel(tp, pp, self.device, ep=ep)
         ps = _mpu()
         self.rank = dist.get_rank()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
@@ -163,7 +180,8 @@ class MegatronTrainer(WeightSource):
         self.reports = self.tp_rank == 0 and self.last_stage
         self._sends_weights = self.rank == 0
         self.arch = arch_from_hf(self.model_path)
-        self.arch.check_parallel(tp, pp)
+        self.arch.check_parallel(tp, pp, ep)
+        self.ep_rank = ps.get_expert_model_parallel_rank()
         self.padded_vocab = self.arch.padded_vocab(tp, self.mcfg.vocab_divisible_by)
         torch.manual_seed(train.seed)
         with compat.cuda_free():
@@ -171,14 +189,18 @@ class MegatronTrainer(WeightSource):
         self.config = transformer_config(
             self.arch, tp=tp, pp=pp, dtype=self.dtype, cpu_init=self.device.type == "cpu",
             sequence_parallel=self.mcfg.sequence_parallel, recompute=self.mcfg.recompute,
-            recompute_num_layers=self.mcfg.recompute_num_layers)
+            recompute_num_layers=self.mcfg.recompute_num_layers, ep=ep,
+            dispatcher=self.mcfg.moe_dispatcher)
         hf = read_weights(self.model_path)
         self.core, self.model = self._build(hf)
+        full = self.mcfg.recompute == "full"
+        self.routing = moe.attach(self.core, self.arch, recompute=full)
         self._build_optimizer()
-        self.ref_model = None
+        self.ref_model = self.ref_routing = None
         if algorithm.kl_coef > 0:
-            _, self.ref_model = self._build(hf)
+            ref_core, self.ref_model = self._build(hf)
             self.ref_model.eval().requires_grad_(False)
+            self.ref_routing = moe.attach(ref_core, self.arch, recompute=full)
         del hf
         self.global_step = 0
 
@@ -194,7 +216,8 @@ class MegatronTrainer(WeightSource):
             local = hf_to_mcore(
                 hf, self.arch, padded_vocab=self.padded_vocab, tp_rank=self.tp_rank,
                 tp=ps.get_tensor_model_parallel_world_size(), pp_rank=self.pp_rank,
-                pp=ps.get_pipeline_model_parallel_world_size())
+                pp=ps.get_pipeline_model_parallel_world_size(), ep_rank=self.ep_rank,
+                ep=self.mcfg.ep)
             missing, unexpected = core.load_state_dict(local, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -237,19 +260,34 @@ class MegatronTrainer(WeightSource):
     def _micro_batches(self, batch: Batch, rows: torch.Tensor) -> list[Batch]:
         """``rows`` cut into micro-batches; under PP (and sequence parallelism) all of one
         shape, as the pipeline's send/receive buffers need (extra rows repeat a real row
-        with an empty response mask: they add nothing)."""
-        mbs = self.train_cfg.micro_batch_size
+        with an empty response mask: they add nothing). Under EP every rank of an expert
+        group runs as many micro-batches of one shape (the token dispatcher's collectives;
+        the all-gather dispatcher needs equal token counts): extra micro-batches are such
+        rows only."""
+        mbs, ep = self.train_cfg.micro_batch_size, self.mcfg.ep
         parts = [batch.select(r) for r in rows.split(mbs)]
-        if self.mcfg.pp == 1 and not self.mcfg.sequence_parallel:
+        if self.mcfg.pp == 1 and not self.mcfg.sequence_parallel and ep == 1:
             return parts
         width = max(p.input_ids.shape[1] for p in parts)
         if self.mcfg.sequence_parallel:
             width = -(-width // self.mcfg.tp) * self.mcfg.tp
-        size = min(mbs, len(rows)) if len(parts) == 1 else mbs
-        return [_pad_part(p, size, width) for p in parts]
+        size, count = min(mbs, len(rows)) if len(parts) == 1 else mbs, len(parts)
+        if ep > 1:
+            shape = torch.tensor([size, width, count])
+            dist.all_reduce(shape, op=dist.ReduceOp.MAX,
+                            group=_mpu().get_expert_model_parallel_group())
+            size, width, count = shape.tolist()
+        empty = dataclasses.replace(parts[0], response_mask=torch.zeros_like(parts[0].response_mask))
+        return [_pad_part(p, size, width) for p in parts + [empty] * (count - len(parts))]
 
     def _forward(self, model: Any, part: Batch) -> torch.Tensor:
-        """This stage's output: vocab-parallel logits (B, L, V/tp) on the last stage."""
+        """This stage's output: vocab-parallel logits (B, L, V/tp) on the last stage. An MoE
+        model replays ``part.routed_experts`` where the batch carries them (and
+        ``train.moe.routing_replay`` is not off)."""
+        if (routing := self.ref_routing if model is self.ref_model else self.routing):
+            replay = getattr(getattr(self.train_cfg, "moe", None), "routing_replay", True)
+            routing.begin(part.attention_mask, part.routed_experts if replay else None,
+                          part.response_mask.any(-1))
         ids = part.input_ids.long().to(self.device)
         length = ids.shape[1]
         pos = torch.arange(length, device=self.device).unsqueeze(0).expand_as(ids)
@@ -298,7 +336,8 @@ class MegatronTrainer(WeightSource):
         if self.last_stage:
             start = 0
             for part, got in zip(parts, outputs, strict=True):
-                n = min(part.size, batch.size - start)
+                if (n := min(part.size, batch.size - start)) <= 0:
+                    break  # EP's extra micro-batches
                 rows = slice(start, start + n)
                 width = min(got["logp"].shape[1], result.shape[1])
                 mask = batch.response_mask[rows, :width]
@@ -310,9 +349,23 @@ class MegatronTrainer(WeightSource):
                    norm_const: float | None = None) -> dict[str, float]:
         """Apply ``ppo_epochs * mini_batches`` optimizer steps on one GRPO batch (this DP
         rank's slice of it; ``minis`` carry the global counts), as the torch backend does."""
-        return torch_trainer.run_train_step(
-            self, batch, minis, norm_const, self._update,
-            lambda: self.train_cfg.lr * self._lr_factor(self.global_step))
+        if self.routing is None:
+            return torch_trainer.run_train_step(
+                self, batch, minis, norm_const, self._update,
+                lambda: self.train_cfg.lr * self._lr_factor(self.global_step))
+        self.routing.stats.zero_()
+        self.routing.collect = True
+        try:
+            metrics = torch_trainer.run_train_step(
+                self, batch, minis, norm_const, self._update,
+                lambda: self.train_cfg.lr * self._lr_factor(self.global_step))
+        finally:
+            self.routing.collect = False
+        stats = self.routing.stats if self.tp_rank == 0 else torch.zeros_like(self.routing.stats)
+        if dist.get_world_size() > 1:  # every DP replica's tokens, every stage's layers
+            dist.all_reduce(stats := stats.clone())
+        metrics.update(moe.routing_metrics(stats, self.arch.experts, self.arch.topk))
+        return metrics
 
     def _update(self, batch: Batch, mini: MiniBatch, norm_const: float) -> MiniResult:
         """One optimizer step on ``mini`` through megatron's schedule (metrics: last stage)."""
@@ -358,11 +411,20 @@ class MegatronTrainer(WeightSource):
         """The whole policy by HF name on global rank 0 (``{}`` elsewhere): TP shards are
         gathered within each stage, stages gathered to the first one (a collective)."""
         ps, merged = _mpu(), {}
-        tp = ps.get_tensor_model_parallel_world_size()
+        tp, ep = ps.get_tensor_model_parallel_world_size(), self.mcfg.ep
+        per = self.arch.experts // ep
         for name, t in self.core.state_dict().items():
             if not isinstance(t, torch.Tensor) or name.endswith("_extra_state"):
                 continue
             t = t.detach()
+            if (expert := local_expert(name)) is not None:  # global index, every EP rank's
+                shards = [t] if ep == 1 else [torch.empty_like(t) for _ in range(ep)]
+                if ep > 1:
+                    dist.all_gather(shards, t.contiguous(),
+                                    group=ps.get_expert_model_parallel_group())
+                for r, shard in enumerate(shards):
+                    merged[expert_name(name, r * per + expert[1])] = shard
+                continue
             if tp > 1 and tp_split(name):
                 shards = [torch.empty_like(t) for _ in range(tp)]
                 dist.all_gather(shards, t.contiguous(), group=ps.get_tensor_model_parallel_group())
@@ -392,7 +454,8 @@ class MegatronTrainer(WeightSource):
             AutoConfig.from_pretrained(self.model_path).save_pretrained(path)
             if (generation := self.model_path / "generation_config.json").exists():
                 (path / "generation_config.json").write_bytes(generation.read_bytes())
-            tensors = {k: v.detach().cpu().contiguous() for k, v in weights.items()
+            # Experts one tensor each, as hub checkpoints (and save_pretrained) have them
+            tensors = {k: v.detach().cpu().contiguous() for k, v in hub_layout(weights).items()
                        if not (self.arch.tied and k == "lm_head.weight")}  # HF re-ties it on load
             save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
         self._barrier()
@@ -432,7 +495,8 @@ class MegatronTrainer(WeightSource):
             dist_checkpointing.save(self._sharded_state(), str(target))
         if self.rank == 0:
             state = {"global_step": self.global_step, "tp": self.mcfg.tp, "pp": self.mcfg.pp,
-                     "dp": self.dp_size, "distributed_optimizer": self.mcfg.distributed_optimizer}
+                     "ep": self.mcfg.ep, "dp": self.dp_size,
+                     "distributed_optimizer": self.mcfg.distributed_optimizer}
             (path / _STATE).write_text(json.dumps(state, indent=2))
         self._barrier()
         return path
@@ -498,10 +562,11 @@ def _pad_part(part: Batch, rows: int, width: int) -> Batch:
     """``part`` grown to ``rows`` x ``width``: right-padding columns, and extra rows that copy
     row 0 with an empty response mask (a real row: no fully masked attention)."""
     extra, cols, out = rows - part.size, width - part.input_ids.shape[1], {}
-    for name in ("input_ids", "attention_mask", "response_mask", "rollout_logp", "old_logp",
-                 "ref_logp", "advantages"):
+    for name in (f.name for f in dataclasses.fields(part)):
         t = getattr(part, name)
-        if t is not None and t.dim() == 2 and cols:
+        if name == "routed_experts" and t is not None and cols:  # -1: route freely
+            t = torch.cat([t, t.new_full((t.shape[0], cols, *t.shape[2:]), -1)], dim=1)
+        elif t is not None and t.dim() == 2 and cols:
             t = torch.cat([t, t.new_zeros((t.shape[0], cols))], dim=1)
         if t is not None and extra:
             copy = t[:1].repeat(extra, *([1] * (t.dim() - 1)))

@@ -1,0 +1,187 @@
+"""The routers of a megatron MoE model: routing replay (R3) in, routing statistics out.
+
+megatron-core 0.16.1 has a hook for this: ``TopKRouter.router_replay``, through which
+``topk_routing_with_score_function`` asks for the top-k (its own ``RouterReplay`` records or
+replays whole layers, for debugging). :func:`attach` puts a :class:`_Tap` in that slot on every
+router of one model; the tap
+
+- **replays** (Rollout Routing Replay): for the tokens the batch gives experts for
+  (``Batch.routed_experts``, from SGLang's ``routed_experts``: per token, per MoE layer, the
+  ``top_k`` experts the rollout engine chose)
+  the router takes exactly those experts; their weights are recomputed from this forward's own
+  router logits (softmax over the replayed experts when ``norm_topk_prob``, else their softmax
+  probabilities over all experts), so the router still gets gradients. Tokens without given
+  experts (the last token, which no engine routes; padding; rows whose entries are ``-1``)
+  are routed as usual. Under full activation recompute the backward pass re-runs the router:
+  a first-in-first-out queue gives it the experts its forward used (1F1B runs backwards in
+  forward order), as megatron's own ``REPLAY_BACKWARD`` does.
+- **counts**: per MoE layer, the tokens each expert received, the sum of each expert's router
+  probability, the summed router entropy and the token count, over the real tokens (not
+  padding, not the padding rows that even out data-parallel shards) of the training forwards. :func:`routing_metrics` turns the counts of every rank (summed over
+  the data-parallel ranks) into the step's ``moe/*`` metrics.
+
+Never imports Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rl_core.training.megatron.model import Arch
+
+__all__ = ["Routing", "attach", "routing_metrics", "routing_targets"]
+
+
+def routing_targets(routed: torch.Tensor, seq_len: int, topk: int) -> torch.Tensor:
+    """A batch's given experts, ``Batch.routed_experts`` (B, W, layers * k) or (B, W, layers,
+    k) with W <= ``seq_len`` (SGLang's ``routed_experts`` per row: ``seq_len - 1`` tokens), as
+    megatron's router sees tokens: (seq_len * B, layers, k), sequence-major (megatron's hidden
+    states are [S, B, H]); -1 where nothing is given."""
+    if routed.dim() == 3:
+        routed = routed.reshape(*routed.shape[:2], -1, topk)
+    b, width = routed.shape[:2]
+    width = min(width, seq_len)
+    full = torch.full((b, seq_len, *routed.shape[2:]), -1, dtype=torch.long)
+    full[:, :width] = routed[:, :width].long()
+    return full.transpose(0, 1).reshape(seq_len * b, *routed.shape[2:])
+
+
+class Routing:
+    """The taps of one model's routers and what they share: the current micro-batch's replay
+    targets and valid-token mask, the forward counter, the statistics (``stats``: float64,
+    one row per MoE layer of the whole model: ``E`` expert loads, ``E`` probability sums,
+    entropy sum, token count; this rank fills only its own stage's rows)."""
+
+    def __init__(self, arch: Arch, *, recompute: bool) -> None:
+        self.arch, self.recompute = arch, recompute
+        self.taps: list[_Tap] = []
+        self.tick = 0
+        self.targets: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+        self.collect = False
+        self.stats = torch.zeros(len(arch.moe_layer_ids), 2 * arch.experts + 2,
+                                 dtype=torch.float64)
+
+    def begin(self, attention_mask: torch.Tensor, routed: torch.Tensor | None,
+              rows: torch.Tensor | None = None) -> None:
+        """Before each micro-batch's forward: its (B, S) attention mask, its given experts
+        (``Batch.routed_experts``: B, W, layers * k) or None (route freely), and which rows
+        count in the statistics (B,) (None: all; padding rows, which copy a real row with an
+        empty response mask, do not)."""
+        self.tick += 1
+        seq_len = attention_mask.shape[1]
+        valid = attention_mask.bool() & (True if rows is None else rows.bool().unsqueeze(-1))
+        self.valid = valid.transpose(0, 1).reshape(-1)
+        self.targets = (None if routed is None
+                        else routing_targets(routed, seq_len, self.arch.topk))
+        if self.targets is not None and self.targets.shape[1] != len(self.stats):
+            raise ValueError(f"routed_experts gives {self.targets.shape[1]} MoE layers; the "
+                             f"model has {len(self.stats)}")
+
+    def used(self) -> list[torch.Tensor]:
+        """The experts each of this stage's routers chose in the latest forward,
+        (S * B, k) each, in layer order."""
+        return [tap.last for tap in self.taps]
+
+
+class _Tap:
+    """One router's ``router_replay`` (the interface ``topk_routing_with_score_function``
+    calls: ``get_replay_topk``)."""
+
+    def __init__(self, routing: Routing, router: Any, index: int) -> None:
+        self.routing, self.router, self.index = routing, router, index
+        self.seen = 0
+        self.queue: collections.deque[torch.Tensor | None] = collections.deque()
+        self.last: torch.Tensor | None = None
+
+    def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: int | None = None,
+                        group_topk: int | None = None,
+                        default_compute_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+                        | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        state = self.routing
+        values, idx = default_compute_topk(scores, topk, num_groups=num_groups,
+                                           group_topk=group_topk)
+        fresh = self.seen < state.tick
+        self.seen = state.tick
+        given = None if state.targets is None else state.targets[:, self.index]
+        if fresh and state.recompute and self.router.training:
+            self.queue.append(given)  # for the backward pass's re-run of this forward
+        elif not fresh and self.queue:
+            given = self.queue.popleft()
+        if given is not None:
+            given = given.to(idx.device)
+            replay = (given >= 0).all(-1, keepdim=True)
+            idx = torch.where(replay, given.to(idx.dtype), idx)
+            values = scores.gather(1, idx)
+        self.last = idx.detach()
+        if fresh and state.collect:
+            self._count(scores.detach(), idx.detach())
+        return values, idx
+
+    def _count(self, scores: torch.Tensor, idx: torch.Tensor) -> None:
+        state, experts = self.routing, self.routing.arch.experts
+        # norm_topk_prob: megatron's top-k runs on the logits; otherwise on the probabilities
+        probs = scores.float().softmax(-1) if state.arch.norm_topk else scores.float()
+        valid = state.valid.to(probs.device)
+        probs, idx = probs[valid], idx[valid]
+        load = torch.zeros(experts, dtype=torch.float64)
+        load.index_add_(0, idx.reshape(-1).cpu(), torch.ones(idx.numel(), dtype=torch.float64))
+        entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+        row = state.stats[self.index]
+        row[:experts] += load
+        row[experts:2 * experts] += probs.sum(0).double().cpu()
+        row[-2] += float(entropy.sum())
+        row[-1] += float(valid.sum())
+
+
+def attach(core: Any, arch: Arch, *, recompute: bool) -> Routing | None:
+    """A :class:`Routing` over the routers of ``core`` (this stage's ``GPTModel``); None for
+    a dense model."""
+    if not arch.is_moe:
+        return None
+    routing = Routing(arch, recompute=recompute)
+    moe_index = {layer: i for i, layer in enumerate(arch.moe_layer_ids)}
+    for layer in core.decoder.layers:
+        router = getattr(layer.mlp, "router", None)
+        if router is None:
+            continue
+        global_layer = layer.layer_number - 1  # megatron numbers layers from 1, globally
+        if global_layer not in moe_index:
+            raise RuntimeError(f"megatron built a router in layer {global_layer}, which the HF "
+                               f"config makes dense (MoE layers: {arch.moe_layer_ids})")
+        tap = _Tap(routing, router, moe_index[global_layer])
+        router.router_replay = tap
+        routing.taps.append(tap)
+    return routing
+
+
+def routing_metrics(stats: torch.Tensor, experts: int, topk: int) -> dict[str, float]:
+    """The ``moe/*`` metrics from summed :class:`Routing` statistics (one row per MoE layer):
+
+    - ``moe/load_max_over_mean``: the busiest expert's tokens over the mean (1 = balanced),
+      averaged over layers; ``moe/load_cv``: the load's coefficient of variation, likewise;
+    - ``moe/router_entropy``: the mean entropy (nats) of a token's router distribution over
+      all experts (ln E = uniform), averaged over layers;
+    - ``moe/aux_loss``: HF's load-balancing loss (``load_balancing_loss_func`` of
+      Qwen2/3-MoE, without ``router_aux_loss_coef``): ``E * sum_i f_i * P_i``, ``f_i`` the
+      share of tokens routed to expert ``i`` (top-k slots summed), ``P_i`` its mean router
+      probability, both over all layers' tokens (``topk`` when balanced). A metric here: the
+      loss does not include it (neither does HF's unless ``output_router_logits``)."""
+    load, probs = stats[:, :experts], stats[:, experts:2 * experts]
+    entropy, tokens = stats[:, -2], stats[:, -1]
+    if float(tokens.sum()) == 0:
+        return {}
+    mean = tokens * topk / experts
+    seen = tokens > 0
+    total = tokens.sum()
+    f, p = load.sum(0) / total, probs.sum(0) / total
+    return {
+        "moe/load_max_over_mean": float((load.amax(-1)[seen] / mean[seen]).mean()),
+        "moe/load_cv": float((load.std(-1, unbiased=False)[seen] / mean[seen]).mean()),
+        "moe/router_entropy": float((entropy[seen] / tokens[seen]).mean()),
+        "moe/aux_loss": float(experts * (f * p).sum()),
+    }

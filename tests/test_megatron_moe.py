@@ -1,0 +1,261 @@
+"""Mixture-of-experts models in the megatron backend: the same model as transformers', sharded
+by expert parallelism, replaying given routing, reporting router metrics.
+
+- HF <-> megatron conversion round-trips bit for bit for Qwen3-MoE (with a dense layer) and
+  Qwen2-MoE (shared expert) at EP 1/2 and PP 1/2, from both HF expert layouts (transformers 5's
+  fused tensors, the hub's per-expert tensors).
+- One rank, this process: log-probs equal ``Qwen3MoeForCausalLM``'s / ``Qwen2MoeForCausalLM``'s
+  (through the torch backend), one GRPO update equals the torch backend's, the router metrics
+  equal what HF's own router logits give, routing replay routes exactly as given.
+- Two Ray ranks over gloo at EP=2 (the all-to-all and the all-gather dispatchers): log-probs,
+  the update, the router metrics and the exported HF weights equal one rank's; an
+  expert-sharded ``dist_checkpointing`` checkpoint resumes identically.
+
+float32, lr 1e-4, as tests/test_megatron.py (which says why).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import EOS_ID, PAD_ID, TINY_VOCAB
+from test_megatron import ALGO, batch_of, train_cfg, weights_equal
+
+from rl_core.config import AlgorithmConfig, ConfigError, load_config
+from rl_core.training.megatron.convert import hf_to_mcore, hub_layout, mcore_to_hf, merge_tp
+from rl_core.training.megatron.model import arch_from_hf
+from rl_core.training.torch_trainer import TorchTrainer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOL = 1e-5
+EXPERTS, TOPK = 4, 2
+
+
+def tiny_moe(kind: str = "qwen3_moe", seed: int = 0, **extra):
+    """A seeded random MoE causal LM: vocab 64, hidden 32, 2 layers, 4 experts of width 16,
+    top-2. The routers get std 1 (HF initialises them to zero: every token a tie)."""
+    from transformers import (
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    common = dict(
+        vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, num_experts=EXPERTS, num_experts_per_tok=TOPK,
+        initializer_range=0.2, bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    if kind == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=8, norm_topk_prob=True, **common, **extra))
+    else:
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(shared_expert_intermediate_size=24, **common, **extra))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("qwen3-moe")
+    tiny_moe().save_pretrained(path)
+    return path
+
+
+# ------------------------------------------------------------------ conversion (no groups)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize(("ep", "pp"), [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_moe_round_trips_bit_exactly(kind: str, ep: int, pp: int) -> None:
+    extra = {"mlp_only_layers": [1]} if kind == "qwen3_moe" else {}
+    model = tiny_moe(kind, **extra)
+    arch = arch_from_hf(model.config)
+    assert arch.moe_layers == ((True, False) if extra else (True, True))
+    fused = model.state_dict()  # transformers 5: experts as (E, 2I, H) / (E, H, I)
+    for source in (fused, hub_layout(fused)):
+        back: dict[str, torch.Tensor] = {}
+        for stage in range(pp):
+            shards = [hf_to_mcore(source, arch, padded_vocab=128, pp_rank=stage, pp=pp,
+                                  ep_rank=r, ep=ep) for r in range(ep)]  # fmt: skip
+            merged = {}
+            for r, shard in enumerate(shards):  # what export_weights does after its gather
+                for name, t in shard.items():
+                    if ".local_experts." in name:
+                        prefix, index = name.split(".local_experts.")
+                        e, rest = index.split(".", 1)
+                        name = f"{prefix}.local_experts.{r * EXPERTS // ep + int(e)}.{rest}"
+                    merged[name] = merge_tp(name, [t])
+            back.update(mcore_to_hf(merged, arch, pp_rank=stage, pp=pp))
+        weights_equal(fused, back)
+
+
+def test_hub_layout_is_what_save_pretrained_writes(tmp_path) -> None:
+    from rl_core.models import read_weights
+
+    model = tiny_moe("qwen2_moe")
+    model.save_pretrained(tmp_path)
+    weights_equal(read_weights(tmp_path), hub_layout(model.state_dict()))
+
+
+def test_moe_layouts_and_their_errors() -> None:
+    arch = arch_from_hf(tiny_moe().config)
+    assert (arch.experts, arch.topk, arch.moe_ffn, arch.norm_topk) == (4, 2, 16, True)
+    arch.check_parallel(1, 2, 4)
+    with pytest.raises(ValueError, match=r"train\.megatron\.ep=3 must divide the number of experts"):
+        arch.check_parallel(1, 1, 3)
+    with pytest.raises(ValueError, match=r"tp=2 with a mixture-of-experts model.*train\.megatron\.ep"):
+        arch.check_parallel(2, 1, 1)
+    dense = arch_from_hf(__import__("conftest").tiny_qwen2(0).config)
+    with pytest.raises(ValueError, match="expert parallelism needs a mixture-of-experts model"):
+        dense.check_parallel(1, 1, 2)
+    demo = str(Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml")
+    with pytest.raises(ConfigError, match=r"ep=4 must divide the data-parallel ranks \(2"):
+        load_config(demo, ["train.backend=megatron", "cluster.mode=ray", "cluster.trainer_ranks=4",
+                           "train.megatron.tp=2", "train.megatron.ep=4"])  # fmt: skip
+
+
+# --------------------------------------------------------------- one rank, this process
+
+
+@pytest.fixture
+def megatron_trainer():
+    from rl_core.training.megatron import MegatronTrainer
+
+    made = []
+
+    def make(path: Path, algo: AlgorithmConfig = ALGO, **kw) -> MegatronTrainer:
+        train = kw.pop("train", None) or train_cfg(**kw)
+        made.append(MegatronTrainer(path, train, algo, temperature=0.7))
+        return made[-1]
+
+    yield make
+    for trainer in made:
+        trainer.shutdown()
+
+
+def hf_router_metrics(path: Path, batch) -> dict[str, float]:
+    """The ``moe/*`` metrics from transformers' own router logits (HF's aux loss included)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        out = model(batch.input_ids.long(), attention_mask=batch.attention_mask.long(),
+                    output_router_logits=True)
+    valid = batch.attention_mask.reshape(-1)
+    loads, cvs, entropies = [], [], []
+    for logits in out.router_logits:
+        probs = logits.float().softmax(-1)[valid]
+        load = torch.zeros(EXPERTS).index_add_(0, probs.topk(TOPK).indices.reshape(-1),
+                                               torch.ones(probs.shape[0] * TOPK))
+        mean = probs.shape[0] * TOPK / EXPERTS
+        loads.append(load.max() / mean)
+        cvs.append(load.std(unbiased=False) / mean)
+        entropies.append(-(probs * probs.log()).sum(-1).mean())
+    return {"moe/load_max_over_mean": float(torch.stack(loads).mean()),
+            "moe/load_cv": float(torch.stack(cvs).mean()),
+            "moe/router_entropy": float(torch.stack(entropies).mean()),
+            "moe/aux_loss": float(out.aux_loss)}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+def test_one_rank_equals_transformers(megatron_trainer, tmp_path, kind) -> None:
+    """Log-probs equal the torch backend's (HF's MoE forward); for Qwen3-MoE one GRPO update
+    too, and the router metrics of that update's forward equal HF's router logits'."""
+    tiny_moe(kind).save_pretrained(tmp_path)
+    batch = batch_of()
+    one_mini = dict(micro_batch_size=3, mini_batches=1)
+    ref = TorchTrainer(tmp_path, train_cfg("torch").model_copy(update=one_mini), ALGO,
+                       temperature=0.7)
+    mg = megatron_trainer(tmp_path, train=train_cfg().model_copy(update=one_mini))
+    want, got = ref.compute_logprobs(batch), mg.compute_logprobs(batch)
+    assert (got - want).abs().max() < TOL
+    if kind == "qwen2_moe":
+        return
+    batch.old_logp = want
+    m_ref, m_mg = ref.train_step(batch), mg.train_step(batch)
+    for key in ("loss", "pg_loss", "entropy", "grad_norm"):
+        assert m_mg[key] == pytest.approx(m_ref[key], abs=TOL), key
+    weights_equal(ref.export_weights(), mg.export_weights(), atol=TOL)
+    for key, value in hf_router_metrics(tmp_path, batch).items():
+        assert m_mg[key] == pytest.approx(value, abs=1e-5), key
+
+
+def test_routing_replay_routes_exactly_as_given(megatron_trainer, moe_dir) -> None:
+    """Given experts (SGLang's routed_experts: every token but the last, per MoE layer) are
+    the experts each router uses; tokens without them route freely; replaying a forward's own
+    routing reproduces its log-probs bit for bit, and another routing changes them."""
+    mg = megatron_trainer(moe_dir)
+    batch = batch_of(n=3, seed=11)
+    b, length = batch.input_ids.shape
+    layers = len(mg.arch.moe_layer_ids)
+    g = torch.Generator().manual_seed(0)
+    routed = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK]
+                          for _ in range(b * (length - 1) * layers)]).reshape(b, length - 1, layers, TOPK)
+    free = mg.compute_logprobs(batch)
+    batch.routed_experts = routed.reshape(b, length - 1, layers * TOPK).to(torch.int16)
+    natural = [u.reshape(length, b, TOPK).transpose(0, 1) for u in mg.routing.used()]
+    replayed = mg.compute_logprobs(batch)
+    for layer, used in enumerate(mg.routing.used()):
+        used = used.reshape(length, b, TOPK).transpose(0, 1)  # megatron's tokens: [S, B]
+        assert torch.equal(used[:, :-1], routed[:, :, layer].long())
+        assert torch.equal(used[:, -1], natural[layer][:, -1])  # not given: routed freely
+    assert (replayed - free).abs().max() > 1e-3  # another routing, other log-probs
+    batch.routed_experts = torch.stack(natural, dim=2)[:, :-1].reshape(b, length - 1, -1)
+    assert torch.equal(mg.compute_logprobs(batch), free)  # its own routing: the same numbers
+
+
+# --------------------------------------------------------------------- ranks on Ray
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    ray.init(num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("layout", [
+    {"ep": 2},  # all-to-all dispatcher (the default)
+    {"ep": 2, "moe_dispatcher": "allgather", "distributed_optimizer": True},
+], ids=["ep2-alltoall", "ep2-allgather-distopt"])  # fmt: skip
+def test_expert_parallel_equals_one_rank(ray_session, megatron_trainer, moe_dir, tmp_path,
+                                         layout) -> None:
+    from rl_core.training.distributed import TrainerGroup
+
+    batch = batch_of(n=9)
+    one = megatron_trainer(moe_dir)
+    want = one.compute_logprobs(batch)
+    batch.old_logp = want
+    m_one = one.train_step(batch)
+    group = TrainerGroup.start(moe_dir, train_cfg(**layout), ALGO, num_ranks=2, temperature=0.7,
+                               timeout_s=180)
+    try:
+        assert group._dp_size == 2 and all(group._reports)
+        batch2 = batch_of(n=9)
+        assert (group.compute_logprobs(batch2) - want).abs().max() < TOL
+        batch2.old_logp = want
+        m_ep = group.train_step(batch2)
+        for key in ("loss", "entropy", "grad_norm", "moe/load_max_over_mean", "moe/load_cv",
+                    "moe/router_entropy", "moe/aux_loss"):  # fmt: skip
+            assert m_ep[key] == pytest.approx(m_one[key], abs=TOL), key
+        exported = group.export_weights()  # the experts of both EP ranks, full HF tensors
+        assert exported["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == EXPERTS
+        weights_equal(one.export_weights(), exported, atol=TOL)
+        group.save_state(tmp_path / "ckpt")  # expert-sharded dist_checkpointing
+        straight = group.train_step(batch2)
+        after = group.export_weights()
+        group.load_state(tmp_path / "ckpt")
+        assert group.train_step(batch2)["loss"] == straight["loss"]
+        weights_equal(after, group.export_weights())
+    finally:
+        group.shutdown()
