@@ -217,11 +217,30 @@ def test_train_step_reports_router_metrics_and_trains_the_router(moe_dir):
     trainer = _trainer(moe_dir, replay=True, micro_batch_size=3)
     before = trainer.model.model.layers[0].mlp.gate.weight.detach().clone()
     metrics = trainer.train_step(batch)
-    for key in ("moe_load_max", "moe_load_cv", "moe_router_entropy", "moe_aux_loss"):
+    for key in ("moe/load_max_over_mean", "moe/load_cv", "moe/router_entropy", "moe/aux_loss"):
         assert np.isfinite(metrics[key]), key
-    assert 1.0 <= metrics["moe_load_max"] <= 4 / 2  # at most E / k
-    assert 0.0 < metrics["moe_router_entropy"] <= np.log(4) + 1e-6
+    assert 1.0 <= metrics["moe/load_max_over_mean"] <= 4 / 2  # at most E / k
+    assert 0.0 < metrics["moe/router_entropy"] <= np.log(4) + 1e-6
     assert not torch.equal(before, trainer.model.model.layers[0].mlp.gate.weight)
+
+
+def test_aux_loss_is_transformers_load_balancing_loss(moe_dir):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from rl_core.models.moe import router_metrics
+
+    model = AutoModelForCausalLM.from_pretrained(moe_dir)
+    ids = torch.tensor([PROMPTS[2], PROMPTS[0] + [PAD_ID] * 3])
+    mask = (ids != PAD_ID).long()
+    with RouterTap(model, keep_logits=True) as tap:
+        model(input_ids=ids, attention_mask=mask)
+        aux, metrics = router_metrics(tap.logits, tap.indices(), mask.bool().reshape(-1),
+                                      per_layer=True)
+    want = load_balancing_loss_func(tuple(tap.logits), 4, 2, mask)
+    torch.testing.assert_close(aux, want)
+    assert aux.requires_grad and metrics["moe/aux_loss"] == pytest.approx(float(want.detach()))
+    assert metrics["moe/load_cv"] == pytest.approx(
+        (metrics["moe/load_cv_l0"] + metrics["moe/load_cv_l1"]) / 2)
 
 
 def test_replay_needs_an_moe_model(tmp_path):

@@ -179,34 +179,41 @@ class RouterTap:
 
 def router_metrics(logits: list[torch.Tensor], indices: torch.Tensor, mask: torch.Tensor,
                    *, per_layer: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
-    """The load-balancing loss (with gradient) and router metrics over the tokens ``mask``
-    (flattened, bool) of one forward; ``indices`` (tokens, layers, top_k) the experts used.
+    """The load-balancing loss (with gradient) and the ``moe/*`` router metrics over the tokens
+    ``mask`` (flattened, bool) of one forward; ``indices`` (tokens, layers, top_k) the experts
+    the forward used (the replayed ones under routing replay). The megatron backend reports
+    the same names (:mod:`rl_core.training.megatron.moe`).
 
-    Per layer, with ``f_e`` the share of tokens routed to expert ``e`` (the top-k counts over
-    tokens: sums to k) and ``P_e`` the mean router probability of ``e``: the auxiliary loss
-    ``E * sum_e f_e P_e`` (Switch Transformer's, as ``transformers`` computes it for Qwen-MoE;
-    k at perfect balance), ``moe_load_max`` = max load / mean load (1 = balanced, E / k =
-    everything on k experts), ``moe_load_cv`` = std / mean of the loads and
-    ``moe_router_entropy`` = mean entropy of the router's distribution (nats; ln E =
-    uniform). Each averaged over layers; ``per_layer`` adds ``..._l<i>`` entries."""
+    - ``moe/aux_loss``: ``transformers``' load-balancing loss of Qwen2/3-MoE
+      (``load_balancing_loss_func``, without its coefficient): ``E * sum_e f_e * P_e``, ``f_e``
+      the share of tokens routed to expert ``e`` (top-k slots summed), ``P_e`` its mean router
+      probability, both over every layer's tokens (k when balanced);
+    - ``moe/load_max_over_mean``: the busiest expert's tokens over the mean (1 = balanced,
+      E / k = everything on k experts) and ``moe/load_cv``: std / mean of the loads, per layer
+      and averaged over layers;
+    - ``moe/router_entropy``: the mean entropy (nats; ln E = uniform) of a token's router
+      distribution, averaged over layers.
+
+    ``per_layer`` adds ``<name>_l<i>`` for every layer ``i`` (not for the loss)."""
     mask = mask.to(indices.device)
-    n = mask.sum().clamp(min=1)
-    losses, metrics, per = [], {}, {}
+    counts, probs_sum, metrics, per = [], [], {}, {}
     for layer, z in enumerate(logits):
         probs = torch.softmax(z.float(), dim=-1)[mask.to(z.device)]
         experts = probs.shape[-1]
         load = torch.bincount(indices[mask, layer].reshape(-1).long(), minlength=experts).float()
-        share = load.to(probs.device) / n
-        losses.append(experts * (share * probs.mean(0)).sum())
+        counts.append(load.to(probs.device))
+        probs_sum.append(probs.sum(0))
         with torch.no_grad():
             mean = load.mean().clamp(min=1e-9)
-            vals = {"moe_load_max": float(load.max() / mean),
-                    "moe_load_cv": float(load.std(unbiased=False) / mean),
-                    "moe_router_entropy": float(-(probs * probs.clamp(min=1e-30).log())
+            vals = {"moe/load_max_over_mean": float(load.max() / mean),
+                    "moe/load_cv": float(load.std(unbiased=False) / mean),
+                    "moe/router_entropy": float(-(probs * probs.clamp(min=1e-30).log())
                                                 .sum(-1).mean()) if len(probs) else 0.0}
         for k, v in vals.items():
             metrics[k] = metrics.get(k, 0.0) + v / len(logits)
             if per_layer:
                 per[f"{k}_l{layer}"] = v
-    aux = torch.stack(losses).mean()
-    return aux, {**metrics, "moe_aux_loss": float(aux.detach()), **per}
+    total = mask.sum().clamp(min=1) * len(logits)
+    share, prob = torch.stack(counts).sum(0) / total, torch.stack(probs_sum).sum(0) / total
+    aux = share.shape[0] * (share * prob).sum()
+    return aux, {**metrics, "moe/aux_loss": float(aux.detach()), **per}
