@@ -9,7 +9,8 @@ rows of :mod:`rl_core.training.packing`); the gate weights are the training rout
 probabilities at those experts, renormalised as the architecture does, so the router is
 still trained, and tokens without recorded experts (-1) are routed by the router. A forward
 with gradients (the loss pass) also yields the load-balancing loss and the router metrics
-(:func:`~rl_core.models.moe.router_metrics`) over the tokens that predict a real token.
+(:func:`~rl_core.models.moe.router_metrics`) over the tokens that predict a real token, and
+with replay on, ``moe/replayed_tokens``: the share of them routed by the rollout's experts.
 
 Never imports Prefect or MLflow.
 """
@@ -71,15 +72,21 @@ class MoeForward:
         tap = self._tap(model)
         tap.clear()
         tap.keep_logits = torch.is_grad_enabled()
-        replay = self.cfg.routing_replay and batch.routed_experts is not None
-        tap.replay(self._layout(batch.routed_experts, plan) if replay else None)
+        replay = self._layout(batch.routed_experts, plan) if (
+            self.cfg.routing_replay and batch.routed_experts is not None) else None
+        tap.replay(replay)
         try:
             out = forward()
         finally:
             tap.replay(None)
         if tap.keep_logits:
-            self.last = router_metrics(tap.logits, tap.indices(), self._tokens(batch, plan),
+            tokens = self._tokens(batch, plan)
+            self.last = router_metrics(tap.logits, tap.indices(), tokens,
                                        per_layer=self.cfg.per_layer_metrics)
+            if self.cfg.routing_replay:  # the share of tokens routed by the rollout's experts
+                given = replay is not None and bool(tokens.any())
+                share = float((replay[:, 0, 0] >= 0)[tokens].float().mean()) if given else 0.0
+                self.last[1]["moe/replayed_tokens"] = share
         tap.clear()
         return out
 
