@@ -16,9 +16,21 @@ router of one model; the tap
   a first-in-first-out queue gives it the experts its forward used (1F1B runs backwards in
   forward order), as megatron's own ``REPLAY_BACKWARD`` does.
 - **counts**: per MoE layer, the tokens each expert received, the sum of each expert's router
-  probability, the summed router entropy and the token count, over the real tokens (not
-  padding, not the padding rows that even out data-parallel shards) of the training forwards. :func:`routing_metrics` turns the counts of every rank (summed over
-  the data-parallel ranks) into the step's ``moe/*`` metrics.
+  probability, the summed router entropy and the token count, over the tokens that predict a
+  real token (as the torch backend counts them, :mod:`rl_core.training.moe`; not the padding
+  rows that even out data-parallel shards) of the training forwards.
+  :func:`routing_metrics` turns the counts of every rank (summed over the data-parallel ranks)
+  into the step's ``moe/*`` metrics, the torch backend's names and formulas
+  (:func:`rl_core.models.moe.router_metrics`).
+- **balances** (``train.moe.aux_loss_coef > 0``): the micro-batch's load-balancing loss, as
+  transformers computes it for Qwen-MoE (``E * sum_e f_e P_e``, ``f_e`` and ``P_e`` pooled
+  over the layers' counted tokens), times the coefficient and the micro-batch's share of the
+  mini-batch's response tokens (the torch backend's term), joins the gradient through
+  megatron's ``MoEAuxLossAutoScaler`` (the schedules set its scale). ``f`` is known only when
+  the last layer has routed, and carries no gradient: each layer attaches
+  ``E * sum_e f_e P_le`` with ``f`` a buffer that :meth:`Routing.end` fills after the
+  forward, before any backward. Under pipeline parallelism each stage pools its own layers
+  (the loss is then the layer-weighted mean of the stages' losses; exact at ``pp = 1``).
 
 Never imports Prefect or MLflow.
 """
@@ -62,25 +74,43 @@ class Routing:
         self.tick = 0
         self.targets: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
+        self.aux_weight = 0.0
+        self.share: torch.Tensor | None = None  # this micro-batch's f (filled by end())
+        self.load = torch.zeros(arch.experts)
         self.collect = False
         self.stats = torch.zeros(len(arch.moe_layer_ids), 2 * arch.experts + 2,
                                  dtype=torch.float64)
 
     def begin(self, attention_mask: torch.Tensor, routed: torch.Tensor | None,
-              rows: torch.Tensor | None = None) -> None:
+              rows: torch.Tensor | None = None, aux_weight: float = 0.0) -> None:
         """Before each micro-batch's forward: its (B, S) attention mask, its given experts
-        (``Batch.routed_experts``: B, W, layers * k) or None (route freely), and which rows
-        count in the statistics (B,) (None: all; padding rows, which copy a real row with an
-        empty response mask, do not)."""
+        (``Batch.routed_experts``: B, W, layers * k) or None (route freely), which rows count
+        (B,) (None: all; padding rows, which copy a real row with an empty response mask, do
+        not), and the weight of its load-balancing loss in the gradient (0: none)."""
         self.tick += 1
         seq_len = attention_mask.shape[1]
-        valid = attention_mask.bool() & (True if rows is None else rows.bool().unsqueeze(-1))
+        # the tokens that predict a real token: not the last of a row, not padding
+        scored = torch.cat([attention_mask[:, 1:].bool(),
+                            attention_mask.new_zeros((attention_mask.shape[0], 1)).bool()], 1)
+        valid = scored & (True if rows is None else rows.bool().unsqueeze(-1))
         self.valid = valid.transpose(0, 1).reshape(-1)
+        self.aux_weight = aux_weight
+        self.share = torch.zeros(self.arch.experts) if aux_weight else None
+        self.load.zero_()
         self.targets = (None if routed is None
                         else routing_targets(routed, seq_len, self.arch.topk))
         if self.targets is not None and self.targets.shape[1] != len(self.stats):
             raise ValueError(f"routed_experts gives {self.targets.shape[1]} MoE layers; the "
                              f"model has {len(self.stats)}")
+
+    def end(self) -> None:
+        """After the micro-batch's forward on this stage: the pooled expert shares ``f`` its
+        load-balancing terms multiply (written through ``.data``: the autograd graph saved
+        the buffer, and backward must read these values)."""
+        if self.share is not None:
+            stage_layers = max(len(self.taps), 1)
+            n = max(int(self.valid.sum()), 1) * stage_layers
+            self.share.data.copy_(self.load / n)
 
     def used(self) -> list[torch.Tensor]:
         """The experts each of this stage's routers chose in the latest forward,
@@ -95,7 +125,7 @@ class _Tap:
     def __init__(self, routing: Routing, router: Any, index: int) -> None:
         self.routing, self.router, self.index = routing, router, index
         self.seen = 0
-        self.queue: collections.deque[torch.Tensor | None] = collections.deque()
+        self.queue: collections.deque[tuple[Any, ...]] = collections.deque()
         self.last: torch.Tensor | None = None
 
     def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: int | None = None,
@@ -108,10 +138,11 @@ class _Tap:
         fresh = self.seen < state.tick
         self.seen = state.tick
         given = None if state.targets is None else state.targets[:, self.index]
+        valid, weight, share = state.valid, state.aux_weight, state.share
         if fresh and state.recompute and self.router.training:
-            self.queue.append(given)  # for the backward pass's re-run of this forward
+            self.queue.append((given, valid, weight, share))  # for the backward pass's re-run
         elif not fresh and self.queue:
-            given = self.queue.popleft()
+            given, valid, weight, share = self.queue.popleft()
         if given is not None:
             given = given.to(idx.device)
             replay = (given >= 0).all(-1, keepdim=True)
@@ -120,19 +151,32 @@ class _Tap:
         self.last = idx.detach()
         if fresh and state.collect:
             self._count(scores.detach(), idx.detach())
+        if fresh and share is not None:
+            state.load += self._load(idx[valid.to(idx.device)]).float().cpu()
+        if share is not None and self.router.training and torch.is_grad_enabled():
+            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+            probs = self._probs(scores)[valid.to(scores.device)]
+            n = max(int(valid.sum()), 1) * len(state.stats)  # tokens x every MoE layer
+            term = state.arch.experts * (share.to(probs.device) * probs.sum(0)).sum() / n
+            values = MoEAuxLossAutoScaler.apply(values, term * weight)
         return values, idx
+
+    def _probs(self, scores: torch.Tensor) -> torch.Tensor:
+        """The router's probabilities over all experts (norm_topk_prob: megatron's top-k
+        runs on the logits; otherwise on the probabilities)."""
+        return scores.float().softmax(-1) if self.routing.arch.norm_topk else scores.float()
+
+    def _load(self, idx: torch.Tensor) -> torch.Tensor:
+        return torch.bincount(idx.reshape(-1).long(), minlength=self.routing.arch.experts)
 
     def _count(self, scores: torch.Tensor, idx: torch.Tensor) -> None:
         state, experts = self.routing, self.routing.arch.experts
-        # norm_topk_prob: megatron's top-k runs on the logits; otherwise on the probabilities
-        probs = scores.float().softmax(-1) if state.arch.norm_topk else scores.float()
-        valid = state.valid.to(probs.device)
-        probs, idx = probs[valid], idx[valid]
-        load = torch.zeros(experts, dtype=torch.float64)
-        load.index_add_(0, idx.reshape(-1).cpu(), torch.ones(idx.numel(), dtype=torch.float64))
+        valid = state.valid.to(scores.device)
+        probs, idx = self._probs(scores)[valid], idx[valid]
         entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
         row = state.stats[self.index]
-        row[:experts] += load
+        row[:experts] += self._load(idx).double().cpu()
         row[experts:2 * experts] += probs.sum(0).double().cpu()
         row[-2] += float(entropy.sum())
         row[-1] += float(valid.sum())
@@ -159,29 +203,35 @@ def attach(core: Any, arch: Arch, *, recompute: bool) -> Routing | None:
     return routing
 
 
-def routing_metrics(stats: torch.Tensor, experts: int, topk: int) -> dict[str, float]:
-    """The ``moe/*`` metrics from summed :class:`Routing` statistics (one row per MoE layer):
+def routing_metrics(stats: torch.Tensor, experts: int, *,
+                    per_layer: bool = False) -> dict[str, float]:
+    """The step's ``moe/*`` metrics from summed :class:`Routing` statistics (one row per MoE
+    layer), the torch backend's names and formulas (:func:`rl_core.models.moe.router_metrics`):
 
-    - ``moe/load_max_over_mean``: the busiest expert's tokens over the mean (1 = balanced),
-      averaged over layers; ``moe/load_cv``: the load's coefficient of variation, likewise;
-    - ``moe/router_entropy``: the mean entropy (nats) of a token's router distribution over
-      all experts (ln E = uniform), averaged over layers;
-    - ``moe/aux_loss``: HF's load-balancing loss (``load_balancing_loss_func`` of
-      Qwen2/3-MoE, without ``router_aux_loss_coef``): ``E * sum_i f_i * P_i``, ``f_i`` the
-      share of tokens routed to expert ``i`` (top-k slots summed), ``P_i`` its mean router
-      probability, both over all layers' tokens (``topk`` when balanced). A metric here: the
-      loss does not include it (neither does HF's unless ``output_router_logits``)."""
+    - ``moe/aux_loss``: transformers' load-balancing loss of Qwen2/3-MoE
+      (``load_balancing_loss_func`` without its coefficient): ``E * sum_e f_e * P_e``, ``f_e``
+      the share of tokens routed to expert ``e`` (top-k slots summed), ``P_e`` its mean router
+      probability, both over every layer's tokens (k when balanced); in the loss only with
+      ``train.moe.aux_loss_coef > 0``;
+    - ``moe/load_max_over_mean``: the busiest expert's tokens over the mean (1 = balanced) and
+      ``moe/load_cv``: std / mean of the loads, per layer and averaged over layers;
+    - ``moe/router_entropy``: the mean entropy (nats; ln E = uniform) of a token's router
+      distribution over all experts, averaged over layers.
+
+    Over all the step's counted tokens at once (every micro-batch, every data-parallel rank):
+    the torch backend averages per-micro-batch values instead, the same number for one
+    micro-batch. ``per_layer`` adds ``<name>_l<i>`` for every MoE layer (not for the loss)."""
     load, probs = stats[:, :experts], stats[:, experts:2 * experts]
     entropy, tokens = stats[:, -2], stats[:, -1]
     if float(tokens.sum()) == 0:
         return {}
-    mean = tokens * topk / experts
-    seen = tokens > 0
+    mean = (load.sum(-1) / experts).clamp_min(1e-9)
+    layers = {"moe/load_max_over_mean": load.amax(-1) / mean,
+              "moe/load_cv": load.std(-1, unbiased=False) / mean,
+              "moe/router_entropy": entropy / tokens.clamp_min(1)}
+    out = {k: float(v.mean()) for k, v in layers.items()}
     total = tokens.sum()
-    f, p = load.sum(0) / total, probs.sum(0) / total
-    return {
-        "moe/load_max_over_mean": float((load.amax(-1)[seen] / mean[seen]).mean()),
-        "moe/load_cv": float((load.std(-1, unbiased=False)[seen] / mean[seen]).mean()),
-        "moe/router_entropy": float((entropy[seen] / tokens[seen]).mean()),
-        "moe/aux_loss": float(experts * (f * p).sum()),
-    }
+    out["moe/aux_loss"] = float(experts * (load.sum(0) / total * probs.sum(0) / total).sum())
+    if per_layer:
+        out.update({f"{k}_l{i}": float(x) for k, v in layers.items() for i, x in enumerate(v)})
+    return out

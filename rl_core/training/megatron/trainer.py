@@ -202,7 +202,7 @@ class MegatronTrainer(WeightSource):
             self.ref_model.eval().requires_grad_(False)
             self.ref_routing = moe.attach(ref_core, self.arch, recompute=full)
         del hf
-        self.global_step = 0
+        self.global_step, self._mini_tokens = 0, 0.0
 
     def _build(self, hf: dict[str, torch.Tensor]) -> tuple[Any, Any]:
         """This stage's GPTModel loaded with ``hf``, and the module the schedules call
@@ -282,18 +282,23 @@ class MegatronTrainer(WeightSource):
 
     def _forward(self, model: Any, part: Batch) -> torch.Tensor:
         """This stage's output: vocab-parallel logits (B, L, V/tp) on the last stage. An MoE
-        model replays ``part.routed_experts`` where the batch carries them (and
-        ``train.moe.routing_replay`` is not off)."""
+        model replays ``part.routed_experts`` with ``train.moe.routing_replay`` and adds its
+        load-balancing loss with ``train.moe.aux_loss_coef`` (:mod:`.moe`)."""
         if (routing := self.ref_routing if model is self.ref_model else self.routing):
-            replay = getattr(getattr(self.train_cfg, "moe", None), "routing_replay", True)
-            routing.begin(part.attention_mask, part.routed_experts if replay else None,
-                          part.response_mask.any(-1))
+            cfg = self.train_cfg.moe
+            share = float(part.response_mask.sum()) / max(self._mini_tokens, 1.0)
+            routing.begin(part.attention_mask,
+                          part.routed_experts if cfg.routing_replay else None,
+                          part.response_mask.any(-1), aux_weight=cfg.aux_loss_coef * share)
         ids = part.input_ids.long().to(self.device)
         length = ids.shape[1]
         pos = torch.arange(length, device=self.device).unsqueeze(0).expand_as(ids)
         causal = torch.ones(length, length, dtype=torch.bool, device=self.device).triu(1)
         mask = ~part.attention_mask.to(self.device)[:, None, None, :] | causal  # True = masked
-        return model(ids, pos, mask)
+        out = model(ids, pos, mask)
+        if routing:
+            routing.end()
+        return out
 
     def _logp(self, out: torch.Tensor, part: Batch, grad_entropy: bool):
         logits = out[:, :-1].float() / self.temperature
@@ -364,13 +369,15 @@ class MegatronTrainer(WeightSource):
         stats = self.routing.stats if self.tp_rank == 0 else torch.zeros_like(self.routing.stats)
         if dist.get_world_size() > 1:  # every DP replica's tokens, every stage's layers
             dist.all_reduce(stats := stats.clone())
-        metrics.update(moe.routing_metrics(stats, self.arch.experts, self.arch.topk))
+        metrics.update(moe.routing_metrics(stats, self.arch.experts,
+                                           per_layer=self.train_cfg.moe.per_layer_metrics))
         return metrics
 
     def _update(self, batch: Batch, mini: MiniBatch, norm_const: float) -> MiniResult:
         """One optimizer step on ``mini`` through megatron's schedule (metrics: last stage)."""
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self._mini_tokens = mini.tokens  # the share of each micro-batch's balance loss
 
         def loss_fn(part: Batch, out: torch.Tensor):  # noqa: ANN202 - megatron's loss_func
             logp, ent = self._logp(out, part, self.algo.entropy_coef > 0)
