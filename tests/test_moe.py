@@ -80,7 +80,10 @@ def test_hf_round_trip_is_exact(tmp_path, arch):
 
 
 @pytest.mark.parametrize("layout", ["slots", "padded"])
-def test_engine_returns_the_routing_its_tokens_took(moe_dir, layout):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_engine_returns_the_routing_its_tokens_took(moe_dir, layout, arch):
+    if arch != "qwen3_moe":
+        moe_dir = save_moe(moe_dir.parent / arch, arch)
     ref = AutoModelForCausalLM.from_pretrained(moe_dir).eval()
     ref.set_experts_implementation("eager")
     with EmbeddedEngine(moe_dir, kv_layout=layout, background=False) as eng:
@@ -190,9 +193,9 @@ def test_replay_cuts_the_mismatch_of_bfloat16_planes(tmp_path):
     finally:
         plane.close()
     batch = Batch.from_samples(samples, [0.0] * len(samples), PAD_ID)
-    b, cols, width = batch.routed_experts.shape
+    b, cols, _ = batch.routed_experts.shape
     real = batch.attention_mask[:, 1:]
-    rollout = batch.routed_experts.long().sort(-1).values
+    rollout = batch.routed_experts.view(b, cols, 2, 2).long().sort(-1).values
     gaps, flips = {}, {}
     for replay in (False, True):
         trainer = TorchTrainer(path, TrainConfig(moe={"routing_replay": replay}),
@@ -200,7 +203,7 @@ def test_replay_cuts_the_mismatch_of_bfloat16_planes(tmp_path):
         trainer.compute_logprobs(batch)
         with RouterTap(trainer.model) as tap:
             logp = trainer.compute_logprobs(batch)
-            used = tap.indices().view(b, cols + 1, width)[:, :-1].long().sort(-1).values
+            used = tap.indices().view(b, cols + 1, 2, 2)[:, :-1].long().sort(-1).values
         flips[replay] = int((used != rollout)[real].any(-1).sum())
         gaps[replay] = (logp - batch.rollout_logp)[batch.response_mask].abs()
     assert flips[False] > 0 and flips[True] == 0, flips
