@@ -236,8 +236,9 @@ class MegatronConfig(_Section):
     recompute_num_layers: int = Field(1, ge=1)
     vocab_divisible_by: int = Field(
         128, ge=1, description="Pad the vocabulary to a multiple of this * tp (masked out).")
-    ep: int = Field(1, ge=1, description="Expert parallelism (MoE models): shards the experts; "
-                    "divides the experts and the data-parallel ranks.")
+    ep: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        1, description="Expert parallelism (MoE models): shards the experts; divides the "
+        "experts and the data-parallel ranks; auto: the planner's.")
     moe_dispatcher: Literal["alltoall", "allgather"] = Field(
         "alltoall", description="MoE token dispatcher across the EP ranks (both run on gloo).")
 
@@ -720,7 +721,7 @@ class ExperimentConfig(_Section):
                 "megatron's local (pure PyTorch) layer spec, whose torch RMSNorm megatron "
                 "refuses under sequence parallelism; it needs the Transformer Engine spec "
                 "(GPU, docs/megatron.md). Set it to false")
-        if "auto" in (m.tp, m.pp):
+        if "auto" in (m.tp, m.pp, m.ep):
             return  # the planner's layout, checked when the trainer starts
         where = (f"cluster.trainer_ranks ({ranks})" if c.mode == "ray"
                  else "the one trainer of cluster.mode=local")

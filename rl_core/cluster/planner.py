@@ -8,7 +8,9 @@ Rollout: the smallest power-of-two TP at which the weights plus a KV budget of `
 full-length sequences fit SGLang's static memory, DP for the rest (one engine per device when
 the model fits one: no per-layer all-reduce in decode, :data:`TP1_RESULT`). Training: FSDP2
 first (16 bytes/param, sharded); Megatron TP/PP only where that does not fit a node or one
-micro-batch's activations do not fit. Weight sync: the full weights, once per rollout replica.
+micro-batch's activations do not fit; a mixture-of-experts model trains with Megatron expert
+parallelism (EP shards the experts inside a node, PP across nodes). Weight sync: the full
+weights, once per rollout replica.
 
 Memory in GiB, reading nominal capacity as GiB (an H100 "80 GB" reports 79.1 GiB: the headroom
 factors absorb it); bandwidth in GB/s (1e9 bytes/s, per direction, per device, as vendors quote
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["DEVICES", "MODEL_PRESETS", "Device", "ModelShape", "Plan", "Resharding", "RolloutPlan",
+__all__ = ["DEVICES", "MODEL_PRESETS", "MOE_DISPATCH_IMBALANCE", "Device", "ModelShape", "Plan", "Resharding", "RolloutPlan",
            "TrainingPlan", "estimate_params", "format_plan", "fsdp_working_bytes", "get_device",
            "kv_bytes_per_token", "load_model", "main", "plan", "plan_to_dict", "resharding",
            "training_activation_bytes"]
@@ -45,6 +47,9 @@ TRAIN_BYTES_PER_PARAM = 16
 # Megatron with the distributed optimizer: bf16 weights 2 + fp32 main_grad 4 are split only
 # by TP x PP; fp32 master + m + v (12) are split by every device.
 MEGATRON_MODEL_BYTES_PER_PARAM, MEGATRON_OPTIM_BYTES_PER_PARAM = 6, 12
+# MoE under expert parallelism: the all-to-all may hand a rank up to this multiple of its
+# share of the routed tokens (routers are not perfectly balanced; megatron drops none).
+MOE_DISPATCH_IMBALANCE = 2.0
 
 # The published result the rollout rule rests on (see docs/planner.md).
 TP1_RESULT = ("a published AMD/SGLang study of RL rollout on MI300X measured TP=1 with more DP "
@@ -159,6 +164,12 @@ class ModelShape:
     def embedding_params(self) -> int:
         return self.vocab * self.hidden
 
+    @property
+    def expert_params(self) -> int:
+        """Parameters in the routed experts (what expert parallelism shards): ``layers * E * 3 *
+        h * i_e``; 0 for a dense model."""
+        return self.layers * self.experts * 3 * self.hidden * self.expert_intermediate
+
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any], *, name: str = "",
                        params: int | None = None) -> ModelShape:
@@ -256,14 +267,22 @@ def kv_bytes_per_token(m: ModelShape, *, tp: int = 1, pp: int = 1, dtype_bytes: 
 
 
 def training_activation_bytes(m: ModelShape, *, micro_batch: int, seq_len: int, tp: int = 1,
-                              dtype_bytes: int = 2) -> int:
+                              dtype_bytes: int = 2, dispatch_imbalance: float = 1.0) -> int:
     """Activations of one micro-batch per device with full activation recompute and flash
     attention (no s^2 term; the formula: docs/planner.md): every layer's input, the layer being
-    recomputed twice for its gradients (MoE: through the top-k experts' width), and the logits
-    with an fp32 log-softmax and its gradient; tensor + sequence parallelism divide by ``tp``."""
+    recomputed twice for its gradients, and the logits with an fp32 log-softmax and its
+    gradient; tensor + sequence parallelism divide by ``tp``. An MoE layer runs each token
+    through its top-k experts' width and dispatches k permuted copies of it (and their outputs)
+    plus the router's probabilities; under EP a rank may receive ``dispatch_imbalance`` times
+    its share of the routed tokens (the planner assumes :data:`MOE_DISPATCH_IMBALANCE`)."""
     tokens, h, d = micro_batch * seq_len, m.hidden, m.head_dim
     checkpoints = m.layers * tokens * h * dtype_bytes
-    per_token = 4 * h + 2 * m.heads * d + 2 * m.kv_heads * d + 4 * m.mlp_active_width
+    per_token = 4 * h + 2 * m.heads * d + 2 * m.kv_heads * d
+    if m.experts:
+        routed = 4 * m.mlp_active_width + 2 * m.experts_per_token * h
+        per_token += int(dispatch_imbalance * routed) + 2 * m.experts
+    else:
+        per_token += 4 * m.intermediate
     one_layer = 2 * tokens * per_token * dtype_bytes
     logits = tokens * m.vocab * (dtype_bytes + 8)
     return (checkpoints + one_layer + logits) // tp
@@ -302,7 +321,8 @@ class TrainingPlan:
     sharding, 1 for megatron). Per device: ``state_bytes`` (weights, grads, optimizer),
     ``working_bytes`` (FSDP's gathered units), ``activation_bytes`` at ``micro_batch``.
     ``min_devices``: the fewest devices on which a full FSDP shard fits at micro-batch 1.
-    ``offload_seconds`` (colocated only): moving the state to host memory and back per step."""
+    ``offload_seconds`` (colocated only): moving the state to host memory and back per step.
+    ``ep``: Megatron's expert parallelism (MoE; carved out of the ``dp`` ranks, 1: none)."""
     devices: int
     backend: str
     tp: int
@@ -317,6 +337,7 @@ class TrainingPlan:
     fits: bool
     min_devices: int | None
     offload_seconds: float = 0.0
+    ep: int = 1
 
 
 @dataclass(frozen=True)
@@ -440,13 +461,17 @@ def _plan_training(m: ModelShape, dev: Device, devices: int, *, seq_len: int, ro
 
     def act(mb: int, tp: int = 1) -> int:
         return training_activation_bytes(m, micro_batch=mb, seq_len=seq_len, tp=tp,
-                                         dtype_bytes=dtype_bytes)
+                                         dtype_bytes=dtype_bytes,
+                                         dispatch_imbalance=MOE_DISPATCH_IMBALANCE)
 
     def fsdp_state(shard: int) -> int:
         return TRAIN_BYTES_PER_PARAM * p // shard
 
-    def megatron_state(tp: int, pp: int) -> int:
-        return (MEGATRON_MODEL_BYTES_PER_PARAM * p // (tp * pp)
+    def megatron_state(tp: int, pp: int, ep: int = 1) -> int:
+        # Experts are split by EP (never by TP: expert TP 1), the rest by TP; both by PP.
+        dense, experts = p - m.expert_params, m.expert_params
+        return (MEGATRON_MODEL_BYTES_PER_PARAM * dense // (tp * pp)
+                + MEGATRON_MODEL_BYTES_PER_PARAM * experts // (ep * pp)
                 + MEGATRON_OPTIM_BYTES_PER_PARAM * p // devices)
 
     spare, min_devices = usable - working - act(1), None
@@ -456,7 +481,7 @@ def _plan_training(m: ModelShape, dev: Device, devices: int, *, seq_len: int, ro
                        if need <= per_node else math.ceil(need / per_node) * per_node)
 
     def result(backend: str, tp: int, pp: int, shard: int, state: int, work: int,
-               fits: bool = True) -> TrainingPlan:
+               fits: bool = True, ep: int = 1) -> TrainingPlan:
         dp = devices // (tp * pp)
         cap = max(1, min(max_micro_batch, math.ceil(rollout_batch / dp)))
         mb = max([b for b in _pow2_upto(cap) if state + work + act(b, tp) <= usable],
@@ -465,9 +490,16 @@ def _plan_training(m: ModelShape, dev: Device, devices: int, *, seq_len: int, ro
             devices=devices, backend=backend, tp=tp, pp=pp, dp=dp, shard=shard,
             state_bytes=state, working_bytes=work, activation_bytes=act(max(mb, 1), tp),
             micro_batch=mb, max_tokens_per_device=mb * seq_len, fits=fits and mb > 0,
-            min_devices=min_devices)
+            min_devices=min_devices, ep=ep)
 
     state_txt = f"16 bytes/param x {p / 1e9:.2f}B params = {_gib(TRAIN_BYTES_PER_PARAM * p)}"
+    # 0. Mixture of experts: Megatron with expert parallelism (TP 1, PP across nodes).
+    if m.experts and (moe := _plan_moe(m, dev, devices, usable, act, megatron_state, reasons)):
+        return result("megatron", 1, moe[0], 1, megatron_state(1, *moe), 0, ep=moe[1])
+    if m.experts:
+        warnings.append(f"no megatron expert-parallel layout (TP 1, EP within a node, PP "
+                        f"across nodes) fits {devices} {dev.name} device(s); the dense rules "
+                        "below decide (FSDP2 runs the experts one by one: slow)")
     # 1. FSDP2 within a node (full shard on one node; hybrid shard across nodes).
     if fsdp_state(node) + working + act(1) <= usable:
         plan_ = result("fsdp2", 1, 1, node, fsdp_state(node), working)
@@ -522,6 +554,34 @@ def _plan_training(m: ModelShape, dev: Device, devices: int, *, seq_len: int, ro
     return result("fsdp2", 1, 1, devices, fsdp_state(devices), working, fits=False)
 
 
+def _plan_moe(m: ModelShape, dev: Device, devices: int, usable: int, act: Any,
+              megatron_state: Any, reasons: list[str]) -> tuple[int, int] | None:
+    """``(pp, ep)`` for an MoE model, or None when no such layout fits (the dense rules then
+    decide). EP: the largest power of two that divides the experts and the data-parallel
+    ranks within a node (the token all-to-all stays on NVLink / Infinity Fabric); PP doubles
+    across nodes until the state and one sequence's activations fit. TP stays 1: megatron
+    trains MoE layers under TP only with sequence parallelism (Transformer Engine's spec)."""
+    node = min(dev.devices_per_node, devices)
+    for pp in (x for x in _pow2_upto(devices) if not m.layers % x and not devices % x):
+        dp = devices // pp
+        ep = max(e for e in _pow2_upto(min(node, dp)) if not m.experts % e and not dp % e)
+        state = megatron_state(1, pp, ep)
+        if state + act(1) > usable:
+            continue
+        experts_bytes = MEGATRON_MODEL_BYTES_PER_PARAM * m.expert_params // (ep * pp)
+        reasons.append(
+            f"training megatron EP={ep}" + (f" PP={pp}" if pp > 1 else "") + f" DP={dp}: a "
+            f"mixture of experts ({m.expert_params / 1e9:.2f}B of {m.n_params / 1e9:.2f}B "
+            f"params in {m.experts} experts per layer) shards its experts {ep} ways "
+            f"({m.experts // ep} per device, {_gib(experts_bytes)} of bf16 weights and fp32 "
+            f"grads) with the token all-to-all on {dev.interconnect}; the distributed optimizer "
+            f"splits Adam (12 bytes/param) over all {devices}: {_gib(state)} per device; TP 1 "
+            "(megatron trains MoE layers under TP only with sequence parallelism, which needs "
+            "the Transformer Engine spec)")
+        return pp, ep
+    return None
+
+
 def resharding(m: ModelShape, dev: Device, *, placement: Placement, num_devices: int,
                rollout: RolloutPlan, training: TrainingPlan, dtype_bytes: int,
                efficiency: float = 0.8) -> Resharding:
@@ -529,6 +589,11 @@ def resharding(m: ModelShape, dev: Device, *, placement: Placement, num_devices:
     w = m.n_params * dtype_bytes
     k = training.shard if training.backend == "fsdp2" else training.tp
     gather = w // training.pp * (k - 1) // k
+    if training.backend == "megatron" and training.ep > 1:  # experts over EP, the rest over TP
+        w_exp = m.expert_params * dtype_bytes
+        gather = ((w - w_exp) // training.pp * (k - 1) // k
+                  + w_exp // training.pp * (training.ep - 1) // training.ep)
+        k = max(k, training.ep)
     nic = ("the network (per-device NIC)", dev.network_gbps)
     local = (dev.interconnect, dev.link_gbps)
     gather_link, gather_gbps = nic if k > dev.devices_per_node else local
@@ -646,6 +711,7 @@ def format_plan(p: Plan) -> str:
     train_mem = (
         f"{_gib(t.state_bytes)} state + {_gib(t.working_bytes + t.activation_bytes)} transient")
     train_note = (t.backend + (f" shard {t.shard}" if t.backend == "fsdp2" else "")
+                  + (f" EP {t.ep}" if t.ep > 1 else "")
                   + f", micro-batch {t.micro_batch} ({t.max_tokens_per_device:,} tokens)"
                   if t.fits else f"{t.backend}, DOES NOT FIT"
                   + (f" (needs >= {t.min_devices} devices)" if t.min_devices else ""))

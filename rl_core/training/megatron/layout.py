@@ -1,9 +1,10 @@
-"""``train.megatron.tp/pp: auto``: the parallelism planner's layout, taken at trainer start.
+"""``train.megatron.tp/pp/ep: auto``: the parallelism planner's layout, taken at trainer start.
 
 The planner (:mod:`rl_core.cluster.planner`, ``grpoflow plan``) does the memory arithmetic
 for the model, the device and the number of trainer ranks: it keeps pure data parallelism
 (TP = PP = 1) while the sharded state fits, and otherwise recommends the smallest megatron
-TP (then PP) that fits. ``auto`` takes that recommendation; an explicit value wins over it.
+TP (then PP) that fits; a mixture-of-experts model gets expert parallelism (EP within a
+node, TP 1, PP across nodes). ``auto`` takes that recommendation; an explicit value wins.
 On CPU the planner's device is the host (TP 1). On GPUs the device is the one the trainer's
 process sees (``detect_platform``), matched by name to the planner's table (H100, H200,
 B200, A100, MI300X, MI325X, MI355X); an unknown one fails with the fix.
@@ -43,10 +44,10 @@ def planner_device(cfg: ExperimentConfig) -> str:
 def resolve_layout(
     cfg: ExperimentConfig, model_path: str | Path, *, device: str | None = None
 ) -> tuple[MegatronConfig, str | None]:
-    """``cfg.train.megatron`` with ``auto`` replaced by the planner's TP/PP, and a line
+    """``cfg.train.megatron`` with ``auto`` replaced by the planner's TP/PP/EP, and a line
     saying what the planner chose and why (None when nothing was ``auto``)."""
     m = cfg.train.megatron
-    if m.tp != "auto" and m.pp != "auto":
+    if "auto" not in (m.tp, m.pp, m.ep):
         return m, None
     from rl_core.cluster.planner import load_model, plan
 
@@ -57,10 +58,13 @@ def resolve_layout(
              rollout_batch=cfg.train.prompts_per_step * cfg.rollout.n_samples).training
     tp = (p.tp if p.backend == "megatron" else 1) if m.tp == "auto" else m.tp
     pp = (p.pp if p.backend == "megatron" else 1) if m.pp == "auto" else m.pp
-    if ranks % (tp * pp):
-        raise ValueError(f"train.megatron: the planner's tp={tp} x pp={pp} does not divide the "
-                         f"{ranks} trainer ranks; set train.megatron.tp/pp explicitly")
+    ep = (p.ep if p.backend == "megatron" else 1) if m.ep == "auto" else m.ep
+    if ranks % (tp * pp) or (ranks // (tp * pp)) % ep:
+        raise ValueError(f"train.megatron: the planner's tp={tp} x pp={pp} (ep={ep}) does not "
+                         f"divide the {ranks} trainer ranks; set train.megatron.tp/pp/ep "
+                         "explicitly")
     how = (f"the planner's {p.backend} layout on {ranks} x {device}: tp={tp}, pp={pp}, "
-           f"dp={ranks // (tp * pp)} ({'fits' if p.fits else 'does NOT fit'}: "
+           f"dp={ranks // (tp * pp)}" + (f", ep={ep}" if ep > 1 else "")
+           + f" ({'fits' if p.fits else 'does NOT fit'}: "
            f"{p.state_bytes / 2**30:.1f} GiB state per device)")
-    return m.model_copy(update={"tp": tp, "pp": pp}), how
+    return m.model_copy(update={"tp": tp, "pp": pp, "ep": ep}), how
