@@ -1,6 +1,7 @@
 """The SFT flow: supervised fine-tuning whose exported model ``grpo_train`` takes as is.
 
-    prepare data -> fetch model -> start trainer -> (resume) -> evaluate
+    fetch model -> prepare data (data.teacher: the teacher's samples) -> start trainer
+    -> (resume) -> evaluate
     -> repeat: train steps (a chunk per task run) -> (every k: checkpoint, evaluate)
     -> checkpoint -> export model -> final evaluation -> register the model
 
@@ -62,11 +63,12 @@ def sft_train(
     if get_current_settings().api.url is None:
         yield_cpu_to_the_step()
     run = Run(cfg, resume, show_progress)
-    data = prepare_sft_data(cfg.data, cfg.storage.cache_dir)
-    tracking = start_tracking(cfg, str(run.dir.path), resume_from=run.resume_from)
     model_path = (bare_tiny_model(cfg.model, cfg.data, cfg.storage.cache_dir)
                   if cfg.model.path == TINY_INIT
                   else fetch_model(cfg.model, cfg.data.grpo_data(), cfg.storage.cache_dir))
+    data = prepare_sft_data(cfg.data, cfg.storage.cache_dir, model_path, cfg.model,
+                            cfg.train.num_threads)  # model first: data.teacher renders with it
+    tracking = start_tracking(cfg, str(run.dir.path), resume_from=run.resume_from)
     session = start_sft(cfg, model_path, data)
     progress = _Progress(run, cfg, show_progress)
     try:

@@ -7,6 +7,8 @@ Each token's advantage is then
 
     A_t = task_weight * A_grpo + kl_weight * (log p_teacher(y_t) - log p_student(y_t))
 
+(with ``normalize``, the gap is first centred and scaled over the step's response tokens)
+
 where ``log p_student`` is what the rollout engine reported for the token (the sampling
 policy), so the second term is the per-token *reverse* KL's negative estimate: tokens the
 teacher finds likelier than the student are pushed up, the others down (on-policy
@@ -14,22 +16,38 @@ distillation: Agarwal et al. 2024, Qwen3, Thinking Machines 2025). ``task_weight
 distillation; GRPO's clipping, the loss aggregation and the rollout corrections apply as
 they do to GRPO's advantages.
 
+The other direction, the forward KL, is SFT on the teacher's samples (the SFT flow's
+``data.teacher``): :func:`sample_teacher_examples` brings the same teacher plane up
+(:func:`rl_core.planes._start_teacher`), has it answer each prompt row and returns the rows
+with the teacher's answers as completions (``keep: correct``: only answers the gsm8k reward
+accepts, i.e. rejection sampling). Minimising the student's NLL on them is the Monte-Carlo
+estimate of ``KL(p_teacher || p_student)`` up to the teacher's entropy.
+
 The teacher and the student must share a tokenizer (their vocabularies are compared when the
 planes come up: a mismatch names both models). Never imports Prefect or MLflow.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from rl_core.types import Batch, Sample
 
+if TYPE_CHECKING:
+    from rl_core.config import ModelConfig
+    from rl_core.sft import Example, SFTDataConfig
+
 __all__ = ["TEACHER_LOGPROBS", "TeacherConfig", "check_tokenizers", "distill_advantages",
-           "score_with_teacher"]
+           "sample_teacher_examples", "score_with_teacher", "teacher_examples"]
+
+log = logging.getLogger(__name__)
 
 TEACHER_LOGPROBS = "teacher_logprobs"  # Sample.meta key
 
@@ -47,6 +65,10 @@ class TeacherConfig(BaseModel):
                              "advantage log p_teacher - log p_student.")
     task_weight: float = Field(0.0, ge=0.0, description="Weight of the task reward's GRPO "
                                "advantage (0: pure distillation).")
+    normalize: bool = Field(False, description="Centre and scale the per-token gap over the "
+                            "step's response tokens (mean 0, std 1) before kl_weight: a "
+                            "baseline, so the gap's mean stops pushing every sampled token down, "
+                            "and GRPO's scale, so kl_weight and task_weight compare.")
 
     @property
     def enabled(self) -> bool:
@@ -105,4 +127,121 @@ def distill_advantages(batch: Batch, samples: Sequence[Sample], cfg: TeacherConf
         teacher[i, start : start + len(lp)] = torch.tensor(lp, dtype=torch.float32)
     mask = batch.response_mask
     gap = (teacher - batch.rollout_logp) * mask  # log p_teacher - log p_student, per token
+    if cfg.normalize and mask.any():
+        tokens = gap[mask]
+        std = tokens.std(unbiased=False) if tokens.numel() > 1 else tokens.new_tensor(0.0)
+        gap = (gap - tokens.mean()) / (std + 1e-6) * mask
     return cfg.task_weight * batch.advantages[:, None] * mask + cfg.kl_weight * gap
+
+
+# ------------------------------------------------------------ the forward KL: teacher samples
+
+
+def teacher_examples(plane: Any, tokenizer: Any, examples: Sequence[Example], d: SFTDataConfig,
+                     chunk: int = 512) -> tuple[list[Example], dict[str, float]]:
+    """``examples`` (prompt rows) with their completions replaced by the teacher's samples
+    from ``plane``: ``data.teacher.samples_per_prompt`` per row, each prompt rendered as the
+    SFT step will render it (:func:`rl_core.sft.prompt_text`, ``tokenizer`` the student's).
+    Samples cut by ``max_new_tokens`` (no end to imitate) and empty ones are dropped;
+    ``keep: correct`` drops those the gsm8k reward scores 0 against the row's reference.
+    Returns the examples and counts: ``samples``, ``kept``, ``truncated``, ``empty``,
+    ``correct`` (by the reward, among the finished ones), ``prompt_tokens`` and
+    ``completion_tokens`` (what the teacher read and wrote), ``seconds``."""
+    from rl_core.engine.sampling import SamplingParams
+    from rl_core.grpo import sample_seed
+    from rl_core.rewards import gsm8k_reward
+    from rl_core.sft import Example
+
+    t = d.teacher
+    if chat := next((e for e in examples if e.messages), None):
+        raise ValueError(f"{chat.origin}: data.teacher.path samples completions for prompt "
+                         "rows ({prompt, completion}); this row is a chat conversation. Map "
+                         "its columns to prompt rows (data.prompt_field / completion_field) or "
+                         "unset data.teacher.path")
+    started = time.perf_counter()
+    prompts = {e.id: ids for e, ids in zip(
+        examples, _encode([e.prompt or "" for e in examples], tokenizer, d), strict=True)}
+    jobs = [(e, j) for e in examples for j in range(t.samples_per_prompt)]
+    out: list[Example] = []
+    counts = dict.fromkeys(("samples", "kept", "truncated", "empty", "correct",
+                            "prompt_tokens", "completion_tokens"), 0.0)
+    for at in range(0, len(jobs), chunk):
+        part = jobs[at : at + chunk]
+        params = [SamplingParams(temperature=t.temperature, top_p=t.top_p,
+                                 max_new_tokens=t.max_new_tokens,
+                                 seed=sample_seed(t.seed, 0, f"teacher:{e.id}", j))
+                  for e, j in part]
+        samples = plane.generate([prompts[e.id] for e, _ in part], params)
+        for (e, j), s in zip(part, samples, strict=True):
+            counts["samples"] += 1
+            counts["prompt_tokens"] += len(s.prompt_ids)
+            counts["completion_tokens"] += len(s.completion_ids)
+            text = tokenizer.decode(s.completion_ids, skip_special_tokens=True)
+            if s.truncated:
+                counts["truncated"] += 1
+                continue
+            if not text.strip():
+                counts["empty"] += 1
+                continue
+            right = gsm8k_reward(text, e.reference) == 1.0
+            counts["correct"] += right
+            if t.keep == "all" or right:
+                out.append(Example(f"{e.id}#teacher{j}", f"{e.origin}, teacher sample {j + 1}",
+                                   prompt=e.prompt, completion=text))
+        log.info("teacher samples: %d of %d (%d kept)", at + len(part), len(jobs), len(out))
+    counts["kept"] = float(len(out))
+    counts["seconds"] = time.perf_counter() - started
+    if not out:
+        raise ValueError(
+            f"data.teacher: none of the teacher's {counts['samples']:.0f} samples was kept "
+            f"({counts['truncated']:.0f} cut at data.teacher.max_new_tokens="
+            f"{t.max_new_tokens}, {counts['empty']:.0f} empty, {counts['correct']:.0f} correct "
+            f"with data.teacher.keep={t.keep}); raise max_new_tokens or samples_per_prompt, "
+            "or keep all")
+    return out, counts
+
+
+def _encode(prompts: Sequence[str], tokenizer: Any, d: SFTDataConfig) -> list[list[int]]:
+    from rl_core.sft import prompt_text
+
+    return [list(tokenizer(prompt_text(tokenizer, p, d), add_special_tokens=False)["input_ids"])
+            for p in prompts]
+
+
+def sample_teacher_examples(examples: Sequence[Example], d: SFTDataConfig,
+                            student: str | Path, cache_dir: str | Path, work_dir: str | Path,
+                            *, model: ModelConfig | None = None,
+                            num_threads: int | None = None) -> tuple[list[Example], dict[str, float]]:
+    """:func:`teacher_examples` on a teacher plane brought up for the purpose: the GRPO
+    teacher's start-up (``data.teacher.path`` resolved like ``model.path`` and cached in
+    ``cache_dir``, its vocabulary checked against ``student``'s by :func:`check_tokenizers`,
+    ``data.teacher.engine`` engines logging under ``work_dir/teacher``), closed afterwards.
+    ``model`` supplies the dtype and ``trust_remote_code``; ``num_threads`` bounds an
+    embedded engine's torch threads."""
+    from transformers import AutoTokenizer
+
+    from rl_core.config import (
+        ExperimentConfig,
+        ModelConfig,
+        RolloutConfig,
+        StorageConfig,
+        TrainConfig,
+    )
+    from rl_core.planes import _start_teacher
+
+    t = d.teacher
+    if not t.enabled:
+        raise ValueError("data.teacher.path is not set")
+    model = (model or ModelConfig()).model_copy(update={"path": str(student)})
+    cfg = ExperimentConfig(
+        model=model, data=d.grpo_data(), storage=StorageConfig(cache_dir=str(cache_dir)),
+        rollout=RolloutConfig(engine=t.engine, num_engines=t.num_engines,
+                              engine_threads=num_threads, max_new_tokens=t.max_new_tokens),
+        train=TrainConfig(num_threads=num_threads),
+        teacher=TeacherConfig(path=t.path, engine=t.engine, num_engines=t.num_engines))
+    tokenizer = AutoTokenizer.from_pretrained(student, trust_remote_code=model.trust_remote_code)
+    plane = _start_teacher(cfg, tokenizer, str(student), work_dir)
+    try:
+        return teacher_examples(plane, tokenizer, examples, d)
+    finally:
+        plane.close()

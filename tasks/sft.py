@@ -23,6 +23,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rl_core.config import ModelConfig
 from rl_core.sft import Example, SFTConfig, SFTDataConfig, examples_digest, split_examples
+from rl_core.teacher import sample_teacher_examples
 from rl_core.training.sft import (
     SFTHandle,
     build_bare_tiny,
@@ -37,12 +38,30 @@ __all__ = ["bare_tiny_model", "evaluate_sft", "export_sft_model",
            "train_steps"]
 
 
-def _data_key(data: SFTDataConfig) -> str:
-    blob = json.dumps({"config": data.model_dump(mode="json"),
-                       "source": source_fingerprint(data.source),
-                       "eval_source": source_fingerprint(data.eval_source or data.source)},
-                      sort_keys=True)
+def _data_key(data: SFTDataConfig, student: str | None = None,
+              model: ModelConfig | None = None) -> str:
+    inputs: dict[str, Any] = {"config": data.model_dump(mode="json"),
+                              "source": source_fingerprint(data.source),
+                              "eval_source": source_fingerprint(data.eval_source or data.source)}
+    if data.teacher.path is not None:  # the teacher's weights, and the prompts it is given
+        inputs["teacher"] = source_fingerprint(data.teacher.path)
+        inputs["student_tokenizer"] = _tokenizer_fingerprint(student)
+        inputs["dtype"] = (model or ModelConfig()).dtype
+    blob = json.dumps(inputs, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _tokenizer_fingerprint(model_dir: str | None) -> str:
+    """sha256 of the tokenizer's files in ``model_dir`` (what renders the prompts)."""
+    if model_dir is None:
+        raise ValueError("data.teacher.path is set, but no student model was given to render "
+                         "the prompts with")
+    h = hashlib.sha256()
+    for f in sorted(Path(model_dir).iterdir()):
+        if f.is_file() and f.name.startswith(("tokenizer", "vocab", "merges", "special_tokens",
+                                               "chat_template", "added_tokens")):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
 
 
 def _write(examples: list[Example], path: Path) -> str:
@@ -67,10 +86,15 @@ def _transient(task: object, task_run: object, state: object) -> bool:
 
 @task(name="prepare-sft-data", timeout_seconds=1800, retries=2, retry_delay_seconds=5,
       retry_condition_fn=_transient)
-def prepare_sft_data(data: SFTDataConfig, cache_dir: str) -> PreparedData:
-    """Any supported source -> validated example snapshots with content digests."""
+def prepare_sft_data(data: SFTDataConfig, cache_dir: str, student: str | None = None,
+                     model: ModelConfig | None = None,
+                     num_threads: int | None = None) -> PreparedData:
+    """Any supported source -> validated example snapshots with content digests. With
+    ``data.teacher.path``, the training rows' completions are the teacher's samples for
+    their prompts, rendered with ``student``'s tokenizer (``model``: its dtype; the counts go
+    to ``teacher.json`` beside the snapshot); the held-out rows keep their references."""
     log = get_run_logger()
-    out = Path(cache_dir) / "sft-data" / _data_key(data)
+    out = Path(cache_dir) / "sft-data" / _data_key(data, student, model)
     meta = out / "meta.json"
     if meta.is_file():
         log.info("data: cached SFT snapshot %s (inputs unchanged), skipping preparation", out)
@@ -78,6 +102,15 @@ def prepare_sft_data(data: SFTDataConfig, cache_dir: str) -> PreparedData:
     started = time.perf_counter()
     train, held = split_examples(data, cache_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if data.teacher.path is not None:
+        assert student is not None  # _data_key refused it
+        train, counts = sample_teacher_examples(train, data, student, cache_dir, out,
+                                                model=model, num_threads=num_threads)
+        (out / "teacher.json").write_text(json.dumps(counts, indent=2))
+        log.info("data: %d of %d teacher samples kept (%d cut at max_new_tokens, %d empty, "
+                 "%d correct) from %s in %.1fs", counts["kept"], counts["samples"],
+                 counts["truncated"], counts["empty"], counts["correct"], data.teacher.path,
+                 counts["seconds"])
     prepared = PreparedData(
         str(out / "train.jsonl"), str(out / "eval.jsonl"), _write(train, out / "train.jsonl"),
         _write(held, out / "eval.jsonl"), len(train), len(held), data.source, cached=False)

@@ -7,10 +7,22 @@ Pinned here, on real engines (the in-process engine core and an HTTP engine proc
   of the teacher model over prompt + completion (SGLang's prefill scoring:
   ``max_new_tokens: 0``, ``logprob_start_len = len(prompt) - 1``).
 - The advantages are ``kl_weight * (log p_teacher - log p_student) + task_weight * A_grpo``
-  per response token, zero elsewhere; a teacher identical to the student gives zero.
+  per response token, zero elsewhere (``teacher.normalize``: the gap centred and scaled over
+  the step's response tokens); a teacher identical to the student gives zero.
 - A teacher with another vocabulary is refused, naming both models.
 - Through Prefect: the teacher plane comes up beside the rollout plane, every step logs the
   reverse-KL estimate, and the student's reverse KL to the teacher falls as it trains.
+
+The forward KL (SFT on the teacher's samples, the SFT flow's ``data.teacher``):
+
+- The examples are the teacher's: with temperature 0, each kept example tokenizes to the
+  prompt the engine answered followed by the teacher engine's own greedy tokens through EOS;
+  sampled ones are reproducible by seed; ``keep: correct`` keeps exactly the samples the
+  gsm8k reward accepts; a truncated sample is dropped.
+- The snapshot's digest changes with the teacher (and a cached snapshot is reused); a short
+  SFT flow on teacher samples, served by an HTTP engine process, runs end to end.
+- A teacher with another tokenizer, chat rows and contradictory settings are refused, each
+  naming what to fix.
 """
 
 from __future__ import annotations
@@ -113,6 +125,12 @@ def test_advantages_are_the_weighted_per_token_gap(models: tuple[Path, Path]) ->
         want = [0.5 * (t - lp) + 2.0 * float(grpo[i])
                 for t, lp in zip(s.meta[TEACHER_LOGPROBS], s.logprobs, strict=True)]
         assert row.tolist() == pytest.approx(want, abs=1e-5)
+    # teacher.normalize: the same gap, centred and scaled over the step's response tokens
+    norm = distill_advantages(batch, samples, TeacherConfig(path="x", normalize=True))
+    gap = adv[batch.response_mask] - (2.0 * grpo[:, None].expand_as(adv))[batch.response_mask]
+    want = (gap / 0.5 - (gap / 0.5).mean()) / (gap / 0.5).std(unbiased=False)
+    assert norm[batch.response_mask].tolist() == pytest.approx(want.tolist(), abs=1e-4)
+    assert torch.all(norm[~batch.response_mask] == 0)
     # the batch trains through the loss as (B, T) advantages, selected per micro-batch
     batch.advantages = adv
     part = batch.select(torch.tensor([0, 2]))
@@ -209,3 +227,150 @@ def test_distillation_through_the_flow(prefect_harness, tiny_cache: Path, demo_m
         assert m["distill/reverse_kl"] > 0.1 and m["time/teacher"] > 0
         assert m["distill/teacher_logp_mean"] > m["distill/student_logp_mean"] - 5
     assert (Path(out["model_dir"]) / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------------ the forward KL: teacher samples
+
+SFT_CONFIG = ROOT / "configs" / "sft-tiny-cpu.yaml"
+
+
+@pytest.fixture(scope="module")
+def sft_student(tiny_cache: Path) -> Path:
+    """The bare tiny model (the demo's tokenizer, random weights): the SFT student."""
+    from rl_core.sft import SFTConfig
+    from rl_core.training.sft import build_bare_tiny
+
+    return build_bare_tiny(SFTConfig().model, SFTConfig().data, tiny_cache)
+
+
+def _rows(n: int) -> list:
+    from rl_core.sft import SFTDataConfig, synthetic_examples
+
+    return synthetic_examples(SFTDataConfig(synthetic_train_size=200))[0][:n]
+
+
+def test_teacher_samples_are_the_teachers_answers(demo_model: Path, sft_student: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from rl_core.rewards import gsm8k_reward
+    from rl_core.sft import SFTDataConfig, tokenize_example
+    from rl_core.teacher import teacher_examples
+
+    tok = AutoTokenizer.from_pretrained(sft_student)
+    rows = _rows(24)
+    greedy = SFTDataConfig(teacher={"path": "t", "temperature": 0.0, "max_new_tokens": 24})
+    sampled = SFTDataConfig(teacher={"path": "t", "samples_per_prompt": 3,
+                                     "max_new_tokens": 24})
+    plane = InProcessPlane(demo_model)
+    try:
+        kept, counts = teacher_examples(plane, tok, rows, greedy)
+        prompts = [tokenize_example(tok, r, greedy) for r in rows]
+        direct = plane.generate([t.ids[: t.prompt_len] for t in prompts],
+                                SamplingParams(temperature=0.0, max_new_tokens=24))
+        correct, c_counts = teacher_examples(plane, tok, rows, greedy.model_copy(update={
+            "teacher": greedy.teacher.model_copy(update={"keep": "correct"})}))
+        drawn = [teacher_examples(plane, tok, rows[:4], sampled.model_copy(update={
+            "teacher": sampled.teacher.model_copy(update={"seed": seed})}))[0]
+            for seed in (0, 0, 1)]
+    finally:
+        plane.close()
+    assert counts["samples"] == 24
+    assert counts["kept"] + counts["truncated"] + counts["empty"] == 24 == len(direct)
+    assert counts["truncated"] == sum(d.truncated for d in direct)
+    by_row = {e.id.removesuffix("#teacher0"): e for e in kept}
+    for row, want in zip(rows, direct, strict=True):
+        if want.truncated:  # no end to imitate
+            assert row.id not in by_row
+            continue
+        t = tokenize_example(tok, by_row[row.id], greedy)
+        assert by_row[row.id].prompt == row.prompt
+        assert t.ids[: t.prompt_len] == want.prompt_ids  # the prompt the teacher answered
+        assert t.ids[t.prompt_len :] == want.completion_ids  # its tokens, through its EOS
+        assert want.completion_ids[-1] == tok.eos_token_id
+    right = [e for e in kept if gsm8k_reward(e.completion, _reference(rows, e)) == 1.0]
+    assert 0 < len(right) < len(kept)  # the demo model is right about a third of the time
+    assert [e.id for e in correct] == [e.id for e in right]
+    assert c_counts["correct"] == counts["correct"] == c_counts["kept"] == len(right)
+    # sampled: three per row, reproducible by seed, another seed draws others
+    assert len({e.id for e in drawn[0]}) == len(drawn[0]) > 4
+    assert [e.completion for e in drawn[0]] == [e.completion for e in drawn[1]]
+    assert [e.completion for e in drawn[0]] != [e.completion for e in drawn[2]]
+
+
+def _reference(rows: list, e) -> str:  # noqa: ANN001
+    return next(r.completion for r in rows if e.id.startswith(f"{r.id}#"))
+
+
+def test_teacher_samples_refuse_what_cannot_work(demo_model: Path, tiny_cache: Path,
+                                                 tmp_path: Path) -> None:
+    from rl_core.config import ConfigError
+    from rl_core.sft import Example, SFTDataConfig, load_sft_config
+    from rl_core.teacher import sample_teacher_examples, teacher_examples
+
+    with pytest.raises(ConfigError, match=r"data.teacher.*samples_per_prompt=4 with temperature 0"):
+        load_sft_config(SFT_CONFIG, ["data.teacher.temperature=0",
+                                     "data.teacher.samples_per_prompt=4"])
+    with pytest.raises(ConfigError, match="data.teacher.keep"):
+        load_sft_config(SFT_CONFIG, ["data.teacher.keep=best"])
+    d = SFTDataConfig(teacher={"path": str(demo_model), "engine": "local"})
+    chat = Example("c", "chat.jsonl line 3", messages=(("user", "hi"), ("assistant", "#### 1")))
+    with pytest.raises(ValueError, match=r"chat.jsonl line 3: data.teacher.path samples "
+                       r"completions for prompt rows"):
+        teacher_examples(None, None, [chat], d)
+    other = save_tiny_model(tmp_path / "char-student")  # another vocabulary
+    with pytest.raises(ValueError, match=rf"teacher.path '{demo_model}' has another tokenizer "
+                       rf"than the student '{other}'"):
+        sample_teacher_examples(_rows(2), d, other, tiny_cache, tmp_path / "work")
+
+
+def test_sft_on_teacher_samples_through_the_flow(prefect_harness, tiny_cache: Path,
+                                                 demo_model: Path, tmp_path: Path) -> None:
+    """The SFT flow with data.teacher: an HTTP engine process serves the teacher, the
+    snapshot holds its samples (and is reused when nothing changed), its digest follows the
+    teacher, and the run trains, evaluates on the references and exports."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from flows.sft import sft_train
+    from rl_core.sft import load_sft_config
+    from rl_core.training.sft import build_bare_tiny
+    from tasks.sft import prepare_sft_data, read_prepared
+
+    overrides = [f"storage.root={tmp_path}", f"storage.cache_dir={tiny_cache}",
+                 "run_name=sft-teacher", "tracking.backend=none", "train.num_threads=1",
+                 "data.synthetic_test_size=32",  # the demo's tokenizer: its train size
+                 "data.max_train_examples=24", "train.batch_size=8", "train.micro_batch_size=8",
+                 "train.steps=4", "eval.every=0", "eval.num_examples=16",
+                 "eval.greedy_examples=8", "checkpoint.every=0",
+                 f"data.teacher.path={demo_model}", "data.teacher.engine=embedded",
+                 "data.teacher.samples_per_prompt=2", "data.teacher.max_new_tokens=32"]
+    summary = sft_train(config=str(SFT_CONFIG), overrides=overrides, show_progress=False)
+    assert summary["steps"] == 4 and Path(summary["model_dir"], "model.safetensors").is_file()
+    assert summary["last_eval"]["accuracy_examples"] == 8
+
+    cfg = load_sft_config(SFT_CONFIG, overrides)
+    student = str(build_bare_tiny(cfg.model, cfg.data, tiny_cache))
+    again = prepare_sft_data(cfg.data, str(tiny_cache), student, cfg.model, 1)
+    assert again.cached and again.train_digest == summary["data"]["train_digest"]
+    train = read_prepared(again.train_path)
+    counts = json.loads((Path(again.train_path).parent / "teacher.json").read_text())
+    assert len(train) == again.num_train == counts["kept"] > 24  # two samples of most rows
+    assert all("#teacher" in e.id and ", teacher sample " in e.origin for e in train)
+    assert (Path(again.train_path).parent / "teacher" / "engines").is_dir()  # its logs
+    held = read_prepared(again.eval_path)
+    assert all("#teacher" not in e.id for e in held)  # evaluated on the references
+
+    # another teacher (the demo model, perturbed), or none: other data, other digests
+    other = tmp_path / "teacher-b"
+    model = AutoModelForCausalLM.from_pretrained(demo_model)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(other)
+    AutoTokenizer.from_pretrained(demo_model).save_pretrained(other)
+    b = prepare_sft_data(cfg.data.model_copy(update={"teacher": cfg.data.teacher.model_copy(
+        update={"path": str(other), "engine": "local"})}), str(tiny_cache), student, cfg.model, 1)
+    plain = prepare_sft_data(cfg.data.model_copy(update={"teacher": cfg.data.teacher.model_copy(
+        update={"path": None})}), str(tiny_cache), student, cfg.model, 1)
+    assert not b.cached and len({again.train_digest, b.train_digest, plain.train_digest}) == 3
+    assert again.eval_digest == b.eval_digest == plain.eval_digest
