@@ -196,7 +196,8 @@ def test_routing_replay_routes_exactly_as_given(megatron_trainer, moe_dir) -> No
     mg.shutdown()
     full = megatron_trainer(moe_dir, train=train_cfg(recompute="full").model_copy(
         update={"moe": REPLAY}))
-    full.train_step(batch)  # mini-batches [0, 1] and [2]: one micro-batch each
+    metrics = full.train_step(batch)  # mini-batches [0, 1] and [2]: one micro-batch each
+    assert metrics["moe/replayed_tokens"] == 1.0  # every token that predicts one was given
     width = int(batch.attention_mask[2].sum())
     for layer, used in enumerate(full.routing.used()):
         assert torch.equal(used[: width - 1], routed[2, : width - 1, layer].long())

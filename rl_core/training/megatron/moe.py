@@ -80,6 +80,7 @@ class Routing:
         self.collect = False
         self.stats = torch.zeros(len(arch.moe_layer_ids), 2 * arch.experts + 2,
                                  dtype=torch.float64)
+        self.replayed = torch.zeros(2, dtype=torch.float64)  # given, counted tokens
 
     def begin(self, attention_mask: torch.Tensor, routed: torch.Tensor | None,
               rows: torch.Tensor | None = None, aux_weight: float = 0.0) -> None:
@@ -102,6 +103,10 @@ class Routing:
         if self.targets is not None and self.targets.shape[1] != len(self.stats):
             raise ValueError(f"routed_experts gives {self.targets.shape[1]} MoE layers; the "
                              f"model has {len(self.stats)}")
+        if self.collect:  # tokens counted, and how many of them were given experts
+            given = (0.0 if self.targets is None
+                     else float((self.targets[:, 0, 0] >= 0)[self.valid].sum()))
+            self.replayed += torch.tensor([given, float(self.valid.sum())], dtype=torch.float64)
 
     def end(self) -> None:
         """After the micro-batch's forward on this stage: the pooled expert shares ``f`` its

@@ -195,12 +195,12 @@ class MegatronTrainer(WeightSource):
         self.core, self.model = self._build(hf)
         full = self.mcfg.recompute == "full"
         self.routing = moe.attach(self.core, self.arch, recompute=full)
-        self._build_optimizer()
         self.ref_model = self.ref_routing = None
-        if algorithm.kl_coef > 0:
-            ref_core, self.ref_model = self._build(hf)
+        if algorithm.kl_coef > 0:  # before the optimizer: megatron's SequentialMLP deep-copies
+            ref_core, self.ref_model = self._build(hf)  # the config, which then holds DDP hooks
             self.ref_model.eval().requires_grad_(False)
             self.ref_routing = moe.attach(ref_core, self.arch, recompute=full)
+        self._build_optimizer()
         del hf
         self.global_step, self._mini_tokens = 0, 0.0
 
@@ -359,6 +359,7 @@ class MegatronTrainer(WeightSource):
                 self, batch, minis, norm_const, self._update,
                 lambda: self.train_cfg.lr * self._lr_factor(self.global_step))
         self.routing.stats.zero_()
+        self.routing.replayed.zero_()
         self.routing.collect = True
         try:
             metrics = torch_trainer.run_train_step(
@@ -366,11 +367,18 @@ class MegatronTrainer(WeightSource):
                 lambda: self.train_cfg.lr * self._lr_factor(self.global_step))
         finally:
             self.routing.collect = False
-        stats = self.routing.stats if self.tp_rank == 0 else torch.zeros_like(self.routing.stats)
+        stats = torch.cat([self.routing.stats.flatten(), self.routing.replayed])
+        if self.tp_rank != 0 or not self.first_stage:  # TP copies; replay counted once per row
+            stats[-2:] = 0
+        if self.tp_rank != 0:
+            stats.zero_()
         if dist.get_world_size() > 1:  # every DP replica's tokens, every stage's layers
-            dist.all_reduce(stats := stats.clone())
-        metrics.update(moe.routing_metrics(stats, self.arch.experts,
+            dist.all_reduce(stats)
+        metrics.update(moe.routing_metrics(stats[:-2].view_as(self.routing.stats),
+                                           self.arch.experts,
                                            per_layer=self.train_cfg.moe.per_layer_metrics))
+        if self.train_cfg.moe.routing_replay:  # the share of tokens routed by the rollout's
+            metrics["moe/replayed_tokens"] = float(stats[-2] / stats[-1].clamp_min(1))
         return metrics
 
     def _update(self, batch: Batch, mini: MiniBatch, norm_const: float) -> MiniResult:
