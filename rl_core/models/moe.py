@@ -21,14 +21,16 @@ Never imports Prefect or MLflow.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
 __all__ = ["MOE_ARCHS", "RouterTap", "build_tiny_moe", "fuse_expert_weights", "moe_dims",
-           "prefer_fast_experts", "router_metrics", "routers"]
+           "pin_eager_experts", "prefer_fast_experts", "router_metrics", "routers"]
 
 # The tiny demo's MoE architectures (model.tiny_arch); any model whose routers are
 # transformers' TopKRouter modules runs on the engine and the trainer.
@@ -56,6 +58,16 @@ def prefer_fast_experts(model: torch.nn.Module) -> None:
     param = next(model.parameters(), None)
     if routers(model) and param is not None and param.device.type == "cpu":
         model.set_experts_implementation("eager")
+
+
+def pin_eager_experts(model_dir: str | Path) -> None:
+    """Make every loader of the MoE model in ``model_dir`` run its experts one by one (its
+    ``config.json`` says ``experts_implementation: eager``, which ``from_pretrained`` reads;
+    ``save_pretrained`` does not write it back): for a CPU-only model such as the demo's, whose
+    loaders (the SFT warm start) do not call :func:`prefer_fast_experts`."""
+    path = Path(model_dir) / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()),
+                                "experts_implementation": "eager"}, indent=2) + "\n")
 
 
 def build_tiny_moe(arch: str, *, vocab_size: int, hidden_size: int, layers: int, heads: int,
