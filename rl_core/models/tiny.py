@@ -2,9 +2,11 @@
 
 ``bootstrap_tiny_model`` trains a byte-level BPE tokenizer (digits split one per token, so
 arithmetic is learnable) on the synthetic task, builds a small Qwen2-architecture causal LM
-with ``transformers``, warm-starts it with a short supervised pass until its greedy accuracy
-on held-out problems reaches a target (so GRPO has something to improve), and saves it in
-Hugging Face format: ``config.json``, ``model.safetensors``, ``tokenizer.json``,
+with ``transformers`` (:func:`build_bare`: ``embedded:tiny-init``), warm-starts it with the
+SFT flow's trainer (:class:`~rl_core.training.sft.SFTTrainer`, the rows tokenized as
+``grpoflow sft`` tokenizes prompt/completion rows) until its greedy accuracy on held-out
+problems reaches a target (so GRPO has something to improve), and saves it in Hugging Face
+format: ``config.json``, ``model.safetensors``, ``tokenizer.json``,
 ``generation_config.json``. Anything that loads HF models loads it. Nothing is downloaded.
 
 Deterministic for a seed on a given machine and thread count. Never imports Prefect or
@@ -23,6 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -32,6 +35,10 @@ from rl_core.data.prompts import encode_prompts
 from rl_core.data.records import Record
 from rl_core.data.synthetic import generate_splits
 from rl_core.rewards import gsm8k_reward
+
+if TYPE_CHECKING:
+    from rl_core.sft import TokenizedExample
+    from rl_core.training.sft import SFTTrainer
 
 __all__ = ["CHAT_TEMPLATE", "TOOL_SYSTEM_PROMPT", "TinyModelSpec", "bootstrap_tiny_model"]
 
@@ -86,6 +93,9 @@ class TinyModelSpec:
     # A long-tailed task (data.synthetic_long_frac): this share has long_steps steps.
     long_frac: float = 0.0
     long_steps: int = 12
+    # How the warm start trains (part of the digest: a model built another way is rebuilt):
+    # "sft": the SFT flow's trainer (rl_core.training.sft.SFTTrainer).
+    recipe: str = "sft"
 
     def digest(self) -> str:
         import hashlib
@@ -155,31 +165,19 @@ def _tool_episode(tokenizer: PreTrainedTokenizerFast, rec: Record) -> tuple[list
     return ids, [-100] * len(prompt) + call + [-100] * len(obs) + answer
 
 
-def _sft_batch(
-    tokenizer: PreTrainedTokenizerFast, examples: Sequence[Record], tools: Sequence[bool] = ()
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    tools = list(tools) or [False] * len(examples)
-    system = TOOL_SYSTEM_PROMPT if any(tools) else None
-    prompts = encode_prompts(tokenizer, [r.question for r in examples], system_prompt=system)
-    seqs, labels = [], []
-    for prompt, rec, tool in zip(prompts, examples, tools, strict=True):
-        if tool:
-            ids, lab = _tool_episode(tokenizer, rec)
-            seqs.append(ids)
-            labels.append(lab)
-            continue
-        target = tokenizer.encode(rec.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
-        seqs.append(prompt + target)
-        labels.append([-100] * len(prompt) + target)
-    shape = (len(seqs), max(len(s) for s in seqs))
-    ids = torch.full(shape, tokenizer.pad_token_id, dtype=torch.long)
-    lab = torch.full(shape, -100, dtype=torch.long)
-    mask = torch.zeros(shape, dtype=torch.long)
-    for i, (s, y) in enumerate(zip(seqs, labels, strict=True)):
-        ids[i, : len(s)] = torch.tensor(s)
-        lab[i, : len(y)] = torch.tensor(y)
-        mask[i, : len(s)] = 1
-    return ids, lab, mask
+def _warm_start_example(tokenizer: PreTrainedTokenizerFast, rec: Record, tool: bool,
+                       system_prompt: str | None) -> TokenizedExample:
+    """One demonstration as the SFT flow tokenizes a prompt/completion row (the prompt rendered
+    as ``grpo_train`` renders it, the loss on the answer and its EOS), or a calculator episode."""
+    from rl_core.sft import Example, SFTDataConfig, TokenizedExample, tokenize_example
+
+    if tool:
+        ids, labels = _tool_episode(tokenizer, rec)
+        prompt_len = next(i for i, y in enumerate(labels) if y != -100)
+        return TokenizedExample(rec.id, ids, labels, prompt_len, rec.answer)
+    row = Example(rec.id, "synthetic", prompt=rec.question, completion=rec.answer)
+    return tokenize_example(tokenizer, row, SFTDataConfig(system_prompt=system_prompt,
+                                                          max_seq_len=10_000))
 
 
 def greedy_accuracy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast,
@@ -224,43 +222,48 @@ def _tool_episode_answers(model_dir: str, records: Sequence[Record], params: obj
 
 
 def warm_start(
-    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, train: Sequence[Record],
+    model_dir: str | Path, tokenizer: PreTrainedTokenizerFast, train: Sequence[Record],
     val: Sequence[Record], spec: TinyModelSpec,
     progress: Callable[[int, float, float | None], None] | None = None,
-) -> tuple[int, float]:
-    """Supervised pass until greedy accuracy on ``val`` reaches ``spec.target_accuracy``;
-    returns (steps taken, final held-out greedy accuracy). Stopping on a target, not a step
+) -> tuple[SFTTrainer, int, float]:
+    """Supervised fine-tuning of the bare model in ``model_dir`` with the SFT flow's trainer
+    (:class:`~rl_core.training.sft.SFTTrainer`: token-mean loss on the answers, AdamW with
+    warmup) until greedy accuracy on ``val`` reaches ``spec.target_accuracy``; returns (the
+    trainer, steps taken, final held-out greedy accuracy). Stopping on a target, not a step
     count, lands the demo's starting accuracy in a known band on any machine."""
+    from rl_core.sft import SFTTrainConfig
+    from rl_core.training.sft import SFTTrainer, greedy_eval
+
+    sft = SFTTrainConfig(steps=spec.sft_max_steps, batch_size=spec.sft_batch_size,
+                         micro_batch_size=spec.sft_batch_size, lr=spec.sft_lr, warmup_steps=10,
+                         lr_schedule="constant", weight_decay=0.0, grad_clip=1.0, seed=spec.seed)
+    trainer = SFTTrainer(model_dir, sft, pad_id=tokenizer.pad_token_id, pack_length=10_000)
+    system = TOOL_SYSTEM_PROMPT if spec.tool_demos else None
+    held = [_warm_start_example(tokenizer, r, False, system) for r in val]
     rng = random.Random(spec.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))  # warmup
     order = list(range(len(train)))
     acc = 0.0
-    model.train()
     for step in range(1, spec.sft_max_steps + 1):
         if len(order) < spec.sft_batch_size:
             order = list(range(len(train)))
         rng.shuffle(order)
         batch = [train[order.pop()] for _ in range(spec.sft_batch_size)]
-        tools = [rng.random() < spec.tool_demos for _ in batch] if spec.tool_demos else []
-        ids, labels, mask = _sft_batch(tokenizer, batch, tools)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        tools = [rng.random() < spec.tool_demos if spec.tool_demos else False for _ in batch]
+        loss = trainer.sft_step([_warm_start_example(tokenizer, r, t, system)
+                                 for r, t in zip(batch, tools, strict=True)], step)["loss"]
         checked = None
         # With tool demos the greedy policy answers directly (most demonstrations do) and
         # rarely succeeds, so there is no start level to stop at: train sft_max_steps, so the
         # tool path is learned, and measure once (GRPO then learns when to take it).
-        if (step == spec.sft_max_steps if spec.tool_demos else step % spec.eval_every == 0):
-            acc = checked = greedy_accuracy(model, tokenizer, val, tools=spec.tool_demos > 0)
+        if spec.tool_demos and step == spec.sft_max_steps:
+            acc = checked = greedy_accuracy(trainer.model, tokenizer, val, tools=True)
+        elif not spec.tool_demos and step % spec.eval_every == 0:
+            acc = checked = greedy_eval(trainer, tokenizer, held, 48).get("pass_at_1", 0.0)
         if progress is not None:
-            progress(step, loss.item(), checked)
+            progress(step, loss, checked)
         if checked is not None and acc >= spec.target_accuracy:
-            return step, acc
-    return spec.sft_max_steps, acc
+            return trainer, step, acc
+    return trainer, spec.sft_max_steps, acc
 
 
 def _split_validation(records: Sequence[Record], n_val: int) -> tuple[list[Record], list[Record]]:
@@ -270,6 +273,42 @@ def _split_validation(records: Sequence[Record], n_val: int) -> tuple[list[Recor
     val = [r for r in records if counts[r.question] == 1][-n_val:]
     held = {r.id for r in val}
     return [r for r in records if r.id not in held], val
+
+
+def _splits(spec: TinyModelSpec) -> tuple[list[Record], list[Record]]:
+    """The warm start's (training, validation) problems: the run's training split only."""
+    knobs = dict(digits=spec.digits, operations=spec.operations, steps=spec.steps,
+                 long_frac=spec.long_frac, long_steps=spec.long_steps)
+    train, _ = generate_splits(spec.train_size, spec.test_size, seed=spec.data_seed, **knobs)
+    if len(train) <= 2 * spec.val_examples:
+        raise ValueError(
+            f"the tiny model's warm start needs more than {2 * spec.val_examples} training "
+            f"problems, got {len(train)}; raise data.synthetic_train_size")
+    return _split_validation(train, spec.val_examples)
+
+
+def build_bare(spec: TinyModelSpec, out_dir: str | Path) -> PreTrainedTokenizerFast:
+    """The demo model before its warm start, saved in HF format in ``out_dir``: the tokenizer
+    trained on the task's text and a randomly initialised Qwen2 LM (``embedded:tiny-init``)."""
+    train, _ = _splits(spec)
+    corpus = [f"user\n{r.question}\nassistant\n{r.answer}" for r in train[:2000]]
+    if spec.tool_demos:  # the call's boilerplate becomes a few tokens, as in real vocabularies
+        corpus += [f"{TOOL_SYSTEM_PROMPT}\n{tool_call_text(_question_expression(r.question))}"
+                   f"\ntool\n#### {r.final_answer}" for r in train[:2000]]
+    tokenizer = build_tokenizer(corpus, spec.vocab_size)
+    model = build_model(spec, tokenizer)
+    log.info("built tiny Qwen2 model: %.2fM parameters",
+             sum(p.numel() for p in model.parameters()) / 1e6)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    _save_tokenizer(tokenizer, out_dir)
+    return tokenizer
+
+
+def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: str | Path) -> None:
+    tokenizer.save_pretrained(out_dir)
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                     do_sample=True, temperature=1.0, top_p=1.0,
+                     max_new_tokens=64).save_pretrained(out_dir)
 
 
 def bootstrap_tiny_model(
@@ -284,31 +323,14 @@ def bootstrap_tiny_model(
             and json.loads(marker.read_text()).get("digest") == spec.digest()):
         return out
     started = time.perf_counter()
-    knobs = dict(digits=spec.digits, operations=spec.operations, steps=spec.steps,
-                 long_frac=spec.long_frac, long_steps=spec.long_steps)
-    train, _ = generate_splits(spec.train_size, spec.test_size, seed=spec.data_seed, **knobs)
-    if len(train) <= 2 * spec.val_examples:
-        raise ValueError(
-            f"the tiny model's warm start needs more than {2 * spec.val_examples} training "
-            f"problems, got {len(train)}; raise data.synthetic_train_size")
-    train, val = _split_validation(train, spec.val_examples)
-    corpus = [f"user\n{r.question}\nassistant\n{r.answer}" for r in train[:2000]]
-    if spec.tool_demos:  # the call's boilerplate becomes a few tokens, as in real vocabularies
-        corpus += [f"{TOOL_SYSTEM_PROMPT}\n{tool_call_text(_question_expression(r.question))}"
-                   f"\ntool\n#### {r.final_answer}" for r in train[:2000]]
-    tokenizer = build_tokenizer(corpus, spec.vocab_size)
-    model = build_model(spec, tokenizer)
-    n_params = sum(p.numel() for p in model.parameters())
-    log.info("built tiny Qwen2 model: %.2fM parameters", n_params / 1e6)
-    steps, acc = warm_start(model, tokenizer, train, val, spec, progress)
-
+    train, val = _splits(spec)
+    with tempfile.TemporaryDirectory(prefix="grpoflow-tiny-init-") as bare:
+        tokenizer = build_bare(spec, bare)
+        trainer, steps, acc = warm_start(bare, tokenizer, train, val, spec, progress)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                     do_sample=True, temperature=1.0, top_p=1.0,
-                     max_new_tokens=64).save_pretrained(out)
-    info = {"digest": spec.digest(), "spec": asdict(spec), "parameters": n_params,
+    trainer.save_pretrained(out)
+    _save_tokenizer(tokenizer, out)
+    info = {"digest": spec.digest(), "spec": asdict(spec), "parameters": sum(p.numel() for p in trainer.model.parameters()),
             "sft_steps": steps, "val_greedy_accuracy": acc,
             "seconds": round(time.perf_counter() - started, 1)}
     marker.write_text(json.dumps(info, indent=2))

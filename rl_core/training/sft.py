@@ -248,29 +248,18 @@ def greedy_eval(trainer: SFTTrainer, tokenizer: Any, examples: Sequence[Tokenize
 def build_bare_tiny(model: ModelConfig, data: SFTDataConfig, cache_dir: str | Path) -> Path:
     """The demo's tiny model before its warm start (``model.path: embedded:tiny-init``): a
     byte-level BPE tokenizer with the chat template and a randomly initialised Qwen2 LM, sized
-    by ``model.tiny_*``; built once into ``<cache_dir>/models/tiny-init-<digest>``."""
-    from transformers import GenerationConfig
-
-    from rl_core.data.synthetic import generate_splits
+    by ``model.tiny_*`` (:func:`rl_core.models.tiny.build_bare`); built once into
+    ``<cache_dir>/models/tiny-init-<digest>``."""
     from rl_core.models.hub import tiny_spec_for
-    from rl_core.models.tiny import build_model, build_tokenizer
+    from rl_core.models.tiny import build_bare
 
     spec = tiny_spec_for(model, data.grpo_data())
     out = Path(cache_dir) / "models" / f"tiny-init-{spec.digest()}"
     if (out / "grpoflow_tiny_init.json").is_file():
         return out
-    train, _ = generate_splits(spec.train_size, spec.test_size, seed=spec.data_seed,
-                               digits=spec.digits, operations=spec.operations, steps=spec.steps)
-    corpus = [f"user\n{r.question}\nassistant\n{r.answer}" for r in train[:2000]]
-    tokenizer = build_tokenizer(corpus, spec.vocab_size)
-    lm = build_model(spec, tokenizer)
     tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:8]}")
-    lm.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                     do_sample=True, temperature=1.0, max_new_tokens=64).save_pretrained(tmp)
-    (tmp / "grpoflow_tiny_init.json").write_text(json.dumps(
-        {"digest": spec.digest(), "parameters": sum(p.numel() for p in lm.parameters())}))
+    build_bare(spec, tmp)
+    (tmp / "grpoflow_tiny_init.json").write_text(json.dumps({"digest": spec.digest()}))
     try:
         tmp.rename(out)
     except OSError:  # another process built it meanwhile
