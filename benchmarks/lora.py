@@ -2,12 +2,14 @@
 
 For each model (``tiny``: the demo's architecture, 1.7M parameters; ``25m``: a 25.7M Qwen2,
 both from :func:`benchmarks.rollout_throughput.build_model_dir`) and each mode (``full``;
-``lora``: rank ``--rank``, alpha 2r, every attention and MLP projection), a fresh process
+``lora``: rank ``--rank``, alpha 2r, every attention and MLP projection; ``qlora``: the same
+adapter on an NF4 base, bitsandbytes), a fresh process
 builds :class:`~rl_core.training.torch_trainer.TorchTrainer` with KL on (full: a second,
 frozen copy as the reference; LoRA: the base with the adapter disabled), runs ``--warmup``
 untimed GRPO steps on one batch (:func:`benchmarks.train_throughput.make_batch`) and times
 one ``train_step`` and one reference ``compute_logprobs``. Reported: trainable parameters,
-the optimizer state and gradient bytes (counted from the tensors), the process's peak RSS
+the frozen base's bytes, the optimizer state and gradient bytes (counted from the tensors),
+the process's peak RSS
 (``ru_maxrss``: model, reference, optimizer, activations), and the bytes one weight sync
 stages (``export_weights``). ``--repeats`` rounds run every (model, mode) in turn; times are
 medians. Prints a table and writes JSON (default ``benchmarks/results/lora.json``). A
@@ -37,7 +39,7 @@ from benchmarks.rollout_throughput import MODEL_SIZES, build_model_dir
 from benchmarks.train_throughput import make_batch
 
 DEFAULT_OUT = RESULTS / "lora.json"
-MODES = ("full", "lora")
+MODES = ("full", "lora", "qlora")
 
 
 def _bytes(tensors: Any) -> int:  # noqa: ANN401
@@ -50,8 +52,8 @@ def worker_main(args: argparse.Namespace) -> None:
     from rl_core.training.torch_trainer import TorchTrainer
 
     torch.set_num_threads(args.threads)
-    lora = LoraConfig(rank=args.rank, alpha=2.0 * args.rank) if args.worker == "lora" else \
-        LoraConfig()  # fmt: skip
+    lora = LoraConfig() if args.worker == "full" else LoraConfig(
+        rank=args.rank, alpha=2.0 * args.rank, quantize="nf4" if args.worker == "qlora" else None)
     train = TrainConfig(steps=1000, micro_batch_size=args.micro_batch, lora=lora)
     trainer = TorchTrainer(args.model_dir, train, AlgorithmConfig(kl_coef=0.001))
     batch = make_batch(MODEL_SIZES[args.model]["vocab_size"], args.batch, args.response_len, 0)
@@ -70,6 +72,8 @@ def worker_main(args: argparse.Namespace) -> None:
         "parameters": sum(p.numel() for n, p in trainer.model.named_parameters()
                           if ".lora_" not in n),
         "trainable": sum(p.numel() for p in trained),
+        "base_mb": _bytes(v for k, v in trainer.model.state_dict().items()
+                          if ".lora_" not in k) / 2**20,
         "optimizer_state_mb": _bytes(state) / 2**20,
         "grad_mb": _bytes(p.grad for p in trained) / 2**20,
         "reference_copy_mb": _bytes(trainer.ref_model.parameters()) / 2**20
@@ -132,10 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     for key, r in results.items():
         model = key.split("/")[0]
         full = results[f"{model}/full"]
-        rows.append([key, int(r["trainable"]), r["optimizer_state_mb"], r["grad_mb"],
+        rows.append([key, int(r["trainable"]), r["base_mb"], r["optimizer_state_mb"], r["grad_mb"],
                      r["reference_copy_mb"], r["peak_rss_mb"], r["sync_mb"], r["train_seconds"],
                      full["train_seconds"] / r["train_seconds"]])  # fmt: skip
-    print(format_table(["model/mode", "trainable", "optim MB", "grad MB", "ref copy MB",
+    print(format_table(["model/mode", "trainable", "base MB", "optim MB", "grad MB", "ref copy MB",
                         "peak RSS MB", "sync MB", "train s", "speed vs full"], rows))
     doc.update(results=results, runs=runs)
     write_json(args.out, doc)

@@ -255,10 +255,21 @@ class LoraConfig(_Section):
     use_rslora: bool = Field(False, description="Scale by alpha / sqrt(r) (rsLoRA).")
     name: str = Field("policy", min_length=1, description="The adapter's name on the engines "
                       "(SGLang's lora_name; requests carry it as lora_path).")
+    quantize: Literal["nf4", "fp4"] | None = Field(None, description="QLoRA: the trainer holds "
+        "the frozen base in 4 bits (bitsandbytes; `pip install 'grpoflow[qlora]'`); the "
+        "engines serve the full-precision base + the adapter. None: full-precision base.")
+    double_quant: bool = Field(True, description="QLoRA: quantize the 4-bit scales too.")
 
     @property
     def enabled(self) -> bool:
         return self.rank > 0
+
+    @model_validator(mode="after")
+    def _check_quantize(self) -> LoraConfig:
+        if self.quantize and not self.enabled:
+            raise ValueError(f"train.lora.quantize={self.quantize!r} quantizes the base under "
+                             "an adapter, but train.lora.rank is 0; set train.lora.rank > 0")
+        return self
 
 
 class MoeConfig(_Section):

@@ -242,6 +242,68 @@ def test_checkpoint_holds_the_adapter_and_export_merges_it(model_dir: Path,
     assert "lm_head.weight" in load_file(out / "model.safetensors") or merged.config.tie_word_embeddings
 
 
+def test_qlora_trains_an_adapter_on_a_4bit_base(model_dir: Path, tmp_path: Path) -> None:
+    """QLoRA (train.lora.quantize=nf4): the trainer's frozen base is 4-bit (bitsandbytes, on
+    CPU here), only the adapter trains and travels; the engines serve the full-precision base
+    with the synced adapter, and the export merges the adapter into that full-precision base."""
+    import bitsandbytes as bnb
+
+    qlora = LoraConfig(rank=4, alpha=8.0, quantize="nf4")
+    trainer = TorchTrainer(model_dir, TrainConfig(lr=1e-2, lora=qlora), AlgorithmConfig(),
+                           max_response_len=16)
+    full = _trainer(model_dir)  # the same adapter shapes on the full-precision base
+    quantized = [m for m in trainer.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    linear = [m for n, m in full.model.named_modules() if n.endswith("base_layer")]
+    assert len(quantized) == len(linear) > 0
+    for q, f in zip(quantized, linear, strict=True):  # two 4-bit weights per byte
+        assert q.weight.dtype == torch.uint8 and q.weight.numel() * 2 == f.weight.numel()
+    assert trainer.ref_model is None  # no second copy
+
+    plane = InProcessPlane(model_dir)
+    try:
+        samples = plane.generate(PROMPTS, PARAMS)
+        # before training (B = 0) the trainer scores with the 4-bit base: close to, not equal
+        # to, the full-precision engine (the QLoRA rollout/train mismatch; TIS corrects it)
+        gap = [abs(a - b) for x, y in zip(_scored(trainer, samples), [s.logprobs for s in samples],
+                                          strict=True) for a, b in zip(x, y, strict=True)]
+        assert 0 < sum(gap) / len(gap) < 0.5
+        batch = Batch.from_samples(samples, [1.0, -1.0, 0.5, -0.5], pad_id=0)
+        batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+        frozen = {k: v.clone() for k, v in trainer.model.state_dict().items()
+                  if ".lora_" not in k and isinstance(v, torch.Tensor)}
+        trainer.train_step(batch)
+        after = trainer.model.state_dict()
+        assert all(torch.equal(frozen[k], after[k]) for k in frozen)  # the 4-bit base is frozen
+        adapter = trainer.export_weights()
+        assert adapter.keys() == full.export_weights().keys()
+        assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)
+        # the engine: the full-precision base + this adapter, as a full-precision trainer
+        # holding the same adapter scores it
+        full.model.load_state_dict(lora_lib.model_keys(adapter), strict=False)
+        metrics = sync_weights(trainer, plane, TensorSync(plane, "policy"), 1)
+        assert metrics["sync_bytes"] == sum(t.numel() * 4 for t in adapter.values())
+        tuned = plane.generate(PROMPTS, PARAMS)
+        _close([s.logprobs for s in tuned], _scored(full, tuned))
+    finally:
+        plane.close()
+
+    trainer.save_state(tmp_path / "ckpt")  # the adapter and its optimizer, never the base
+    assert {p.name for p in (tmp_path / "ckpt" / "model").iterdir()} == {
+        "adapter_config.json", "adapter_model.safetensors"}
+    restored = TorchTrainer(model_dir, TrainConfig(lr=1e-2, lora=qlora), AlgorithmConfig())
+    restored.load_state(tmp_path / "ckpt")
+    got = restored.export_weights()
+    assert all(torch.equal(got[k], adapter[k]) for k in adapter)
+    out = trainer.save_pretrained(tmp_path / "export")  # merged into the full-precision base
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    full.model.eval()
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=ids).logits, full.model(input_ids=ids).logits,
+                              atol=1e-4)
+
+
 def test_lora_config_errors() -> None:
     demo = ROOT / "configs" / "tiny-cpu.yaml"
     with pytest.raises(ValueError, match="train.backend=torch"):
@@ -250,6 +312,8 @@ def test_lora_config_errors() -> None:
         load_config(demo, ["train.lora.rank=8", "rollout.weight_sync=distributed"])
     cfg = load_config(demo, ["train.lora.rank=8"])
     assert cfg.train.lora.enabled and lora_lib.scaling(cfg.train.lora) == 2.0
+    with pytest.raises(ValueError, match="train.lora.rank is 0"):
+        load_config(demo, ["train.lora.quantize=nf4"])
     with pytest.raises(ValueError, match=r"target_modules \['qq'\] match no linear layer"):
         lora_lib.apply_lora(torch.nn.Sequential(torch.nn.Linear(2, 2)),
                             LoraConfig(rank=2, target_modules=["qq"]))

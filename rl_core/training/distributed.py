@@ -348,7 +348,8 @@ class TrainerGroup:
         ``scheduling_strategies``: one Ray scheduling strategy per rank (placement-group
         bundles), or None to let Ray place them. ``device``: ``cpu`` or ``cuda`` (each rank takes
         one GPU; ROCm too). ``data_parallel``: ``ddp`` or ``fsdp2`` (default: DDP on CPU, FSDP2
-        on GPUs). ``env``: extra environment for the rank processes (e.g. the platform presets).
+        on GPUs; DDP for QLoRA: FSDP2 does not shard bitsandbytes' 4-bit weights). ``env``:
+        extra environment for the rank processes (e.g. the platform presets).
         ``timeout_s`` bounds every call and every collective. ``num_cpus_per_rank`` /
         ``num_gpus_per_rank``: what each rank reserves from Ray (default: its threads, and one
         GPU on GPUs), e.g. a placement slot's share."""
@@ -358,9 +359,13 @@ class TrainerGroup:
             raise ValueError(
                 f"{len(scheduling_strategies)} scheduling strategies for {num_ranks} ranks")
         gpu = device.startswith("cuda")
-        mode: DataParallel = data_parallel or ("fsdp2" if gpu else "ddp")
+        mode: DataParallel = data_parallel or ("fsdp2" if gpu and not train_cfg.lora.quantize
+                                               else "ddp")
         if mode not in ("ddp", "fsdp2"):
             raise ValueError(f"data_parallel must be 'ddp' or 'fsdp2', got {mode!r}")
+        if mode == "fsdp2" and train_cfg.lora.quantize:
+            raise ValueError("train.lora.quantize (QLoRA) with FSDP2: FSDP2 does not shard "
+                             "bitsandbytes' 4-bit weights; use data_parallel='ddp'")
         remote, actors = ray.remote(TrainerRank), []
         # What a rank reserves (a placement slot may hold half a device when the planes are
         # colocated); its thread budget is num_threads_per_rank either way.

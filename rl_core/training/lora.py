@@ -11,6 +11,12 @@ then have three forms, each from the model's full state_dict (whole on the sendi
 - :func:`model_keys`: adapter tensors renamed back to the wrapped model's state_dict names,
   for restoring a checkpoint.
 
+QLoRA (``train.lora.quantize``): :func:`quantization` is the ``BitsAndBytesConfig`` the trainer
+loads its frozen base with (4-bit NF4/FP4, bitsandbytes, on CPU, CUDA and ROCm). The adapter
+trains on the dequantized base; the engines keep serving the full-precision base with the
+adapter on top, and the merged export adds the adapter to the full-precision base read from
+``model.path`` (a 4-bit base has no exact full-precision weights to merge into).
+
 Never imports Prefect or MLflow.
 """
 
@@ -28,10 +34,27 @@ from safetensors.torch import save_file
 from rl_core.config import LoraConfig
 
 __all__ = ["ADAPTER_DIR", "adapter_config", "adapter_tensors", "apply_lora", "merged_tensors",
-           "model_keys", "write_adapter"]
+           "model_keys", "quantization", "write_adapter"]
 
 ADAPTER_DIR = "adapter"  # beside the merged model in an export
 _PREFIX, _ADAPTER = "base_model.model.", "default"
+
+
+def quantization(cfg: LoraConfig, compute_dtype: torch.dtype) -> Any:
+    """The ``BitsAndBytesConfig`` of a QLoRA base (``cfg.quantize``), or None."""
+    if not cfg.quantize:
+        return None
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"train.lora.quantize={cfg.quantize!r} needs bitsandbytes: "
+                          "pip install 'grpoflow[qlora]' (or set train.lora.quantize: null)"
+                          ) from exc
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=cfg.quantize,
+                              bnb_4bit_use_double_quant=cfg.double_quant,
+                              bnb_4bit_compute_dtype=compute_dtype)
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
@@ -77,10 +100,15 @@ def model_keys(adapter: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k.removesuffix(".weight") + f".{_ADAPTER}.weight": v for k, v in adapter.items()}
 
 
-def merged_tensors(full: Mapping[str, torch.Tensor], cfg: LoraConfig) -> dict[str, torch.Tensor]:
-    """The base model's weights with each adapter merged in, under the base model's names."""
+def merged_tensors(full: Mapping[str, torch.Tensor], cfg: LoraConfig,
+                   base: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The base model's weights with each adapter merged in, under the base model's names;
+    ``base``: the base's own weights by those names (QLoRA: the full-precision ones), else
+    the wrapped model's."""
     out: dict[str, torch.Tensor] = {}
-    for k, v in full.items():
+    if base is not None:
+        out = {k: v.detach().clone() for k, v in base.items()}
+    for k, v in full.items() if base is None else ():
         if ".lora_" in k:
             continue
         out[k.removeprefix(_PREFIX).replace(".base_layer.", ".")] = v.detach().clone()

@@ -90,10 +90,15 @@ class TorchTrainer(WeightSource):
         self.max_response_len = max_response_len
         self.device = torch.device(device)
         torch.manual_seed(train.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
-        ).to(self.device)
+        self.model_path, self._trust_remote_code = str(model_path), trust_remote_code
+        self._dtype = torch_dtype(dtype)
         self.lora = train.lora if train.lora.enabled else None
+        quant = lora_lib.quantization(train.lora, torch_dtype(dtype))  # QLoRA: a 4-bit base
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
+            **({"quantization_config": quant, "device_map": str(self.device)} if quant else {}))
+        if quant is None:
+            self.model = self.model.to(self.device)
         prefer_fast_experts(self.model)
         self.moe = MoeForward.for_model(self.model, train.moe, model_path)  # None: dense
         if self.lora is not None:
@@ -287,7 +292,13 @@ class TorchTrainer(WeightSource):
         if self._sends_weights:
             path.mkdir(parents=True, exist_ok=True)
             base = self.model.get_base_model()
-            base.save_pretrained(path, state_dict=lora_lib.merged_tensors(full, self.lora),
+            own = None
+            if self.lora.quantize:  # merge into the full-precision base, not the 4-bit one
+                base = AutoModelForCausalLM.from_pretrained(
+                    self.model_path, dtype=self._dtype,
+                    trust_remote_code=self._trust_remote_code)
+                own = base.state_dict()
+            base.save_pretrained(path, state_dict=lora_lib.merged_tensors(full, self.lora, own),
                                  safe_serialization=True)
             lora_lib.write_adapter(self.model, path / lora_lib.ADAPTER_DIR,
                                    lora_lib.adapter_tensors(full))
