@@ -348,3 +348,27 @@ def test_moe_grpo_flow_with_replay_syncs_checkpoints_and_resumes(prefect_harness
     resumed = run_demo_flow(tmp_path, tiny_cache, "resumed", *args, resume="always")
     again = load_file(Path(resumed["model_dir"]) / "model.safetensors")
     assert final.keys() == again.keys() and all(torch.equal(final[k], again[k]) for k in final)
+
+
+def test_the_demo_config_builds_a_tiny_qwen3_moe():
+    import hashlib
+    from dataclasses import asdict, replace
+
+    from rl_core.models.hub import tiny_spec_for
+    from rl_core.models.tiny import TinyModelSpec, build_model, build_tokenizer
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "configs" / "tiny-moe-cpu.yaml")
+    assert cfg.train.moe.routing_replay
+    spec = tiny_spec_for(cfg.model, cfg.data)
+    assert (spec.arch, spec.experts, spec.experts_per_token) == ("qwen3_moe", 8, 2)
+    assert spec.digest() != replace(spec, arch="qwen2_moe").digest()
+    dense = {k: v for k, v in asdict(TinyModelSpec()).items()  # cached dense models stay valid
+             if k not in ("arch", "experts", "experts_per_token", "moe_intermediate_size",
+                          "tool_demos", "long_frac", "long_steps")}
+    want = hashlib.sha256(json.dumps(dense, sort_keys=True).encode()).hexdigest()[:12]
+    assert TinyModelSpec().digest() == want
+    tok = build_tokenizer(["user\n1 + 2 = ?\nassistant\n#### 3"], 300)
+    model = build_model(spec, tok)
+    assert model.config.model_type == "qwen3_moe" and moe_dims(model) == (4, 2, 8)
+    assert model.config.norm_topk_prob and model.config.tie_word_embeddings

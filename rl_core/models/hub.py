@@ -74,7 +74,9 @@ def tiny_spec_for(model: ModelConfig, data: DataConfig) -> TinyModelSpec:
         vocab_size=model.tiny_vocab_size, **data.synthetic_knobs(), data_seed=data.seed,
         train_size=data.synthetic_train_size, test_size=data.synthetic_test_size,
         sft_max_steps=model.tiny_sft_steps, target_accuracy=model.tiny_target_accuracy,
-        seed=model.seed, tool_demos=model.tiny_tool_demos)
+        seed=model.seed, tool_demos=model.tiny_tool_demos, arch=model.tiny_arch,
+        experts=model.tiny_experts, experts_per_token=model.tiny_experts_per_token,
+        moe_intermediate_size=model.tiny_moe_intermediate_size)
 
 
 def verify_model_dir(path: str | Path, *, trust_remote_code: bool = False) -> Path:

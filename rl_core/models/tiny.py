@@ -29,7 +29,13 @@ from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from rl_core.data.prompts import encode_prompts
 from rl_core.data.records import Record
@@ -93,6 +99,12 @@ class TinyModelSpec:
     # A long-tailed task (data.synthetic_long_frac): this share has long_steps steps.
     long_frac: float = 0.0
     long_steps: int = 12
+    # "dense" (Qwen2), or a mixture-of-experts architecture of rl_core.models.moe (every layer
+    # MoE: `experts` experts of width moe_intermediate_size, experts_per_token per token).
+    arch: str = "dense"
+    experts: int = 4
+    experts_per_token: int = 2
+    moe_intermediate_size: int = 128
     # How the warm start trains (part of the digest: a model built another way is rebuilt):
     # "sft": the SFT flow's trainer (rl_core.training.sft.SFTTrainer).
     recipe: str = "sft"
@@ -106,6 +118,9 @@ class TinyModelSpec:
         if not self.long_frac:  # likewise before the long-tailed task
             spec.pop("long_frac")
             spec.pop("long_steps")
+        if self.arch == "dense":  # likewise before MoE models
+            for key in ("arch", "experts", "experts_per_token", "moe_intermediate_size"):
+                spec.pop(key)
         blob = json.dumps(spec, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
@@ -125,8 +140,21 @@ def build_tokenizer(corpus: Sequence[str], vocab_size: int) -> PreTrainedTokeniz
                                    chat_template=CHAT_TEMPLATE, model_max_length=512)
 
 
-def build_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
-    """A randomly initialised Qwen2 causal LM sized by ``spec``."""
+def build_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
+    """A randomly initialised Qwen2 causal LM sized by ``spec``, or its mixture-of-experts
+    variant (``spec.arch``: :func:`rl_core.models.moe.build_tiny_moe`)."""
+    if spec.arch != "dense":
+        from rl_core.models.moe import build_tiny_moe
+
+        return build_tiny_moe(
+            spec.arch, vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
+            layers=spec.layers, heads=spec.heads, kv_heads=spec.kv_heads, experts=spec.experts,
+            experts_per_token=spec.experts_per_token,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            max_position_embeddings=spec.max_position_embeddings,
+            bos_token_id=tokenizer.convert_tokens_to_ids(BOS_CHAT),
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            seed=spec.seed)
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.layers,
@@ -297,9 +325,13 @@ def build_bare(spec: TinyModelSpec, out_dir: str | Path) -> PreTrainedTokenizerF
                    f"\ntool\n#### {r.final_answer}" for r in train[:2000]]
     tokenizer = build_tokenizer(corpus, spec.vocab_size)
     model = build_model(spec, tokenizer)
-    log.info("built tiny Qwen2 model: %.2fM parameters",
+    log.info("built tiny %s model: %.2fM parameters", model.config.model_type,
              sum(p.numel() for p in model.parameters()) / 1e6)
     model.save_pretrained(out_dir, safe_serialization=True)
+    if spec.arch != "dense":  # the warm start's loader runs the experts the fast way on CPU
+        from rl_core.models.moe import pin_eager_experts
+
+        pin_eager_experts(out_dir)
     _save_tokenizer(tokenizer, out_dir)
     return tokenizer
 
