@@ -9,7 +9,10 @@ once routing by its own router and once replaying the rollout's
 experts. Reported per (engine, trainer) dtype pair and mode, over the response tokens: mean
 and max ``|logp_train - logp_rollout|``, the k3 estimate of KL(rollout || train)
 (``mean(exp(d) - 1 - d)``, ``d = logp_train - logp_rollout``), and the share of (token, MoE
-layer) pairs whose expert set differs from the rollout's. ``bfloat16/bfloat16`` is the
+layer) pairs whose expert set differs from the rollout's; and the same |dlogp| over the
+*affected* tokens only: the response tokens at or after the first token whose routing
+differed (in any layer) in the trainer's own routing (a different expert at token ``t``
+changes the keys and values every later token attends to). ``bfloat16/bfloat16`` is the
 realistic pair (SGLang and the trainer both compute in bfloat16 on GPUs, with different
 kernels and batch shapes); ``bfloat16/float32`` is an engine serving bfloat16 against a
 float32 trainer; ``float32/float32`` is the control (the planes agree to rounding). Prints
@@ -84,6 +87,7 @@ def measure(model_dir: Path, prompts: list[list[int]], samples: int, max_new_tok
     row: dict[str, Any] = {"engine_dtype": engine_dtype, "trainer_dtype": trainer_dtype,
                            "sequences": b, "response_tokens": int(mask.sum()),
                            "generate_seconds": round(gen_s, 2)}
+    affected = None  # response tokens at or after a routing difference (own routing)
     for replay in (False, True):
         train = TrainConfig(micro_batch_size=b, pack_groups=False,
                             moe={"routing_replay": replay})
@@ -95,12 +99,17 @@ def measure(model_dir: Path, prompts: list[list[int]], samples: int, max_new_tok
         layers, k = trainer.moe.layers, trainer.moe.top_k
         used = used.view(b, cols + 1, layers, k)[:, :-1].long().sort(-1).values
         rollout = batch.routed_experts.view(b, cols, layers, k).long().sort(-1).values
-        differ = (used != rollout).any(-1)[real]  # (token, layer) pairs
+        differ = (used != rollout).any(-1) & real[..., None]  # (token, layer) pairs
+        if affected is None:
+            affected = (differ.any(-1).cumsum(1) > 0) & mask
         d = (logp - batch.rollout_logp)[mask]
+        hit = (logp - batch.rollout_logp)[affected].abs()
         row["replay" if replay else "own_routing"] = {
             "mean_abs_dlogp": float(d.abs().mean()), "max_abs_dlogp": float(d.abs().max()),
             "k3_kl": float((torch.exp(d) - 1 - d).mean()),
-            "routing_differs": float(differ.float().mean())}
+            "routing_differs": float(differ[real].float().mean()),
+            "affected_tokens": int(affected.sum()),
+            "affected_mean_abs_dlogp": float(hit.mean()) if len(hit) else 0.0}
     return row
 
 
@@ -108,9 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="an MoE model directory (default: the demo's tiny MoE)")
     p.add_argument("--cache", default=str(ROOT / ".cache" / "grpoflow"))
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--samples", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
@@ -126,9 +135,11 @@ def main(argv: list[str] | None = None) -> None:
             m = r[mode]
             table.append([f"{r['engine_dtype']}/{r['trainer_dtype']}", mode,
                           f"{m['mean_abs_dlogp']:.5f}", f"{m['max_abs_dlogp']:.4f}",
-                          f"{m['k3_kl']:.2e}", f"{100 * m['routing_differs']:.2f}%"])
+                          f"{m['k3_kl']:.2e}", f"{100 * m['routing_differs']:.3f}%",
+                          m["affected_tokens"], f"{m['affected_mean_abs_dlogp']:.5f}"])
     print(format_table(["engine/trainer dtype", "routing", "mean |dlogp|", "max |dlogp|",
-                        "k3 KL", "routes differ"], table))
+                        "k3 KL", "routes differ", "affected tokens",
+                        "affected mean |dlogp|"], table))
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model_dir)
