@@ -34,7 +34,8 @@ from rl_core.weight_sync import sync_weights
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Planes", "PlanesHandle", "bring_up_planes", "get_planes", "start_rollout", "tear_down"]
+__all__ = ["Planes", "PlanesHandle", "bring_up_planes", "get_planes", "start_rollout", "start_teacher",
+           "tear_down"]
 
 
 @dataclass(frozen=True)
@@ -236,7 +237,7 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
         eval_records, eval_prompts, skip_eval = _encode_within_limit(tokenizer, eval_records, cfg)
         rollout, transport = start_rollout(cfg, model_path, work_dir, placement, trainer)
         if cfg.teacher.enabled and with_trainer:
-            teacher = _start_teacher(cfg, tokenizer, str(model_path), work_dir)
+            teacher = start_teacher(cfg, tokenizer, str(model_path), work_dir)
         if cfg.agent.enabled:
             from rl_core.agents.rollout import AgentRollout
 
@@ -255,7 +256,7 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
     return PlanesHandle(key)
 
 
-def _start_teacher(cfg: ExperimentConfig, tokenizer: Any, student: str,
+def start_teacher(cfg: ExperimentConfig, tokenizer: Any, student: str,
                    work_dir: str | Path) -> RolloutPlane:
     """The teacher's rollout plane (``teacher.*``), after checking it shares the student's
     tokenizer; it serves fixed weights (never synced)."""

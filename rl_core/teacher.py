@@ -18,7 +18,7 @@ they do to GRPO's advantages.
 
 The other direction, the forward KL, is SFT on the teacher's samples (the SFT flow's
 ``data.teacher``): :func:`sample_teacher_examples` brings the same teacher plane up
-(:func:`rl_core.planes._start_teacher`), has it answer each prompt row and returns the rows
+(:func:`rl_core.planes.start_teacher`), has it answer each prompt row and returns the rows
 with the teacher's answers as completions (``keep: correct``: only answers the gsm8k reward
 accepts, i.e. rejection sampling). Minimising the student's NLL on them is the Monte-Carlo
 estimate of ``KL(p_teacher || p_student)`` up to the teacher's entropy.
@@ -227,7 +227,7 @@ def sample_teacher_examples(examples: Sequence[Example], d: SFTDataConfig,
         StorageConfig,
         TrainConfig,
     )
-    from rl_core.planes import _start_teacher
+    from rl_core.planes import start_teacher
 
     t = d.teacher
     if not t.enabled:
@@ -240,7 +240,7 @@ def sample_teacher_examples(examples: Sequence[Example], d: SFTDataConfig,
         train=TrainConfig(num_threads=num_threads),
         teacher=TeacherConfig(path=t.path, engine=t.engine, num_engines=t.num_engines))
     tokenizer = AutoTokenizer.from_pretrained(student, trust_remote_code=model.trust_remote_code)
-    plane = _start_teacher(cfg, tokenizer, str(student), work_dir)
+    plane = start_teacher(cfg, tokenizer, str(student), work_dir)
     try:
         return teacher_examples(plane, tokenizer, examples, d)
     finally:
