@@ -28,6 +28,8 @@ from rl_core.rollout.stream import Group, _extend
 from rl_core.training.torch_trainer import TorchTrainer
 from rl_core.types import Batch, Sample, decode_routed_experts
 
+ROOT = Path(__file__).resolve().parents[1]
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20, 21, 22]]
@@ -253,6 +255,9 @@ def test_replay_needs_an_moe_model(tmp_path):
     with pytest.raises(ConfigError, match="train.moe.routing_replay"):
         load_config(None, ["train.moe.routing_replay=true"])
     load_config(None, ["train.moe.routing_replay=true", "model.tiny_arch=qwen3_moe"])
+    with pytest.raises(ConfigError, match="multi-turn episodes do not carry"):
+        load_config(ROOT / "configs" / "agent-calculator.yaml",
+                    ["train.moe.routing_replay=true", "model.tiny_arch=qwen3_moe"])
     dense = save_tiny_model(tmp_path / "dense")
     with pytest.raises(ConfigError, match="train.moe.routing_replay=true"):
         _trainer(dense, replay=True)
@@ -372,3 +377,17 @@ def test_the_demo_config_builds_a_tiny_qwen3_moe():
     model = build_model(spec, tok)
     assert model.config.model_type == "qwen3_moe" and moe_dims(model) == (4, 2, 8)
     assert model.config.norm_topk_prob and model.config.tie_word_embeddings
+
+
+def test_sglang_broadcast_of_an_moe_model_is_refused_up_front(tmp_path: Path) -> None:
+    """The broadcast would send transformers' fused expert names, which SGLang's loader does
+    not take: refused before any engine starts, naming the transport that works (disk)."""
+    from rl_core.planes import start_rollout
+
+    cfg = load_config(ROOT / "configs" / "tiny-moe-cpu.yaml",
+                      ["rollout.engine=sglang", "rollout.weight_sync=distributed"])
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe",
+                                                      "num_experts": 8}))
+    with pytest.raises(ConfigError, match="use rollout.weight_sync=disk"):
+        start_rollout(cfg, tmp_path, tmp_path / "work")
+    assert not (tmp_path / "work").exists()  # nothing was started
