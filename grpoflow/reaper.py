@@ -12,7 +12,10 @@ of a core). Two mechanisms cover every way out:
   command's death from the kernel (``PR_SET_PDEATHSIG``: no polling for that). When the
   command is gone (exited, SIGKILLed, OOM-killed) it sends SIGTERM to every descendant it
   saw that is still the same process (pid and start time), waits ``grace_s`` seconds and
-  SIGKILLs the rest, then exits.
+  SIGKILLs the rest, then exits. Every process the command starts inherits a marker in its
+  environment (``GRPOFLOW_REAPED_BY``); at the end the reaper also ends the marked processes
+  its scans missed (started in the last ``poll_s`` seconds, or reparented away early).
+  ``GRPOFLOW_REAPER_LOG=PATH`` makes it write what it saw and signalled to ``PATH``.
 - :func:`exit_within` bounds the command's own exit after SIGTERM/SIGINT: the flow tears
   its planes down, and if the interpreter has not exited ``seconds`` later (a thread that
   does not stop), the descendants are killed and the process leaves with ``os._exit``.
@@ -39,6 +42,7 @@ __all__ = ["exit_within", "kill_descendants", "start"]
 
 log = logging.getLogger("rl_core.reaper")  # the CLI shows rl_core's records
 _PR_SET_PDEATHSIG = 1
+MARK = "GRPOFLOW_REAPED_BY"
 
 
 def start(grace_s: float = 5.0, poll_s: float = 2.0) -> subprocess.Popen | None:
@@ -46,10 +50,12 @@ def start(grace_s: float = 5.0, poll_s: float = 2.0) -> subprocess.Popen | None:
     signal follows the thread that forked). ``None`` where it cannot run (not Linux)."""
     if not sys.platform.startswith("linux"):
         return None
+    mark = f"{os.getpid()}-{time.time_ns()}"
+    os.environ[MARK] = mark  # inherited by everything this process starts from now on
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "grpoflow.reaper", "--pid", str(os.getpid()),
-             "--grace", str(grace_s), "--poll", str(poll_s)],
+             "--grace", str(grace_s), "--poll", str(poll_s), "--mark", mark],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True, close_fds=True)
     except OSError as e:  # a run without a reaper still runs
@@ -101,7 +107,19 @@ def _parent_gone(signum: int, frame: object) -> None:
     raise _ParentGone
 
 
-def _watch(pid: int, grace_s: float, poll_s: float) -> int:
+def _marked(mark: str, skip: set[int]) -> list[psutil.Process]:
+    """The running processes whose environment carries ``MARK=mark`` (but ``skip``)."""
+    out = []
+    for p in psutil.process_iter():
+        if p.pid in skip:
+            continue
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get(MARK) == mark:
+                out.append(p)
+    return out
+
+
+def _watch(pid: int, grace_s: float, poll_s: float, mark: str | None = None) -> int:
     """The reaper's loop (see the module docstring); returns its exit code."""
     me = os.getpid()
     seen: dict[int, psutil.Process] = {}
@@ -126,8 +144,30 @@ def _watch(pid: int, grace_s: float, poll_s: float) -> int:
     except _ParentGone:
         pass
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    kill_descendants(list(seen.values()), grace_s)
+    procs = list(seen.values())
+    if mark:
+        known = {p.pid for p in procs}
+        procs += [p for p in _marked(mark, {me, pid}) if p.pid not in known]
+    log.info("reaper of %d: its command ended; ending %s", pid, [
+        f"{p.pid}:{_name(p)}" for p in procs])
+    killed = kill_descendants(procs, grace_s)
+    log.info("reaper of %d: signalled %s; still running: %s", pid, killed,
+             [p.pid for p in procs if _running(p)])
     return 0
+
+
+def _name(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())[:120]
+    except psutil.Error:
+        return "?"
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,9 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pid", type=int, required=True, help="the process whose leftovers to reap")
     p.add_argument("--grace", type=float, default=5.0, help="SIGTERM -> SIGKILL, seconds")
     p.add_argument("--poll", type=float, default=2.0, help="descendant scan period, seconds")
+    p.add_argument("--mark", default=None, help=f"the {MARK} value of the command's processes")
     args = p.parse_args(argv)
+    if path := os.environ.get("GRPOFLOW_REAPER_LOG"):
+        logging.basicConfig(filename=path, level=logging.INFO,
+                            format="%(asctime)s %(process)d %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the terminal is for the run
-    return _watch(args.pid, args.grace, args.poll)
+    return _watch(args.pid, args.grace, args.poll, args.mark)
 
 
 if __name__ == "__main__":

@@ -71,10 +71,11 @@ def _words(name: str) -> list[str]:
 def is_secret_name(name: str) -> bool:
     """Whether a config key, flag or variable name says its value is a credential."""
     words = _words(name)
-    for w, after in zip(words, [*words[1:], ""], strict=False):
+    for before, w, after in zip(["", *words], words, [*words[1:], ""], strict=False):
         if w in _SECRET_WORDS or any(p in w for p in _SECRET_PARTS):
             return True
-        if w.endswith(_SECRET_ENDS) and not (w.endswith("token") and after in _TOKEN_IDS):
+        if w.endswith(_SECRET_ENDS) and not (w.endswith("token") and (
+                after in _TOKEN_IDS or before == "per")):  # experts_per_token: a count
             return True
     return False
 

@@ -12,6 +12,7 @@ tests/test_resume.py's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -74,6 +75,45 @@ def test_the_reaper_ends_the_tree_of_a_sigkilled_process(tmp_path: Path) -> None
             parent.kill()
 
 
+def test_the_reaper_ends_what_escaped_its_scans(tmp_path: Path) -> None:
+    """A process started after the reaper's last scan and reparented away at once (a
+    daemonizing double fork) is not a descendant it saw: the environment marker finds it."""
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import subprocess, sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from grpoflow import reaper
+        reaper.start(grace_s=1.0, poll_s=60.0)  # one scan, at its start
+        time.sleep(1.0)
+        subprocess.run([sys.executable, "-c", "import subprocess; subprocess.Popen("
+                        "['sleep', '600'], start_new_session=True)"], check=True)
+        print("ready", flush=True)
+        time.sleep(600)
+    """))
+    log = tmp_path / "reaper.log"
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "GRPOFLOW_REAPER_LOG": str(log)})
+    orphans: list[psutil.Process] = []
+    try:
+        assert parent.stdout is not None and parent.stdout.readline().strip() == "ready"
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if p.cmdline() == ["sleep", "600"] and p.ppid() != parent.pid and \
+                        p.environ().get("GRPOFLOW_REAPED_BY", "").startswith(f"{parent.pid}-"):
+                    orphans.append(p)
+        assert len(orphans) == 1, "the double-forked sleep, reparented away from its run"
+        parent.kill()
+        parent.wait(10)
+        assert _alive(orphans, timeout_s=15) == [], log.read_text() if log.exists() else ""
+        assert f"{orphans[0].pid}:sleep 600" in log.read_text()
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        for p in orphans:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+
 def test_exit_within_ends_a_process_whose_threads_do_not(tmp_path: Path) -> None:
     script = tmp_path / "stuck.py"
     script.write_text(textwrap.dedent(f"""
@@ -96,7 +136,8 @@ def test_a_stopped_train_leaves_nothing_running(demo_model: Path, tiny_cache: Pa
                                                 tmp_path: Path, sig: signal.Signals) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(tmp_path / "prefect"),  # its own ephemeral API server
-               PREFECT_SERVER_ANALYTICS_ENABLED="false")
+               PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               GRPOFLOW_REAPER_LOG=str(tmp_path / "reaper.log"))
     argv = [sys.executable, "-m", "grpoflow.cli", "train", DEMO, "--quiet",
             f"storage.root={tmp_path}", f"storage.cache_dir={tiny_cache}", "run_name=stopped",
             "train.steps=50", "train.prompts_per_step=4", "rollout.n_samples=4",
@@ -104,6 +145,7 @@ def test_a_stopped_train_leaves_nothing_running(demo_model: Path, tiny_cache: Pa
             "eval.pass_k_examples=0", "train.num_threads=1", "tracking.backend=none"]
     proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
+    tree: list[psutil.Process] = []
     try:
         _wait_for_step(tmp_path / "stopped" / "metrics.jsonl", 1, proc, timeout_s=400)
         tree = psutil.Process(proc.pid).children(recursive=True)
@@ -120,7 +162,11 @@ def test_a_stopped_train_leaves_nothing_running(demo_model: Path, tiny_cache: Pa
             assert "stopped by SIGTERM" in (proc.stderr.read() if proc.stderr else "")
         else:
             assert rc == -signal.SIGKILL
-        assert _alive(tree, timeout_s=30) == []
+        log = tmp_path / "reaper.log"
+        assert _alive(tree, timeout_s=30) == [], log.read_text() if log.exists() else "no log"
     finally:
         if proc.poll() is None:
             proc.kill()
+        for p in tree:  # never leave a failed run's processes to the rest of the suite
+            with contextlib.suppress(psutil.Error):
+                p.kill()

@@ -52,6 +52,7 @@ def test_secret_names(name: str) -> None:
     "max_new_tokens", "TOKENIZERS_PARALLELISM", "tokenizer", "stop_token_ids", "pad_token_id",
     "token_budget", "num_tokens", "response_tokens", "PWD", "author", "keyboard", "path",
     "monkey", "signal", "id_field", "MY_SERVICE_CREDS", "OMP_NUM_THREADS", "",
+    "tiny_experts_per_token",
 ])  # fmt: skip
 def test_names_that_are_not_secret(name: str) -> None:
     assert not is_secret_name(name)
