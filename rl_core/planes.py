@@ -13,7 +13,6 @@ Never imports Prefect or MLflow.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -25,7 +24,7 @@ import torch
 from transformers import AutoTokenizer
 
 from rl_core.cluster.platform import platform_env
-from rl_core.config import ConfigError, ExperimentConfig
+from rl_core.config import ExperimentConfig
 from rl_core.data.prompts import encode_prompts
 from rl_core.data.records import Record
 from rl_core.interfaces import RolloutPlane, Trainer, WeightSync
@@ -114,16 +113,6 @@ def _encode_within_limit(
     return [records[i] for i in keep], [ids[i] for i in keep], len(records) - len(keep)
 
 
-def _is_moe(model_path: str | Path) -> bool:
-    """Whether the HF model in ``model_path`` routes tokens to experts (its config.json)."""
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return bool(config.get("num_experts") or config.get("num_local_experts")
-                or config.get("n_routed_experts"))
-
-
 def start_rollout(
     cfg: ExperimentConfig, model_path: str | Path, work_dir: str | Path, placement: Any = None,
     trainer: Trainer | None = None,
@@ -148,12 +137,6 @@ def start_rollout(
     from rl_core.rollout.pool import EnginePool
 
     work_dir = Path(work_dir)
-    if r.weight_sync == "distributed" and r.engine == "sglang" and _is_moe(model_path):
-        raise ConfigError(
-            f"rollout.weight_sync=distributed with rollout.engine=sglang: {model_path} is a "
-            "mixture of experts, and the broadcast sends the experts by the names "
-            "transformers runs them with (fused mlp.experts.gate_up_proj), which SGLang's "
-            "loader does not take; use rollout.weight_sync=disk (hub layout; docs/moe.md)")
     if r.engine == "embedded":
         threads = cfg.thread_budget()[0]
         command = embedded_engine_command(

@@ -25,7 +25,8 @@ from conftest import EOS_ID, PAD_ID, TINY_VOCAB
 from test_megatron import ALGO, batch_of, train_cfg, weights_equal
 
 from rl_core.config import AlgorithmConfig, ConfigError, MoeConfig, load_config
-from rl_core.training.megatron.convert import hf_to_mcore, hub_layout, mcore_to_hf, merge_tp
+from rl_core.models.moe import hub_layout
+from rl_core.training.megatron.convert import hf_to_mcore, mcore_to_hf, merge_tp
 from rl_core.training.megatron.model import arch_from_hf
 from rl_core.training.torch_trainer import TorchTrainer
 

@@ -379,15 +379,68 @@ def test_the_demo_config_builds_a_tiny_qwen3_moe():
     assert model.config.norm_topk_prob and model.config.tie_word_embeddings
 
 
-def test_sglang_broadcast_of_an_moe_model_is_refused_up_front(tmp_path: Path) -> None:
-    """The broadcast would send transformers' fused expert names, which SGLang's loader does
-    not take: refused before any engine starts, naming the transport that works (disk)."""
-    from rl_core.planes import start_rollout
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_broadcast_sends_experts_by_checkpoint_name_and_the_engine_holds_them(
+        moe_dir: Path, tmp_path: Path, arch: str) -> None:
+    """``weight_sync: distributed`` sends every expert as its own tensor, by the checkpoint
+    names SGLang's loader takes (not transformers' fused runtime names), in buckets that
+    cut layers' experts apart; the embedded engine (its own process, over HTTP) copies each
+    into its expert's slice, reports the trainer's checksum, and samples what the trainer's
+    weights sample."""
+    from rl_core.rollout.http import HttpPlane
+    from rl_core.rollout.launch import embedded_engine_command
+    from rl_core.rollout.pool import EnginePool
+    from rl_core.weight_sync import sync_weights
+    from rl_core.weight_sync.broadcast import BroadcastSync
+    from rl_core.weight_sync.checksum import weights_checksum
 
-    cfg = load_config(ROOT / "configs" / "tiny-moe-cpu.yaml",
-                      ["rollout.engine=sglang", "rollout.weight_sync=distributed"])
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe",
-                                                      "num_experts": 8}))
-    with pytest.raises(ConfigError, match="use rollout.weight_sync=disk"):
-        start_rollout(cfg, tmp_path, tmp_path / "work")
-    assert not (tmp_path / "work").exists()  # nothing was started
+    if arch != "qwen3_moe":
+        moe_dir = save_moe(tmp_path / arch, arch)
+    trainer = _trainer(moe_dir, replay=False)
+    with torch.no_grad():  # the trainer's weights differ from what the engine loaded
+        for p in trainer.model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    layout = trainer.weight_layout()
+    assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in layout)
+    assert layout["model.layers.1.mlp.experts.3.up_proj.weight"] == ("float32", [16, 32])
+    pool = EnginePool(embedded_engine_command(moe_dir, num_threads=1), 1,
+                      log_dir=tmp_path / "engines", router=False, startup_timeout_s=120)
+    plane = HttpPlane(pool, request_batch_size=4, weight_sync_timeout_s=60)
+    sync = BroadcastSync(plane, "gloo", 60, 4 * 16 * 32 * 5)  # five experts' tensors a bucket
+    plane.start()
+    try:
+        sync_weights(trainer, plane, sync, 1)  # verifies the engine's checksum
+        assert sync.num_buckets > 4
+        url = pool.engine_urls[0]
+        assert pool.client.weights_checksum(url=url) == weights_checksum(trainer.export_weights())
+        params = SamplingParams(max_new_tokens=6, temperature=0.0)
+        outs = plane.generate(PROMPTS, params)
+    finally:
+        sync.close()
+        plane.close()
+        trainer.close_weight_broadcast()
+    ref = trainer.model.eval()
+    for prompt, sample in zip(PROMPTS, outs, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            want = ref.generate(ids, max_new_tokens=6, do_sample=False,
+                                attention_mask=torch.ones_like(ids))[0, len(prompt):]
+        assert sample.completion_ids == want.tolist()[:len(sample.completion_ids)]
+
+
+def test_an_expert_slice_of_the_wrong_shape_or_index_loads_nothing(moe_dir: Path) -> None:
+    """Per-expert names are checked like any other: an unknown expert or a wrong shape fails
+    the update with nothing loaded."""
+    with EmbeddedEngine(moe_dir, background=False) as eng:
+        before = eng.checksum()
+        good = torch.zeros(16, 32)
+        for named, match in (
+                ({"model.layers.0.mlp.experts.4.gate_proj.weight": good}, "unknown names"),
+                ({"model.layers.0.mlp.experts.0.down_proj.weight": good}, "shape mismatches")):
+            with pytest.raises(EngineRequestError, match=match):
+                eng.update_weights_from_tensors(
+                    {"model.layers.0.mlp.experts.1.up_proj.weight": good, **named})
+        assert eng.checksum() == before
+        eng.update_weights_from_tensors({"model.layers.0.mlp.experts.1.up_proj.weight": good})
+        fused = eng._weights.named()["model.layers.0.mlp.experts.gate_up_proj"]
+        assert torch.equal(fused[1, 16:], good) and fused[1, :16].abs().sum() > 0

@@ -6,10 +6,16 @@ copies them in, moves the weights to a host buffer and back, and keeps their XXH
 (:func:`rl_core.weight_sync.weights_checksum`), computed on first use and after each copy (release
 and restore move the same bytes: the checksum stands). Only the engine's scheduler thread
 changes the weights (at a safe point). Never imports Prefect or MLflow; never reads files.
+
+A mixture of experts runs its experts as fused 3-D tensors (``<p>.experts.gate_up_proj``,
+``<p>.experts.down_proj``); updates may also name them one expert at a time, as checkpoints
+and SGLang's loader do (``<p>.experts.<e>.{gate,up,down}_proj.weight``, what a broadcast
+sends): each such tensor is copied into its expert's slice.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import torch
@@ -17,6 +23,28 @@ import torch
 from rl_core.weight_sync import weights_checksum
 
 __all__ = ["ServedWeights"]
+
+_FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up|down)_proj$")
+Part = tuple[str, int, slice | None]  # canonical fused name, expert, rows (None: all)
+
+
+def _expert_parts(name: str, shape: tuple[int, ...]) -> dict[str, tuple[Part, tuple[int, ...]]]:
+    """The per-expert checkpoint names that make up fused expert tensor ``name`` (none for
+    any other tensor), each with its slice and shape."""
+    m = _FUSED.match(name)
+    if m is None or len(shape) != 3:
+        return {}
+    experts, rows, cols = shape
+    out: dict[str, tuple[Part, tuple[int, ...]]] = {}
+    for e in range(experts):
+        base = f"{m['prefix']}.{e}."
+        if m["proj"] == "down":
+            out[base + "down_proj.weight"] = ((name, e, None), (rows, cols))
+        else:
+            half = rows // 2
+            out[base + "gate_proj.weight"] = ((name, e, slice(0, half)), (half, cols))
+            out[base + "up_proj.weight"] = ((name, e, slice(half, rows)), (half, cols))
+    return out
 
 
 class ServedWeights:
@@ -31,6 +59,13 @@ class ServedWeights:
             self._canonical[name] = canon
             self._tensors.setdefault(canon, t)
         self._shapes = {n: tuple(self._tensors[c].shape) for n, c in self._canonical.items()}
+        self._parts: dict[str, Part] = {}  # per-expert name -> slice of a fused tensor
+        self._part_shapes: dict[str, tuple[int, ...]] = {}
+        self._parts_of: dict[str, int] = {}  # fused canonical name -> how many parts
+        for canon, t in self._tensors.items():
+            for part, (where, shape) in _expert_parts(canon, tuple(t.shape)).items():
+                self._parts[part], self._part_shapes[part] = where, shape
+                self._parts_of[canon] = self._parts_of.get(canon, 0) + 1
         self.offloaded: dict[str, torch.Tensor] | None = None  # canonical name -> host tensor
         self._checksum: str | None = None
 
@@ -60,11 +95,17 @@ class ServedWeights:
     def mismatches(self, named: Mapping[str, torch.Tensor], *, complete: bool) -> list[str]:
         """What keeps ``named`` from loading: unknown names, wrong shapes and (``complete``:
         every weight must be given, tied aliases excepted) missing names. Empty if none."""
-        unknown = sorted(n for n in named if n not in self._canonical)
-        shapes = [f"{n}: got {tuple(t.shape)}, model has {self._shapes[n]}"
+        unknown = sorted(n for n in named if n not in self._canonical and n not in self._parts)
+        expected = {**self._part_shapes, **self._shapes}
+        shapes = [f"{n}: got {tuple(t.shape)}, model has {expected[n]}"
                   for n, t in named.items()
-                  if n in self._shapes and tuple(t.shape) != self._shapes[n]]
+                  if n in expected and tuple(t.shape) != expected[n]]
         covered = {self._canonical[n] for n in named if n in self._canonical}
+        parts: dict[str, int] = {}
+        for n in named:
+            if n in self._parts:
+                parts[self._parts[n][0]] = parts.get(self._parts[n][0], 0) + 1
+        covered |= {c for c, k in parts.items() if k == self._parts_of[c]}
         missing = sorted(set(self._tensors) - covered) if complete else []
         found = (("unknown names", unknown), ("missing names", missing),
                  ("shape mismatches", shapes))
@@ -74,6 +115,11 @@ class ServedWeights:
         """Copy ``named`` (checked by :meth:`mismatches`) into the weights."""
         src = self.offloaded
         for name, t in named.items():
+            if name in self._parts:
+                canon, expert, rows = self._parts[name]
+                whole = src[canon] if src is not None else self._tensors[canon].data
+                (whole[expert] if rows is None else whole[expert, rows]).copy_(t)
+                continue
             canon = self._canonical[name]
             (src[canon] if src is not None else self._tensors[canon].data).copy_(t)
         self.invalidate()

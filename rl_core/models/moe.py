@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["MOE_ARCHS", "RouterTap", "build_tiny_moe", "fuse_expert_weights", "moe_dims",
-           "pin_eager_experts", "prefer_fast_experts", "router_metrics", "routers"]
+__all__ = ["MOE_ARCHS", "RouterTap", "build_tiny_moe", "fuse_expert_weights", "hub_layout",
+           "moe_dims", "pin_eager_experts", "prefer_fast_experts", "router_metrics", "routers"]
 
 # The tiny demo's MoE architectures (model.tiny_arch); any model whose routers are
 # transformers' TopKRouter modules runs on the engine and the trainer.
@@ -121,6 +121,27 @@ def fuse_expert_weights(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
         out[f"{prefix}.gate_up_proj"] = torch.stack(
             [torch.cat([projs["gate"][e], projs["up"][e]]) for e in range(n)])
         out[f"{prefix}.down_proj"] = torch.stack([projs["down"][e] for e in range(n)])
+    return out
+
+
+def hub_layout(hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``hf`` with fused expert tensors split per expert, as hub checkpoints (and transformers'
+    ``save_pretrained``, and SGLang's loader) name them; other tensors pass through. The
+    inverse of :func:`fuse_expert_weights`; the split tensors are views (no copy)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in hf.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            base = name.removesuffix("gate_up_proj")
+            for e, fc1 in enumerate(t):
+                gate, up = fc1.chunk(2)
+                out[f"{base}{e}.gate_proj.weight"] = gate
+                out[f"{base}{e}.up_proj.weight"] = up
+        elif name.endswith(".mlp.experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for e, fc2 in enumerate(t):
+                out[f"{base}{e}.down_proj.weight"] = fc2
+        else:
+            out[name] = t
     return out
 
 

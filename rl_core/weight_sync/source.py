@@ -10,7 +10,10 @@ into what each transport needs, computing the checksum where the weights are wri
 - ``open_weight_broadcast`` / ``broadcast_weights`` / ``close_weight_broadcast``: rank 0 of a
   ``torch.distributed`` group with the engines (``distributed``, SGLang's
   ``/init_weights_update_group`` + ``/update_weights_from_distributed``), one broadcast per
-  tensor in the order the engines were told; the checksum of what went over the wire.
+  tensor in the order the engines were told. Tensors go by their checkpoint names: a mixture
+  of experts' fused expert tensors travel one expert at a time
+  (:func:`~rl_core.models.moe.hub_layout`), the names SGLang's loader takes (the embedded
+  engine takes them too); the checksum is of the weights the engines must then hold.
 
 Every rank of a multi-rank trainer calls these methods (the export may be a collective:
 FSDP2's gathers, megatron's TP/PP gathers); only the rank whose ``_sends_weights`` is true
@@ -30,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rl_core.models.moe import hub_layout
 from rl_core.weight_sync import process_group as pgroup
 from rl_core.weight_sync.checksum import weights_checksum
 
@@ -95,7 +99,7 @@ class WeightSource:
 
     def weight_layout(self) -> dict[str, tuple[str, list[int]]]:
         """Name -> (dtype, shape) of every tensor a broadcast sends, in order (sending rank)."""
-        weights = self.export_weights()
+        weights = hub_layout(self.export_weights())
         return {n: (str(t.dtype).removeprefix("torch."), list(t.shape))
                 for n, t in weights.items()} if self._sends_weights else {}
 
@@ -124,7 +128,7 @@ class WeightSource:
                  world_size, master_address, master_port, backend, time.monotonic() - t0)
 
     def broadcast_weights(self, group_name: str) -> str | None:
-        """Broadcast the policy to ``group_name``; the checksum of what was sent (rank 0)."""
+        """Broadcast the policy to ``group_name`` (checkpoint names); its checksum (rank 0)."""
         weights = self.export_weights()  # every rank takes part
         if not self._sends_weights:
             return None
@@ -134,7 +138,7 @@ class WeightSource:
             raise ValueError(f"no weight update group {group_name!r} is open") from None
         if backend == "gloo":
             weights = {n: t.detach().cpu() for n, t in weights.items()}
-        pgroup.broadcast_named_tensors(weights, pg, timeout_s=timeout_s)
+        pgroup.broadcast_named_tensors(hub_layout(weights), pg, timeout_s=timeout_s)
         return weights_checksum(weights)
 
     def shutdown(self) -> None:

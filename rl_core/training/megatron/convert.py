@@ -11,8 +11,8 @@ Experts (``qwen3_moe``, ``qwen2_moe``) come in two HF layouts, and both are read
 ``mlp.experts.gate_up_proj`` (E, 2I, H) / ``mlp.experts.down_proj`` (E, H, I), the fused
 tensors of transformers 5's modules (its ``state_dict()``, what both trainers export), and
 ``mlp.experts.{e}.{gate,up,down}_proj.weight``, the per-expert tensors of hub checkpoints
-(what ``save_pretrained`` writes and SGLang loads; :func:`hub_layout` turns the first into the
-second). Expert ``e`` is ``mlp.experts.local_experts.{e - r * E/ep}`` on EP rank ``r``; the
+(what ``save_pretrained`` writes and SGLang loads; :func:`rl_core.models.moe.hub_layout`
+turns the first into the second). Expert ``e`` is ``mlp.experts.local_experts.{e - r * E/ep}`` on EP rank ``r``; the
 router ``mlp.gate.weight`` is ``mlp.router.weight`` and qwen2_moe's shared expert
 ``mlp.shared_expert.*`` / ``mlp.shared_expert_gate.weight`` is ``mlp.shared_experts.*`` /
 ``mlp.shared_experts.gate_weight``, all replicated on every EP rank.
@@ -27,7 +27,7 @@ import torch
 
 from rl_core.training.megatron.model import Arch
 
-__all__ = ["expert_name", "hf_to_mcore", "hub_layout", "local_expert", "mcore_to_hf",
+__all__ = ["expert_name", "hf_to_mcore", "local_expert", "mcore_to_hf",
            "merge_tp", "stage_layers", "tp_split"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -182,7 +182,7 @@ def mcore_to_hf(
     model's ``lm_head.weight`` is the embedding tensor under a second name, as HF's
     ``state_dict()`` lists it (the rollout plane's checksums cover both names). Experts must
     carry their global index (the trainer renames them after the EP gather) and come out
-    fused, as transformers 5's ``state_dict()`` has them (:func:`hub_layout`: per expert)."""
+    fused, as transformers 5's ``state_dict()`` has them (:func:`rl_core.models.moe.hub_layout`: per expert)."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[int, dict[int, tuple[torch.Tensor | None, torch.Tensor | None]]] = {}
     offset = stage_layers(arch, pp_rank, pp).start
@@ -239,24 +239,4 @@ def mcore_to_hf(
         dst = f"model.layers.{layer}.mlp.experts."
         out[dst + "gate_up_proj"] = torch.stack([pairs[e][0] for e in range(arch.experts)])
         out[dst + "down_proj"] = torch.stack([pairs[e][1] for e in range(arch.experts)])
-    return out
-
-
-def hub_layout(hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``hf`` with fused expert tensors split per expert, as hub checkpoints (and transformers'
-    ``save_pretrained``, and SGLang's loader) name them; other tensors pass through."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in hf.items():
-        if name.endswith(".mlp.experts.gate_up_proj"):
-            base = name.removesuffix("gate_up_proj")
-            for e, fc1 in enumerate(t):
-                gate, up = fc1.chunk(2)
-                out[f"{base}{e}.gate_proj.weight"] = gate.contiguous()
-                out[f"{base}{e}.up_proj.weight"] = up.contiguous()
-        elif name.endswith(".mlp.experts.down_proj"):
-            base = name.removesuffix("down_proj")
-            for e, fc2 in enumerate(t):
-                out[f"{base}{e}.down_proj.weight"] = fc2.contiguous()
-        else:
-            out[name] = t
     return out

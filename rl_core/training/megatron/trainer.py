@@ -38,12 +38,12 @@ import torch.distributed as dist
 
 from rl_core.config import AlgorithmConfig, TrainConfig
 from rl_core.models import read_weights, torch_dtype
+from rl_core.models.moe import hub_layout
 from rl_core.training import torch_trainer
 from rl_core.training.megatron import compat, moe
 from rl_core.training.megatron.convert import (
     expert_name,
     hf_to_mcore,
-    hub_layout,
     local_expert,
     mcore_to_hf,
     merge_tp,
