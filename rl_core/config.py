@@ -229,7 +229,8 @@ class MegatronConfig(_Section):
     dp: int | None = Field(
         None, ge=1, description="Data parallelism; default: trainer ranks / (tp * pp).")
     sequence_parallel: bool = Field(
-        False, description="Not supported yet (needs the Transformer Engine layer spec).")
+        False, description="Split the sequence over the TP ranks between the tensor-parallel "
+        "layers (norms, dropout, the MoE router); needed for MoE models at tp > 1.")
     distributed_optimizer: bool = Field(False, description="ZeRO-1: shard optimizer state over dp.")
     recompute: Literal["none", "selective", "full"] = Field(
         "none", description="Activation recomputation (full: every layer, uniform).")
@@ -731,12 +732,10 @@ class ExperimentConfig(_Section):
     def _check_megatron(self) -> None:
         m, c = self.train.megatron, self.cluster
         ranks = c.trainer_ranks if c.mode == "ray" else 1
-        if m.sequence_parallel:
+        if m.sequence_parallel and m.tp == 1:
             raise ValueError(
-                "train.megatron.sequence_parallel is not supported yet: the backend builds "
-                "megatron's local (pure PyTorch) layer spec, whose torch RMSNorm megatron "
-                "refuses under sequence parallelism; it needs the Transformer Engine spec "
-                "(GPU, docs/megatron.md). Set it to false")
+                "train.megatron.sequence_parallel=true needs train.megatron.tp > 1: it splits "
+                "the sequence over the tensor-parallel ranks (set tp, or sequence_parallel=false)")
         if "auto" in (m.tp, m.pp, m.ep):
             return  # the planner's layout, checked when the trainer starts
         where = (f"cluster.trainer_ranks ({ranks})" if c.mode == "ray"

@@ -17,8 +17,16 @@ Experts are megatron's ``SequentialMLP`` (``moe_grouped_gemm=False``: grouped GE
 Transformer Engine), one ``linear_fc1``/``linear_fc2`` pair per expert, sharded by expert
 parallelism (``ep``: rank ``r`` holds experts ``[r * E/ep, (r + 1) * E/ep)``) and never by
 tensor parallelism (``expert_tensor_parallel_size=1``). Training MoE layers at ``tp > 1``
-needs sequence parallelism (megatron-core refuses it otherwise), which needs the Transformer
-Engine spec: on this spec MoE models take ``tp = 1`` and grow with EP and DP.
+needs sequence parallelism (megatron-core refuses it otherwise).
+
+Sequence parallelism (``sequence_parallel``): the local spec's norm, ``WrappedTorchNorm``,
+refuses it (its weights would not be marked for the TP all-reduce of their gradients, which
+Transformer Engine's norms are); :class:`SequenceParallelRMSNorm` is the same torch
+``RMSNorm`` with its weight marked ``sequence_parallel``, so megatron's
+``finalize_model_grads`` sums its gradient over the TP ranks, each of which normalised its
+own slice of the sequence. The rest of the local spec (column/row-parallel linears, the
+embedding's scatter, the output's gather, the MoE dispatchers) does sequence parallelism
+itself, with ``all_gather_into_tensor``/``reduce_scatter_tensor`` (gloo has both on CPU).
 
 The vocabulary is padded to a multiple of ``vocab_divisible_by * tp`` (vocab-parallel layers
 split it evenly, as Megatron-LM does); the padded logits are masked out of every softmax, so
@@ -36,7 +44,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Arch", "arch_from_hf", "build_gpt_model", "transformer_config"]
+__all__ = ["Arch", "SequenceParallelRMSNorm", "arch_from_hf", "build_gpt_model",
+           "transformer_config"]
 
 _SUPPORTED = ("qwen2", "llama", "qwen3", "qwen2_moe", "qwen3_moe")
 _MOE_UNSUPPORTED = ("mixtral", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe")
@@ -84,7 +93,8 @@ class Arch:
         multiple = max(1, divisible_by) * tp
         return int(math.ceil(self.vocab / multiple) * multiple)
 
-    def check_parallel(self, tp: int, pp: int, ep: int = 1) -> None:
+    def check_parallel(self, tp: int, pp: int, ep: int = 1,
+                       sequence_parallel: bool = False) -> None:
         """Fail, naming the config field, when TP/PP/EP cannot split this model."""
         if ep > 1 and not self.is_moe:
             raise ValueError(f"train.megatron.ep={ep}: expert parallelism needs a mixture-of-"
@@ -92,12 +102,12 @@ class Arch:
         if self.is_moe and self.experts % ep:
             raise ValueError(f"train.megatron.ep={ep} must divide the number of experts "
                              f"({self.experts})")
-        if self.is_moe and tp > 1:
+        if self.is_moe and tp > 1 and not sequence_parallel:
             raise ValueError(
                 f"train.megatron.tp={tp} with a mixture-of-experts model: megatron-core trains "
-                "MoE layers under TP only with sequence parallelism, which needs the Transformer "
-                "Engine layer spec (not built yet); use train.megatron.tp=1 and shard the "
-                "experts with train.megatron.ep (docs/megatron.md, MoE)")
+                "MoE layers under TP only with sequence parallelism; set "
+                "train.megatron.sequence_parallel=true (or tp=1 and shard the experts with "
+                "train.megatron.ep; docs/megatron.md, MoE)")
         if self.heads % tp or self.kv_heads % tp:
             raise ValueError(
                 f"train.megatron.tp={tp} must divide the attention heads ({self.heads}) and the "
@@ -249,6 +259,17 @@ def build_gpt_model(
                                           normalization="RMSNorm")
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+        if config.sequence_parallel:  # the block's final norm too (this stage's layers)
+            from megatron.core.transformer.transformer_block import (
+                TransformerBlockSubmodules,
+                get_num_layers_to_build,
+            )
+
+            spec = TransformerBlockSubmodules(
+                layer_specs=[spec] * get_num_layers_to_build(config, None),
+                layer_norm=_torch_norm())
+    if config.sequence_parallel:
+        spec = _replace_module(spec, _torch_norm(), SequenceParallelRMSNorm)
     theta = arch.rope_theta
     return GPTModel(
         config, spec, vocab_size=padded_vocab, max_sequence_length=arch.max_positions,
@@ -257,3 +278,39 @@ def build_gpt_model(
         rotary_base=int(theta) if float(theta).is_integer() else theta,
         rope_scaling=arch.rope_scaling_factor is not None,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0)
+
+
+class SequenceParallelRMSNorm:
+    """torch's ``RMSNorm`` in a megatron spec under sequence parallelism: its weight is
+    marked ``sequence_parallel`` (each TP rank saw its own slice of the sequence; megatron
+    sums the weight's gradient over them). A factory, as ``WrappedTorchNorm`` is."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5,  # noqa: ANN401
+                **_: Any) -> torch.nn.Module:
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"normalization {config.normalization!r}: only RMSNorm here")
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm.weight.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+def _torch_norm() -> type:
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return WrappedTorchNorm
+
+
+def _replace_module(spec: Any, old: type, new: type) -> Any:  # noqa: ANN401
+    """``spec`` (a megatron ``ModuleSpec`` tree, its submodule dataclasses and lists) with
+    every reference to module class ``old`` replaced by ``new`` (copies; ``spec`` is left)."""
+    import dataclasses
+
+    if spec is old:
+        return new
+    if isinstance(spec, list | tuple):
+        return type(spec)(_replace_module(s, old, new) for s in spec)
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{
+            f.name: _replace_module(getattr(spec, f.name), old, new)
+            for f in dataclasses.fields(spec) if f.init})
+    return spec

@@ -32,6 +32,11 @@ router of one model; the tap
   forward, before any backward. Under pipeline parallelism each stage pools its own layers
   (the loss is then the layer-weighted mean of the stages' losses; exact at ``pp = 1``).
 
+Under sequence parallelism each TP rank's routers see its own slice of the sequence (the
+hidden states are [S/tp, B, H]): the targets and the valid-token mask are cut the same way,
+the counts are of that rank's tokens (summed over the TP ranks with the rest), and ``f``
+and the token count of the balance loss are summed over the TP group first.
+
 Never imports Prefect or MLflow.
 """
 
@@ -68,8 +73,10 @@ class Routing:
     one row per MoE layer of the whole model: ``E`` expert loads, ``E`` probability sums,
     entropy sum, token count; this rank fills only its own stage's rows)."""
 
-    def __init__(self, arch: Arch, *, recompute: bool) -> None:
+    def __init__(self, arch: Arch, *, recompute: bool, sp_group: Any = None) -> None:
         self.arch, self.recompute = arch, recompute
+        self.sp_group = sp_group  # the TP group under sequence parallelism, else None
+        self.valid_total = 0  # the micro-batch's counted tokens (over the whole sequence)
         self.taps: list[_Tap] = []
         self.tick = 0
         self.targets: torch.Tensor | None = None
@@ -95,11 +102,20 @@ class Routing:
                             attention_mask.new_zeros((attention_mask.shape[0], 1)).bool()], 1)
         valid = scored & (True if rows is None else rows.bool().unsqueeze(-1))
         self.valid = valid.transpose(0, 1).reshape(-1)
+        self.valid_total = int(self.valid.sum())
         self.aux_weight = aux_weight
         self.share = torch.zeros(self.arch.experts) if aux_weight else None
         self.load.zero_()
         self.targets = (None if routed is None
                         else routing_targets(routed, seq_len, self.arch.topk))
+        if self.sp_group is not None:  # this TP rank's slice of the sequence ([S, B] order)
+            import torch.distributed as dist
+
+            size, rank = dist.get_world_size(self.sp_group), dist.get_rank(self.sp_group)
+            width = seq_len // size * attention_mask.shape[0]
+            mine = slice(rank * width, (rank + 1) * width)
+            self.valid = self.valid[mine]
+            self.targets = None if self.targets is None else self.targets[mine]
         if self.targets is not None and self.targets.shape[1] != len(self.stats):
             raise ValueError(f"routed_experts gives {self.targets.shape[1]} MoE layers; the "
                              f"model has {len(self.stats)}")
@@ -113,8 +129,12 @@ class Routing:
         load-balancing terms multiply (written through ``.data``: the autograd graph saved
         the buffer, and backward must read these values)."""
         if self.share is not None:
+            if self.sp_group is not None:  # every TP rank's tokens
+                import torch.distributed as dist
+
+                dist.all_reduce(self.load, group=self.sp_group)
             stage_layers = max(len(self.taps), 1)
-            n = max(int(self.valid.sum()), 1) * stage_layers
+            n = max(self.valid_total, 1) * stage_layers
             self.share.data.copy_(self.load / n)
 
     def used(self) -> list[torch.Tensor]:
@@ -143,11 +163,11 @@ class _Tap:
         fresh = self.seen < state.tick
         self.seen = state.tick
         given = None if state.targets is None else state.targets[:, self.index]
-        valid, weight, share = state.valid, state.aux_weight, state.share
-        if fresh and state.recompute and self.router.training:
-            self.queue.append((given, valid, weight, share))  # for the backward pass's re-run
+        valid, weight, share, total = state.valid, state.aux_weight, state.share, state.valid_total
+        if fresh and state.recompute and self.router.training:  # for the backward's re-run
+            self.queue.append((given, valid, weight, share, total))
         elif not fresh and self.queue:
-            given, valid, weight, share = self.queue.popleft()
+            given, valid, weight, share, total = self.queue.popleft()
         if given is not None:
             given = given.to(idx.device)
             replay = (given >= 0).all(-1, keepdim=True)
@@ -162,7 +182,7 @@ class _Tap:
             from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
             probs = self._probs(scores)[valid.to(scores.device)]
-            n = max(int(valid.sum()), 1) * len(state.stats)  # tokens x every MoE layer
+            n = max(total, 1) * len(state.stats)  # tokens x every MoE layer
             term = state.arch.experts * (share.to(probs.device) * probs.sum(0)).sum() / n
             values = MoEAuxLossAutoScaler.apply(values, term * weight)
         return values, idx
@@ -187,12 +207,12 @@ class _Tap:
         row[-1] += float(valid.sum())
 
 
-def attach(core: Any, arch: Arch, *, recompute: bool) -> Routing | None:
-    """A :class:`Routing` over the routers of ``core`` (this stage's ``GPTModel``); None for
-    a dense model."""
+def attach(core: Any, arch: Arch, *, recompute: bool, sp_group: Any = None) -> Routing | None:
+    """A :class:`Routing` over the routers of ``core`` (this stage's ``GPTModel``; under
+    sequence parallelism ``sp_group`` is its TP group); None for a dense model."""
     if not arch.is_moe:
         return None
-    routing = Routing(arch, recompute=recompute)
+    routing = Routing(arch, recompute=recompute, sp_group=sp_group)
     moe_index = {layer: i for i, layer in enumerate(arch.moe_layer_ids)}
     for layer in core.decoder.layers:
         router = getattr(layer.mlp, "router", None)

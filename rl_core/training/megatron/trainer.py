@@ -180,7 +180,8 @@ class MegatronTrainer(WeightSource):
         self.reports = self.tp_rank == 0 and self.last_stage
         self._sends_weights = self.rank == 0
         self.arch = arch_from_hf(self.model_path)
-        self.arch.check_parallel(tp, pp, ep)
+        self.sp = self.mcfg.sequence_parallel and tp > 1  # (tp: auto may resolve to 1)
+        self.arch.check_parallel(tp, pp, ep, self.sp)
         self.ep_rank = ps.get_expert_model_parallel_rank()
         self.padded_vocab = self.arch.padded_vocab(tp, self.mcfg.vocab_divisible_by)
         torch.manual_seed(train.seed)
@@ -188,18 +189,20 @@ class MegatronTrainer(WeightSource):
             tensor_parallel.model_parallel_cuda_manual_seed(train.seed, force_reset_rng=True)
         self.config = transformer_config(
             self.arch, tp=tp, pp=pp, dtype=self.dtype, cpu_init=self.device.type == "cpu",
-            sequence_parallel=self.mcfg.sequence_parallel, recompute=self.mcfg.recompute,
+            sequence_parallel=self.sp, recompute=self.mcfg.recompute,
             recompute_num_layers=self.mcfg.recompute_num_layers, ep=ep,
             dispatcher=self.mcfg.moe_dispatcher)
         hf = read_weights(self.model_path)
         self.core, self.model = self._build(hf)
         full = self.mcfg.recompute == "full"
-        self.routing = moe.attach(self.core, self.arch, recompute=full)
+        sp_group = ps.get_tensor_model_parallel_group() if self.sp else None
+        self.routing = moe.attach(self.core, self.arch, recompute=full, sp_group=sp_group)
         self.ref_model = self.ref_routing = None
         if algorithm.kl_coef > 0:  # before the optimizer: megatron's SequentialMLP deep-copies
             ref_core, self.ref_model = self._build(hf)  # the config, which then holds DDP hooks
             self.ref_model.eval().requires_grad_(False)
-            self.ref_routing = moe.attach(ref_core, self.arch, recompute=full)
+            self.ref_routing = moe.attach(ref_core, self.arch, recompute=full,
+                                          sp_group=sp_group)
         self._build_optimizer()
         del hf
         self.global_step, self._mini_tokens = 0, 0.0
@@ -223,6 +226,14 @@ class MegatronTrainer(WeightSource):
         if missing or unexpected:
             raise RuntimeError(f"{self.model_path}: HF -> megatron conversion left missing "
                                f"{missing[:5]}, unexpected {unexpected[:5]}")
+        for name, param in core.named_parameters():
+            # Experts are replicated over the expert-data-parallel group (ranks that share
+            # the experts but see other tokens: the DP ranks, and under TP the TP ranks too,
+            # since experts are not TP-split). megatron marks them for that group's gradient
+            # reduction only at ep > 1 (at ep = 1 they would be reduced over the dense DP
+            # group, which leaves out the TP ranks): mark them always.
+            if ".mlp.experts." in name:
+                param.allreduce = False
         if self.dtype == torch.float32:
             return core, core
         from megatron.core.transformer.module import Float16Module
@@ -266,10 +277,10 @@ class MegatronTrainer(WeightSource):
         rows only."""
         mbs, ep = self.train_cfg.micro_batch_size, self.mcfg.ep
         parts = [batch.select(r) for r in rows.split(mbs)]
-        if self.mcfg.pp == 1 and not self.mcfg.sequence_parallel and ep == 1:
+        if self.mcfg.pp == 1 and not self.sp and ep == 1:
             return parts
         width = max(p.input_ids.shape[1] for p in parts)
-        if self.mcfg.sequence_parallel:
+        if self.sp:
             width = -(-width // self.mcfg.tp) * self.mcfg.tp
         size, count = min(mbs, len(rows)) if len(parts) == 1 else mbs, len(parts)
         if ep > 1:
@@ -368,9 +379,10 @@ class MegatronTrainer(WeightSource):
         finally:
             self.routing.collect = False
         stats = torch.cat([self.routing.stats.flatten(), self.routing.replayed])
-        if self.tp_rank != 0 or not self.first_stage:  # TP copies; replay counted once per row
+        copy = self.tp_rank != 0 and not self.sp  # TP ranks saw the same tokens (not under SP)
+        if copy or not self.first_stage:  # replay counted once per token
             stats[-2:] = 0
-        if self.tp_rank != 0:
+        if copy:
             stats.zero_()
         if dist.get_world_size() > 1:  # every DP replica's tokens, every stage's layers
             dist.all_reduce(stats)
