@@ -746,10 +746,12 @@ class ExperimentConfig(_Section):
                 + ("use cluster.mode=ray with cluster.trainer_ranks = tp * pp * dp"
                    if c.mode == "local" else "change cluster.trainer_ranks or tp/pp"))
         dp = ranks // (m.tp * m.pp)
-        if dp % m.ep:
+        if (m.tp * dp) % m.ep:
             raise ValueError(
-                f"train.megatron.ep={m.ep} must divide the data-parallel ranks ({dp} = {where} "
-                f"/ (tp * pp)): megatron-core carves the expert-parallel groups out of them")
+                f"train.megatron.ep={m.ep} must divide the ranks of a pipeline stage ({m.tp * dp}"
+                f" = tp * dp = {where} / pp): megatron-core carves the expert-parallel groups "
+                "out of them (across the data-parallel and, experts not being TP-split, the "
+                "tensor-parallel ranks)")
         if m.dp is not None and m.dp != dp:
             raise ValueError(
                 f"train.megatron.tp * pp * dp = {m.tp} * {m.pp} * {m.dp} = {m.tp * m.pp * m.dp}, "

@@ -123,9 +123,11 @@ def test_moe_layouts_and_their_errors() -> None:
     with pytest.raises(ValueError, match="expert parallelism needs a mixture-of-experts model"):
         dense.check_parallel(1, 1, 2)
     demo = str(Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml")
-    with pytest.raises(ConfigError, match=r"ep=4 must divide the data-parallel ranks \(2"):
-        load_config(demo, ["train.backend=megatron", "cluster.mode=ray", "cluster.trainer_ranks=4",
-                           "train.megatron.tp=2", "train.megatron.ep=4"])  # fmt: skip
+    ray4 = ["train.backend=megatron", "cluster.mode=ray", "cluster.trainer_ranks=4",
+            "train.megatron.tp=2", "train.megatron.sequence_parallel=true"]
+    assert load_config(demo, [*ray4, "train.megatron.ep=4"]).train.megatron.ep == 4  # folded
+    with pytest.raises(ConfigError, match=r"ep=8 must divide the ranks of a pipeline stage \(4"):
+        load_config(demo, [*ray4, "train.megatron.ep=8"])
 
 
 # --------------------------------------------------------------- one rank, this process
@@ -225,7 +227,9 @@ def ray_session():
     # TP with sequence parallelism: attention split by heads, each rank routing its half of
     # the sequence to the (replicated) experts
     {"tp": 2, "sequence_parallel": True},
-], ids=["ep2-alltoall", "ep2-allgather-distopt", "tp2-sp"])  # fmt: skip
+    # ... and the experts split over the same two ranks (EP across TP: "parallel folding")
+    {"tp": 2, "sequence_parallel": True, "ep": 2},
+], ids=["ep2-alltoall", "ep2-allgather-distopt", "tp2-sp", "tp2-sp-ep2"])  # fmt: skip
 def test_expert_parallel_equals_one_rank(ray_session, megatron_trainer, moe_dir, tmp_path,
                                          layout) -> None:
     from rl_core.training.distributed import TrainerGroup

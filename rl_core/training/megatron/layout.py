@@ -59,7 +59,7 @@ def resolve_layout(
     tp = (p.tp if p.backend == "megatron" else 1) if m.tp == "auto" else m.tp
     pp = (p.pp if p.backend == "megatron" else 1) if m.pp == "auto" else m.pp
     ep = (p.ep if p.backend == "megatron" else 1) if m.ep == "auto" else m.ep
-    if ranks % (tp * pp) or (ranks // (tp * pp)) % ep:
+    if ranks % (tp * pp) or (ranks // pp) % ep:
         raise ValueError(f"train.megatron: the planner's tp={tp} x pp={pp} (ep={ep}) does not "
                          f"divide the {ranks} trainer ranks; set train.megatron.tp/pp/ep "
                          "explicitly")

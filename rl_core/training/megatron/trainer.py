@@ -95,10 +95,11 @@ def init_parallel(tp: int, pp: int, device: torch.device, timeout_s: float = 600
             return created
         ps.destroy_model_parallel()
     world = dist.get_world_size()
-    if world % (tp * pp) or (world // (tp * pp)) % ep:
+    if world % (tp * pp) or (world // pp) % ep:
         raise ValueError(f"train.megatron.tp * pp = {tp * pp} and ep = {ep} do not divide the "
-                         f"{world} trainer ranks (ep must divide world / (tp * pp))")
-    # Experts are never split by TP (expert_tensor_parallel_size 1): EP x expert-DP = world / pp.
+                         f"{world} trainer ranks (ep must divide world / pp)")
+    # Experts are never split by TP (expert_tensor_parallel_size 1): EP x expert-DP = world / pp,
+    # so the expert-parallel groups may span TP ranks (megatron's "parallel folding").
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     return created
