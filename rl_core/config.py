@@ -663,11 +663,6 @@ class ExperimentConfig(_Section):
                              "but model.path is the dense embedded:tiny: set "
                              "model.tiny_arch=qwen3_moe (or an MoE model.path), or "
                              "train.moe.routing_replay=false")
-        if self.train.moe.routing_replay and self.agent.enabled:
-            raise ValueError("train.moe.routing_replay=true with agent.env/agent.program: "
-                             "multi-turn episodes do not carry the engines' routing yet, so "
-                             "their tokens would train unreplayed; set "
-                             "train.moe.routing_replay=false for agent runs (docs/moe.md)")
         if self.teacher.enabled and (self.rollout.temperature != 1.0 or self.agent.enabled):
             raise ValueError("teacher.path (on-policy distillation) scores the student's tokens "
                              "at temperature 1 and single-turn samples: set rollout.temperature"

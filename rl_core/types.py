@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Batch", "Sample", "decode_routed_experts", "encode_routed_experts"]
+__all__ = ["Batch", "Sample", "decode_routed_experts", "encode_routed_experts",
+           "pad_routed_experts"]
 
 
 def encode_routed_experts(ids: np.ndarray | torch.Tensor) -> str:
@@ -45,6 +46,20 @@ def encode_routed_experts(ids: np.ndarray | torch.Tensor) -> str:
 def decode_routed_experts(data: str) -> np.ndarray:
     """The flat int32 array of a ``routed_experts`` string (reshape it to [-1, layers, k])."""
     return np.frombuffer(base64.b64decode(data), dtype=np.int32)
+
+
+def pad_routed_experts(data: str, rows: int, total: int) -> str:
+    """``routed_experts`` that cover ``rows`` tokens, extended with -1 rows (the trainer's
+    own routing) to ``total``: a multi-turn episode's routing is its last model turn's
+    request (every token before it, re-routed in that request's prefill), and tokens after
+    it (an environment's last observation) have none."""
+    ids = decode_routed_experts(data)
+    if rows <= 0 or ids.size % rows or total < rows:
+        raise ValueError(f"routed_experts holds {ids.size} expert ids, not {rows} tokens' "
+                         f"(to pad to {total})")
+    out = np.full((total, ids.size // rows), -1, dtype=np.int32)
+    out[:rows] = ids.reshape(rows, -1)
+    return encode_routed_experts(out)
 
 
 @dataclass

@@ -255,9 +255,8 @@ def test_replay_needs_an_moe_model(tmp_path):
     with pytest.raises(ConfigError, match="train.moe.routing_replay"):
         load_config(None, ["train.moe.routing_replay=true"])
     load_config(None, ["train.moe.routing_replay=true", "model.tiny_arch=qwen3_moe"])
-    with pytest.raises(ConfigError, match="multi-turn episodes do not carry"):
-        load_config(ROOT / "configs" / "agent-calculator.yaml",
-                    ["train.moe.routing_replay=true", "model.tiny_arch=qwen3_moe"])
+    load_config(ROOT / "configs" / "agent-calculator.yaml",  # episodes carry routing too
+                ["train.moe.routing_replay=true", "model.tiny_arch=qwen3_moe"])
     dense = save_tiny_model(tmp_path / "dense")
     with pytest.raises(ConfigError, match="train.moe.routing_replay=true"):
         _trainer(dense, replay=True)
@@ -444,3 +443,46 @@ def test_an_expert_slice_of_the_wrong_shape_or_index_loads_nothing(moe_dir: Path
         eng.update_weights_from_tensors({"model.layers.0.mlp.experts.1.up_proj.weight": good})
         fused = eng._weights.named()["model.layers.0.mlp.experts.gate_up_proj"]
         assert torch.equal(fused[1, 16:], good) and fused[1, :16].abs().sum() > 0
+
+
+def test_agent_episodes_carry_the_routing_of_every_token(tmp_path: Path) -> None:
+    """A multi-turn episode's sample carries its last model turn's routing (that request
+    held every earlier token: the prompt, the model's turns, the observations), which is
+    exactly the routing of one forward over the whole episode; the episode then replays."""
+    from test_agents import TASKS, CountdownEnv
+    from test_agents_openai import multi_turn
+
+    from rl_core.agents import ChatTokens, EpisodeLimits, EpisodeRunner
+    from rl_core.agents.gateway import AgentGateway, run_programs
+
+    model_dir = _moe_demo_dir(tmp_path / "moe")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():  # peaked routing: no near-ties between engine and reference
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(model_dir)
+    from transformers import AutoTokenizer
+
+    chat = ChatTokens(AutoTokenizer.from_pretrained(model_dir))
+    plane = InProcessPlane(model_dir, routed_experts=True)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6)
+    limits = EpisodeLimits(max_turns=4, max_tokens=200)
+    try:
+        samples = EpisodeRunner(plane, chat, lambda: CountdownEnv(turns=3), limits,
+                                retries=0).run(TASKS[:2], n=2, params=params, step=1, seed=0)
+        with AgentGateway(plane, chat) as gateway:  # OpenAI-speaking programs
+            programs = run_programs(gateway, multi_turn(turns=2), TASKS[:2], n=1,
+                                    params=params, step=1, seed=0, limits=limits, retries=0)
+    finally:
+        plane.close()
+    ref = model.eval()
+    ref.set_experts_implementation("eager")
+    for s in samples + programs:
+        assert s.meta["episode"]["turns"] >= 2 and 0 in s.loss_mask  # observations inside
+        seq = s.prompt_ids + s.completion_ids
+        got = decode_routed_experts(s.routed_experts).reshape(len(seq) - 1, 2, 2)
+        np.testing.assert_array_equal(got, _routing(ref, seq)[: len(seq) - 1].numpy())
+    trainer = _trainer(model_dir, replay=True)
+    batch = Batch.from_samples(samples, [1.0, -1.0] * 2, int(chat.tokenizer.pad_token_id))
+    assert trainer.train_step(batch)["moe/replayed_tokens"] == 1.0

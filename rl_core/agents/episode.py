@@ -47,7 +47,7 @@ from rl_core.engine.sampling import SamplingParams
 from rl_core.grpo import sample_seed
 from rl_core.interfaces import RolloutPlane
 from rl_core.secrets import RedactFilter
-from rl_core.types import Sample
+from rl_core.types import Sample, pad_routed_experts
 
 __all__ = ["EpisodeRunner", "episode_metrics"]
 
@@ -67,6 +67,7 @@ class _Episode:
     attempt: int = 0
     env: Environment | None = None
     prompt_ids: list[int] = field(default_factory=list)
+    routed: tuple[str, int] | None = None  # the last model turn's routed_experts, its rows
     ids: list[int] = field(default_factory=list)  # everything after the prompt
     turn_ids: list[int] = field(default_factory=list)  # the last model turn
     mask: list[int] = field(default_factory=list)
@@ -162,7 +163,9 @@ class EpisodeRunner:
         t0 = time.monotonic()
         outs = self.plane.generate(prompts, sps)
         seconds = time.monotonic() - t0
-        for e, s in zip(episodes, outs, strict=True):
+        for e, prompt, s in zip(episodes, prompts, outs, strict=True):
+            e.routed = (None if s.routed_experts is None
+                        else (s.routed_experts, len(prompt) + len(s.completion_ids) - 1))
             e.turn_ids = list(s.completion_ids)
             e.ids += s.completion_ids
             e.mask += [1] * len(s.completion_ids)
@@ -241,10 +244,13 @@ class EpisodeRunner:
                    "seconds": time.monotonic() - e.started, "started_at": e.started_at}
         if not e.prompt_ids:  # reset never succeeded: nothing to score but the failure
             e.prompt_ids = self.chat.encode(self.chat.tokenizer.eos_token or " ")
+        routed = None
+        if e.routed is not None and not failed:  # the last turn's request held every token
+            routed = pad_routed_experts(*e.routed, len(e.prompt_ids) + len(e.ids) - 1)
         return Sample(e.prompt_ids, e.ids, e.logps, e.finish_reason, e.version,
                       e.text, loss_mask=e.mask, uid=f"{step}:{rec.id}:{j}", group=g,
                       record_id=rec.id, answer=rec.answer, reward=0.0 if failed else e.reward,
-                      versions=e.versions, meta={"episode": episode})
+                      versions=e.versions, meta={"episode": episode}, routed_experts=routed)
 
 
 def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:

@@ -77,7 +77,7 @@ from rl_core.engine.server import ServerThread
 from rl_core.grpo import sample_seed
 from rl_core.interfaces import RolloutPlane
 from rl_core.rollout.client import RolloutRequestError
-from rl_core.types import Sample
+from rl_core.types import Sample, pad_routed_experts
 
 __all__ = ["AgentGateway", "GatewaySession", "Program", "request_seed", "run_programs"]
 
@@ -263,6 +263,7 @@ class GatewaySession:
         self.setup = ""
         self.text_so_far: str | None = None
         self.last_turn: list[int] = []
+        self.routed: tuple[str, int] | None = None  # the last request's routed_experts, rows
         self.chains = self.turns = self.refused = self.tool_calls = 0
         self.trace: list[dict[str, Any]] = []
         self.text, self.finish_reason, self.version = "", {}, 0
@@ -392,6 +393,10 @@ class GatewaySession:
                                "request": number, "messages": plan.messages,
                                "tokens": len(plan.obs)})
         ids = list(s.completion_ids)
+        # the request held the whole chain so far: its routing covers every token before
+        # this turn's last (the chain's routing, until the next request extends it)
+        self.routed = (None if s.routed_experts is None else
+                       (s.routed_experts, len(self.prompt_ids) + len(self.ids) + len(ids) - 1))
         self.ids += ids
         self.mask += [1] * len(ids)
         self.logps += [float(x) for x in s.logprobs]
@@ -440,8 +445,11 @@ class GatewaySession:
                 "seconds": time.monotonic() - (self.opened if started is None else started),
                 "started_at": self.opened_at}
             rec = self.task
+            routed = None
+            if self.routed is not None and not failed and self.prompt_ids:
+                routed = pad_routed_experts(*self.routed, len(prompt) + len(self.ids) - 1)
             return Sample(prompt, list(self.ids), list(self.logps), dict(self.finish_reason),
-                          self.version, self.text, loss_mask=mask,
+                          self.version, self.text, loss_mask=mask, routed_experts=routed,
                           uid=f"{self.step}:{self.record_id}:{self.index}", group=self.group,
                           record_id=self.record_id, answer=rec.answer if rec is not None else "",
                           reward=0.0 if failed else float(env_reward),
