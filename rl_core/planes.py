@@ -24,7 +24,7 @@ import torch
 from transformers import AutoTokenizer
 
 from rl_core.cluster.platform import platform_env
-from rl_core.config import ExperimentConfig
+from rl_core.config import ConfigError, ExperimentConfig
 from rl_core.data.prompts import encode_prompts
 from rl_core.data.records import Record
 from rl_core.interfaces import RolloutPlane, Trainer, WeightSync
@@ -137,6 +137,15 @@ def start_rollout(
     from rl_core.rollout.pool import EnginePool
 
     work_dir = Path(work_dir)
+    if r.weight_sync == "distributed" and r.engine == "sglang":
+        from rl_core.models.moe import is_moe_checkpoint, names_experts_one_by_one
+
+        if is_moe_checkpoint(model_path) and not names_experts_one_by_one(model_path):
+            raise ConfigError(
+                f"rollout.weight_sync=distributed with rollout.engine=sglang: {model_path} is "
+                "a mixture of experts whose checkpoint layout (Mixtral's w1/w2/w3, gpt-oss's "
+                "fused experts) the broadcast does not produce, so SGLang's loader would not "
+                "take the experts it sends; use rollout.weight_sync=disk (docs/moe.md)")
     if r.engine == "embedded":
         threads = cfg.thread_budget()[0]
         command = embedded_engine_command(

@@ -22,7 +22,7 @@ from rl_core.config import AlgorithmConfig, ConfigError, TrainConfig, load_confi
 from rl_core.engine.core import EmbeddedEngine, EngineRequestError, GenerateRequest
 from rl_core.engine.sampling import SamplingParams
 from rl_core.models import read_weights
-from rl_core.models.moe import RouterTap, build_tiny_moe, moe_dims
+from rl_core.models.moe import RouterTap, build_tiny_moe, moe_dims, routers
 from rl_core.rollout.inprocess import InProcessPlane
 from rl_core.rollout.stream import Group, _extend
 from rl_core.training.torch_trainer import TorchTrainer
@@ -486,3 +486,75 @@ def test_agent_episodes_carry_the_routing_of_every_token(tmp_path: Path) -> None
     trainer = _trainer(model_dir, replay=True)
     batch = Batch.from_samples(samples, [1.0, -1.0] * 2, int(chat.tokenizer.pad_token_id))
     assert trainer.train_step(batch)["moe/replayed_tokens"] == 1.0
+
+
+def _family(kind: str) -> torch.nn.Module:
+    """A random two-layer model of another MoE family, routing peaked (no near-ties)."""
+    import transformers as tf
+
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    if kind == "mixtral":
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(
+            intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, **common))
+    elif kind == "gpt_oss":
+        model = tf.GptOssForCausalLM(tf.GptOssConfig(
+            intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
+            layer_types=["full_attention"] * 2, **common))
+    else:  # DeepSeek-V3's sigmoid, group-limited routing with a scaling factor
+        model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
+            intermediate_size=32, moe_intermediate_size=16, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=0,
+            q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=8, routed_scaling_factor=2.5, **{**common, "num_key_value_heads": 4}))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss", "deepseek_v3"])
+def test_other_families_are_captured_and_replay_their_own_gate_weights(kind: str) -> None:
+    """Routers of other families (softmax renormalised always, softmax over the top-k
+    logits, DeepSeek's scaled sigmoid) are tapped; replaying a forward's own routing gives
+    its logits exactly (so the replayed experts' weights are the router's own), another
+    routing changes them, and the router still gets a gradient."""
+    model = _family(kind)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    with RouterTap(model) as tap:
+        with torch.no_grad():
+            free = model(input_ids=ids).logits
+        own = tap.indices()
+        assert own.shape == (8, 2, 2)
+        tap.replay(own)
+        with torch.no_grad():
+            assert torch.allclose(model(input_ids=ids).logits, free, atol=1e-6, rtol=0)
+        experts = routers(model)[0].num_experts
+        other = torch.stack([torch.randperm(experts, generator=torch.Generator().manual_seed(t))[:2]
+                             for t in range(16)]).reshape(8, 2, 2)
+        tap.replay(other)
+        out = model(input_ids=ids).logits
+        assert (out - free).abs().max() > 1e-3
+        assert torch.equal(tap.indices(), other.to(torch.int32))
+        out.sum().backward()
+    router = routers(model)[0]
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+def test_sglang_broadcast_needs_a_per_expert_checkpoint_layout(tmp_path: Path) -> None:
+    """The broadcast sends experts by checkpoint name only for families whose checkpoints
+    name them one by one; Mixtral (w1/w2/w3) with SGLang and a broadcast is refused before
+    any engine starts, naming the transport that works."""
+    from rl_core.models.moe import names_experts_one_by_one
+    from rl_core.planes import start_rollout
+
+    cfg = load_config(ROOT / "configs" / "tiny-moe-cpu.yaml",
+                      ["rollout.engine=sglang", "rollout.weight_sync=distributed"])
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral",
+                                                      "num_local_experts": 8}))
+    assert not names_experts_one_by_one(tmp_path)
+    with pytest.raises(ConfigError, match="use rollout.weight_sync=disk"):
+        start_rollout(cfg, tmp_path, tmp_path / "work")
+    assert not (tmp_path / "work").exists()  # nothing was started

@@ -29,19 +29,72 @@ from typing import Any
 
 import torch
 
-__all__ = ["MOE_ARCHS", "RouterTap", "build_tiny_moe", "fuse_expert_weights", "hub_layout",
-           "moe_dims", "pin_eager_experts", "prefer_fast_experts", "router_metrics", "routers"]
+__all__ = ["MOE_ARCHS", "PER_EXPERT_CHECKPOINTS", "RouterTap", "build_tiny_moe",
+           "fuse_expert_weights", "gate_weights", "hub_layout", "is_moe_checkpoint", "moe_dims",
+           "names_experts_one_by_one",
+           "pin_eager_experts", "prefer_fast_experts", "router_metrics", "routers"]
 
 # The tiny demo's MoE architectures (model.tiny_arch); any model whose routers are
 # transformers' TopKRouter modules runs on the engine and the trainer.
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
+# Model types whose checkpoints (and SGLang's loaders) name the experts one by one,
+# ``<p>.mlp.experts.<e>.{gate,up,down}_proj.weight``, while transformers 5 runs them fused
+# (E, 2I, H) / (E, H, I). Mixtral's checkpoints say ``block_sparse_moe.experts.<e>.w1`` and
+# gpt-oss's are fused (E, H, 2I), interleaved: neither is this layout.
+PER_EXPERT_CHECKPOINTS = frozenset({"qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe",
+                                    "olmoe"})
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 
 
+def _hf_config(model_path: str | Path) -> dict[str, Any]:
+    try:
+        return json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def names_experts_one_by_one(model_path: str | Path) -> bool:
+    """Whether the checkpoint in ``model_path`` is of a :data:`PER_EXPERT_CHECKPOINTS` type."""
+    return _hf_config(model_path).get("model_type") in PER_EXPERT_CHECKPOINTS
+
+
+def is_moe_checkpoint(model_path: str | Path) -> bool:
+    """Whether the HF model in ``model_path`` routes tokens to experts (its config.json)."""
+    config = _hf_config(model_path)
+    return bool(config.get("num_experts") or config.get("num_local_experts")
+                or config.get("n_routed_experts"))
+
+
 def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's top-k router modules in layer order (empty: a dense model)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")
+    """The model's top-k router modules in layer order (empty: a dense model):
+    ``transformers``' ``*TopKRouter``/``*TopkRouter`` (Qwen-MoE, Mixtral, gpt-oss, OLMoE,
+    DeepSeek-V3, GLM-4.5)."""
+    return [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")
             and hasattr(m, "top_k") and hasattr(m, "num_experts")]
+
+
+def gate_weights(router: torch.nn.Module, logits: torch.Tensor,
+                 idx: torch.Tensor) -> torch.Tensor:
+    """The gate weights ``router`` gives experts ``idx`` (tokens, k) from its ``logits``, as
+    its own forward computes them for the experts it picks (routing replay: the weights of
+    the replayed experts, differentiable through the logits):
+
+    - sigmoid routers (DeepSeek-V3, GLM-4.5: ``e_score_correction_bias``): the sigmoid
+      scores, renormalised with ``norm_topk_prob``, times ``routed_scaling_factor`` (the
+      bias only picks experts; it never weighs them);
+    - softmax routers: the softmax probabilities, renormalised over the k experts where the
+      router does (``norm_topk_prob``; always for Mixtral, and gpt-oss's softmax over the
+      top-k logits is the same thing)."""
+    if hasattr(router, "e_score_correction_bias"):
+        top = logits.float().sigmoid().gather(-1, idx)
+        if getattr(router, "norm_topk_prob", False):
+            top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+        return top * float(getattr(router, "routed_scaling_factor", 1.0))
+    top = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, idx)
+    name = type(router).__name__
+    if getattr(router, "norm_topk_prob", False) or name.startswith(("Mixtral", "GptOss")):
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top
 
 
 def moe_dims(model: torch.nn.Module) -> tuple[int, int, int] | None:
@@ -171,11 +224,7 @@ class RouterTap:
                     raise ValueError(f"routing replay: {tuple(want.shape)} expert indices for a "
                                      f"router that chose {tuple(idx.shape)}")
                 idx = torch.where((want < 0).any(-1, keepdim=True), idx, want)
-                probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-                top = probs.gather(-1, idx)
-                if getattr(module, "norm_topk_prob", False):
-                    top = top / top.sum(dim=-1, keepdim=True)
-                weights = top.to(logits.dtype)
+                weights = gate_weights(module, logits, idx).to(weights.dtype)
             if self.keep_logits:
                 self.logits.append(logits)
             self._indices[layer] = idx

@@ -10,8 +10,9 @@ into what each transport needs, computing the checksum where the weights are wri
 - ``open_weight_broadcast`` / ``broadcast_weights`` / ``close_weight_broadcast``: rank 0 of a
   ``torch.distributed`` group with the engines (``distributed``, SGLang's
   ``/init_weights_update_group`` + ``/update_weights_from_distributed``), one broadcast per
-  tensor in the order the engines were told. Tensors go by their checkpoint names: a mixture
-  of experts' fused expert tensors travel one expert at a time
+  tensor in the order the engines were told. Tensors go by their checkpoint names: the fused
+  expert tensors of a model whose checkpoints name experts one by one
+  (:data:`~rl_core.models.moe.PER_EXPERT_CHECKPOINTS`) travel one expert at a time
   (:func:`~rl_core.models.moe.hub_layout`), the names SGLang's loader takes (the embedded
   engine takes them too); the checksum is of the weights the engines must then hold.
 
@@ -33,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rl_core.models.moe import hub_layout
+from rl_core.models.moe import hub_layout, names_experts_one_by_one
 from rl_core.weight_sync import process_group as pgroup
 from rl_core.weight_sync.checksum import weights_checksum
 
@@ -99,9 +100,14 @@ class WeightSource:
 
     def weight_layout(self) -> dict[str, tuple[str, list[int]]]:
         """Name -> (dtype, shape) of every tensor a broadcast sends, in order (sending rank)."""
-        weights = hub_layout(self.export_weights())
+        weights = self._wire(self.export_weights())
         return {n: (str(t.dtype).removeprefix("torch."), list(t.shape))
                 for n, t in weights.items()} if self._sends_weights else {}
+
+    def _wire(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``weights`` as a broadcast sends them (see the module docstring)."""
+        path = getattr(self, "model_path", None)
+        return hub_layout(weights) if path and names_experts_one_by_one(path) else weights
 
     def weight_broadcast_endpoint(self, host: str = "127.0.0.1") -> tuple[str, int]:
         """Where engines rendezvous with this trainer: ``host`` and a port free on it."""
@@ -138,7 +144,7 @@ class WeightSource:
             raise ValueError(f"no weight update group {group_name!r} is open") from None
         if backend == "gloo":
             weights = {n: t.detach().cpu() for n, t in weights.items()}
-        pgroup.broadcast_named_tensors(hub_layout(weights), pg, timeout_s=timeout_s)
+        pgroup.broadcast_named_tensors(self._wire(weights), pg, timeout_s=timeout_s)
         return weights_checksum(weights)
 
     def shutdown(self) -> None:
