@@ -57,6 +57,21 @@ def quantization(cfg: LoraConfig, compute_dtype: torch.dtype) -> Any:
                               bnb_4bit_compute_dtype=compute_dtype)
 
 
+def unpacked_4bit(model: torch.nn.Module) -> torch.nn.Module:
+    """``model``'s 4-bit layers never switch to bitsandbytes' AVX512-BF16 CPU layout.
+
+    On CPUs with AVX512-BF16, ``Linear4bit`` repacks its weight in place at its first
+    no-grad, eval-mode forward (log-prob scoring) and then runs another kernel: it needs
+    every input width to be a multiple of its block (64), and a training forward after the
+    repack fails inside bitsandbytes (an in-place bias add on a view; measured with 0.50.2).
+    Off, every CPU runs the same portable kernel (what machines without AVX512-BF16 run);
+    on GPUs the switch is never consulted."""
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+    return model
+
+
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     """``model`` with LoRA adapters on ``cfg.target_modules`` (B = 0: it starts as the base)."""
     from peft import LoraConfig as PeftLoraConfig

@@ -99,6 +99,8 @@ class TorchTrainer(WeightSource):
             **({"quantization_config": quant, "device_map": str(self.device)} if quant else {}))
         if quant is None:
             self.model = self.model.to(self.device)
+        else:
+            lora_lib.unpacked_4bit(self.model)
         prefer_fast_experts(self.model)
         self.moe = MoeForward.for_model(self.model, train.moe, model_path)  # None: dense
         if self.lora is not None:
