@@ -254,6 +254,7 @@ def test_expert_parallel_equals_one_rank(ray_session, megatron_trainer, moe_dir,
         assert exported["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == EXPERTS
         weights_equal(one.export_weights(), exported, atol=TOL)
         group.save_state(tmp_path / "ckpt")  # expert-sharded dist_checkpointing
+        saved = group.export_weights()
         straight = group.train_step(batch2)
         after = group.export_weights()
         group.load_state(tmp_path / "ckpt")
@@ -261,6 +262,25 @@ def test_expert_parallel_equals_one_rank(ray_session, megatron_trainer, moe_dir,
         weights_equal(after, group.export_weights())
     finally:
         group.shutdown()
+    batch3 = batch_of(n=9)
+    batch3.old_logp = want
+    if layout.get("distributed_optimizer"):  # its format reshards across DP only
+        other = megatron_trainer(moe_dir, distributed_optimizer=True)
+        with pytest.raises(ValueError, match="resumes at the tp/pp/ep it was written at"):
+            other.load_state(tmp_path / "ckpt")
+        other.train_step(batch3)  # a fresh process resumes (at its own layout)
+        other.save_state(tmp_path / "one")
+        fresh = megatron_trainer(moe_dir, distributed_optimizer=True)
+        fresh.load_state(tmp_path / "one")
+        weights_equal(fresh.export_weights(), other.export_weights())
+        assert fresh.train_step(batch3)["loss"] == other.train_step(batch3)["loss"]
+        return
+    # the checkpoint resumes on another layout (one rank: no TP, no EP), optimizer included
+    other = megatron_trainer(moe_dir)
+    other.load_state(tmp_path / "ckpt")
+    weights_equal(other.export_weights(), saved)
+    assert other.train_step(batch3)["loss"] == pytest.approx(straight["loss"], abs=TOL)
+    weights_equal(other.export_weights(), after, atol=TOL)
 
 
 def test_sequence_parallel_replays_and_balances_as_one_rank(ray_session, megatron_trainer,

@@ -530,7 +530,9 @@ class MegatronTrainer(WeightSource):
         return path
 
     def load_state(self, path: str | Path) -> None:
-        """Restore what :meth:`save_state` wrote (any TP/PP layout for the model)."""
+        """Restore what :meth:`save_state` wrote, at any TP/PP/EP/DP layout (resharded by
+        ``dist_checkpointing``), with the ``distributed_optimizer`` setting it was written
+        with (the optimizer state's format; distributed: the same TP/PP/EP, any DP)."""
         from megatron.core import dist_checkpointing
 
         path = Path(path)
@@ -539,13 +541,28 @@ class MegatronTrainer(WeightSource):
             raise FileNotFoundError(f"{path}: no megatron checkpoint (megatron/ and {_STATE}); "
                                     "it was written by another backend: resume it with "
                                     "train.backend=torch, or start from its model/ as model.path")
+        saved = json.loads((path / _STATE).read_text())
+        if saved.get("distributed_optimizer", False) != self.mcfg.distributed_optimizer:
+            raise ValueError(
+                f"{path}: written with train.megatron.distributed_optimizer="
+                f"{str(saved.get('distributed_optimizer', False)).lower()}, and the optimizer "
+                "state is stored in that format; resume with the same setting")
+        here = {"tp": self.mcfg.tp, "pp": self.mcfg.pp, "ep": self.mcfg.ep}
+        if self.mcfg.distributed_optimizer and {k: saved.get(k, 1) for k in here} != here:
+            raise ValueError(
+                f"{path}: a distributed-optimizer checkpoint resumes at the tp/pp/ep it was "
+                f"written at ({ {k: saved.get(k, 1) for k in here} }; here {here}; dp may "
+                "differ): megatron-core 0.16.1's fully reshardable optimizer format fails "
+                "(docs/megatron.md). Resume at that layout, or start from its model/")
+        if self.mcfg.distributed_optimizer:
+            _init_empty_adam_state(self.optimizer)
         with compat.cuda_free():
             state = dist_checkpointing.load(self._sharded_state(loading=True), str(source))
             self.core.load_state_dict(state["model"])
             with torch.no_grad():  # distopt views of leaf parameters (megatron-cpu.md §6.4)
                 self.optimizer.load_state_dict(state["optimizer"])
         _restore_adam_steps(self.optimizer)
-        self.global_step = json.loads((path / _STATE).read_text())["global_step"]
+        self.global_step = saved["global_step"]
 
 
 def _in_process_results_queue() -> None:
@@ -563,6 +580,20 @@ def _in_process_results_queue() -> None:
 
     if getattr(filesystem_async, "_results_queue", "missing") is None:
         filesystem_async._results_queue = queue.Queue()
+
+
+def _init_empty_adam_state(optimizer: Any) -> None:
+    """A distributed optimizer that has not stepped yet (a fresh trainer resuming) has no Adam
+    state, and its ``state_dict`` (the one ``sharded_state_dict`` builds the load plan from)
+    fails on the missing ``step`` (megatron-core 0.16.1 without Apex/TE). Give it state the
+    way megatron does before loading into a fresh model (one step on zero gradients); every
+    value it writes is then overwritten by the checkpoint (main parameters, moments, step)."""
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if inner is not None and not inner.state and hasattr(
+                chained, "_init_optimizer_states_with_dummy_values"):
+            with compat.cuda_free():
+                chained._init_optimizer_states_with_dummy_values()
 
 
 def _restore_adam_steps(optimizer: Any) -> None:
