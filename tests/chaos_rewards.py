@@ -6,8 +6,11 @@ a sample misbehaves depends only on (``GRPOFLOW_CHAOS_SEED``, the reference answ
 completion text), so a run is reproducible; every injected fault is appended, one line per
 fault, to the file named by ``GRPOFLOW_CHAOS_LOG`` *before* it happens, so a test can check
 that the run counted exactly what was injected. ``GRPOFLOW_CHAOS_REWARD_P`` sets the three
-probabilities ("raise,hang,oom", default "0.02,0.02,0.02"). Workers inherit the variables
-from the flow process. Tests put this directory on sys.path; it is not a package.
+probabilities ("raise,hang,oom", default "0.02,0.02,0.02"). A tiny model repeats its texts,
+so a run may see few distinct ones and, by chance, no fault of a kind: the kinds listed in
+``GRPOFLOW_CHAOS_ENSURE`` (e.g. "raise,hang,oom") are injected on the next clean sample while
+the log holds none of them yet (two workers may both do so; both log it, so counts still
+match). Workers inherit the variables from the flow process. Tests put this directory on sys.path; it is not a package.
 
 What it must never do: import prefect, mlflow or torch (worker start-up must stay fast);
 hang more than 60 s; or allocate without a memory limit in force (it raises instead).
@@ -25,6 +28,7 @@ from rl_core.rewards import gsm8k_reward
 SEED_ENV = "GRPOFLOW_CHAOS_SEED"
 LOG_ENV = "GRPOFLOW_CHAOS_LOG"
 P_ENV = "GRPOFLOW_CHAOS_REWARD_P"
+ENSURE_ENV = "GRPOFLOW_CHAOS_ENSURE"
 HANG_S = 60.0  # far past any test's reward.timeout_s, and the most a worker may hang
 
 
@@ -37,7 +41,21 @@ def fault_for(completion: str, answer: str) -> str | None:
                        ("oom", p_raise + p_hang + p_oom)):  # fmt: skip
         if u < edge:
             return kind
-    return None
+    return _missing_kind()
+
+
+def _missing_kind() -> str | None:
+    """The first kind in GRPOFLOW_CHAOS_ENSURE that the log holds no line of, if any."""
+    wanted = [k for k in os.environ.get(ENSURE_ENV, "").split(",") if k]
+    path = os.environ.get(LOG_ENV)
+    if not wanted or not path:
+        return None
+    try:
+        with open(path) as f:
+            seen = {line.split()[-1] for line in f if line.strip()}
+    except FileNotFoundError:
+        seen = set()
+    return next((k for k in wanted if k not in seen), None)
 
 
 def _record(kind: str) -> None:

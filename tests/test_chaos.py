@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 from chaos import EngineChaos, engine_processes
-from chaos_rewards import LOG_ENV, P_ENV, SEED_ENV
+from chaos_rewards import ENSURE_ENV, LOG_ENV, P_ENV, SEED_ENV
 
 import flows.grpo_train
 from rl_core.planes import get_planes
@@ -222,6 +222,7 @@ def test_training_survives_engine_kills_hangs_and_reward_faults(
     monkeypatch.setenv(SEED_ENV, str(SEED))
     monkeypatch.setenv(LOG_ENV, str(log))
     monkeypatch.setenv(P_ENV, "0.02,0.015,0.02")  # each hang costs reward.timeout_s
+    monkeypatch.setenv(ENSURE_ENV, "raise,hang,oom")  # few distinct texts: a kind may not come
     overrides = _overrides(
         tmp_path, tiny_cache, "chaos", steps, f"train.prompts_per_step={groups}",
         f"rollout.n_samples={n}", "rollout.timeout_s=60", "rollout.weight_sync_timeout_s=45",
@@ -267,6 +268,7 @@ def test_soak_chaos_run_learns_like_a_clean_run(
     monkeypatch.setenv(SEED_ENV, str(SEED))
     monkeypatch.setenv(LOG_ENV, str(log))
     monkeypatch.setenv(P_ENV, "0.02,0.005,0.02")  # a group often repeats a text
+    monkeypatch.setenv(ENSURE_ENV, "raise,hang,oom")
     run_dir = tmp_path / "chaos"
     chaos = EngineChaos(run_dir / "metrics.jsonl", seed=SEED, num_engines=2, last_step=steps,
                         gap_s=(20.0, 60.0), p_hang=0.5)  # fmt: skip
