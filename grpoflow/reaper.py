@@ -9,7 +9,9 @@ of a core). Two mechanisms cover every way out:
 - :func:`start` launches a *reaper*: a small process (``python -m grpoflow.reaper``, psutil
   only, in a session of its own so a signal to the run's process group spares it) that keeps
   a list of the command's descendants, refreshed every ``poll_s`` seconds, and learns of the
-  command's death from the kernel (``PR_SET_PDEATHSIG``: no polling for that). When the
+  command's death from the kernel (``PR_SET_PDEATHSIG``: no polling for that; the signal
+  follows threads, so a dying multi-threaded command sends it once per thread the reaper is
+  handed on to: the first one counts, the reaper waits for the last thread). When the
   command is gone (exited, SIGKILLed, OOM-killed) it sends SIGTERM to every descendant it
   saw that is still the same process (pid and start time), waits ``grace_s`` seconds and
   SIGKILLs the rest, then exits. Every process the command starts inherits a marker in its
@@ -101,34 +103,50 @@ class _ParentGone(Exception):  # noqa: N818 (a signal, not an error)
     """Raised by the parent-death signal's handler, out of whatever the loop is doing."""
 
 
+_armed = False  # the handler raises once, and only inside the watch loop's try
+
+
 def _parent_gone(signum: int, frame: object) -> None:
     # Only raise: a handler that took a lock (threading.Event.set) could deadlock with the
-    # very code it interrupted.
-    raise _ParentGone
+    # very code it interrupted. And raise once: the signal comes again each time the kernel
+    # moves us on to another thread of a dying multi-threaded parent (the parent-death signal
+    # follows threads), and a second raise after the first was caught would end the reaper
+    # before it reaps. The kernel also changes our parent before it signals, so the loop may
+    # have left its try already: then there is nothing to do either.
+    global _armed
+    if _armed:
+        _armed = False
+        raise _ParentGone
 
 
-def _marked(mark: str, skip: set[int]) -> list[psutil.Process]:
-    """The running processes whose environment carries ``MARK=mark`` (but ``skip``)."""
+def _marked(mark: str, skip: set[int], since: float) -> list[psutil.Process]:
+    """The running processes started at or after ``since`` (the command's start: nothing
+    older can carry its marker, and an unrelated process is never read) whose environment
+    carries ``MARK=mark`` (but ``skip``)."""
     out = []
     for p in psutil.process_iter():
         if p.pid in skip:
             continue
         with contextlib.suppress(psutil.Error):
-            if p.environ().get(MARK) == mark:
+            if p.create_time() >= since - 1.0 and p.environ().get(MARK) == mark:
                 out.append(p)
     return out
 
 
 def _watch(pid: int, grace_s: float, poll_s: float, mark: str | None = None) -> int:
     """The reaper's loop (see the module docstring); returns its exit code."""
+    global _armed
     me = os.getpid()
     seen: dict[int, psutil.Process] = {}
     try:
         parent = psutil.Process(pid)
+        since = parent.create_time()
     except psutil.Error:
         return 0
+    log.info("reaper of %d: watching (scan every %gs, grace %gs)", pid, poll_s, grace_s)
+    signal.signal(signal.SIGUSR1, _parent_gone)
+    _armed = True
     try:
-        signal.signal(signal.SIGUSR1, _parent_gone)
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGUSR1, 0, 0, 0)
@@ -141,15 +159,24 @@ def _watch(pid: int, grace_s: float, poll_s: float, mark: str | None = None) -> 
                 for p_id in [p_id for p_id, p in seen.items() if not p.is_running()]:
                     del seen[p_id]
             time.sleep(poll_s)
+        _armed = False  # (a signal before this line raises in the try; after, it is a no-op)
     except _ParentGone:
         pass
+    _armed = False
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    deadline = time.monotonic() + grace_s  # every thread of the parent gone, then reap
+    while os.getppid() == pid and time.monotonic() < deadline:
+        time.sleep(0.05)
     procs = list(seen.values())
-    if mark:
-        known = {p.pid for p in procs}
-        procs += [p for p in _marked(mark, {me, pid}) if p.pid not in known]
     log.info("reaper of %d: its command ended; ending %s", pid, [
         f"{p.pid}:{_name(p)}" for p in procs])
+    if mark:
+        known = {p.pid for p in procs}
+        missed = [p for p in _marked(mark, {me, pid}, since) if p.pid not in known]
+        if missed:
+            log.info("reaper of %d: and the marked ones its scans missed: %s", pid, [
+                f"{p.pid}:{_name(p)}" for p in missed])
+        procs += missed
     killed = kill_descendants(procs, grace_s)
     log.info("reaper of %d: signalled %s; still running: %s", pid, killed,
              [p.pid for p in procs if _running(p)])
@@ -182,7 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(filename=path, level=logging.INFO,
                             format="%(asctime)s %(process)d %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the terminal is for the run
-    return _watch(args.pid, args.grace, args.poll, args.mark)
+    try:
+        return _watch(args.pid, args.grace, args.poll, args.mark)
+    except BaseException:  # stderr is /dev/null: say it where someone may look
+        log.exception("reaper of %d: failed", args.pid)
+        raise
 
 
 if __name__ == "__main__":

@@ -114,6 +114,49 @@ def test_the_reaper_ends_what_escaped_its_scans(tmp_path: Path) -> None:
                 p.kill()
 
 
+def test_the_reaper_survives_the_signal_of_each_dying_thread(tmp_path: Path) -> None:
+    """The parent-death signal follows threads: a SIGKILLed parent with many threads moves
+    the reaper from thread to thread as they die, signalling it each time. One signal
+    raises; the rest must not end the reaper before it reaps (CI saw it die silently)."""
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import subprocess, sys, threading, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from grpoflow import reaper
+        reaper.start(grace_s=1.0, poll_s=0.2)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                 start_new_session=True)
+        for _ in range(64):
+            threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+        print("ready", flush=True)
+        time.sleep(600)
+    """))
+    log = tmp_path / "reaper.log"
+    tree: list[psutil.Process] = []
+    for _ in range(3):  # the race is in the kernel's timing: give it a few chances
+        parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                                  text=True, env={**os.environ, "GRPOFLOW_REAPER_LOG": str(log)})
+        try:
+            assert parent.stdout is not None and parent.stdout.readline().strip() == "ready"
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:  # the child and the reaper
+                tree = psutil.Process(parent.pid).children(recursive=True)
+                if len(tree) >= 2:
+                    break
+                time.sleep(0.1)
+            time.sleep(0.6)  # a scan or two of the reaper
+            parent.kill()
+            parent.wait(10)
+            assert _alive(tree, timeout_s=15) == [], log.read_text() if log.exists() else ""
+        finally:
+            if parent.poll() is None:
+                parent.kill()
+            for p in tree:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+    assert log.read_text().count("its command ended") == 3, log.read_text()
+
+
 def test_exit_within_ends_a_process_whose_threads_do_not(tmp_path: Path) -> None:
     script = tmp_path / "stuck.py"
     script.write_text(textwrap.dedent(f"""
