@@ -160,9 +160,8 @@ def _watch(pid: int, grace_s: float, poll_s: float, mark: str | None = None) -> 
                     del seen[p_id]
             time.sleep(poll_s)
         _armed = False  # (a signal before this line raises in the try; after, it is a no-op)
-    except _ParentGone:
+    except _ParentGone:  # (the handler disarmed itself)
         pass
-    _armed = False
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     deadline = time.monotonic() + grace_s  # every thread of the parent gone, then reap
     while os.getppid() == pid and time.monotonic() < deadline:

@@ -10,7 +10,8 @@ probabilities ("raise,hang,oom", default "0.02,0.02,0.02"). A tiny model repeats
 so a run may see few distinct ones and, by chance, no fault of a kind: the kinds listed in
 ``GRPOFLOW_CHAOS_ENSURE`` (e.g. "raise,hang,oom") are injected on the next clean sample while
 the log holds none of them yet (two workers may both do so; both log it, so counts still
-match). Workers inherit the variables from the flow process. Tests put this directory on sys.path; it is not a package.
+match). Workers inherit the variables from the flow process. Tests put this directory on
+sys.path; it is not a package.
 
 What it must never do: import prefect, mlflow or torch (worker start-up must stay fast);
 hang more than 60 s; or allocate without a memory limit in force (it raises instead).
@@ -44,18 +45,24 @@ def fault_for(completion: str, answer: str) -> str | None:
     return _missing_kind()
 
 
+_all_ensured = False  # this worker saw every wanted kind in the log: stop reading it
+
+
 def _missing_kind() -> str | None:
     """The first kind in GRPOFLOW_CHAOS_ENSURE that the log holds no line of, if any."""
+    global _all_ensured
     wanted = [k for k in os.environ.get(ENSURE_ENV, "").split(",") if k]
     path = os.environ.get(LOG_ENV)
-    if not wanted or not path:
+    if _all_ensured or not wanted or not path:
         return None
     try:
         with open(path) as f:
             seen = {line.split()[-1] for line in f if line.strip()}
     except FileNotFoundError:
         seen = set()
-    return next((k for k in wanted if k not in seen), None)
+    missing = next((k for k in wanted if k not in seen), None)
+    _all_ensured = missing is None
+    return missing
 
 
 def _record(kind: str) -> None:

@@ -41,6 +41,29 @@ def _alive(procs: list[psutil.Process], timeout_s: float) -> list[str]:
     return out
 
 
+def _tree(parent: subprocess.Popen, at_least: int) -> list[psutil.Process]:
+    """``parent``'s descendants once there are ``at_least`` of them (20 s at most), after a
+    scan or two of its reaper."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        tree = psutil.Process(parent.pid).children(recursive=True)
+        if len(tree) >= at_least:
+            break
+        time.sleep(0.1)
+    assert len(tree) >= at_least, [p.cmdline() for p in tree]
+    time.sleep(0.6)
+    return tree
+
+
+def _kill_all(parent: subprocess.Popen, procs: list[psutil.Process]) -> None:
+    """Never leave a failed test's processes to the rest of the suite."""
+    if parent.poll() is None:
+        parent.kill()
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+
+
 def test_the_reaper_ends_the_tree_of_a_sigkilled_process(tmp_path: Path) -> None:
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent(f"""
@@ -57,22 +80,15 @@ def test_the_reaper_ends_the_tree_of_a_sigkilled_process(tmp_path: Path) -> None
         time.sleep(600)
     """))
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    tree: list[psutil.Process] = []
     try:
         assert parent.stdout is not None and parent.stdout.readline().strip() == "ready"
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:  # the child, the grandchild's tree, the reaper
-            tree = psutil.Process(parent.pid).children(recursive=True)
-            if len(tree) >= 4:
-                break
-            time.sleep(0.1)
-        assert len(tree) >= 4, [p.cmdline() for p in tree]
-        time.sleep(0.6)  # a scan or two of the reaper
+        tree = _tree(parent, 4)  # the child, the grandchild's tree, the reaper
         parent.kill()
         parent.wait(10)
         assert _alive(tree, timeout_s=15) == []
     finally:
-        if parent.poll() is None:
-            parent.kill()
+        _kill_all(parent, tree)
 
 
 def test_the_reaper_ends_what_escaped_its_scans(tmp_path: Path) -> None:
@@ -107,11 +123,7 @@ def test_the_reaper_ends_what_escaped_its_scans(tmp_path: Path) -> None:
         assert _alive(orphans, timeout_s=15) == [], log.read_text() if log.exists() else ""
         assert f"{orphans[0].pid}:sleep 600" in log.read_text()
     finally:
-        if parent.poll() is None:
-            parent.kill()
-        for p in orphans:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
+        _kill_all(parent, orphans)
 
 
 def test_the_reaper_survives_the_signal_of_each_dying_thread(tmp_path: Path) -> None:
@@ -138,22 +150,12 @@ def test_the_reaper_survives_the_signal_of_each_dying_thread(tmp_path: Path) -> 
                                   text=True, env={**os.environ, "GRPOFLOW_REAPER_LOG": str(log)})
         try:
             assert parent.stdout is not None and parent.stdout.readline().strip() == "ready"
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:  # the child and the reaper
-                tree = psutil.Process(parent.pid).children(recursive=True)
-                if len(tree) >= 2:
-                    break
-                time.sleep(0.1)
-            time.sleep(0.6)  # a scan or two of the reaper
+            tree = _tree(parent, 2)  # the child and the reaper
             parent.kill()
             parent.wait(10)
             assert _alive(tree, timeout_s=15) == [], log.read_text() if log.exists() else ""
         finally:
-            if parent.poll() is None:
-                parent.kill()
-            for p in tree:
-                with contextlib.suppress(psutil.Error):
-                    p.kill()
+            _kill_all(parent, tree)
     assert log.read_text().count("its command ended") == 3, log.read_text()
 
 
@@ -208,8 +210,4 @@ def test_a_stopped_train_leaves_nothing_running(demo_model: Path, tiny_cache: Pa
         log = tmp_path / "reaper.log"
         assert _alive(tree, timeout_s=30) == [], log.read_text() if log.exists() else "no log"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        for p in tree:  # never leave a failed run's processes to the rest of the suite
-            with contextlib.suppress(psutil.Error):
-                p.kill()
+        _kill_all(proc, tree)
