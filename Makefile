@@ -1,46 +1,83 @@
 # The two commands of the README: `make run` (set up + GRPO demo) and `make test`.
-# Both create .venv when missing and are idempotent.
+# Both create .venv when missing and are idempotent. Prerequisites: Linux, Python 3.11, make.
+#
+# `make run` installs what the demo needs (the core dependencies); `make test` and
+# `make soak` install everything the tests use (the `dev` extra: Ray, megatron-core, moto,
+# verifiers, bitsandbytes, ...).
 
 PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
-# Re-install when the dependencies change.
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+DEPS   := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# Re-install when the dependencies change; the core install is part of the dev one.
+CORE   := $(VENV)/.installed-core-$(DEPS)
+DEV    := $(VENV)/.installed-dev-$(DEPS)
 TORCH  ?= torch==2.13.0
+# The CPU build of torch: PyTorch's CPU wheel index first, then the default index (a local
+# wheel cache, where pip has one, serves either).
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 CONFIG ?= configs/tiny-cpu.yaml
 PYTEST_ARGS ?=
 # Tests run in a loopback-only network namespace where the machine allows it (Ray opens
 # ports on every interface; see scripts/loopback.sh).
 LOOPBACK ?= scripts/loopback.sh
+PYTEST := AWS_EC2_METADATA_DISABLED=true $(LOOPBACK) $(BIN)/python -m pytest
 
-.PHONY: setup run test test-fast lint clean screenshots
+.PHONY: setup setup-dev run test test-random soak lint clean screenshots
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(BIN)/python
+# uv installs without bytecode by default and this machine's environment may forbid writing
+# it (PYTHONDONTWRITEBYTECODE): every process would then compile Prefect, MLflow and
+# transformers from source at start-up (~10 s each), so both installs compile it once.
+define install
 	@echo ">> installing the CPU torch wheel first ($(TORCH)), so no CUDA build is pulled"
-	$(BIN)/python -m pip install -q --disable-pip-version-check $(TORCH)
+	@$(BIN)/python -m pip --version >/dev/null
+	$(BIN)/python -m pip install -q --disable-pip-version-check --retries 1 --timeout 20 \
+	  --index-url $(TORCH_INDEX) $(TORCH) 2>/dev/null \
+	  || $(BIN)/python -m pip install -q --disable-pip-version-check $(TORCH)
 	$(BIN)/python -m pip install -q --disable-pip-version-check uv
-	@echo ">> installing grpoflow and its dependencies"
-	$(BIN)/uv pip install -q --python $(BIN)/python -e ".[dev]" \
-	  || $(BIN)/python -m pip install -q --disable-pip-version-check -e ".[dev]"
-	@rm -f $(VENV)/.installed-*
+	@echo ">> installing grpoflow ($(1))"
+	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e "$(1)" \
+	  || $(BIN)/python -m pip install -q --disable-pip-version-check -e "$(1)"
+endef
+
+$(CORE): pyproject.toml | $(BIN)/python
+	$(call install,.)
+	@rm -f $(VENV)/.installed-core-*
 	@touch $@
 
-setup: $(STAMP)
+$(DEV): pyproject.toml | $(BIN)/python
+	$(call install,.[dev])
+	@rm -f $(VENV)/.installed-*
+	@touch $@ $(CORE)
+
+setup: $(CORE)
+
+setup-dev: $(DEV)
 
 run: setup
 	$(BIN)/grpoflow train $(CONFIG)
 
-test: setup
+# The suite CI runs (.ci/run): lint, the layer contracts, then every test but the soak tier.
+# Two workers (pytest-xdist; each test module runs whole on one worker, in file order),
+# a fixed order (pytest-randomly off; `make test-random` shuffles).
+XDIST ?= -n 2 --dist loadscope
+test: setup-dev
 	$(BIN)/ruff check .
-	AWS_EC2_METADATA_DISABLED=true $(LOOPBACK) $(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(PYTEST) $(XDIST) -p no:randomly $(PYTEST_ARGS)
 
-test-fast: setup
-	AWS_EC2_METADATA_DISABLED=true $(LOOPBACK) $(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+# The same suite in a random order (pytest-randomly; its seed is printed: -p randomly
+# -p "randomly_seed=N" replays an order).
+test-random: setup-dev
+	$(PYTEST) $(XDIST) $(PYTEST_ARGS)
 
-lint: setup
+# The long runs (docs/testing.md): full-length learning, kill-anywhere and chaos soaks.
+soak: setup-dev
+	GRPOFLOW_SOAK=1 $(PYTEST) -m soak -p no:randomly $(PYTEST_ARGS)
+
+lint: setup-dev
 	$(BIN)/ruff check .
 
 # PNGs of the Prefect and MLflow UIs on a short demo run (docs/img/; scripts/screenshots.py).

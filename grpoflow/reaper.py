@@ -45,6 +45,7 @@ __all__ = ["exit_within", "kill_descendants", "start"]
 log = logging.getLogger("rl_core.reaper")  # the CLI shows rl_core's records
 _PR_SET_PDEATHSIG = 1
 MARK = "GRPOFLOW_REAPED_BY"
+PIDS_ENV = "GRPOFLOW_STARTED_PIDS"  # rl_core.rollout.launch.PIDS_ENV (no rl_core import here)
 
 
 def start(grace_s: float = 5.0, poll_s: float = 2.0) -> subprocess.Popen | None:
@@ -54,10 +55,15 @@ def start(grace_s: float = 5.0, poll_s: float = 2.0) -> subprocess.Popen | None:
         return None
     mark = f"{os.getpid()}-{time.time_ns()}"
     os.environ[MARK] = mark  # inherited by everything this process starts from now on
+    import tempfile
+
+    fd, pids = tempfile.mkstemp(prefix="grpoflow-started-", suffix=".pids")
+    os.close(fd)
+    os.environ[PIDS_ENV] = pids  # rl_core's process launcher appends what it starts
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "grpoflow.reaper", "--pid", str(os.getpid()),
-             "--grace", str(grace_s), "--poll", str(poll_s), "--mark", mark],
+             "--grace", str(grace_s), "--poll", str(poll_s), "--mark", mark, "--pids", pids],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True, close_fds=True)
     except OSError as e:  # a run without a reaper still runs
@@ -133,7 +139,33 @@ def _marked(mark: str, skip: set[int], since: float) -> list[psutil.Process]:
     return out
 
 
-def _watch(pid: int, grace_s: float, poll_s: float, mark: str | None = None) -> int:
+def _registered(path: str | None, skip: set[int], since: float) -> list[psutil.Process]:
+    """The still-running processes listed in ``path`` ("pid create_time" lines, appended by
+    the command's process launcher), each only while it is the process listed; the file is
+    removed. A process that rewrote its environment and command line (sglang-router sets its
+    title over them) is found this way when the scans missed it."""
+    if not path:
+        return []
+    out = []
+    try:
+        with open(path) as f:
+            lines = f.read().split("\n")
+    except OSError:
+        return []
+    for line in filter(None, lines):
+        with contextlib.suppress(ValueError, psutil.Error):
+            p_id, started = line.split()
+            p = psutil.Process(int(p_id))
+            if (p.pid not in skip and abs(p.create_time() - float(started)) < 0.05
+                    and p.create_time() >= since - 1.0):
+                out.append(p)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    return out
+
+
+def _watch(pid: int, grace_s: float, poll_s: float, mark: str | None = None,
+           pids: str | None = None) -> int:
     """The reaper's loop (see the module docstring); returns its exit code."""
     global _armed
     me = os.getpid()
@@ -169,12 +201,14 @@ def _watch(pid: int, grace_s: float, poll_s: float, mark: str | None = None) -> 
     procs = list(seen.values())
     log.info("reaper of %d: its command ended; ending %s", pid, [
         f"{p.pid}:{_name(p)}" for p in procs])
+    known = {p.pid for p in procs}
+    missed = [p for p in _registered(pids, {me, pid}, since) if p.pid not in known]
     if mark:
-        known = {p.pid for p in procs}
-        missed = [p for p in _marked(mark, {me, pid}, since) if p.pid not in known]
-        if missed:
-            log.info("reaper of %d: and the marked ones its scans missed: %s", pid, [
-                f"{p.pid}:{_name(p)}" for p in missed])
+        known |= {p.pid for p in missed}
+        missed += [p for p in _marked(mark, {me, pid}, since) if p.pid not in known]
+    if missed:
+        log.info("reaper of %d: and the started or marked ones its scans missed: %s", pid, [
+            f"{p.pid}:{_name(p)}" for p in missed])
         procs += missed
     killed = kill_descendants(procs, grace_s)
     log.info("reaper of %d: signalled %s; still running: %s", pid, killed,
@@ -203,13 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grace", type=float, default=5.0, help="SIGTERM -> SIGKILL, seconds")
     p.add_argument("--poll", type=float, default=2.0, help="descendant scan period, seconds")
     p.add_argument("--mark", default=None, help=f"the {MARK} value of the command's processes")
+    p.add_argument("--pids", default=None, help="the file the command's launcher lists the "
+                   "processes it starts in")
     args = p.parse_args(argv)
     if path := os.environ.get("GRPOFLOW_REAPER_LOG"):
         logging.basicConfig(filename=path, level=logging.INFO,
                             format="%(asctime)s %(process)d %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the terminal is for the run
     try:
-        return _watch(args.pid, args.grace, args.poll, args.mark)
+        return _watch(args.pid, args.grace, args.poll, args.mark, args.pids)
     except BaseException:  # stderr is /dev/null: say it where someone may look
         log.exception("reaper of %d: failed", args.pid)
         raise

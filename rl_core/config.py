@@ -175,8 +175,10 @@ class RolloutConfig(_Section):
         "log-prob) do not depend on when requests arrive; runs repeat bit for bit on CPU, "
         "overlapped (max_staleness > 0) or not. Default: on for the embedded engine, off for "
         "SGLang (whose own batching decides).")
-    weight_sync: Literal["disk", "object_store", "distributed", "shared"] = Field(
-        "disk", description="`disk`: trainer writes safetensors, engines reload them (one node "
+    weight_sync: Literal["auto", "disk", "object_store", "distributed", "shared"] = Field(
+        "auto", description="`auto`: `shared` where it can run (engine local, cluster.mode "
+        "local, the torch backend, synchronous steps, no LoRA), else `disk`. "
+        "`disk`: trainer writes safetensors, engines reload them (one node "
         "or a shared filesystem); `object_store`: through Ray's object store (cluster.mode ray); "
         "`distributed`: the trainer's rank 0 broadcasts to every engine over a "
         "torch.distributed group (SGLang's /update_weights_from_distributed); `shared` "
@@ -651,6 +653,14 @@ class ExperimentConfig(_Section):
                 "rollout.weight_sync=object_store moves weights through Ray's object store, "
                 f"but cluster.mode={c.mode!r} runs no Ray; use rollout.weight_sync=disk, or "
                 "cluster.mode=ray")
+        if r.engine == "local" and r.num_engines > 1:
+            raise ValueError(
+                f"rollout.engine=local runs one engine in the flow's process, but "
+                f"rollout.num_engines={r.num_engines}: set rollout.engine=embedded for engine "
+                "processes behind sglang-router (or num_engines=1)")
+        if r.weight_sync == "auto":
+            r.weight_sync = "shared" if self._shared_blockers() == [] and not (
+                self.train.lora.enabled) else "disk"
         if r.weight_sync == "shared":
             self._check_shared()
         if self.train.backend == "megatron":
@@ -708,6 +718,14 @@ class ExperimentConfig(_Section):
                              "travel as PEFT files (SGLang's /load_lora_adapter); use disk")
 
     def _check_shared(self) -> None:
+        if why := self._shared_blockers():
+            raise ValueError("rollout.weight_sync=shared lets the in-process engine read the "
+                             "trainer's parameters in place, which needs one process and "
+                             "synchronous steps: " + "; ".join(why) +
+                             ". Otherwise use rollout.weight_sync=disk")
+
+    def _shared_blockers(self) -> list[str]:
+        """Why ``rollout.weight_sync: shared`` cannot run with this config (empty: it can)."""
         r, why = self.rollout, []
         if r.engine != "local":
             why.append(f"rollout.engine is {r.engine!r} (set it to local)")
@@ -718,11 +736,7 @@ class ExperimentConfig(_Section):
         if r.max_staleness > 0:
             why.append("rollout.max_staleness > 0 (the engine would sample from weights "
                        "the trainer is changing; set it to 0)")
-        if why:
-            raise ValueError("rollout.weight_sync=shared lets the in-process engine read the "
-                             "trainer's parameters in place, which needs one process and "
-                             "synchronous steps: " + "; ".join(why) +
-                             ". Otherwise use rollout.weight_sync=disk")
+        return why
 
     def _check_megatron(self) -> None:
         m, c = self.train.megatron, self.cluster

@@ -148,21 +148,11 @@ def prefect_harness():
         yield
 
 
-@pytest.fixture(scope="session")
-def tiny_cache(tmp_path_factory) -> Path:
-    """A cache directory shared by the flow tests: the demo's tiny model is built once.
-    ``GRPOFLOW_TEST_CACHE`` keeps it across sessions (local iteration; CI builds afresh)."""
-    import os
-
-    if kept := os.environ.get("GRPOFLOW_TEST_CACHE"):
-        Path(kept).mkdir(parents=True, exist_ok=True)
-        return Path(kept)
-    return Path(tmp_path_factory.mktemp("grpoflow-cache"))
+SHARED_MODELS_ENV = "GRPOFLOW_TEST_SHARED_MODELS"
 
 
-@pytest.fixture(scope="session")
-def demo_model(tiny_cache: Path) -> Path:
-    """The demo's tiny model (configs/tiny-cpu.yaml), built once per session (~1 min)."""
+def _build_demo_model(cache: Path) -> Path:
+    """The demo's tiny model (configs/tiny-cpu.yaml) in ``cache`` (~1 min on 2 cores, once)."""
     from rl_core.config import load_config
     from rl_core.models.hub import snapshot_model
 
@@ -170,7 +160,44 @@ def demo_model(tiny_cache: Path) -> Path:
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        path = snapshot_model(cfg.model, cfg.data, tiny_cache).path
+        return Path(snapshot_model(cfg.model, cfg.data, cache).path)
     finally:
         torch.set_num_threads(threads)
-    return path
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under pytest-xdist the controller builds the demo model once, on both cores, before
+    the workers start; each worker's cache links to it (``tiny_cache``)."""
+    config = session.config
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    import tempfile
+
+    root = os.environ.get("GRPOFLOW_TEST_CACHE") or tempfile.mkdtemp(prefix="grpoflow-models-")
+    _build_demo_model(Path(root))
+    os.environ[SHARED_MODELS_ENV] = str(Path(root) / "models")
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory) -> Path:
+    """A cache directory shared by the flow tests: the demo's tiny model is built once.
+    ``GRPOFLOW_TEST_CACHE`` keeps it across sessions (local iteration; CI builds afresh);
+    under pytest-xdist each worker has its own cache whose models link to the one the
+    controller built."""
+    shared = os.environ.get(SHARED_MODELS_ENV)
+    if (kept := os.environ.get("GRPOFLOW_TEST_CACHE")) and not shared:
+        Path(kept).mkdir(parents=True, exist_ok=True)
+        return Path(kept)
+    cache = Path(tmp_path_factory.mktemp("grpoflow-cache"))
+    if shared:
+        (cache / "models").mkdir()
+        for entry in Path(shared).iterdir():
+            if entry.name.startswith("tiny-"):
+                (cache / "models" / entry.name).symlink_to(entry, target_is_directory=True)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def demo_model(tiny_cache: Path) -> Path:
+    """The demo's tiny model (configs/tiny-cpu.yaml), built once per session (~1 min)."""
+    return _build_demo_model(tiny_cache)

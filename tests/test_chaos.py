@@ -14,8 +14,8 @@ Every run must finish every step with a clean sample ledger (each step's groups 
 once, each with ``n_samples`` samples, no prompt consumed twice) and every engine back in
 service at the last step's ``weight_version``.
 
-The short variant runs in ``make test`` (a fixed plan: one kill, one hang, seeded reward
-faults). The soak (``-m soak`` or ``GRPOFLOW_SOAK=1``) runs ``GRPOFLOW_SOAK_STEPS`` (200)
+The short variant runs in ``make test`` (a fixed plan: one kill, one hang, reward
+faults on fixed call numbers). The soak (``-m soak`` or ``GRPOFLOW_SOAK=1``) runs ``GRPOFLOW_SOAK_STEPS`` (200)
 steps with faults at random (seeded) and a clean run of the same config and seed; the chaos
 run's final held-out accuracy must stay within ``SOAK_BAND`` of the clean run's.
 """
@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 from chaos import EngineChaos, engine_processes
-from chaos_rewards import ENSURE_ENV, LOG_ENV, P_ENV, SEED_ENV
+from chaos_rewards import LOG_ENV, PLAN_ENV, parse_plan, seeded_plan
 
 import flows.grpo_train
 from rl_core.planes import get_planes
@@ -47,7 +47,7 @@ def _overrides(tmp: Path, cache: Path, run_name: str, steps: int, *extra: str) -
     return [
         f"storage.root={tmp}", f"storage.cache_dir={cache}", f"run_name={run_name}",
         f"seed={SEED}", f"train.steps={steps}", "tracking.backend=none",
-        "rollout.num_engines=2", "rollout.engine_threads=1", "rollout.health_interval_s=1",
+        "rollout.engine=embedded", "rollout.num_engines=2", "rollout.engine_threads=1", "rollout.health_interval_s=1",
         "train.num_threads=1", *extra,
     ]  # fmt: skip
 
@@ -153,7 +153,11 @@ def _check_engines(seen: dict[str, Any], steps: int, chaos: EngineChaos) -> None
 
 
 def _check_rewards(run_dir: Path, log: Path, summary: dict[str, Any]) -> Counter:
+    """Every planned fault happened (the run made more calls than the plan's last number),
+    and the run counted exactly those."""
     injected = _reward_faults(log)
+    planned = Counter(parse_plan(os.environ[PLAN_ENV]).values())
+    assert injected == planned, (injected, planned)
     metrics = _rows(run_dir / "metrics.jsonl")
     evals = _rows(run_dir / "evals.jsonl")  # evaluations score with the run's reward too
     errors = sum(m["reward_errors"] for m in metrics) + sum(e["reward_errors"] for e in evals)
@@ -219,10 +223,10 @@ def test_training_survives_engine_kills_hangs_and_reward_faults(
     steps, groups, n = 6, 8, 4
     run_dir = tmp_path / "chaos"
     log = tmp_path / "reward-faults.log"
-    monkeypatch.setenv(SEED_ENV, str(SEED))
     monkeypatch.setenv(LOG_ENV, str(log))
-    monkeypatch.setenv(P_ENV, "0.02,0.015,0.02")  # each hang costs reward.timeout_s
-    monkeypatch.setenv(ENSURE_ENV, "raise,hang,oom")  # few distinct texts: a kind may not come
+    # by call number (the run makes 6 x 8 x 4 training calls): one fault of each kind, in
+    # the steps the engine faults land in too; each hang costs reward.timeout_s
+    monkeypatch.setenv(PLAN_ENV, "40:raise,70:hang,75:oom,140:raise")
     overrides = _overrides(
         tmp_path, tiny_cache, "chaos", steps, f"train.prompts_per_step={groups}",
         f"rollout.n_samples={n}", "rollout.timeout_s=60", "rollout.weight_sync_timeout_s=45",
@@ -265,10 +269,10 @@ def test_soak_chaos_run_learns_like_a_clean_run(
     clean, _ = _train(_overrides(tmp_path, tiny_cache, "clean", steps, *common), monkeypatch)
 
     log = tmp_path / "reward-faults.log"
-    monkeypatch.setenv(SEED_ENV, str(SEED))
     monkeypatch.setenv(LOG_ENV, str(log))
-    monkeypatch.setenv(P_ENV, "0.02,0.005,0.02")  # a group often repeats a text
-    monkeypatch.setenv(ENSURE_ENV, "raise,hang,oom")
+    calls = steps * groups * n  # training calls; 2%, 0.5% and 2% of them misbehave
+    monkeypatch.setenv(PLAN_ENV, seeded_plan(SEED, calls, {
+        "raise": calls // 50, "hang": calls // 200, "oom": calls // 50}))
     run_dir = tmp_path / "chaos"
     chaos = EngineChaos(run_dir / "metrics.jsonl", seed=SEED, num_engines=2, last_step=steps,
                         gap_s=(20.0, 60.0), p_hang=0.5)  # fmt: skip

@@ -217,7 +217,7 @@ def test_distillation_through_the_flow(prefect_harness, tiny_cache: Path, demo_m
         "train.steps=3", "train.prompts_per_step=8", "rollout.n_samples=4",
         "eval.every=0", "eval.num_examples=8", "eval.pass_k_examples=0",
         "tracking.backend=none", "train.num_threads=1", "rollout.engine_threads=1",
-        f"teacher.path={demo_model}", "teacher.engine=local", "teacher.task_weight=0.5",
+        "rollout.engine=embedded", f"teacher.path={demo_model}", "teacher.engine=local", "teacher.task_weight=0.5",
         "model.tiny_hidden_size=96", "model.tiny_layers=2", "model.tiny_intermediate_size=256",
         "model.tiny_sft_steps=20"], show_progress=False)  # fmt: skip
     metrics = [json.loads(x) for x in (Path(out["run_dir"]) / "metrics.jsonl").read_text()

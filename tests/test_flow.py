@@ -2,8 +2,8 @@
 
 The plumbing test runs two steps of the demo through every layer and checks what a user
 sees: the task runs in Prefect (one per phase, named after the step), the run directory,
-the exported model. The learning test (marker ``slow``) is a seeded, shorter version of
-the demo run and asserts that held-out greedy accuracy rises by at least 10 points.
+the exported model. The learning test is the demo's first 20 steps (held-out greedy
+accuracy rises by at least 5 points); the whole demo (+25 points) is a soak test.
 """
 
 from __future__ import annotations
@@ -140,21 +140,32 @@ def test_cli_rejects_bad_config_with_field_path(capsys) -> None:
     assert "algorithm.kl_kind" in err and "low_var_kl" in err
 
 
-@pytest.mark.slow
 def test_demo_learns(prefect_harness, tiny_cache: Path, tmp_path: Path) -> None:
-    """A seeded, shorter demo: held-out greedy accuracy rises by at least 10 points.
-
-    60 of the demo's 100 steps: the seeded curve (bit-identical from run to run on CPU) is
-    0.333 -> 0.410 at 40 steps and 0.333 -> 0.453 at 60, measured at 26538a1 and since."""
+    """The demo's first 20 steps, seeded: held-out greedy accuracy (300 problems) rises by
+    at least 5 points (measured: 0.297 -> 0.407 at step 20 on this machine kind, bit-identical
+    from run to run on CPU). The whole demo, +25 points in 100 steps, is the soak test below."""
     summary = grpo_train(
         config=DEMO,
         overrides=_overrides(
-            tmp_path, tiny_cache, "run_name=learns", "train.steps=60", "eval.every=0"
+            tmp_path, tiny_cache, "run_name=learns-short", "train.steps=20", "eval.every=0",
+            "eval.pass_k_examples=0", "checkpoint.every=0",
         ),
         show_progress=False,
     )
     first, last = summary["first_eval"]["pass_at_1"], summary["last_eval"]["pass_at_1"]
-    assert last - first >= 0.10, f"greedy pass@1 {first:.3f} -> {last:.3f}"
+    assert last - first >= 0.05, f"greedy pass@1 {first:.3f} -> {last:.3f}"
+
+
+@pytest.mark.soak
+def test_the_whole_demo_learns_25_points(prefect_harness, tiny_cache: Path,
+                                         tmp_path: Path) -> None:
+    """`make run` as it is (100 steps, MLflow on), seeded: held-out greedy accuracy rises by
+    at least 25 points (measured: 0.297 -> 0.593)."""
+    summary = grpo_train(
+        config=DEMO, overrides=[f"storage.root={tmp_path}", f"storage.cache_dir={tiny_cache}",
+                                "run_name=learns"], show_progress=False)
+    first, last = summary["first_eval"]["pass_at_1"], summary["last_eval"]["pass_at_1"]
+    assert last - first >= 0.25, f"greedy pass@1 {first:.3f} -> {last:.3f}"
 
 
 def test_cli_evaluate_takes_overrides_after_options(

@@ -126,6 +126,39 @@ def test_the_reaper_ends_what_escaped_its_scans(tmp_path: Path) -> None:
         _kill_all(parent, orphans)
 
 
+def test_the_reaper_ends_what_the_launcher_started_after_its_last_scan(tmp_path: Path) -> None:
+    """sglang-router writes its title over its command line and environment, so neither the
+    marker nor a command line can name it once its parent is gone; a process started after
+    the reaper's last scan with no environment at all stands for it. rl_core's launcher lists
+    what it starts (pid and start time) in the file the reaper reads at the end."""
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from grpoflow import reaper
+        from rl_core.rollout.launch import start_process
+        reaper.start(grace_s=1.0, poll_s=60.0)  # one scan, at its start
+        time.sleep(1.0)
+        proc = start_process(["sleep", "600"], {str(tmp_path / "sleep.log")!r}, env={{}})
+        print(proc.pid, flush=True)
+        time.sleep(600)
+    """))
+    log = tmp_path / "reaper.log"
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "GRPOFLOW_REAPER_LOG": str(log)})
+    started: list[psutil.Process] = []
+    try:
+        assert parent.stdout is not None
+        started.append(psutil.Process(int(parent.stdout.readline())))
+        assert "GRPOFLOW_REAPED_BY" not in started[0].environ()  # no marker to find it by
+        parent.kill()
+        parent.wait(10)
+        assert _alive(started, timeout_s=15) == [], log.read_text() if log.exists() else ""
+        assert f"{started[0].pid}:sleep 600" in log.read_text()
+    finally:
+        _kill_all(parent, started)
+
+
 def test_the_reaper_survives_the_signal_of_each_dying_thread(tmp_path: Path) -> None:
     """The parent-death signal follows threads: a SIGKILLed parent with many threads moves
     the reaper from thread to thread as they die, signalling it each time. One signal
@@ -186,7 +219,7 @@ def test_a_stopped_train_leaves_nothing_running(demo_model: Path, tiny_cache: Pa
     argv = [sys.executable, "-m", "grpoflow.cli", "train", DEMO, "--quiet",
             f"storage.root={tmp_path}", f"storage.cache_dir={tiny_cache}", "run_name=stopped",
             "train.steps=50", "train.prompts_per_step=4", "rollout.n_samples=4",
-            "rollout.num_engines=2", "eval.every=0", "eval.num_examples=8",
+            "rollout.engine=embedded", "rollout.num_engines=2", "eval.every=0", "eval.num_examples=8",
             "eval.pass_k_examples=0", "train.num_threads=1", "tracking.backend=none"]
     proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)

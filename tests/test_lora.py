@@ -321,7 +321,7 @@ def test_lora_config_errors() -> None:
 
 # ---------------------------------------------------------------------------- the flow
 
-LORA_RUN = ["train.lora.rank=8", "train.lr=1e-3", "algorithm.kl_coef=0.01"]
+LORA_RUN = ["rollout.engine=embedded", "train.lora.rank=8", "train.lr=1e-3", "algorithm.kl_coef=0.01"]
 
 
 def _run(tmp: Path, cache: Path, name: str, *extra: str, resume: str = "never") -> dict:

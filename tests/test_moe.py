@@ -324,7 +324,7 @@ def test_moe_grpo_flow_with_replay_syncs_checkpoints_and_resumes(prefect_harness
 
     model = _moe_demo_dir(tmp_path / "moe-init")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    args = [f"model.path={model}", "train.moe.routing_replay=true", "train.moe.aux_loss_coef=0.1",
+    args = [f"model.path={model}", "rollout.engine=embedded", "train.moe.routing_replay=true", "train.moe.aux_loss_coef=0.1",
             "train.lr=1e-2", "train.steps=3", "checkpoint.every=2", "train.prompts_per_step=4",
             "rollout.max_new_tokens=8"]
     first = run_demo_flow(tmp_path, tiny_cache, "first", *args, "tracking.backend=mlflow",

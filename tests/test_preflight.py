@@ -293,7 +293,8 @@ def test_an_unwritable_storage_root_is_refused(tmp_path: Path) -> None:
 
 
 def test_engine_settings_that_cannot_work_are_refused(tmp_path: Path) -> None:
-    message = _refused(tmp_path, "model.trust_remote_code=true", model=False)
+    message = _refused(tmp_path, "model.trust_remote_code=true", "rollout.engine=embedded",
+                       model=False)
     assert "rollout.engine=embedded" in message and "rollout.engine=local" in message
     message = _refused(tmp_path, "rollout.engine=sglang",
                        "rollout.sglang_extra_args=['--port', '31000']", model=False)  # fmt: skip

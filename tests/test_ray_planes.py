@@ -39,7 +39,7 @@ def _overrides(tmp: Path, cache: Path, run: str, *extra: str) -> list[str]:
 
 
 RAY = [
-    "cluster.mode=ray", "cluster.trainer_ranks=2", "rollout.num_engines=2",
+    "rollout.engine=embedded", "cluster.mode=ray", "cluster.trainer_ranks=2", "rollout.num_engines=2",
     "cluster.cpus_per_trainer=0.5", "cluster.cpus_per_engine=0.5", "cluster.num_cpus=4",
 ]  # fmt: skip
 

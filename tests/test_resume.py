@@ -19,6 +19,7 @@ the checkpoint is found and downloaded from the bucket.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -93,7 +94,8 @@ def test_sigkill_mid_step_then_resume_is_exact(
     bucket = None
     if variant == "epoch-boundary-s3":
         bucket = request.getfixturevalue("s3_bucket")  # also points boto3 at the server
-        extra = ["data.max_train_examples=16", f"checkpoint.uri=s3://{bucket}/checkpoints"]
+        extra = ["data.max_train_examples=16", f"checkpoint.uri=s3://{bucket}/checkpoints",
+                 "rollout.engine=embedded"]
         elsewhere = tmp_path / "another-machine"
     else:  # the same exactness through the in-process plane (the other variant: over HTTP)
         extra = ["rollout.engine=local"]
@@ -235,33 +237,38 @@ def test_a_step_that_keeps_failing_fails_the_run_naming_task_and_step(
                    show_progress=False)
 
 
-def _kill_at_random_points(tmp: Path, cache: Path, env: dict[str, str], extra: list[str],
-                           kills: int, span_s: float, seed: int) -> list[str]:
-    """SIGKILL ``grpoflow train`` (resuming whatever its run directory holds) at ``kills``
-    random moments of up to ``span_s`` seconds after its start; every process it had started
-    must be gone after each kill (the reaper). Returns what was killed when, for messages."""
-    import random
-
+def _kill_at(tmp: Path, cache: Path, env: dict[str, str], extra: list[str],
+             points: list[float | int]) -> list[str]:
+    """SIGKILL ``grpoflow train`` (resuming whatever its run directory holds) once per point;
+    every process it had started must be gone after each kill (the reaper). A point is an
+    int (kill once step N is logged: step N + 1 is in flight; an event, never missed, the
+    ``make test`` variant) or a float (kill that many seconds after the start, the soak's
+    random moments; a run that finishes first is simply complete). Returns what was killed
+    when, for messages."""
     import psutil
 
-    rng = random.Random(seed)
     log = []
-    for i in range(kills):
-        at = rng.uniform(1.0, span_s)
+    metrics = tmp / "killed" / "metrics.jsonl"
+    for i, point in enumerate(points):
         proc = subprocess.Popen(_argv(tmp, cache, "killed", *extra), env=env, cwd=ROOT,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        tree = []
         try:
-            time.sleep(at)
-            tree = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None \
-                else []
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+            if isinstance(point, int):
+                _wait_for_step(metrics, point, proc, timeout_s=300)
+            else:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=point)
+            if proc.poll() is None:
+                tree = psutil.Process(proc.pid).children(recursive=True)
+                proc.send_signal(signal.SIGKILL)
+            rc = proc.wait(timeout=30)
         finally:
             if proc.poll() is None:
                 proc.kill()
-        metrics = tmp / "killed" / "metrics.jsonl"
         steps = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
-        log.append(f"kill {i + 1} at {at:.1f}s (after {steps} logged steps)")
+        what = f"after step {point} was logged" if isinstance(point, int) else f"at {point:.1f}s"
+        log.append(f"kill {i + 1} {what} ({steps} logged steps, rc {rc})")
         _, alive = psutil.wait_procs(tree, timeout=30)
         assert not alive, f"{log[-1]}: left running: {[p.pid for p in alive]}"
     return log
@@ -275,22 +282,26 @@ _MODES = {"sync": [], "overlap-2": ["rollout.max_staleness=2"],
                        "rollout.partial_tokens=8"]}
 
 
-# In CI: one kill of a streamed run (the most state in flight: partial samples; the
+# In CI: one kill of a streamed run mid-step (the most state in flight: partial samples; the
 # synchronous mode's single kill is the test above, the overlapped mode's exact resume is
-# tests/test_overlap.py); `pytest -m soak`: many kills in every mode.
+# tests/test_overlap.py), at an event; `pytest -m soak`: many kills at random moments in
+# every mode.
 @pytest.mark.parametrize(("mode", "kills"), [
-    pytest.param("stream-2", 1, id="stream-2-1-kill"),
+    pytest.param("stream-2", 0, id="stream-2-kill-mid-step"),
     *(pytest.param(m, _SOAK_KILLS, id=f"{m}-soak", marks=pytest.mark.soak) for m in _MODES),
 ])
 def test_sigkills_at_random_points_then_resume_is_exact(
     prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, mode: str,
     kills: int,
 ) -> None:
-    """Kill the run at random moments (start-up, a step, a checkpoint write, the final
-    evaluation), resume each time, and let the last resume finish: the ledger (every step
-    once, the same samples) and the final weights equal the uninterrupted run's, in the
-    synchronous, the overlapped and the streamed mode, and no kill leaves a process running."""
-    extra = [*_MODES[mode], "checkpoint.keep_last=1"]
+    """Kill the run (mid-step; in the soak at random moments: start-up, a step, a checkpoint
+    write, the final evaluation), resume each time, and let the last resume finish: the
+    ledger (every step once, the same samples) and the final weights equal the uninterrupted
+    run's, in the synchronous, the overlapped and the streamed mode, and no kill leaves a
+    process running."""
+    import random
+
+    extra = ["rollout.engine=embedded", *_MODES[mode], "checkpoint.keep_last=1"]
     env = _env()
     t0 = time.monotonic()
     done = subprocess.run(_argv(tmp_path, tiny_cache, "straight", *extra), env=env, cwd=ROOT,
@@ -298,7 +309,9 @@ def test_sigkills_at_random_points_then_resume_is_exact(
     assert done.returncode == 0, done.stderr[-3000:]
     span = time.monotonic() - t0
     seed = int(os.environ.get("GRPOFLOW_SOAK_SEED", str(time.time_ns() % 10**6)))
-    log = _kill_at_random_points(tmp_path, tiny_cache, env, extra, kills, span, seed)
+    rng = random.Random(seed)
+    points: list[float | int] = [rng.uniform(1.0, span) for _ in range(kills)] or [3]
+    log = _kill_at(tmp_path, tiny_cache, env, extra, points)
     final = subprocess.run(_argv(tmp_path, tiny_cache, "killed", *extra), env=env, cwd=ROOT,
                            timeout=600, capture_output=True, text=True)
     where = f"GRPOFLOW_SOAK_SEED={seed}: {'; '.join(log)}"

@@ -144,7 +144,7 @@ def test_a_demo_run_listens_on_loopback_only(
     group): nothing the run starts listens beyond loopback."""
     from flows.grpo_train import grpo_train
 
-    extra = ["rollout.num_engines=2", *(RAY_RUN if mode == "ray" else ())]
+    extra = ["rollout.engine=embedded", "rollout.num_engines=2", *(RAY_RUN if mode == "ray" else ())]
     with ListenWatch() as watch:
         out = grpo_train(
             config=DEMO,

@@ -189,7 +189,7 @@ def test_an_update_aborts_long_generations_and_the_next_round_continues_them(
 
 # ---------------------------------------------------------------------------- the flow
 
-STREAM_RUN = ["rollout.streaming=true", "rollout.max_staleness=2", "rollout.partial_tokens=8"]
+STREAM_RUN = ["rollout.engine=embedded", "rollout.streaming=true", "rollout.max_staleness=2", "rollout.partial_tokens=8"]
 
 
 def _run(tmp: Path, cache: Path, name: str, *extra: str, resume: str = "never") -> Path:

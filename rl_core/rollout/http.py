@@ -193,8 +193,12 @@ class HttpPlane:
         if s.aborted:
             raise RolloutError(f"{where}: sample {s.meta.get('id')} was aborted "
                                f"({s.finish_reason.get('message')}); the rollout is retried")
-        # Version 0 is the base model, which engines report under their own initial label.
-        if self._version and served is not None and str(served) != str(self._version):
+        # Version 0 is the base model, which engines report under their own initial label
+        # (any non-number); an engine labelled with a version after a failed first sync
+        # serves unverified weights.
+        stale = (str(served) != str(self._version) if self._version
+                 else served_version(served) != 0)
+        if served is not None and stale:
             raise WeightSyncError(f"{where} answered with weight_version {served}, expected "
                                   f"{self._version}: an engine serves stale weights")
         s.weight_version = self._version

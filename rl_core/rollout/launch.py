@@ -191,7 +191,29 @@ def start_process(cmd: Sequence[str], log_path: str | Path, *,
                                 stderr=subprocess.STDOUT, env=None if env is None else dict(env),
                                 start_new_session=True)
     log.info("started pid %d: %s (log %s)", proc.pid, " ".join(cmd[:4]), log_path)
+    _register(proc.pid)
     return proc
+
+
+# Where a watcher of this process (grpoflow's reaper) wants the pids of what it starts: a
+# process that rewrites its own command line and environment (sglang-router's title does)
+# cannot be recognised by them after its parent is gone.
+PIDS_ENV = "GRPOFLOW_STARTED_PIDS"
+
+
+def _register(pid: int) -> None:
+    path = os.environ.get(PIDS_ENV)
+    if not path:
+        return
+    import psutil
+
+    with contextlib.suppress(OSError, psutil.Error):
+        started = psutil.Process(pid).create_time()  # the pid alone may be reused later
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:  # one short line in one write: lines from threads never interleave
+            os.write(fd, f"{pid} {started}\n".encode())
+        finally:
+            os.close(fd)
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> int | None:
