@@ -5,7 +5,9 @@ shuts it down at the end. Two trainer ranks (DDP over gloo) and two embedded eng
 the real ``sglang-router`` train the demo model, with the weights synced through Ray's
 object store (colocated) or broadcast from trainer rank 0 over a gloo group (disaggregated);
 the same steps on one local trainer are the reference: the first step's samples are
-identical (same weights, same seeds) and the run ends close to it. The disaggregated run
+identical (same weights, same seeds) and the run ends close to it. Nothing any of these runs
+starts (actors, engines, the router, the weight-sync group, Ray's own servers) listens
+beyond loopback (tests/test_security.py's watch). The disaggregated run
 loses an engine actor mid-run and finishes, the engine restarted and re-synced to the
 current ``weight_version``. The megatron backend on two tensor-parallel ranks matches the same
 reference, with its weights broadcast from rank 0.
@@ -138,14 +140,26 @@ def test_flow_on_ray_matches_one_process(
     elif not backend:
         killer = _kill_trainer_rank_after_first_step(tmp_path / "ray", killed)
         extra = ("checkpoint.every=1",)
-    out = grpo_train(
-        config=DEMO,
-        overrides=_overrides(
-            tmp_path, tiny_cache, "ray", *RAY, "rollout.health_interval_s=0.5",
-            f"cluster.placement={placement}", f"rollout.weight_sync={sync}", *backend, *extra,
-        ),  # fmt: skip
-        show_progress=False,
-    )
+    from test_security import ListenWatch
+
+    with ListenWatch() as watch:  # nothing of the run listens beyond loopback (test_security)
+        out = grpo_train(
+            config=DEMO,
+            overrides=_overrides(
+                tmp_path, tiny_cache, "ray", *RAY, "rollout.health_interval_s=0.5",
+                f"cluster.placement={placement}", f"rollout.weight_sync={sync}", *backend,
+                *extra,
+            ),  # fmt: skip
+            show_progress=False,
+        )
+    exposed = watch.exposed()
+    assert not exposed, "listening beyond loopback:\n" + "\n".join(
+        f"  {ip}:{port}  {who}" for (ip, port), who in sorted(exposed.items()))
+    if placement == "disaggregated":  # not vacuous: the planes' ports and Ray's were seen
+        listening = {port for _, port in watch.seen}
+        roles = {role for port, role in watch.plane_ports.items() if port in listening}
+        assert roles >= {"engine-0", "engine-1", "router"}, (watch.plane_ports, watch.seen)
+        assert any("gcs_server" in w or "raylet" in w for w in watch.seen.values()), watch.seen
     run = Path(out["run_dir"])
     ref = Path(reference["run_dir"])
     # step 1 samples come from the same base weights with the same seeds: identical
