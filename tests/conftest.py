@@ -107,23 +107,9 @@ def tiny_tok():
     return tiny_tokenizer()
 
 
-# The modules with the longest runs first (measured; docs/testing.md): with two workers
-# taking modules in order, the last one to finish is then a short one. Order only.
-HEAVY_FIRST = (
-    "test_ray_planes", "test_resume", "test_chaos", "test_flow", "test_deployments",
-    "test_security", "test_lifecycle", "test_overlap", "test_streaming", "test_agents",
-    "test_rollout_planes", "test_doctor", "test_preflight", "test_lora", "test_moe",
-    "test_distributed_trainer", "test_megatron_moe", "test_megatron", "test_judge",
-)
-
-
 def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001
-    """Heavy modules first (:data:`HEAVY_FIRST`; a random order under pytest-randomly stays
-    random). ``soak`` tests (minutes each) run only when asked: ``pytest -m soak`` or
+    """``soak`` tests (minutes each) run only when asked: ``pytest -m soak`` or
     ``GRPOFLOW_SOAK=1``; the default run (CI) has a short variant of each."""
-    if not config.pluginmanager.has_plugin("randomly"):
-        rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
-        items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable
     if "soak" in (config.getoption("-m") or "") or os.environ.get("GRPOFLOW_SOAK") == "1":
         return
     skip = pytest.mark.skip(reason="soak test: run with `pytest -m soak` or GRPOFLOW_SOAK=1")

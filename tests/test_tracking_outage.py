@@ -79,7 +79,8 @@ def _watch(
     server: Server, metrics: Path, seen: dict[int, float], events: dict, stop: threading.Event
 ) -> None:
     """Kill the server once step 2 has reached MLflow; start it again (same port and store)
-    once two more steps have run without it. Records when each step was written."""
+    once two more steps have run without it and the sender has noticed the outage. Records
+    when each step was written."""
     from mlflow import MlflowClient
 
     client = MlflowClient(server.url)
@@ -98,6 +99,9 @@ def _watch(
             "down_at_step" in events
             and "up" not in events
             and (max(seen) >= events["down_at_step"] + 2)
+            # an event, not a duration: the sender has noticed the outage (a send failed
+            # after MLflow's own retries); a server back within those retries is no outage
+            and any(t.failing_since is not None for t in list(sender._TRACKERS.values()))
         ):
             events["up"] = time.monotonic()
             server.up(wait=False)  # boots (10-30 s) while training goes on
