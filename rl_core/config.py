@@ -659,8 +659,8 @@ class ExperimentConfig(_Section):
                 f"rollout.num_engines={r.num_engines}: set rollout.engine=embedded for engine "
                 "processes behind sglang-router (or num_engines=1)")
         if r.weight_sync == "auto":
-            r.weight_sync = "shared" if self._shared_blockers() == [] and not (
-                self.train.lora.enabled) else "disk"
+            shareable = not self._shared_blockers() and not self.train.lora.enabled
+            r.weight_sync = "shared" if shareable else "disk"
         if r.weight_sync == "shared":
             self._check_shared()
         if self.train.backend == "megatron":

@@ -64,6 +64,24 @@ def _kill_all(parent: subprocess.Popen, procs: list[psutil.Process]) -> None:
             p.kill()
 
 
+def _start_logged(script: Path) -> tuple[subprocess.Popen, Path]:
+    """Run ``script`` (a parent that starts its reaper) with the reaper's log beside it."""
+    log = script.parent / "reaper.log"
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "GRPOFLOW_REAPER_LOG": str(log)})
+    return parent, log
+
+
+def _kill_and_check_reaped(parent: subprocess.Popen, procs: list[psutil.Process],
+                           log: Path) -> None:
+    """SIGKILL ``parent``: its reaper must end ``procs`` and say so in its log."""
+    parent.kill()
+    parent.wait(10)
+    assert _alive(procs, timeout_s=15) == [], log.read_text() if log.exists() else ""
+    for p in procs:
+        assert f"{p.pid}:sleep 600" in log.read_text()
+
+
 def test_the_reaper_ends_the_tree_of_a_sigkilled_process(tmp_path: Path) -> None:
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent(f"""
@@ -106,9 +124,7 @@ def test_the_reaper_ends_what_escaped_its_scans(tmp_path: Path) -> None:
         print("ready", flush=True)
         time.sleep(600)
     """))
-    log = tmp_path / "reaper.log"
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "GRPOFLOW_REAPER_LOG": str(log)})
+    parent, log = _start_logged(script)
     orphans: list[psutil.Process] = []
     try:
         assert parent.stdout is not None and parent.stdout.readline().strip() == "ready"
@@ -118,10 +134,7 @@ def test_the_reaper_ends_what_escaped_its_scans(tmp_path: Path) -> None:
                         p.environ().get("GRPOFLOW_REAPED_BY", "").startswith(f"{parent.pid}-"):
                     orphans.append(p)
         assert len(orphans) == 1, "the double-forked sleep, reparented away from its run"
-        parent.kill()
-        parent.wait(10)
-        assert _alive(orphans, timeout_s=15) == [], log.read_text() if log.exists() else ""
-        assert f"{orphans[0].pid}:sleep 600" in log.read_text()
+        _kill_and_check_reaped(parent, orphans, log)
     finally:
         _kill_all(parent, orphans)
 
@@ -143,18 +156,13 @@ def test_the_reaper_ends_what_the_launcher_started_after_its_last_scan(tmp_path:
         print(proc.pid, flush=True)
         time.sleep(600)
     """))
-    log = tmp_path / "reaper.log"
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "GRPOFLOW_REAPER_LOG": str(log)})
+    parent, log = _start_logged(script)
     started: list[psutil.Process] = []
     try:
         assert parent.stdout is not None
         started.append(psutil.Process(int(parent.stdout.readline())))
         assert "GRPOFLOW_REAPED_BY" not in started[0].environ()  # no marker to find it by
-        parent.kill()
-        parent.wait(10)
-        assert _alive(started, timeout_s=15) == [], log.read_text() if log.exists() else ""
-        assert f"{started[0].pid}:sleep 600" in log.read_text()
+        _kill_and_check_reaped(parent, started, log)
     finally:
         _kill_all(parent, started)
 
