@@ -61,9 +61,11 @@ run: setup
 	$(BIN)/grpoflow train $(CONFIG)
 
 # The suite CI runs (.ci/run): lint, the layer contracts, then every test but the soak tier.
-# Two workers (pytest-xdist; each test module runs whole on one worker, in file order),
-# a fixed order (pytest-randomly off; `make test-random` shuffles).
-XDIST ?= -n 2 --dist loadscope
+# Three workers on 2 cores (pytest-xdist; each test module runs whole on one worker, in file
+# order): with two, about 1.3 cores were busy on average, the flow tests waiting on process
+# start-ups, servers and HTTP; a third fills those waits (docs/testing.md). A fixed order
+# (pytest-randomly off; `make test-random` shuffles).
+XDIST ?= -n 3 --dist loadscope
 test: setup-dev
 	$(BIN)/ruff check .
 	$(PYTEST) $(XDIST) -p no:randomly $(PYTEST_ARGS)

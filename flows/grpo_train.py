@@ -24,6 +24,7 @@ from flows._redacted import redacted_flow
 from flows.evaluate import evaluate as evaluate_model
 from flows.rollouts import Rollouts
 from flows.run import Run
+from rl_core.config import load_config
 from rl_core.planes import PlanesHandle, get_planes, tear_down
 from rl_core.preflight import preflight
 from tasks.checkpoint import restore_checkpoint, save_checkpoint
@@ -109,11 +110,33 @@ def grpo_train(
         tear_down(planes)
     if evals[-1]["step"] != cfg.train.steps:  # what users take away is what gets measured
         evals.append(run.log_eval(evaluate_model(
-            config=config, overrides=overrides, model=model_dir,
+            config=config, overrides=final_eval_overrides(cfg, config, overrides), model=model_dir,
             work_dir=str(run.dir.path / "final-eval"), step=cfg.train.steps)))
         log_evaluation(tracking, cfg.train.steps, evals[-1])
     registered = finish_tracking(tracking, model_dir=model_dir, eval_result=run.brief(evals[-1]))
     return run.finish(model_dir, data, evals, registered, restarts)
+
+
+# What the final evaluation of a run on embedded CPU engines changes: one in-process engine.
+IN_PROCESS_EVAL = ["rollout.engine=local", "rollout.num_engines=1", "cluster.mode=local",
+                   "rollout.weight_sync=auto"]  # fmt: skip
+
+
+def final_eval_overrides(cfg: Any, config: str | None, overrides: list[str] | None) -> list[str]:
+    """The overrides of the final evaluation (of the exported model, after the planes are
+    down). A run on the embedded CPU engines evaluates on the in-process engine: the same
+    engine core and greedy decoding, so the same answers, without starting engine processes,
+    a router (or Ray) again for one evaluation. Agent episodes keep their HTTP engines (the
+    gateway serves them), as does anything the in-process engine cannot run (the config
+    would not validate)."""
+    base = list(overrides or [])
+    if cfg.rollout.engine != "embedded" or cfg.agent.enabled:
+        return base
+    try:
+        load_config(config, [*base, *IN_PROCESS_EVAL])
+    except ValueError:
+        return base
+    return [*base, *IN_PROCESS_EVAL]
 
 
 def grpo_step(planes: PlanesHandle, rollouts: Rollouts, step: int) -> tuple[StepSamples, dict]:

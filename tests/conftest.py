@@ -149,31 +149,64 @@ def prefect_harness():
 SHARED_MODELS_ENV = "GRPOFLOW_TEST_SHARED_MODELS"
 
 
-def _build_demo_model(cache: Path) -> Path:
+def _build_demo_model(cache: Path, threads: int = 2) -> Path:
     """The demo's tiny model (configs/tiny-cpu.yaml) in ``cache`` (~1 min on 2 cores, once)."""
     from rl_core.config import load_config
     from rl_core.models.hub import snapshot_model
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         return Path(snapshot_model(cfg.model, cfg.data, cache).path)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
+
+
+SHARED_READY_ENV = "GRPOFLOW_TEST_SHARED_READY"
+SHARED_WAIT_S = 900
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Under pytest-xdist the controller builds the demo model once, on both cores, before
-    the workers start; each worker's cache links to it (``tiny_cache``)."""
+    """Under pytest-xdist the controller builds the demo model once, in a thread on one
+    core, while the workers start on the tests that do not need it; each worker's cache
+    links to it once it is built (``tiny_cache`` waits for the ready file)."""
     config = session.config
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
         return
     import tempfile
+    import threading
 
-    root = os.environ.get("GRPOFLOW_TEST_CACHE") or tempfile.mkdtemp(prefix="grpoflow-models-")
-    _build_demo_model(Path(root))
-    os.environ[SHARED_MODELS_ENV] = str(Path(root) / "models")
+    root = Path(os.environ.get("GRPOFLOW_TEST_CACHE") or tempfile.mkdtemp(prefix="grpoflow-models-"))
+    root.mkdir(parents=True, exist_ok=True)
+    ready = root / f"ready-{os.getpid()}"
+    ready.unlink(missing_ok=True)
+
+    def build() -> None:
+        try:
+            _build_demo_model(root, threads=1)
+            ready.write_text("ok")
+        except BaseException as e:  # noqa: BLE001 - told to every test that needs the model
+            ready.write_text(f"the demo model build failed: {type(e).__name__}: {e}")
+
+    os.environ[SHARED_MODELS_ENV] = str(root / "models")
+    os.environ[SHARED_READY_ENV] = str(ready)
+    threading.Thread(target=build, name="demo-model-build", daemon=True).start()
+
+
+def _wait_for_shared_models() -> None:
+    """Block until the controller's demo model build is done (bounded); raise its error."""
+    import time
+
+    ready = Path(os.environ[SHARED_READY_ENV])
+    deadline = time.monotonic() + SHARED_WAIT_S
+    while not ready.is_file():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the controller's demo model build did not finish within "
+                               f"{SHARED_WAIT_S}s (waited for {ready})")
+        time.sleep(0.5)
+    if (text := ready.read_text()) != "ok":
+        raise RuntimeError(text)
 
 
 @pytest.fixture(scope="session")
@@ -188,6 +221,7 @@ def tiny_cache(tmp_path_factory) -> Path:
         return Path(kept)
     cache = Path(tmp_path_factory.mktemp("grpoflow-cache"))
     if shared:
+        _wait_for_shared_models()
         (cache / "models").mkdir()
         for entry in Path(shared).iterdir():
             if entry.name.startswith("tiny-"):
@@ -199,3 +233,31 @@ def tiny_cache(tmp_path_factory) -> Path:
 def demo_model(tiny_cache: Path) -> Path:
     """The demo's tiny model (configs/tiny-cpu.yaml), built once per session (~1 min)."""
     return _build_demo_model(tiny_cache)
+
+
+TIMELINE_ENV = "GRPOFLOW_TEST_TIMELINE"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):  # noqa: ANN001, ANN201
+    """``GRPOFLOW_TEST_TIMELINE=FILE``: one JSON line per test (worker, start, end, id), to
+    see how the workers' time is spent (``scripts/test_timeline.py`` summarises it)."""
+    path = os.environ.get(TIMELINE_ENV)
+    if not path:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu() -> float:  # this process and its reaped children
+        me, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
+                                                    resource.RUSAGE_CHILDREN))
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+    start, cpu0 = time.time(), cpu()
+    yield
+    row = {"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "start": start,
+           "end": time.time(), "cpu": cpu() - cpu0, "id": item.nodeid}  # fmt: skip
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")

@@ -228,3 +228,21 @@ def test_the_ephemeral_api_server_yields_the_cpu_to_the_step() -> None:
             child.kill()
         parent.kill()
         parent.wait(10)
+
+
+def test_the_final_evaluation_of_a_run_on_embedded_engines_runs_in_process() -> None:
+    """The final evaluation (of the exported model) of a run on the embedded CPU engines
+    runs on the in-process engine (the same engine core: no engine processes, router or Ray
+    started again); SGLang runs, agent runs and configs the in-process engine cannot run
+    keep their engines."""
+    from flows.grpo_train import IN_PROCESS_EVAL, final_eval_overrides
+    from rl_core.config import load_config
+
+    ray = ["rollout.engine=embedded", "rollout.num_engines=2", "cluster.mode=ray",
+           "rollout.weight_sync=object_store"]  # fmt: skip
+    assert final_eval_overrides(load_config(DEMO, ray), DEMO, ray) == [*ray, *IN_PROCESS_EVAL]
+    cfg = load_config(DEMO, [*ray, *IN_PROCESS_EVAL])
+    assert (cfg.rollout.engine, cfg.rollout.num_engines, cfg.cluster.mode) == ("local", 1, "local")
+    for keep in (["rollout.engine=local"], ["rollout.engine=sglang"],
+                 ["rollout.engine=embedded", "agent.env=tools"]):  # fmt: skip
+        assert final_eval_overrides(load_config(DEMO, keep), DEMO, keep) == keep, keep

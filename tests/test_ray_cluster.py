@@ -392,10 +392,16 @@ def two_nodes():
     os.environ["RAY_TMPDIR"] = tmp
     os.environ.pop("RAY_ADDRESS", None)
     node = {"num_cpus": 2, "node_ip_address": "127.0.0.1"}
+    # Two raylets and their workers on 2 cores the other test worker keeps busy: Ray's defaults declare a node dead
+    # after 5 missed 10 s health checks and a worker lost if it takes 60 s to register,
+    # which a busy test machine can exceed (the actors then "died"); bound both generously.
+    patient = {"health_check_timeout_ms": 60_000, "health_check_failure_threshold": 20,
+               "worker_register_timeout_seconds": 300}  # fmt: skip
     with rc._ray_keeps_loopback(True):
         cluster = Cluster(
             initialize_head=True,
-            head_node_args={**node, "resources": {"node_a": 1}, "include_dashboard": False},
+            head_node_args={**node, "resources": {"node_a": 1}, "include_dashboard": False,
+                            "_system_config": patient},  # fmt: skip
         )
         cluster.add_node(**node, resources={"node_b": 1})
     try:

@@ -76,6 +76,28 @@ def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout_s: 
     raise AssertionError(f"step {step} not logged within {timeout_s}s")
 
 
+def _in_process(tmp: Path, cache: Path, run_name: str, *extra: str) -> list[str]:
+    """The overrides only, for a flow run in this process (on the in-process plane)."""
+    return [*_argv(tmp, cache, run_name, *extra)[6:], "rollout.engine=local"]
+
+
+def _straight(tmp: Path, cache: Path, *extra: str) -> Path:
+    """The uninterrupted run, in this process (the same flow as ``grpoflow train`` runs,
+    without a process start-up); its run directory."""
+    from flows.grpo_train import grpo_train
+
+    out = grpo_train(config=DEMO, overrides=[*_argv(tmp, cache, "straight", *extra)[6:]],
+                     show_progress=False)  # fmt: skip
+    return Path(out["run_dir"])
+
+
+@pytest.fixture(scope="module")
+def clean_local(prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path_factory) -> Path:
+    """The uninterrupted run on the in-process plane, shared by the tests that compare a
+    killed, a resumed or a rebuilt run with it."""
+    return _straight(tmp_path_factory.mktemp("clean"), tiny_cache, "rollout.engine=local")
+
+
 @pytest.mark.parametrize(
     "variant",
     [
@@ -87,7 +109,8 @@ def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout_s: 
     ],
 )
 def test_sigkill_mid_step_then_resume_is_exact(
-    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, variant: str, request
+    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, variant: str, request,
+    clean_local: Path,
 ) -> None:
     extra: list[str] = []
     elsewhere = tmp_path  # where the resume runs: the same machine, or another one
@@ -100,11 +123,8 @@ def test_sigkill_mid_step_then_resume_is_exact(
     else:  # the same exactness through the in-process plane (the other variant: over HTTP)
         extra = ["rollout.engine=local"]
     env = _env()
-    done = subprocess.run(
-        _argv(tmp_path, tiny_cache, "straight", *extra), env=env, cwd=ROOT, timeout=600,
-        capture_output=True, text=True,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    # mid-epoch: the lost-trainer test's uninterrupted run (made once per module)
+    straight_dir = clean_local if bucket is None else _straight(tmp_path, tiny_cache, *extra)
 
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
@@ -139,7 +159,7 @@ def test_sigkill_mid_step_then_resume_is_exact(
     killed = elsewhere / "killed"
 
     # The same prompts, samples and rewards after the checkpoint, and no step twice.
-    straight, again = _ledger(tmp_path / "straight"), _ledger(killed)
+    straight, again = _ledger(straight_dir), _ledger(killed)
     after = list(range(3, STEPS + 1))
     assert sorted(again) == (after if bucket else list(range(1, STEPS + 1)))
     for step in after:
@@ -161,7 +181,7 @@ def test_sigkill_mid_step_then_resume_is_exact(
         assert prompts(range(3, 5)) == straight_prompts
 
     # The same final weights, bit for bit.
-    a = load_file(tmp_path / "straight" / "model" / "model.safetensors")
+    a = load_file(straight_dir / "model" / "model.safetensors")
     b = load_file(killed / "model" / "model.safetensors")
     assert a.keys() == b.keys()
     for name in a:
@@ -179,13 +199,11 @@ def test_resume_without_checkpoint_fails_clearly(
     assert "no complete checkpoint under" in out.stderr
 
 
-def _in_process(tmp: Path, cache: Path, run_name: str, *extra: str) -> list[str]:
-    """The overrides only, for a flow run in this process (on the in-process plane)."""
-    return [*_argv(tmp, cache, run_name, *extra)[6:], "rollout.engine=local"]
 
 
 def test_a_lost_trainer_is_rebuilt_from_the_checkpoint(
-    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, monkeypatch
+    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, monkeypatch,
+    clean_local: Path,
 ) -> None:
     """train-step-4 fails (its task never retries): the planes are rebuilt from the step-2
     checkpoint and the run ends exactly where an uninterrupted run ends. train-step-2 fails
@@ -194,9 +212,7 @@ def test_a_lost_trainer_is_rebuilt_from_the_checkpoint(
     from flows.grpo_train import grpo_train
     from rl_core.training.torch_trainer import TorchTrainer
 
-    straight = grpo_train(config=DEMO, overrides=_in_process(tmp_path, tiny_cache, "clean"),
-                          show_progress=False)
-    a = load_file(Path(straight["model_dir"]) / "model.safetensors")
+    a = load_file(clean_local / "model" / "model.safetensors")
     real_step = TorchTrainer.train_step
 
     for fail_at in (4, 2):
@@ -215,7 +231,7 @@ def test_a_lost_trainer_is_rebuilt_from_the_checkpoint(
         assert recovered["plane_restarts"] == 1
         b = load_file(Path(recovered["model_dir"]) / "model.safetensors")
         assert all(torch.equal(a[k], b[k]) for k in a), fail_at
-        assert _ledger(tmp_path / name) == _ledger(tmp_path / "clean"), fail_at
+        assert _ledger(tmp_path / name) == _ledger(clean_local), fail_at
         steps = [json.loads(x)["step"] for x in (tmp_path / name / "metrics.jsonl").read_text()
                  .splitlines()]  # fmt: skip
         assert steps == sorted(set(steps)), f"a step logged twice: {steps}"
@@ -304,10 +320,8 @@ def test_sigkills_at_random_points_then_resume_is_exact(
     extra = ["rollout.engine=embedded", *_MODES[mode], "checkpoint.keep_last=1"]
     env = _env()
     t0 = time.monotonic()
-    done = subprocess.run(_argv(tmp_path, tiny_cache, "straight", *extra), env=env, cwd=ROOT,
-                          timeout=600, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    span = time.monotonic() - t0
+    straight_dir = _straight(tmp_path, tiny_cache, *extra)
+    span = time.monotonic() - t0 + 5  # + the process start-up the killed runs pay
     seed = int(os.environ.get("GRPOFLOW_SOAK_SEED", str(time.time_ns() % 10**6)))
     rng = random.Random(seed)
     points: list[float | int] = [rng.uniform(1.0, span) for _ in range(kills)] or [3]
@@ -316,10 +330,10 @@ def test_sigkills_at_random_points_then_resume_is_exact(
                            timeout=600, capture_output=True, text=True)
     where = f"GRPOFLOW_SOAK_SEED={seed}: {'; '.join(log)}"
     assert final.returncode == 0, f"{where}\n{final.stderr[-3000:]}"
-    straight, killed = _ledger(tmp_path / "straight"), _ledger(tmp_path / "killed")
+    straight, killed = _ledger(straight_dir), _ledger(tmp_path / "killed")
     assert sorted(killed) == list(range(1, STEPS + 1)), where
     for step in killed:
         assert killed[step] == straight[step], f"{where}: step {step} differs"
-    a = load_file(tmp_path / "straight" / "model" / "model.safetensors")
+    a = load_file(straight_dir / "model" / "model.safetensors")
     b = load_file(tmp_path / "killed" / "model" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a), f"{where}: other final weights"

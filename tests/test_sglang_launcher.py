@@ -164,6 +164,24 @@ def test_wait_healthy_is_bounded(tmp_path):
         assert stop_process(proc, timeout_s=5) is not None
 
 
+def test_stopping_a_reaped_process_never_signals_the_process_that_reuses_its_pid(tmp_path):
+    """The kernel hands a reaped leader's pid to a new process (pid_max may be 32768): a
+    second stop of the old handle must not kill the new process's group."""
+    import subprocess
+
+    old = start_process([PY, "-c", "pass"], tmp_path / "old.log")
+    assert old.wait(timeout=60) == 0  # exited and reaped
+    new = subprocess.Popen(["sleep", "60"], start_new_session=True)  # leads its own group
+    try:
+        old.pid = new.pid  # what a pid wrap-around does: the old handle's pid is in use again
+        stop_process(old, timeout_s=1)
+        with pytest.raises(subprocess.TimeoutExpired):  # (a SIGKILL ends it in milliseconds)
+            new.wait(timeout=1)
+    finally:
+        new.kill()
+        new.wait()
+
+
 def _gpu_skip_reason() -> str | None:
     if importlib.util.find_spec("sglang") is None:
         return "sglang is not installed (GPU images only)"

@@ -236,12 +236,27 @@ def kill_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    if proc.returncode is not None and _pid_in_use(proc.pid):
+        # The leader is reaped and its pid is another process's now, so the group is gone
+        # (the kernel never reuses a pid still held as a group id): a killpg would hit the
+        # new process's group (pid_max can be 32768; a test suite wraps it).
+        return
     try:
         os.killpg(proc.pid, sig)  # start_new_session: pgid == pid
     except (ProcessLookupError, PermissionError):
         with contextlib.suppress(ProcessLookupError):
             if proc.poll() is None:
                 proc.send_signal(sig)
+
+
+def _pid_in_use(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def log_tail(log_path: str | Path | None, lines: int = 40) -> str:
