@@ -61,11 +61,11 @@ run: setup
 	$(BIN)/grpoflow train $(CONFIG)
 
 # The suite CI runs (.ci/run): lint, the layer contracts, then every test but the soak tier.
-# Three workers on 2 cores (pytest-xdist; each test module runs whole on one worker, in file
-# order): with two, about 1.3 cores were busy on average, the flow tests waiting on process
-# start-ups, servers and HTTP; a third fills those waits (docs/testing.md). A fixed order
-# (pytest-randomly off; `make test-random` shuffles).
-XDIST ?= -n 3 --dist loadscope
+# Three workers on 2 cores (pytest-xdist; each test module runs whole on one worker, the
+# longest modules first: tests/conftest.py): with two, about 1.3 cores were busy on average,
+# the flow tests waiting on process start-ups, servers and HTTP; a third fills those waits
+# (docs/testing.md). A fixed order (pytest-randomly off; `make test-random` shuffles).
+XDIST ?= -n 3 --dist loadscope --no-loadscope-reorder
 test: setup-dev
 	$(BIN)/ruff check .
 	$(PYTEST) $(XDIST) -p no:randomly $(PYTEST_ARGS)
@@ -75,9 +75,11 @@ test: setup-dev
 test-random: setup-dev
 	$(PYTEST) $(XDIST) $(PYTEST_ARGS)
 
-# The long runs (docs/testing.md): full-length learning, kill-anywhere and chaos soaks.
+# The long runs (docs/testing.md): full-length learning, kill-anywhere and chaos soaks, on
+# two workers (the hour-long chaos soak on one, the rest beside it).
+SOAK_XDIST ?= -n 2 --dist loadscope
 soak: setup-dev
-	GRPOFLOW_SOAK=1 $(PYTEST) -m soak -p no:randomly $(PYTEST_ARGS)
+	GRPOFLOW_SOAK=1 $(PYTEST) $(SOAK_XDIST) -m soak -p no:randomly $(PYTEST_ARGS)
 
 lint: setup-dev
 	$(BIN)/ruff check .
