@@ -113,10 +113,12 @@ def tiny_tok():
 # --no-loadscope-reorder: xdist's default reorder puts the modules with the most tests first,
 # which left these few-test, long modules for last.
 LONGEST_FIRST = (
-    "test_resume", "test_ray_planes", "test_chaos", "test_rollout_planes", "test_megatron_moe",
-    "test_flow", "test_distributed_trainer", "test_security", "test_moe", "test_lifecycle",
-    "test_deployments", "test_megatron", "test_overlap", "test_doctor", "test_tracking_outage",
-    "test_lora", "test_preflight", "test_judge", "test_distill", "test_traces", "test_sft",
+    # the three longest that do not need the demo model: they run while it is built
+    "test_rollout_planes", "test_megatron_moe", "test_distributed_trainer",
+    "test_resume", "test_ray_planes", "test_chaos", "test_flow", "test_security", "test_moe",
+    "test_lifecycle", "test_deployments", "test_megatron", "test_overlap", "test_doctor",
+    "test_tracking_outage", "test_lora", "test_preflight", "test_judge", "test_distill",
+    "test_traces", "test_sft",
 )
 
 
