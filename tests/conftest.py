@@ -126,10 +126,13 @@ def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001
     """The longest modules first (:data:`LONGEST_FIRST`; under pytest-randomly the order
     stays random). ``soak`` tests (minutes each) run only when asked: ``pytest -m soak`` or
     ``GRPOFLOW_SOAK=1``; the default run (CI) has a short variant of each."""
+    soak = "soak" in (config.getoption("-m") or "") or os.environ.get("GRPOFLOW_SOAK") == "1"
     if not config.pluginmanager.has_plugin("randomly"):
-        rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+        # the soak tier's longest is the hour-long chaos soak: it starts first
+        order = ("test_chaos", *LONGEST_FIRST) if soak else LONGEST_FIRST
+        rank = {name: i for i, name in enumerate(order)}
         items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable
-    if "soak" in (config.getoption("-m") or "") or os.environ.get("GRPOFLOW_SOAK") == "1":
+    if soak:
         return
     skip = pytest.mark.skip(reason="soak test: run with `pytest -m soak` or GRPOFLOW_SOAK=1")
     for item in items:

@@ -66,9 +66,10 @@ def test_sft_flow_at_full_length(prefect_harness, tiny_cache: Path, tmp_path: Pa
 
 def test_distillation_reduces_the_reverse_kl(prefect_harness, tiny_cache: Path, demo_model: Path,
                                             tmp_path: Path) -> None:
-    """A small, barely trained student distilled from the demo model for 40 steps
-    (docs/distillation.md: reverse KL 0.66 -> 0.38): the per-token reverse KL falls by a
-    quarter or more."""
+    """docs/distillation.md's student (hidden 96, 2 layers, warm-started to ~0.1 held-out
+    accuracy, as benchmarks/distill.py builds it) distilled from the demo model for 40 steps
+    (measured there: reverse KL 0.66 -> 0.38): the per-token reverse KL falls by a quarter or
+    more."""
     from flows.grpo_train import grpo_train
 
     out = grpo_train(config=str(CONFIGS / "tiny-cpu.yaml"), show_progress=False, overrides=[
@@ -76,7 +77,7 @@ def test_distillation_reduces_the_reverse_kl(prefect_harness, tiny_cache: Path, 
         "train.warmup_steps=5", "eval.every=0", "eval.pass_k_examples=0",
         f"teacher.path={demo_model}", "teacher.engine=local", "teacher.task_weight=0.0",
         "model.tiny_hidden_size=96", "model.tiny_layers=2", "model.tiny_intermediate_size=256",
-        "model.tiny_sft_steps=20"])  # fmt: skip
+        "model.tiny_target_accuracy=0.15"])  # fmt: skip
     kl = [json.loads(x)["distill/reverse_kl"]
           for x in (Path(out["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     start, end = kl[0], sum(kl[-5:]) / 5
