@@ -216,6 +216,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     threading.Thread(target=build, name="demo-model-build", daemon=True).start()
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The controller removes its ready file (a kept cache would collect them)."""
+    if not hasattr(session.config, "workerinput") and (ready := os.environ.get(SHARED_READY_ENV)):
+        Path(ready).unlink(missing_ok=True)
+
+
 def _wait_for_shared_models() -> None:
     """Block until the controller's demo model build is done (bounded); raise its error."""
     import time

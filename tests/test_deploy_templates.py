@@ -102,6 +102,12 @@ if cmd == "start":
 assert cmd == "status", sys.argv
 log(cmd="ray status", argv=sys.argv[1:])
 if os.environ.get("FAKE_RAY_DOWN"):
+    # "down" once the head's `ray start` has run (bounded): the script's wait calls this
+    # before it checks its deadline, so a 1 s bound never races the fake head's start-up
+    import time
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not [e for e in entries() if e["cmd"] == "ray start"]:
+        time.sleep(0.05)
     sys.exit(1)
 started = [e for e in entries() if e["cmd"] == "ray start"]
 n = min(len(started), int(os.environ.get("FAKE_RAY_MAX_NODES", "99")))
