@@ -63,7 +63,8 @@ def start(grace_s: float = 5.0, poll_s: float = 2.0) -> subprocess.Popen | None:
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "grpoflow.reaper", "--pid", str(os.getpid()),
-             "--grace", str(grace_s), "--poll", str(poll_s), "--mark", mark, "--pids", pids],
+             "--grace", str(grace_s), "--poll", str(poll_s), "--mark", mark, "--pids", pids,
+             "--since", repr(time.time())],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True, close_fds=True)
     except OSError as e:  # a run without a reaper still runs
@@ -165,7 +166,7 @@ def _registered(path: str | None, skip: set[int], since: float) -> list[psutil.P
 
 
 def _watch(pid: int, grace_s: float, poll_s: float, mark: str | None = None,
-           pids: str | None = None) -> int:
+           pids: str | None = None, started: float | None = None) -> int:
     """The reaper's loop (see the module docstring); returns its exit code."""
     global _armed
     me = os.getpid()
@@ -174,7 +175,12 @@ def _watch(pid: int, grace_s: float, poll_s: float, mark: str | None = None,
         parent = psutil.Process(pid)
         since = parent.create_time()
     except psutil.Error:
-        return 0
+        # The command died before its reaper ran (a SIGKILL within its first moments):
+        # what it started carries its mark (set before ``started``) or is in its list.
+        if started is None:
+            return 0
+        log.info("reaper of %d: it ended before the first scan", pid)
+        return _reap_missed(pid, me, [], grace_s, mark, pids, started)
     log.info("reaper of %d: watching (scan every %gs, grace %gs)", pid, poll_s, grace_s)
     signal.signal(signal.SIGUSR1, _parent_gone)
     _armed = True
@@ -201,6 +207,12 @@ def _watch(pid: int, grace_s: float, poll_s: float, mark: str | None = None,
     procs = list(seen.values())
     log.info("reaper of %d: its command ended; ending %s", pid, [
         f"{p.pid}:{_name(p)}" for p in procs])
+    return _reap_missed(pid, me, procs, grace_s, mark, pids, since)
+
+
+def _reap_missed(pid: int, me: int, procs: list[psutil.Process], grace_s: float,
+                 mark: str | None, pids: str | None, since: float) -> int:
+    """End ``procs`` and the started or marked processes the scans missed."""
     known = {p.pid for p in procs}
     missed = [p for p in _registered(pids, {me, pid}, since) if p.pid not in known]
     if mark:
@@ -237,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grace", type=float, default=5.0, help="SIGTERM -> SIGKILL, seconds")
     p.add_argument("--poll", type=float, default=2.0, help="descendant scan period, seconds")
     p.add_argument("--mark", default=None, help=f"the {MARK} value of the command's processes")
+    p.add_argument("--since", type=float, default=None, help="when the command set its mark "
+                   "(time.time()): reap by mark even if the command ended before the first scan")
     p.add_argument("--pids", default=None, help="the file the command's launcher lists the "
                    "processes it starts in")
     args = p.parse_args(argv)
@@ -245,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                             format="%(asctime)s %(process)d %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the terminal is for the run
     try:
-        return _watch(args.pid, args.grace, args.poll, args.mark, args.pids)
+        return _watch(args.pid, args.grace, args.poll, args.mark, args.pids, args.since)
     except BaseException:  # stderr is /dev/null: say it where someone may look
         log.exception("reaper of %d: failed", args.pid)
         raise

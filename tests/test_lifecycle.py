@@ -252,3 +252,26 @@ def test_a_stopped_train_leaves_nothing_running(demo_model: Path, tiny_cache: Pa
         assert _alive(tree, timeout_s=30) == [], log.read_text() if log.exists() else "no log"
     finally:
         _kill_all(proc, tree)
+
+
+def test_a_command_killed_before_its_reapers_first_scan_is_still_reaped() -> None:
+    """SIGKILLed within its first moments, the command is gone before its reaper has looked
+    at it: the reaper still ends what carries the command's mark."""
+    from grpoflow.reaper import MARK
+
+    since = time.time()
+    sleeper = subprocess.Popen(["sleep", "600"], start_new_session=True,
+                               env={**os.environ, MARK: "early-mark"})
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(60)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "grpoflow.reaper", "--pid", str(gone.pid), "--grace", "1",
+             "--poll", "0.2", "--mark", "early-mark", "--since", repr(since)],
+            cwd=ROOT, timeout=60)  # fmt: skip
+        assert done.returncode == 0
+        assert sleeper.wait(timeout=30) is not None  # ended by the reaper
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait()
