@@ -35,6 +35,7 @@ from urllib.parse import quote
 from rl_core import storage
 from rl_core.config import ConfigError, DataConfig, ModelConfig
 from rl_core.models.tiny import TinyModelSpec, bootstrap_tiny_model
+from rl_core.pids import pid_alive
 from rl_core.secrets import redact
 
 __all__ = ["EMBEDDED_TINY", "MANIFEST", "ModelError", "ModelSnapshot", "download_model",
@@ -476,19 +477,9 @@ def _remove_stale(tmp_root: Path) -> None:
     host = socket.gethostname()
     for entry in tmp_root.glob("*~*~*~*"):
         _, entry_host, pid, _ = entry.name.split("~", 3)
-        if entry_host == host and pid.isdigit() and not _alive(int(pid)):
+        if entry_host == host and pid.isdigit() and not pid_alive(int(pid)):
             log.info("removing %s, left by an interrupted download", entry)
             shutil.rmtree(entry, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        pass
-    return True
 
 
 def _install_snapshot(repo_dir: Path, sha: str, fill: Callable[[Path], None],

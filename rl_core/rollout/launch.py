@@ -31,6 +31,7 @@ from typing import Any, Literal
 import httpx
 
 from rl_core.cluster.platform import PLATFORM_ENV_PRESETS, platform_env
+from rl_core.pids import pid_alive
 
 EngineCommand = Callable[[int, int], Sequence[str]]
 """``command(index, port)``: the argv that serves engine ``index`` on 127.0.0.1:``port``."""
@@ -236,7 +237,7 @@ def kill_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    if proc.returncode is not None and _pid_in_use(proc.pid):
+    if proc.returncode is not None and pid_alive(proc.pid):
         # The leader is reaped and its pid is another process's now, so the group is gone
         # (the kernel never reuses a pid still held as a group id): a killpg would hit the
         # new process's group (pid_max can be 32768; a test suite wraps it).
@@ -247,16 +248,6 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             if proc.poll() is None:
                 proc.send_signal(sig)
-
-
-def _pid_in_use(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def log_tail(log_path: str | Path | None, lines: int = 40) -> str:
