@@ -68,6 +68,7 @@ run: setup
 XDIST ?= -n 3 --dist loadscope --no-loadscope-reorder
 test: setup-dev
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
 	$(PYTEST) $(XDIST) -p no:randomly $(PYTEST_ARGS)
 
 # The same suite in a random order (pytest-randomly; its seed is printed: -p randomly
@@ -83,6 +84,7 @@ soak: setup-dev
 
 lint: setup-dev
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
 
 # PNGs of the Prefect and MLflow UIs on a short demo run (docs/img/; scripts/screenshots.py).
 screenshots: setup

@@ -212,10 +212,10 @@ class _Bench:
     """The shared pieces: config, data, the student's and the teacher's models, the sampler."""
 
     def __init__(self, args: argparse.Namespace, teacher: Path, tmp: Path) -> None:
+        from rl_core.base_model import snapshot_model
         from rl_core.config import load_config
         from rl_core.data.sampler import PromptSampler
         from rl_core.data.synthetic import generate_splits
-        from rl_core.models.hub import snapshot_model
 
         self.args, self.teacher, self.tmp = args, teacher, tmp
         self.cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [

@@ -40,8 +40,8 @@ PAIRS = (("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("float32", "float32
 
 
 def _model_dir(args: argparse.Namespace) -> tuple[Path, Any]:
+    from rl_core.base_model import snapshot_model
     from rl_core.config import load_config
-    from rl_core.models.hub import snapshot_model
 
     cfg = load_config(ROOT / "configs" / "tiny-moe-cpu.yaml", [f"storage.cache_dir={args.cache}"])
     if args.model:

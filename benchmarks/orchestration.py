@@ -277,12 +277,12 @@ def pipeline_worker(args: argparse.Namespace) -> dict[str, Any]:
 
 def bare_worker(args: argparse.Namespace) -> dict[str, Any]:
     """The same steps as plain calls into ``rl_core``: no Prefect, no MLflow."""
+    from rl_core.base_model import snapshot_model
     from rl_core.config import load_config
     from rl_core.data.sampler import PromptSampler
     from rl_core.data.synthetic import generate_splits
     from rl_core.engine.sampling import SamplingParams
     from rl_core.grpo import advantages_for, rollout_groups, score_samples, summarize_samples
-    from rl_core.models.hub import snapshot_model
     from rl_core.planes import bring_up_planes, get_planes, tear_down
     from rl_core.types import Batch
 

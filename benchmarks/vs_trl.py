@@ -292,9 +292,9 @@ def worker(a: argparse.Namespace) -> None:
 
 def prepare(size: str, out: Path) -> tuple[str, Path]:
     """Build (or find) the size's checkpoint and write the dataset; (model dir, data dir)."""
+    from rl_core.base_model import snapshot_model
     from rl_core.config import load_config
     from rl_core.data.synthetic import generate_splits
-    from rl_core.models.hub import snapshot_model
 
     cfg = load_config(CONFIG, SIZES[size])
     model = snapshot_model(cfg.model, cfg.data, CACHE).path

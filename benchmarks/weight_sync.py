@@ -253,7 +253,7 @@ def bench_object_store(w: dict[str, torch.Tensor], repeats: int, threads: int,
 def bench_distributed(w: dict[str, torch.Tensor], repeats: int, size: str, threads: int,
                       work: Path) -> tuple[list[dict[str, float]], float]:  # fmt: skip
     """Rank 0 here, rank 1 a receiver process; returns the timings and the group setup s."""
-    from rl_core.rollout.launch import free_port
+    from rl_core.host import free_port
     from rl_core.weight_sync import process_group as pg
     from rl_core.weight_sync.source import WeightSource
 
@@ -310,8 +310,8 @@ def bench_product(mode: str, repeats: int, work: Path) -> list[dict[str, float]]
     """``sync_weights`` of a TorchTrainer on the 25m model to one embedded engine, through
     the transport ``rollout.weight_sync`` configures."""
     from benchmarks.rollout_throughput import build_model_dir
+    from rl_core.base_model import snapshot_model
     from rl_core.config import load_config
-    from rl_core.models.hub import snapshot_model
     from rl_core.planes import start_rollout
     from rl_core.training.torch_trainer import TorchTrainer
     from rl_core.weight_sync import sync_weights, weights_checksum

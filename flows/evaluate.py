@@ -69,7 +69,7 @@ def registry_evaluation_key(cfg: ExperimentConfig, eval_digest: str) -> str:
     """The key under which a version's evaluation on this config's held-out set is
     recorded: the same set evaluated the same way (sampling and reward) is never evaluated
     twice."""
-    from tasks.registry import evaluation_key
+    from tasks.tracking.registry import evaluation_key
 
     e, r = cfg.eval, cfg.reward
     return evaluation_key(eval_digest, {
@@ -92,7 +92,7 @@ def _tracking_uri(cfg: ExperimentConfig) -> str:
 
 def _registered_model_dir(cfg: ExperimentConfig, uri: str) -> str:
     """``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` as a local Hugging Face directory."""
-    from tasks.registry import fetch_registered_model, registry_client, resolve_aliases
+    from tasks.tracking.registry import fetch_registered_model, registry_client, resolve_aliases
 
     tracking_uri = _tracking_uri(cfg)
     ref = uri.removeprefix("models:/")
@@ -110,7 +110,7 @@ def _registered_model_dir(cfg: ExperimentConfig, uri: str) -> str:
 def _evaluate_registry(
     config: str | None, overrides: list[str], work_dir: str | None
 ) -> dict[str, Any]:
-    from tasks.registry import (
+    from tasks.tracking.registry import (
         comparison_markdown,
         decide,
         fetch_registered_model,

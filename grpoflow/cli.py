@@ -202,9 +202,9 @@ def cmd_download_model(args: argparse.Namespace) -> int:
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
+    from rl_core.base_model import bootstrap_tiny_model
     from rl_core.config import load_config
     from rl_core.models.hub import tiny_spec_for
-    from rl_core.models.tiny import bootstrap_tiny_model
 
     config, overrides = _split(args)
     cfg = load_config(config, overrides)

@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING
 
 from rl_core.agents.episode import episode_metrics
 from rl_core.data.records import Record
-from rl_core.engine.sampling import SamplingParams
-from rl_core.grpo import sample_seed
+from rl_core.engine.sampling import SamplingParams, sample_seed
 from rl_core.interfaces import RolloutPlane
 from rl_core.rewards import JudgeRunner, RewardResult, RewardRunner
 from rl_core.types import Sample

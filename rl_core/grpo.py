@@ -12,7 +12,6 @@ Never imports Prefect or MLflow.
 
 from __future__ import annotations
 
-import hashlib
 import statistics
 from collections.abc import Sequence
 from dataclasses import replace
@@ -21,19 +20,13 @@ import torch
 
 from rl_core.algorithms.advantages import group_advantages
 from rl_core.data.records import Record
-from rl_core.engine.sampling import SamplingParams
+from rl_core.engine.sampling import SamplingParams, sample_seed
 from rl_core.interfaces import RolloutPlane
 from rl_core.rewards import JudgeRunner, RewardResult, RewardRunner
 from rl_core.types import Sample
 
-__all__ = ["advantages_for", "rollout_groups", "sample_seed", "score_samples",
+__all__ = ["advantages_for", "rollout_groups", "score_samples",
            "split_informative_groups", "summarize_samples"]
-
-
-def sample_seed(seed: int, step: int, record_id: str, index: int) -> int:
-    """A 62-bit sampling seed that depends only on what the sample *is*."""
-    blob = f"{seed}:{step}:{record_id}:{index}".encode()
-    return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") >> 2
 
 
 def rollout_groups(plane: RolloutPlane, records: Sequence[Record],

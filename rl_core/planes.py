@@ -14,8 +14,10 @@ Never imports Prefect or MLflow.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,18 +26,32 @@ import torch
 from transformers import AutoTokenizer
 
 from rl_core.cluster.platform import platform_env
-from rl_core.config import ConfigError, ExperimentConfig
+from rl_core.config import (
+    ConfigError,
+    ExperimentConfig,
+    JudgeConfig,
+    ModelConfig,
+    RolloutConfig,
+    StorageConfig,
+    TeacherConfig,
+    TrainConfig,
+)
 from rl_core.data.prompts import encode_prompts
 from rl_core.data.records import Record
 from rl_core.interfaces import RolloutPlane, Trainer, WeightSync
 from rl_core.models import eos_token_ids
 from rl_core.rewards import JudgeRunner, RewardRunner
+from rl_core.rollout.launch import EngineSpec, SGLangLaunchConfig, sglang_launch
+from rl_core.rollout.pool import EnginePool
+from rl_core.sft import Example, SFTDataConfig
+from rl_core.teacher import check_tokenizers, teacher_examples
 from rl_core.weight_sync import sync_weights
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Planes", "PlanesHandle", "bring_up_planes", "get_planes", "start_rollout", "start_teacher",
-           "tear_down"]
+__all__ = ["Planes", "PlanesHandle", "bring_up_planes", "get_planes", "judge_engine_spec",
+           "rollout_engine_spec", "sample_teacher_examples", "start_engines", "start_judge",
+           "start_rollout", "start_teacher", "tear_down"]
 
 
 @dataclass(frozen=True)
@@ -133,8 +149,6 @@ def start_rollout(
         lora = cfg.train.lora.name if cfg.train.lora.enabled else None
         return plane, (SharedSync(trainer) if share is not None else TensorSync(plane, lora))
     from rl_core.rollout.http import HttpPlane
-    from rl_core.rollout.launch import embedded_engine_command, sglang_engine
-    from rl_core.rollout.pool import EnginePool
 
     work_dir = Path(work_dir)
     if r.weight_sync == "distributed" and r.engine == "sglang":
@@ -146,29 +160,12 @@ def start_rollout(
                 "a mixture of experts whose checkpoint layout (Mixtral's w1/w2/w3, gpt-oss's "
                 "fused experts) the broadcast does not produce, so SGLang's loader would not "
                 "take the experts it sends; use rollout.weight_sync=disk (docs/moe.md)")
-    if r.engine == "embedded":
-        threads = cfg.thread_budget()[0]
-        command = embedded_engine_command(
-            model_path, dtype=cfg.model.dtype, num_threads=threads,
-            max_running_requests=r.max_running_requests,
-            trust_remote_code=cfg.model.trust_remote_code)
-        env = {"OMP_NUM_THREADS": str(threads), **platform_env("cpu", cfg.cluster.env)}
-    else:
-        command, env = sglang_engine(cfg, model_path)
-    launcher = None
-    if placement is not None:
-        from rl_core.rollout.ray_engines import RayActorLauncher
-
-        launcher = RayActorLauncher(command, [s.actor_options() for s in placement.engines],
-                                    env=env, start_timeout_s=r.startup_timeout_s)
-    pool = EnginePool(
-        None if launcher else command, r.num_engines, launcher=launcher,
-        log_dir=work_dir / "engines", env=env,
-        router=r.num_engines > 1 if r.router is None else r.router,
-        health_interval_s=r.health_interval_s, health_timeout_s=r.health_timeout_s,
-        failure_threshold=r.health_failure_threshold, startup_timeout_s=r.startup_timeout_s,
-        client_kwargs={"read_timeout_s": r.timeout_s, "total_timeout_s": r.timeout_s},
-    )
+    spec = rollout_engine_spec(cfg, model_path)
+    pool = start_engines(spec, cfg, work_dir / "engines",
+                         router=r.num_engines > 1 if r.router is None else r.router,
+                         client_kwargs={"read_timeout_s": r.timeout_s,
+                                        "total_timeout_s": r.timeout_s},
+                         placement=placement)
     deterministic = r.timing_free
     plane = HttpPlane(pool, request_batch_size=r.request_batch_size, timeout_s=r.timeout_s,
                       weight_sync_timeout_s=r.weight_sync_timeout_s, deterministic=deterministic,
@@ -190,6 +187,70 @@ def start_rollout(
                                  cfg.train.lora.name if cfg.train.lora.enabled else None)
     pool.resync = transport.resync  # a restarted engine serves the current weights first
     return plane.start(), transport
+
+
+def rollout_engine_spec(cfg: ExperimentConfig, model_path: str | Path) -> EngineSpec:
+    """The rollout plane's engines (``rollout.*``, ``model.*``, ``cluster.env``)."""
+    r = cfg.rollout
+    if r.engine == "sglang":
+        return EngineSpec("sglang", str(model_path), r.num_engines,
+                          sglang=sglang_launch(cfg, model_path), env=cfg.cluster.env)
+    return EngineSpec("embedded", str(model_path), r.num_engines, threads=cfg.thread_budget()[0],
+                      dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
+                      max_running_requests=r.max_running_requests, env=cfg.cluster.env)
+
+
+def judge_engine_spec(j: JudgeConfig, env: Mapping[str, str | None] | None, platform: str,
+                      dtype: str) -> EngineSpec:
+    """The judge's engines (``reward.judge.*``; ``dtype``: the run's, for ``dtype: auto``)."""
+    if j.engine == "sglang":
+        launch = SGLangLaunchConfig(
+            model_path=str(j.model), tp=j.sglang_tp, base_gpu_id=j.sglang_base_gpu_id,
+            mem_fraction_static=j.sglang_mem_fraction_static, dtype=j.dtype,
+            extra_args=list(j.sglang_extra_args), platform=platform)  # type: ignore[arg-type]
+        return EngineSpec("sglang", str(j.model), j.num_engines, sglang=launch, env=env)
+    threads = j.engine_threads or max(1, (os.cpu_count() or 1) // j.num_engines)
+    return EngineSpec("embedded", str(j.model), j.num_engines, threads=threads,
+                      dtype=dtype if j.dtype == "auto" else j.dtype, env=env)
+
+
+def start_engines(spec: EngineSpec, cfg: ExperimentConfig, log_dir: str | Path, *,
+                  router: bool, client_kwargs: dict[str, float], placement: Any = None,
+                  ) -> EnginePool:
+    """The one engine bring-up: a pool of ``spec``'s engines (not started), watched with the
+    rollout plane's health settings (``rollout.health_*``, ``startup_timeout_s``); each engine
+    a Ray actor when a Ray ``placement`` is given."""
+    r = cfg.rollout
+    command, env = spec.command()
+    launcher = None
+    if placement is not None:
+        from rl_core.rollout.ray_engines import RayActorLauncher
+
+        launcher = RayActorLauncher(command, [s.actor_options() for s in placement.engines],
+                                    env=env, start_timeout_s=r.startup_timeout_s)
+    return EnginePool(
+        None if launcher else command, spec.num_engines, launcher=launcher, log_dir=log_dir,
+        env=env, router=router, health_interval_s=r.health_interval_s,
+        health_timeout_s=r.health_timeout_s, failure_threshold=r.health_failure_threshold,
+        startup_timeout_s=r.startup_timeout_s, client_kwargs=client_kwargs)
+
+
+def start_judge(cfg: ExperimentConfig, work_dir: str | Path,
+                questions: Mapping[str, str | None] | None = None) -> JudgeRunner:
+    """``reward.fn: judge``'s runner on its own engines (:func:`start_engines`, logs in
+    ``work_dir``/judge). Requests fail fast on the client and are retried by the judge
+    (``reward.judge.retries``), whose bounds sit above ``timeout_s`` so that its own fire."""
+    j, log_dir = cfg.reward.judge, Path(work_dir) / "judge"
+    spec = judge_engine_spec(j, cfg.cluster.env, cfg.rollout.sglang_platform, cfg.model.dtype)
+
+    def engines() -> EnginePool:
+        pool = start_engines(spec, cfg, log_dir, router=False, client_kwargs={
+            "read_timeout_s": j.timeout_s + 5.0, "total_timeout_s": j.timeout_s + 5.0,
+            "connect_timeout_s": min(5.0, j.timeout_s), "max_retries": 0})
+        pool.start()  # stops what it started when it fails
+        return pool
+
+    return JudgeRunner(cfg.reward, engines, log_dir=log_dir, questions=questions)
 
 
 def _time_share(cfg: ExperimentConfig) -> bool:
@@ -270,9 +331,7 @@ def start_teacher(cfg: ExperimentConfig, tokenizer: Any, student: str,
                    work_dir: str | Path) -> RolloutPlane:
     """The teacher's rollout plane (``teacher.*``), after checking it shares the student's
     tokenizer; it serves fixed weights (never synced)."""
-    from rl_core.config import ModelConfig
-    from rl_core.models.hub import snapshot_model
-    from rl_core.teacher import check_tokenizers
+    from rl_core.base_model import snapshot_model
 
     t = cfg.teacher
     path = snapshot_model(ModelConfig(path=t.path), cfg.data, cfg.storage.cache_dir).path
@@ -297,7 +356,7 @@ def _reward_runner(cfg: ExperimentConfig, work_dir: str | Path,
     questions: dict[str, str | None] = {}
     for r in records:
         questions[r.id] = r.question if questions.get(r.id, r.question) == r.question else None
-    return JudgeRunner.from_config(cfg, work_dir, questions)
+    return start_judge(cfg, work_dir, questions)
 
 
 def _start_trainer(cfg: ExperimentConfig, model_path: str | Path, placement: Any) -> Trainer:
@@ -387,3 +446,31 @@ def tear_down(handle: PlanesHandle) -> None:
     planes = _REGISTRY.pop(handle.key, None)
     if planes is not None:
         planes.close()
+
+
+def sample_teacher_examples(examples: Sequence[Example], d: SFTDataConfig,
+                            student: str | Path, cache_dir: str | Path, work_dir: str | Path,
+                            *, model: ModelConfig | None = None,
+                            num_threads: int | None = None) -> tuple[list[Example], dict[str, float]]:
+    """:func:`teacher_examples` on a teacher plane brought up for the purpose: the GRPO
+    teacher's start-up (``data.teacher.path`` resolved like ``model.path`` and cached in
+    ``cache_dir``, its vocabulary checked against ``student``'s by :func:`check_tokenizers`,
+    ``data.teacher.engine`` engines logging under ``work_dir/teacher``), closed afterwards.
+    ``model`` supplies the dtype and ``trust_remote_code``; ``num_threads`` bounds an
+    embedded engine's torch threads."""
+    t = d.teacher
+    if not t.enabled:
+        raise ValueError("data.teacher.path is not set")
+    model = (model or ModelConfig()).model_copy(update={"path": str(student)})
+    cfg = ExperimentConfig(
+        model=model, data=d.grpo_data(), storage=StorageConfig(cache_dir=str(cache_dir)),
+        rollout=RolloutConfig(engine=t.engine, num_engines=t.num_engines,
+                              engine_threads=num_threads, max_new_tokens=t.max_new_tokens),
+        train=TrainConfig(num_threads=num_threads),
+        teacher=TeacherConfig(path=t.path, engine=t.engine, num_engines=t.num_engines))
+    tokenizer = AutoTokenizer.from_pretrained(student, trust_remote_code=model.trust_remote_code)
+    plane = start_teacher(cfg, tokenizer, str(student), work_dir)
+    try:
+        return teacher_examples(plane, tokenizer, examples, d)
+    finally:
+        plane.close()

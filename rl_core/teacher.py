@@ -17,9 +17,8 @@ distillation; GRPO's clipping, the loss aggregation and the rollout corrections 
 they do to GRPO's advantages.
 
 The other direction, the forward KL, is SFT on the teacher's samples (the SFT flow's
-``data.teacher``): :func:`sample_teacher_examples` brings the same teacher plane up
-(:func:`rl_core.planes.start_teacher`), has it answer each prompt row and returns the rows
-with the teacher's answers as completions (``keep: correct``: only answers the gsm8k reward
+``data.teacher``): :func:`rl_core.planes.sample_teacher_examples` brings the same teacher
+plane up, has it answer each prompt row and returns the rows with the teacher's answers as completions (``keep: correct``: only answers the gsm8k reward
 accepts, i.e. rejection sampling). Minimising the student's NLL on them is the Monte-Carlo
 estimate of ``KL(p_teacher || p_student)`` up to the teacher's entropy.
 
@@ -32,47 +31,22 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from rl_core.types import Batch, Sample
 
 if TYPE_CHECKING:
-    from rl_core.config import ModelConfig
+    from rl_core.config import TeacherConfig
     from rl_core.sft import Example, SFTDataConfig
 
-__all__ = ["TEACHER_LOGPROBS", "TeacherConfig", "check_tokenizers", "distill_advantages",
-           "sample_teacher_examples", "score_with_teacher", "teacher_examples"]
+__all__ = ["TEACHER_LOGPROBS", "check_tokenizers", "distill_advantages",
+           "score_with_teacher", "teacher_examples"]
 
 log = logging.getLogger(__name__)
 
 TEACHER_LOGPROBS = "teacher_logprobs"  # Sample.meta key
-
-
-class TeacherConfig(BaseModel):
-    """On-policy distillation (``path`` set): docs/distillation.md."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-    path: str | None = Field(None, description="The teacher: HF hub id, local HF directory or "
-                             "an `embedded:` model; None = no distillation.")
-    engine: Literal["embedded", "sglang", "local"] = Field(
-        "embedded", description="What serves the teacher (as rollout.engine).")
-    num_engines: int = Field(1, ge=1)
-    kl_weight: float = Field(1.0, ge=0.0, description="Weight of the per-token reverse-KL "
-                             "advantage log p_teacher - log p_student.")
-    task_weight: float = Field(0.0, ge=0.0, description="Weight of the task reward's GRPO "
-                               "advantage (0: pure distillation).")
-    normalize: bool = Field(False, description="Centre and scale the per-token gap over the "
-                            "step's response tokens (mean 0, std 1) before kl_weight: a "
-                            "baseline, so the gap's mean stops pushing every sampled token down, "
-                            "and GRPO's scale, so kl_weight and task_weight compare.")
-
-    @property
-    def enabled(self) -> bool:
-        return self.path is not None
 
 
 def check_tokenizers(student: Any, teacher: Any, student_path: str, teacher_path: str) -> None:
@@ -147,8 +121,7 @@ def teacher_examples(plane: Any, tokenizer: Any, examples: Sequence[Example], d:
     Returns the examples and counts: ``samples``, ``kept``, ``truncated``, ``empty``,
     ``correct`` (by the reward, among the finished ones), ``prompt_tokens`` and
     ``completion_tokens`` (what the teacher read and wrote), ``seconds``."""
-    from rl_core.engine.sampling import SamplingParams
-    from rl_core.grpo import sample_seed
+    from rl_core.engine.sampling import SamplingParams, sample_seed
     from rl_core.rewards import gsm8k_reward
     from rl_core.sft import Example
 
@@ -206,42 +179,3 @@ def _encode(prompts: Sequence[str], tokenizer: Any, d: SFTDataConfig) -> list[li
 
     return [list(tokenizer(prompt_text(tokenizer, p, d), add_special_tokens=False)["input_ids"])
             for p in prompts]
-
-
-def sample_teacher_examples(examples: Sequence[Example], d: SFTDataConfig,
-                            student: str | Path, cache_dir: str | Path, work_dir: str | Path,
-                            *, model: ModelConfig | None = None,
-                            num_threads: int | None = None) -> tuple[list[Example], dict[str, float]]:
-    """:func:`teacher_examples` on a teacher plane brought up for the purpose: the GRPO
-    teacher's start-up (``data.teacher.path`` resolved like ``model.path`` and cached in
-    ``cache_dir``, its vocabulary checked against ``student``'s by :func:`check_tokenizers`,
-    ``data.teacher.engine`` engines logging under ``work_dir/teacher``), closed afterwards.
-    ``model`` supplies the dtype and ``trust_remote_code``; ``num_threads`` bounds an
-    embedded engine's torch threads."""
-    from transformers import AutoTokenizer
-
-    from rl_core.config import (
-        ExperimentConfig,
-        ModelConfig,
-        RolloutConfig,
-        StorageConfig,
-        TrainConfig,
-    )
-    from rl_core.planes import start_teacher
-
-    t = d.teacher
-    if not t.enabled:
-        raise ValueError("data.teacher.path is not set")
-    model = (model or ModelConfig()).model_copy(update={"path": str(student)})
-    cfg = ExperimentConfig(
-        model=model, data=d.grpo_data(), storage=StorageConfig(cache_dir=str(cache_dir)),
-        rollout=RolloutConfig(engine=t.engine, num_engines=t.num_engines,
-                              engine_threads=num_threads, max_new_tokens=t.max_new_tokens),
-        train=TrainConfig(num_threads=num_threads),
-        teacher=TeacherConfig(path=t.path, engine=t.engine, num_engines=t.num_engines))
-    tokenizer = AutoTokenizer.from_pretrained(student, trust_remote_code=model.trust_remote_code)
-    plane = start_teacher(cfg, tokenizer, str(student), work_dir)
-    try:
-        return teacher_examples(plane, tokenizer, examples, d)
-    finally:
-        plane.close()

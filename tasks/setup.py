@@ -17,10 +17,10 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rl_core import storage
+from rl_core.base_model import snapshot_model
 from rl_core.config import ConfigError, DataConfig, ExperimentConfig, ModelConfig
 from rl_core.data.sources import load_records, read_parquet, write_parquet
 from rl_core.data.synthetic import generate_splits
-from rl_core.models.hub import snapshot_model
 from rl_core.planes import PlanesHandle, bring_up_planes
 
 __all__ = ["PreparedData", "bring_up", "fetch_model", "prepare_data", "source_fingerprint"]

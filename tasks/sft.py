@@ -21,12 +21,12 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from rl_core.base_model import build_bare_tiny
 from rl_core.config import ModelConfig
+from rl_core.planes import sample_teacher_examples
 from rl_core.sft import Example, SFTConfig, SFTDataConfig, examples_digest, split_examples
-from rl_core.teacher import sample_teacher_examples
 from rl_core.training.sft import (
     SFTHandle,
-    build_bare_tiny,
     get_session,
     start_session,
 )

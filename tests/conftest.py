@@ -173,8 +173,8 @@ SHARED_MODELS_ENV = "GRPOFLOW_TEST_SHARED_MODELS"
 
 def _build_demo_model(cache: Path, threads: int = 2) -> Path:
     """The demo's tiny model (configs/tiny-cpu.yaml) in ``cache`` (~1 min on 2 cores, once)."""
+    from rl_core.base_model import snapshot_model
     from rl_core.config import load_config
-    from rl_core.models.hub import snapshot_model
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml")
     before = torch.get_num_threads()

@@ -20,7 +20,6 @@ one: transformers 5's ``AutoTokenizer`` rebuilds any qwen2 checkpoint's tokenize
 from __future__ import annotations
 
 import os
-import socket
 import string
 import subprocess
 import sys
@@ -65,12 +64,6 @@ def save_tiny_model(path: Path, seed: int = 0, *, tie: bool = False) -> Path:
     char_tokenizer().save_pretrained(path)
     GenerationConfig(eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(path)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_trainer_broadcast(

@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_helpers import free_port
+from rl_core.host import free_port
 
 
 @dataclass

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from engine_helpers import free_port
 
 from grpoflow.deploy import work_pools
+from rl_core.host import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"

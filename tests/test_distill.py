@@ -35,7 +35,7 @@ import torch
 from engine_helpers import char_tokenizer, save_tiny_model
 from transformers import AutoModelForCausalLM
 
-from rl_core.config import load_config
+from rl_core.config import TeacherConfig, load_config
 from rl_core.engine.sampling import SamplingParams
 from rl_core.rollout.http import HttpPlane
 from rl_core.rollout.inprocess import InProcessPlane
@@ -43,7 +43,6 @@ from rl_core.rollout.launch import embedded_engine_command
 from rl_core.rollout.pool import EnginePool
 from rl_core.teacher import (
     TEACHER_LOGPROBS,
-    TeacherConfig,
     check_tokenizers,
     distill_advantages,  # fmt: skip
     score_with_teacher,
@@ -237,8 +236,8 @@ SFT_CONFIG = ROOT / "configs" / "sft-tiny-cpu.yaml"
 @pytest.fixture(scope="module")
 def sft_student(tiny_cache: Path) -> Path:
     """The bare tiny model (the demo's tokenizer, random weights): the SFT student."""
+    from rl_core.base_model import build_bare_tiny
     from rl_core.sft import SFTConfig
-    from rl_core.training.sft import build_bare_tiny
 
     return build_bare_tiny(SFTConfig().model, SFTConfig().data, tiny_cache)
 
@@ -304,8 +303,9 @@ def _reference(rows: list, e) -> str:  # noqa: ANN001
 def test_teacher_samples_refuse_what_cannot_work(demo_model: Path, tiny_cache: Path,
                                                  tmp_path: Path) -> None:
     from rl_core.config import ConfigError
+    from rl_core.planes import sample_teacher_examples
     from rl_core.sft import Example, SFTDataConfig, load_sft_config
-    from rl_core.teacher import sample_teacher_examples, teacher_examples
+    from rl_core.teacher import teacher_examples
 
     with pytest.raises(ConfigError, match=r"data.teacher.*samples_per_prompt=4 with temperature 0"):
         load_sft_config(SFT_CONFIG, ["data.teacher.temperature=0",
@@ -331,8 +331,8 @@ def test_sft_on_teacher_samples_through_the_flow(prefect_harness, tiny_cache: Pa
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from flows.sft import sft_train
+    from rl_core.base_model import build_bare_tiny
     from rl_core.sft import load_sft_config
-    from rl_core.training.sft import build_bare_tiny
     from tasks.sft import prepare_sft_data, read_prepared
 
     overrides = [f"storage.root={tmp_path}", f"storage.cache_dir={tiny_cache}",

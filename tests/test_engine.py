@@ -24,7 +24,6 @@ from conftest import EOS_ID, PAD_ID, TINY_VOCAB, hf_greedy
 from engine_helpers import (
     assert_matches_hf,
     bucket_meta,
-    free_port,
     save_tiny_model,
     start_trainer_broadcast,
     wait_ready,
@@ -41,6 +40,7 @@ from rl_core.engine.core import (
 )
 from rl_core.engine.protocol import model_info, server_info
 from rl_core.engine.sampling import SamplingParams
+from rl_core.host import free_port
 from rl_core.weight_sync import weights_checksum
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -21,7 +21,6 @@ import torch
 from conftest import EOS_ID
 from engine_helpers import (
     bucket_meta,
-    free_port,
     hf_reference,
     save_tiny_model,
     start_trainer_broadcast,
@@ -33,6 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rl_core.engine.core import EmbeddedEngine
 from rl_core.engine.sampling import SamplingParams
 from rl_core.engine.server import ServerThread, build_server, create_app, main
+from rl_core.host import free_port
 from rl_core.weight_sync import weights_checksum
 
 pytestmark = pytest.mark.usefixtures("one_thread")

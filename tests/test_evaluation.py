@@ -15,9 +15,9 @@ import torch
 from conftest import tiny_qwen2
 
 from rl_core.data.records import Record
-from rl_core.engine.sampling import SamplingParams
+from rl_core.engine.sampling import SamplingParams, sample_seed
 from rl_core.evaluation import EvalResult, evaluate, pass_at_k
-from rl_core.grpo import advantages_for, rollout_groups, sample_seed, summarize_samples
+from rl_core.grpo import advantages_for, rollout_groups, summarize_samples
 from rl_core.rewards import RewardRunner
 from rl_core.types import Sample
 from rl_core.weight_sync import WeightSyncError, weights_checksum

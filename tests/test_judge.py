@@ -25,11 +25,17 @@ import pytest
 import torch
 
 from rl_core.agents import Environment, StepResult, Turn
-from rl_core.config import ConfigError, RewardConfig, load_config
+from rl_core.config import ConfigError, ExperimentConfig, RewardConfig, load_config
 from rl_core.data.records import Record
 from rl_core.engine.sampling import SamplingParams
 from rl_core.grpo import rollout_groups, score_samples
-from rl_core.planes import bring_up_planes, get_planes, tear_down
+from rl_core.planes import (
+    bring_up_planes,
+    get_planes,
+    judge_engine_spec,
+    start_judge,
+    tear_down,
+)
 from rl_core.rewards import (
     JudgeError,
     JudgeRunner,
@@ -107,6 +113,13 @@ def reward_config(model: Path, **judge: object) -> RewardConfig:
     return RewardConfig(fn="judge", judge=fields, max_failed_steps=0, pass_threshold=0.5)
 
 
+def judge_run_config(reward: RewardConfig) -> ExperimentConfig:
+    """A run config around ``reward`` whose engines are watched every 0.5 s."""
+    return ExperimentConfig(reward=reward, rollout={
+        "health_interval_s": 0.5, "health_timeout_s": 5.0, "health_failure_threshold": 2,
+        "startup_timeout_s": 120})
+
+
 @pytest.fixture(scope="module")
 def judge_model(tmp_path_factory) -> Path:
     return build_judge_model(tmp_path_factory.mktemp("judge") / "model")
@@ -115,9 +128,8 @@ def judge_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def judge(judge_model: Path, tmp_path_factory):
     """Two embedded engines of the judge model, watched every 0.5 s."""
-    runner = JudgeRunner(reward_config(judge_model, num_engines=2),
-                         log_dir=tmp_path_factory.mktemp("judge-logs"), health_interval_s=0.5,
-                         health_timeout_s=5.0, failure_threshold=2, startup_timeout_s=120)
+    runner = start_judge(judge_run_config(reward_config(judge_model, num_engines=2)),
+                         tmp_path_factory.mktemp("judge-logs"))
     with runner:
         yield runner
 
@@ -200,8 +212,8 @@ def test_judge_refuses_a_model_it_cannot_use(tmp_path: Path) -> None:
     for model, message in [(no_template, "no chat template"),
                            (tmp_path / "missing", "cannot load its tokenizer")]:
         with pytest.raises(ValueError, match=f"reward.judge.model .*{message}"):
-            JudgeRunner(reward_config(model), log_dir=tmp_path / "logs")
-    assert not (tmp_path / "logs").exists()  # refused before any engine started
+            start_judge(judge_run_config(reward_config(model)), tmp_path)
+    assert not (tmp_path / "judge").exists()  # refused before any engine started
 
 
 def test_engine_commands_are_the_rollout_launchers(tmp_path: Path) -> None:
@@ -210,7 +222,7 @@ def test_engine_commands_are_the_rollout_launchers(tmp_path: Path) -> None:
     judge = reward_config(tmp_path, engine="sglang", num_engines=2, sglang_tp=2,
                           sglang_base_gpu_id=4, sglang_mem_fraction_static=0.3,
                           sglang_extra_args=["--context-length", "4096"]).judge
-    command, env = JudgeRunner._engine_command(judge, {"NCCL_DEBUG": "WARN"}, "cuda", "float32")
+    command, env = judge_engine_spec(judge, {"NCCL_DEBUG": "WARN"}, "cuda", "float32").command()
     argv = [str(a) for a in command(1, 31001)]
     assert argv[1:3] == ["-m", "sglang.launch_server"]
     flags = dict(zip(argv[3::2], argv[4::2], strict=False))
@@ -220,7 +232,7 @@ def test_engine_commands_are_the_rollout_launchers(tmp_path: Path) -> None:
     assert argv[-2:] == ["--context-length", "4096"] and env["NCCL_DEBUG"] == "WARN"
 
     embedded = reward_config(tmp_path, engine_threads=3, dtype="bfloat16").judge
-    command, env = JudgeRunner._engine_command(embedded, None, "cuda", "float32")
+    command, env = judge_engine_spec(embedded, None, "cuda", "float32").command()
     argv = [str(a) for a in command(0, 31002)]
     assert argv[1:3] == ["-m", "rl_core.engine.server"]
     flags = dict(zip(argv[3::2], argv[4::2], strict=False))

@@ -197,7 +197,9 @@ def test_the_reaper_survives_the_signal_of_each_dying_thread(tmp_path: Path) -> 
             assert _alive(tree, timeout_s=15) == [], log.read_text() if log.exists() else ""
         finally:
             _kill_all(parent, tree)
-    assert log.read_text().count("its command ended") == 3, log.read_text()
+    # Each parent's end was seen: by a scan, or (killed before the reaper's first scan) at start.
+    text = log.read_text()
+    assert text.count("its command ended") + text.count("it ended before the first scan") == 3, text
 
 
 def test_exit_within_ends_a_process_whose_threads_do_not(tmp_path: Path) -> None:

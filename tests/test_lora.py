@@ -335,7 +335,7 @@ def test_lora_grpo_flow_resumes_exactly(prefect_harness, tiny_cache: Path,
     first = _run(tmp_path, tiny_cache, "first", *args, "tracking.backend=mlflow",
                  f"tracking.uri={uri}", "tracking.system_metrics=false")
     # the registry: the merged model, recording its base and the adapter (logged beside it)
-    from tasks.registry import registry_client
+    from tasks.tracking.registry import registry_client
 
     client = registry_client(uri)
     mv = client.get_model_version(first["tracking"]["registered_model"], first["tracking"]["version"])

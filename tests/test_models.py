@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from rl_core.base_model import bootstrap_tiny_model, greedy_accuracy, snapshot_model
 from rl_core.config import load_config
 from rl_core.data.synthetic import generate_splits
-from rl_core.models.hub import ModelError, snapshot_model, tiny_spec_for, verify_model_dir
-from rl_core.models.tiny import TinyModelSpec, bootstrap_tiny_model, greedy_accuracy
+from rl_core.models.hub import ModelError, tiny_spec_for, verify_model_dir
+from rl_core.models.tiny import TinyModelSpec
 from rl_core.weight_sync import weights_checksum
 
 ROOT = Path(__file__).resolve().parents[1]

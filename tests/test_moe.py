@@ -320,7 +320,7 @@ def test_moe_grpo_flow_with_replay_syncs_checkpoints_and_resumes(prefect_harness
     from engine_helpers import run_demo_flow
     from safetensors.torch import load_file
 
-    from tasks.registry import registry_client
+    from tasks.tracking.registry import registry_client
 
     model = _moe_demo_dir(tmp_path / "moe-init")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -19,8 +19,8 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from flows.evaluate import evaluate, registry_evaluation_key
 from rl_core.config import load_config
-from tasks.registry import Decision, RegistryVersion, decide, registry_client
 from tasks.setup import prepare_data
+from tasks.tracking.registry import Decision, RegistryVersion, decide, registry_client
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "tiny-cpu.yaml")
@@ -161,7 +161,7 @@ def test_a_registered_model_is_fetched_evaluated_once_and_promoted(
     import mlflow
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tasks.registry import global_tracking_uri, pip_requirements
+    from tasks.tracking.registry import global_tracking_uri, pip_requirements
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = registry_client(uri)

@@ -25,13 +25,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from rollout_helpers import agenerate_groups, generate_groups
 
+from rl_core.host import free_port
 from rl_core.rollout.client import (
     RolloutRequestError,
     RolloutUnavailableError,
     SGLangClient,
     SyncSGLangClient,
 )
-from rl_core.rollout.launch import free_port
 from rl_core.rollout.pool import EnginePool
 from rl_core.types import Sample
 

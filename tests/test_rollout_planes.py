@@ -28,9 +28,10 @@ from rl_core.config import AlgorithmConfig, TrainConfig
 from rl_core.data.records import Record
 from rl_core.engine.sampling import SamplingParams
 from rl_core.grpo import advantages_for, rollout_groups
+from rl_core.host import free_port
 from rl_core.rollout.http import HttpPlane, sampling_payload
 from rl_core.rollout.inprocess import InProcessPlane
-from rl_core.rollout.launch import embedded_engine_command, free_port
+from rl_core.rollout.launch import embedded_engine_command
 from rl_core.rollout.pool import EnginePool
 from rl_core.training.torch_trainer import TorchTrainer
 from rl_core.types import Batch

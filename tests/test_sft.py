@@ -28,6 +28,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rl_core.base_model import build_bare_tiny
 from rl_core.config import ConfigError
 from rl_core.data.prompts import render_prompt
 from rl_core.data.records import DataValidationError
@@ -40,7 +41,7 @@ from rl_core.sft import (
     synthetic_examples,
     tokenize_example,
 )
-from rl_core.training.sft import SFTTrainer, build_bare_tiny
+from rl_core.training.sft import SFTTrainer
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -8,10 +8,10 @@ import sys
 import pytest
 
 from rl_core.cluster.platform import PLATFORM_ENV_PRESETS, platform_env
+from rl_core.host import free_port
 from rl_core.rollout.launch import (
     SGLangLaunchConfig,
     build_sglang_command,
-    free_port,
     sglang_engine_command,
     sglang_env,
     start_process,

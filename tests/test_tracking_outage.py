@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from rl_core.host import free_port
+
 pytest.importorskip("mlflow")
 
-from engine_helpers import free_port, save_tiny_model  # noqa: E402
+from engine_helpers import save_tiny_model  # noqa: E402
 from mlflow_server import MlflowServer, start_mlflow_server  # noqa: E402
 
 from tasks import tracking  # noqa: E402

@@ -43,8 +43,7 @@ from rl_core.agents.env import (
     check_messages,
 )
 from rl_core.data.records import Record
-from rl_core.engine.sampling import SamplingParams
-from rl_core.grpo import sample_seed
+from rl_core.engine.sampling import SamplingParams, sample_seed
 from rl_core.interfaces import RolloutPlane
 from rl_core.secrets import RedactFilter
 from rl_core.types import Sample, pad_routed_experts

@@ -72,9 +72,8 @@ from rl_core.engine.routes_openai import (
     parse_openai_request,
     read_openai_body,
 )
-from rl_core.engine.sampling import SamplingParams
+from rl_core.engine.sampling import SamplingParams, sample_seed
 from rl_core.engine.server import ServerThread
-from rl_core.grpo import sample_seed
 from rl_core.interfaces import RolloutPlane
 from rl_core.rollout.client import RolloutRequestError
 from rl_core.types import Sample, pad_routed_experts

@@ -24,20 +24,19 @@ import json
 import math
 import operator
 import os
-import re
 import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from rl_core.engine.tool_parser import ToolCall, parse_tool_calls
 from rl_core.rewards.runner import apply_memory_limit
 
 __all__ = ["CALCULATOR", "PYTHON", "Tool", "ToolCall", "hermes_system_prompt", "parse_tool_calls",
            "resolve_tools", "run_tool"]
 
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _MAX_OUTPUT_CHARS = 2000
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="grpoflow-tool")
 
@@ -56,39 +55,6 @@ class Tool:
         """The OpenAI/Hermes function schema (what ``apply_chat_template(tools=...)`` takes)."""
         return {"type": "function", "function": {"name": self.name, "description":
                 self.description, "parameters": self.parameters}}
-
-
-@dataclass
-class ToolCall:
-    """One parsed call; ``error`` is set (and ``name`` may be empty) when it is malformed."""
-
-    name: str
-    arguments: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
-
-
-def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every ``<tool_call>...</tool_call>`` in ``text``, in order (Hermes/Qwen format). A body
-    that is not a JSON object with a string ``name`` and an object ``arguments`` (a JSON
-    string holding an object is accepted, as OpenAI sends it) comes back with ``error``."""
-    calls = []
-    for body in _CALL.findall(text):
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError as e:
-            calls.append(ToolCall("", error=f"the tool call is not valid JSON ({e.msg})"))
-            continue
-        name = obj.get("name") if isinstance(obj, dict) else None
-        args = obj.get("arguments", {}) if isinstance(obj, dict) else None
-        if isinstance(args, str):
-            with contextlib.suppress(json.JSONDecodeError):
-                args = json.loads(args)
-        if not isinstance(name, str) or not isinstance(args, dict):
-            calls.append(ToolCall(name if isinstance(name, str) else "", error=(
-                'a tool call must be {"name": str, "arguments": {...}}')))
-            continue
-        calls.append(ToolCall(name, args))
-    return calls
 
 
 def run_tool(tools: dict[str, Tool], call: ToolCall) -> tuple[str, str]:

@@ -16,7 +16,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from rl_core.rewards.math import parse_number
+from rl_core.data.numbers import parse_number
 
 __all__ = ["BadRow", "DataValidationError", "Record", "extract_final_answer", "records_digest",
            "validate_numbered_rows", "validate_records"]

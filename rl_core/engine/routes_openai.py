@@ -35,10 +35,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from rl_core.agents.tools import parse_tool_calls
 from rl_core.engine.core import EngineRequestError, EngineStateError, GenerateRequest
 from rl_core.engine.protocol import BadRequest, _TooLarge, get_engine, read_body
 from rl_core.engine.sampling import SamplingParams
+from rl_core.engine.tool_parser import parse_tool_calls
 
 __all__ = ["OPENAI_TIMEOUT_S", "OpenAIError", "OpenAIRequest", "chat_choice", "chat_prompt_ids",
            "completion_choice", "completion_text", "envelope", "normalize_messages",

@@ -11,13 +11,21 @@ imports Prefect or MLflow; never touches the trainer's model.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["SamplingParams", "hit_stop", "prompt_logprobs", "sample_next", "sampling_uniforms"]
+__all__ = ["SamplingParams", "hit_stop", "prompt_logprobs", "sample_next", "sample_seed",
+           "sampling_uniforms"]
+
+
+def sample_seed(seed: int, step: int, record_id: str, index: int) -> int:
+    """A 62-bit sampling seed that depends only on what the sample *is*."""
+    blob = f"{seed}:{step}:{record_id}:{index}".encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") >> 2
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Resolving a model reference to a verified local Hugging Face directory, cached by content.
 
-``model.path`` may be ``embedded:tiny`` (built by :mod:`rl_core.models.tiny`), a local HF
+``model.path`` may be ``embedded:tiny`` (built by :mod:`rl_core.base_model`), a local HF
 directory, a hub id, or an ``s3://`` prefix. Every result is verified to load (config,
 tokenizer, weights) before anything else starts and carries a content key: the digest of its
 manifest (each file's name, size and sha256). Hub snapshots are cached by commit under
@@ -34,17 +34,19 @@ from urllib.parse import quote
 
 from rl_core import storage
 from rl_core.config import ConfigError, DataConfig, ModelConfig
-from rl_core.models.tiny import TinyModelSpec, bootstrap_tiny_model
-from rl_core.pids import pid_alive
+from rl_core.host import pid_alive
+from rl_core.models.tiny import TinyModelSpec
 from rl_core.secrets import redact
 
 __all__ = ["EMBEDDED_TINY", "MANIFEST", "ModelError", "ModelSnapshot", "download_model",
-    "file_manifest", "local_model_dir", "snapshot_model", "tiny_spec_for", "verify_model_dir"]
+    "TINY_MARKER", "file_manifest", "local_model_dir", "tiny_dir", "tiny_spec_for",
+    "verify_model_dir"]
 
 log = logging.getLogger(__name__)
 
 EMBEDDED_TINY = "embedded:tiny"
 MANIFEST = "grpoflow_manifest.json"
+TINY_MARKER = "grpoflow_tiny.json"  # written last by the demo model's build (rl_core.base_model)
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 # Transport failures of requests / httpx / httpx2, whichever huggingface_hub uses.
@@ -207,29 +209,6 @@ def _manifest_problem(d: Path) -> str | None:
 
 
 # ---------------------------------------------------------------- entry points
-def snapshot_model(model: ModelConfig, data: DataConfig, cache_dir: str | Path, *,
-                   revision: str | None = None, token: str | None = None) -> ModelSnapshot:
-    """``model.path`` -> a verified local directory (building the embedded tiny model);
-    ``revision`` defaults to ``model.revision``, else ``main``."""
-    if model.path != EMBEDDED_TINY:
-        return download_model(model.path, cache_dir, token=token,
-                              revision=revision if revision is not None else model.revision,
-                              trust_remote_code=model.trust_remote_code)
-    spec = tiny_spec_for(model, data)
-    out = _tiny_dir(Path(cache_dir), spec)
-    cached = (out / "grpoflow_tiny.json").is_file()
-    if not cached:
-        log.info("building the embedded tiny model in %s (first run only)", out)
-
-    def progress(step: int, loss: float, acc: float | None) -> None:
-        if acc is not None:
-            log.info("  warm start step %d: loss %.3f, validation greedy accuracy %.3f (stops "
-                     "at %.2f)", step, loss, acc, spec.target_accuracy)
-
-    bootstrap_tiny_model(out, spec, progress=progress)
-    return ModelSnapshot(verify_model_dir(out), spec.digest(), "tiny", EMBEDDED_TINY, None, cached)
-
-
 def download_model(uri: str, cache_dir: str | Path, *, revision: str | None = None,
                    token: str | None = None, trust_remote_code: bool = False) -> ModelSnapshot:
     """A hub id, local directory or ``s3://`` prefix -> a verified local directory. Hub
@@ -254,8 +233,8 @@ def local_model_dir(model: ModelConfig, data: DataConfig, cache_dir: str | Path)
     can never resolve (a missing local path) raises :class:`ModelError`."""
     cache, uri = Path(cache_dir), model.path
     if uri == EMBEDDED_TINY:
-        out = _tiny_dir(cache, tiny_spec_for(model, data))
-        return out if (out / "grpoflow_tiny.json").is_file() else None
+        out = tiny_dir(cache, tiny_spec_for(model, data))
+        return out if (out / TINY_MARKER).is_file() else None
     if uri.startswith("s3://"):
         repo_dir, ref = _s3_dir(cache, uri), "latest"
     elif (local := Path(uri).expanduser()).exists():
@@ -268,7 +247,7 @@ def local_model_dir(model: ModelConfig, data: DataConfig, cache_dir: str | Path)
     return snap if sha and (snap / MANIFEST).is_file() else None
 
 
-def _tiny_dir(cache: Path, spec: TinyModelSpec) -> Path:
+def tiny_dir(cache: Path, spec: TinyModelSpec) -> Path:
     return cache / "models" / f"tiny-{spec.digest()}"
 
 

@@ -1,9 +1,9 @@
 """LLM judges and reward models as a plane: a judge model served by its own engines scores
 completions, as ``reward.fn: judge`` or from inside an environment.
 
-`JudgeRunner` starts an `~rl_core.rollout.pool.EnginePool` of its own (``reward.judge.engine``:
-embedded engine processes on CPU, SGLang servers on GPU; the launch code is the rollout plane's,
-started from the judge's model path and engine settings), renders one prompt per sample from
+`JudgeRunner` scores on an engine pool of its own (``reward.judge.engine``: embedded engine
+processes on CPU, SGLang servers on GPU), brought up by the planes as the rollout plane's is
+(:func:`rl_core.planes.start_judge`), and sends requests through the rollout client; it renders one prompt per sample from
 ``reward.judge.template`` (fields ``{question}``, ``{response}``, ``{answer}``, ``{max_score}``)
 with the judge tokenizer's chat template, decodes greedily and reads a score from the output:
 ``mode: score`` a number ("Score: 7", divided by ``max_score``), ``mode: verdict`` yes / no
@@ -17,9 +17,9 @@ are counted in the same `RewardResult` fields, and ``reward.max_failed_steps`` c
 in which every sample failed raise `JudgeError`, a `RewardFunctionError`. It is thread-safe:
 the reward task and environments (`active_judge`) may call it at the same time.
 
-Never imports prefect or mlflow; imports torch, transformers and the rollout code only when a
-judge starts (``rl_core.rewards`` is imported by reward worker processes, which must stay
-light); never raises because of a bad sample; never waits without a bound.
+Never imports prefect or mlflow; imports transformers only when a judge starts
+(``rl_core.rewards`` is imported by reward worker processes, which must stay light); never
+raises because of a bad sample; never waits without a bound.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import random
 import re
 import string
@@ -36,11 +35,12 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rl_core.errors import RolloutError, RolloutRequestError
 from rl_core.rewards.math import format_reward
 from rl_core.rewards.runner import (
     _MAX_ERROR_MESSAGES,
@@ -51,7 +51,7 @@ from rl_core.rewards.runner import (
 )
 
 if TYPE_CHECKING:  # the config module imports no rewards code; only the types are needed
-    from rl_core.config import ExperimentConfig, RewardConfig
+    from rl_core.config import RewardConfig
 
 __all__ = ["DEFAULT_TEMPLATES", "JudgeError", "JudgeRunner", "Judgement", "active_judge",
            "parse_judgement"]
@@ -158,22 +158,16 @@ class JudgeRunner:
     """A judge model on engines of its own, scoring completions (see the module docstring).
 
     ``reward``: the ``reward`` config section (``reward.judge`` and the fields every reward
-    runner reads: ``format_weight``, ``pass_threshold``, ``max_failed_steps``). ``log_dir``: the
-    engines' logs. ``questions``: record id -> question, for callers that pass ``record_ids``
-    (the step's samples; None: that id's question is unknown). ``env``: extra environment of
-    every engine process (``cluster.env``); ``sglang_platform``: ``cuda`` or ``rocm``;
-    ``dtype``: used when ``reward.judge.dtype`` is ``auto`` on embedded engines. The remaining
-    arguments are the pool's health checks (the rollout plane's settings in a run).
+    runner reads: ``format_weight``, ``pass_threshold``, ``max_failed_steps``).
+    ``start_engines``: starts the judge's engines and returns their pool (the planes' engine
+    bring-up: :func:`rl_core.planes.start_judge`); called once the judge model's tokenizer has
+    been checked, so a model that cannot judge is refused before any engine starts.
+    ``log_dir``: where the engines log (named in errors). ``questions``: record id -> question,
+    for callers that pass ``record_ids`` (None: that id's question is unknown). Engines stop in
+    `close()` (or ``with``)."""
 
-    Engines start in the constructor (RuntimeError naming the log when they do not come up
-    within ``startup_timeout_s``) and stop in `close()` (or ``with``)."""
-
-    def __init__(self, reward: RewardConfig, *, log_dir: str | Path,
-                 questions: Mapping[str, str | None] | None = None,
-                 env: Mapping[str, str | None] | None = None, sglang_platform: str = "cuda",
-                 dtype: str = "float32", health_interval_s: float = 5.0,
-                 health_timeout_s: float = 20.0, failure_threshold: int = 3,
-                 startup_timeout_s: float = 300.0) -> None:
+    def __init__(self, reward: RewardConfig, start_engines: Callable[[], Any], *,
+                 log_dir: str | Path, questions: Mapping[str, str | None] | None = None) -> None:
         j = reward.judge
         if not j.model:
             raise ValueError("reward.judge.model is not set: name the judge model (a local Hugging "
@@ -201,8 +195,6 @@ class JudgeRunner:
 
         from transformers import AutoTokenizer
 
-        from rl_core.rollout.pool import EnginePool
-
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model)
         except Exception as e:
@@ -212,20 +204,9 @@ class JudgeRunner:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"reward.judge.model {self.model!r}: its tokenizer has no chat "
                              "template; use an instruction-tuned (chat) model as the judge")
-        command, engine_env = self._engine_command(j, env, sglang_platform, dtype)
-        self.pool = EnginePool(
-            command, j.num_engines, log_dir=log_dir, env=engine_env, router=False,
-            health_interval_s=health_interval_s, health_timeout_s=health_timeout_s,
-            failure_threshold=failure_threshold, startup_timeout_s=startup_timeout_s,
-            # One retry policy, the judge's own (reward.judge.retries): the client fails fast and
-            # the next attempt goes to another engine (round robin, failed ones cool down).
-            # Its own bounds sit above timeout_s so that the judge's, not the client's, fires.
-            client_kwargs={"read_timeout_s": j.timeout_s + 5.0,
-                           "total_timeout_s": j.timeout_s + 5.0,
-                           "connect_timeout_s": min(5.0, j.timeout_s), "max_retries": 0})
         t0 = time.monotonic()
         try:
-            self.pool.start()  # stops what it started when it fails
+            self.pool = start_engines()  # stops what it started when it fails
         except Exception as e:
             raise RuntimeError(f"reward.judge: the judge engines for {self.model!r} did not start "
                                f"({e}); logs in {log_dir}") from e
@@ -233,42 +214,6 @@ class JudgeRunner:
                  time.monotonic() - t0)
         with _open_lock:
             _open_judges.append(self)
-
-    @classmethod
-    def from_config(cls, cfg: ExperimentConfig, work_dir: str | Path,
-                    questions: Mapping[str, str | None] | None = None) -> JudgeRunner:
-        """The judge a run uses: ``reward`` and ``reward.judge``, the rollout plane's health
-        checks, ``cluster.env``, ``rollout.sglang_platform``; logs in ``work_dir``/judge."""
-        r = cfg.rollout
-        return cls(cfg.reward, log_dir=Path(work_dir) / "judge", questions=questions,
-                   env=cfg.cluster.env, sglang_platform=r.sglang_platform, dtype=cfg.model.dtype,
-                   health_interval_s=r.health_interval_s, health_timeout_s=r.health_timeout_s,
-                   failure_threshold=r.health_failure_threshold,
-                   startup_timeout_s=r.startup_timeout_s)
-
-    @staticmethod
-    def _engine_command(j: Any, env: Mapping[str, str | None] | None, platform: str,
-                        dtype: str) -> tuple[Any, dict[str, str]]:
-        """The command factory and environment of the judge's engines (the rollout plane's
-        launchers, with the judge's model and settings)."""
-        from rl_core.cluster.platform import platform_env
-        from rl_core.rollout.launch import (
-            SGLangLaunchConfig,
-            embedded_engine_command,
-            sglang_engine_command,
-            sglang_env,
-        )
-
-        if j.engine == "embedded":
-            threads = j.engine_threads or max(1, (os.cpu_count() or 1) // j.num_engines)
-            command = embedded_engine_command(
-                j.model, dtype=dtype if j.dtype == "auto" else j.dtype, num_threads=threads)
-            return command, {"OMP_NUM_THREADS": str(threads), **platform_env("cpu", env)}
-        launch = SGLangLaunchConfig(
-            model_path=str(j.model), tp=j.sglang_tp, base_gpu_id=j.sglang_base_gpu_id,
-            mem_fraction_static=j.sglang_mem_fraction_static, dtype=j.dtype,
-            extra_args=list(j.sglang_extra_args), platform=platform)  # type: ignore[arg-type]
-        return sglang_engine_command(launch), sglang_env(launch, overrides=env)
 
     # ------------------------------------------------------------------ prompts
 
@@ -417,8 +362,6 @@ class JudgeRunner:
         ``retries`` more attempts after engine errors and timeouts, backoff in between. A request
         the engine refuses (4xx: e.g. a prompt past its context) is split, so that only the
         offending sample fails."""
-        from rl_core.rollout.client import RolloutError, RolloutRequestError
-
         j, failure = self.cfg, ("error", "not sent")
         for attempt in range(j.retries + 1):
             if attempt:

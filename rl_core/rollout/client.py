@@ -30,6 +30,7 @@ from urllib.parse import quote
 
 import httpx
 
+from rl_core.errors import RolloutError, RolloutRequestError
 from rl_core.types import Sample
 
 __all__ = ["RolloutError", "RolloutRequestError", "RolloutUnavailableError", "SGLangClient",
@@ -39,18 +40,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _GROUP = "weight_update_group"
-
-
-class RolloutError(RuntimeError):
-    """A rollout-plane request that did not produce an answer."""
-
-
-class RolloutRequestError(RolloutError):
-    """The server rejected the request (HTTP 4xx, or ``success: false``); not retried."""
-
-    def __init__(self, url: str, status: int, message: str) -> None:
-        super().__init__(f"{url}: HTTP {status}: {message}")
-        self.url, self.status, self.message = url, status, message
 
 
 class RolloutUnavailableError(RolloutError):

@@ -5,7 +5,7 @@ environments, and the process helpers the engine pool and the router share.
 life; ``build_sglang_command`` turns a :class:`SGLangLaunchConfig` into ``python -m
 sglang.launch_server ...`` with the platform's environment presets
 (:func:`rl_core.cluster.platform.platform_env`: CUDA or ROCm). The helpers below
-(``start_process``, ``wait_healthy``, ``stop_process``, ``free_port``, ``log_tail``) start
+(``start_process``, ``wait_healthy``, ``stop_process``, ``log_tail``) start
 every server in its own session, so stopping one stops all of its children (SGLang spawns
 scheduler and detokenizer processes).
 
@@ -19,7 +19,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,14 +30,14 @@ from typing import Any, Literal
 import httpx
 
 from rl_core.cluster.platform import PLATFORM_ENV_PRESETS, platform_env
-from rl_core.pids import pid_alive
+from rl_core.host import pid_alive
 
 EngineCommand = Callable[[int, int], Sequence[str]]
 """``command(index, port)``: the argv that serves engine ``index`` on 127.0.0.1:``port``."""
 
-__all__ = ["EngineCommand", "SGLangLaunchConfig", "build_sglang_command",
-           "embedded_engine_command", "free_port", "kill_process", "log_tail", "sglang_engine",
-           "sglang_engine_command", "sglang_env", "start_process", "stop_process", "wait_healthy"]
+__all__ = ["EngineCommand", "EngineSpec", "SGLangLaunchConfig", "build_sglang_command",
+           "embedded_engine_command", "kill_process", "log_tail", "sglang_engine_command",
+           "sglang_env", "sglang_launch", "start_process", "stop_process", "wait_healthy"]
 
 log = logging.getLogger(__name__)
 
@@ -124,15 +123,15 @@ def sglang_env(cfg: SGLangLaunchConfig, base: Mapping[str, str] | None = None,
     return env
 
 
-def sglang_engine(cfg: Any, model_path: str | Path) -> tuple[EngineCommand, dict[str, str]]:
-    """The command factory and environment of ``rollout.engine: sglang`` for a run config."""
+def sglang_launch(cfg: Any, model_path: str | Path) -> SGLangLaunchConfig:
+    """The SGLang server of ``rollout.engine: sglang`` for a run config."""
     r, lora = cfg.rollout, cfg.train.lora
     # LoRA (train.lora): adapters are loaded by name at each sync, one per batch
     args = ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules",
                  *lora.target_modules, "--max-loras-per-batch", "1"] if lora.enabled else []
     if cfg.train.moe.routing_replay:  # requests ask for every token's experts (routing replay)
         args.append("--enable-return-routed-experts")
-    launch = SGLangLaunchConfig(
+    return SGLangLaunchConfig(
         model_path=str(model_path), tp=r.sglang_tp,
         mem_fraction_static=r.sglang_mem_fraction_static,
         enable_memory_saver=cfg.cluster.placement == "colocated",
@@ -140,7 +139,35 @@ def sglang_engine(cfg: Any, model_path: str | Path) -> tuple[EngineCommand, dict
         trust_remote_code=cfg.model.trust_remote_code, extra_args=[*args, *r.sglang_extra_args],
         platform=r.sglang_platform,
     )
-    return sglang_engine_command(launch), sglang_env(launch, overrides=cfg.cluster.env)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One plane's engines: what they serve and how each starts. The rollout plane, the
+    teacher, the judge and teacher-sample generation each fill one from their config section;
+    :meth:`command` is the one place an engine's argv and environment are made."""
+
+    kind: Literal["embedded", "sglang"]
+    model_path: str
+    num_engines: int = 1
+    threads: int = 1  # torch threads per embedded engine
+    dtype: str = "float32"  # the embedded engine's dtype
+    trust_remote_code: bool = False
+    max_running_requests: int = 256
+    sglang: SGLangLaunchConfig | None = None  # kind sglang: the server's settings
+    env: Mapping[str, str | None] | None = None  # cluster.env (None removes a variable)
+
+    def command(self) -> tuple[EngineCommand, dict[str, str]]:
+        """``(command(index, port), environment)`` of this spec's engines."""
+        if self.kind == "sglang":
+            if self.sglang is None:
+                raise ValueError(f"an sglang engine for {self.model_path} needs its launch config")
+            return sglang_engine_command(self.sglang), sglang_env(self.sglang, overrides=self.env)
+        command = embedded_engine_command(
+            self.model_path, dtype=self.dtype, num_threads=self.threads,
+            max_running_requests=self.max_running_requests,
+            trust_remote_code=self.trust_remote_code)
+        return command, {"OMP_NUM_THREADS": str(self.threads), **platform_env("cpu", self.env)}
 
 
 def embedded_engine_command(
@@ -171,13 +198,6 @@ def embedded_engine_command(
 
 
 # ---------------------------------------------------------------------- process helpers
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (the OS picks; another process may race us)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def start_process(cmd: Sequence[str], log_path: str | Path, *,

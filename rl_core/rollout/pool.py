@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rl_core.host import free_port
 from rl_core.rollout import launch
 from rl_core.rollout.client import RolloutError, SyncSGLangClient
 from rl_core.rollout.router import RouterPolicy, RouterProcess
@@ -110,7 +111,7 @@ class EnginePool:
             raise ValueError("EnginePool: pass exactly one of command or launcher=")
         self.launcher = launcher if launcher is not None else ProcessLauncher(command, env)
         self.log_dir = logs = Path(log_dir)
-        ports = list(ports) if ports else [launch.free_port() for _ in range(num_engines)]
+        ports = list(ports) if ports else [free_port() for _ in range(num_engines)]
         self.engines = [EngineHandle(i, p, logs / f"engine-{i}.log") for i, p in enumerate(ports)]
         self.router_kwargs, self.use_router = dict(router_kwargs or {}), router
         self.client_kwargs, self.router_policy = dict(client_kwargs or {}), router_policy

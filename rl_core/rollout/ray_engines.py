@@ -27,7 +27,8 @@ from typing import Any
 import httpx
 import ray
 
-from rl_core.rollout.launch import free_port, start_process, stop_process
+from rl_core.host import free_port
+from rl_core.rollout.launch import start_process, stop_process
 
 __all__ = ["EngineActor", "RayActorLauncher", "RayEngineProcess"]
 

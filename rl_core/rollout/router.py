@@ -24,7 +24,8 @@ from urllib.parse import quote
 
 import httpx
 
-from rl_core.rollout.launch import free_port, log_tail, start_process, stop_process
+from rl_core.host import free_port
+from rl_core.rollout.launch import log_tail, start_process, stop_process
 
 __all__ = ["RouterError", "RouterProcess", "RouterPolicy"]
 

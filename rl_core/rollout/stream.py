@@ -54,8 +54,7 @@ from typing import Any
 
 from rl_core.data.records import Record
 from rl_core.data.sampler import PromptSampler
-from rl_core.engine.sampling import SamplingParams
-from rl_core.grpo import sample_seed
+from rl_core.engine.sampling import SamplingParams, sample_seed
 from rl_core.interfaces import RolloutPlane
 from rl_core.types import Sample
 

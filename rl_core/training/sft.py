@@ -23,9 +23,7 @@ Heavy state stays here: the flow passes a small :class:`SFTHandle` (:func:`start
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 import tempfile
 import time
 import uuid
@@ -45,7 +43,7 @@ from rl_core.checkpoint import (
     restore_rng,
     write_checkpoint,
 )
-from rl_core.config import AlgorithmConfig, ConfigError, ModelConfig, config_digest
+from rl_core.config import AlgorithmConfig, ConfigError, config_digest
 from rl_core.data.sampler import PromptSampler
 from rl_core.rewards import gsm8k_reward
 from rl_core.sft import (
@@ -58,7 +56,7 @@ from rl_core.sft import (
 )
 from rl_core.training.torch_trainer import TorchTrainer
 
-__all__ = ["Rows", "SFTHandle", "SFTSession", "SFTTrainer", "build_bare_tiny", "close_session",
+__all__ = ["Rows", "SFTHandle", "SFTSession", "SFTTrainer", "close_session",
            "get_session", "pack", "pad_rows", "start_session"]
 
 log = logging.getLogger(__name__)
@@ -240,31 +238,6 @@ def greedy_eval(trainer: SFTTrainer, tokenizer: Any, examples: Sequence[Tokenize
             "response_len_mean": sum(len(o.output_ids) for o in outs) / len(outs),
             "truncation_rate": sum(o.finish_reason.get("type") == "length" for o in outs)
             / len(outs), "greedy_seconds": time.perf_counter() - started, "samples": samples}
-
-
-# ----------------------------------------------------------------------- the bare tiny model
-
-
-def build_bare_tiny(model: ModelConfig, data: SFTDataConfig, cache_dir: str | Path) -> Path:
-    """The demo's tiny model before its warm start (``model.path: embedded:tiny-init``): a
-    byte-level BPE tokenizer with the chat template and a randomly initialised Qwen2 LM, sized
-    by ``model.tiny_*`` (:func:`rl_core.models.tiny.build_bare`); built once into
-    ``<cache_dir>/models/tiny-init-<digest>``."""
-    from rl_core.models.hub import tiny_spec_for
-    from rl_core.models.tiny import build_bare
-
-    spec = tiny_spec_for(model, data.grpo_data())
-    out = Path(cache_dir) / "models" / f"tiny-init-{spec.digest()}"
-    if (out / "grpoflow_tiny_init.json").is_file():
-        return out
-    tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:8]}")
-    build_bare(spec, tmp)
-    (tmp / "grpoflow_tiny_init.json").write_text(json.dumps({"digest": spec.digest()}))
-    try:
-        tmp.rename(out)
-    except OSError:  # another process built it meanwhile
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 # ------------------------------------------------------------------------------- session

@@ -111,7 +111,7 @@ class WeightSource:
 
     def weight_broadcast_endpoint(self, host: str = "127.0.0.1") -> tuple[str, int]:
         """Where engines rendezvous with this trainer: ``host`` and a port free on it."""
-        from rl_core.rollout.launch import free_port
+        from rl_core.host import free_port
 
         return host, free_port(host)
 

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rl_core.engine.lora import AdapterError
 from rl_core.weight_sync.checksum import WeightSyncError, weights_checksum
 
 __all__ = ["DiskSync", "ObjectStoreSync", "SharedSync", "Staged", "TensorSync"]
@@ -162,7 +161,7 @@ class TensorSync:
             if self.lora_name is None:
                 engine.update_weights_from_tensors(weights, version)
                 continue
-            with contextlib.suppress(AdapterError):  # not loaded yet
+            with contextlib.suppress(ValueError):  # AdapterError: not loaded yet
                 engine.unload_lora_adapter(self.lora_name)
             engine.load_lora_adapter(self.lora_name, tensors=weights, config=config)
             engine.update_weight_version(version, abort_all_requests=False)

@@ -1,9 +1,9 @@
 """Experiment tracking with MLflow, the system of record (run, params, metrics, samples,
-checkpoints, evaluations; with :mod:`tasks.registry` the registered model). The flow never
+checkpoints, evaluations; with :mod:`tasks.tracking.registry` the registered model). The flow never
 touches MLflow: it passes a :class:`TrackingHandle` (``None`` when ``tracking.backend`` is
 ``none``: everything then does nothing) to what is exported here. Modules: ``run``, ``sender``,
 ``artifacts``, ``traces`` (episodes as MLflow traces), ``handle`` (docs/tracking.md). No secret
-reaches MLflow (:mod:`rl_core.secrets`); MLflow is imported here and in :mod:`tasks.registry`
+reaches MLflow (:mod:`rl_core.secrets`); MLflow is imported here and in :mod:`tasks.tracking.registry`
 only, never by ``rl_core``.
 """
 

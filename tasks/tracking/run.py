@@ -256,13 +256,13 @@ def finish_tracking(handle: TrackingHandle | None, *, status: str = "FINISHED",
                     model_dir: str | None = None, eval_result: dict[str, Any] | None = None,
                     model_name: str | None = None) -> dict[str, Any]:
     """Close the training run: the reward/accuracy curve (``plots/reward_accuracy.png``);
-    given ``model_dir``, the final model registered (:func:`tasks.registry.register_model`;
+    given ``model_dir``, the final model registered (:func:`tasks.tracking.registry.register_model`;
     its failures raise and mark the run FAILED); the run ends with ``status``. Queued metrics
     get ``tracking.flush_timeout_s``; the rest goes to the unsent-metrics file. Returns the
     run id, the curve, the registration and :meth:`Tracker.end`'s report (outages, file)."""
     if handle is None:
         return {}
-    from tasks.registry import register_model  # it imports this package
+    from tasks.tracking.registry import register_model
 
     tracker, out = tracker_for(handle), {"run_id": handle.run_id}
     try:

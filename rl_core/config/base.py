@@ -1,6 +1,6 @@
-"""Reading config files: YAML plus dotted command-line overrides, and errors that name the
-field and the fix. Shared by every flow's schema (:mod:`rl_core.config` for GRPO,
-:mod:`rl_core.sft` for SFT). Never imports Prefect, MLflow or torch.
+"""Reading config files (YAML plus dotted command-line overrides), errors that name the field
+and the fix, and `Section`, the strict base of every section. Shared by every schema
+(:mod:`rl_core.config` for GRPO, :mod:`rl_core.sft` for SFT).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-__all__ = ["ConfigError", "apply_overrides", "flatten", "read_config", "validate_config"]
+__all__ = ["ConfigError", "Section", "apply_overrides", "flatten", "read_config", "validate_config"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -129,3 +129,10 @@ def flatten(cfg: BaseModel | dict[str, Any], prefix: str = "") -> dict[str, Any]
     return out
 
 
+class Section(BaseModel):
+    """The base of every config section: unknown keys and non-finite floats are errors."""
+
+
+    # allow_inf_nan=False: every float here is a rate, a weight or a bound on a wait; an
+    # infinite timeout or learning rate is a mistake, never a setting.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)

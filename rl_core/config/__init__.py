@@ -1,0 +1,259 @@
+"""The experiment schema: one typed pydantic model for everything a GRPO run needs.
+
+Loaded from YAML files in ``configs/`` with dotted command-line overrides
+(``algorithm.kl_coef=0.001``), in the style of torchtitan's job config and prime-rl's
+pydantic configs. A bad key or value fails at load time with the field's dotted path and,
+where the field is a choice, the allowed values.
+
+This module must never import Prefect, MLflow or torch: it is read by every layer and by
+the CLI before anything heavy starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from rl_core.config.base import (
+    ConfigError,
+    Section,
+    apply_overrides,
+    flatten,
+    read_config,
+    validate_config,
+)
+from rl_core.config.infra import (
+    CheckpointConfig,
+    ClusterConfig,
+    EvalConfig,
+    StorageConfig,
+    TrackingConfig,
+)
+from rl_core.config.loop import (
+    AlgorithmConfig,
+    DataConfig,
+    LoraConfig,
+    MegatronConfig,
+    ModelConfig,
+    MoeConfig,
+    OptimizerConfig,
+    RolloutConfig,
+    TrainConfig,
+)
+from rl_core.config.signals import AgentConfig, JudgeConfig, RewardConfig, TeacherConfig
+
+__all__ = ["AgentConfig", "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "ConfigError",
+           "DataConfig", "EvalConfig", "ExperimentConfig", "JudgeConfig", "LoraConfig",
+           "MegatronConfig", "ModelConfig", "MoeConfig", "OptimizerConfig", "RewardConfig",
+           "RolloutConfig", "Section", "StorageConfig", "TeacherConfig", "TrackingConfig",
+           "TrainConfig", "apply_overrides", "config_digest", "flatten", "load_config",
+           "read_config", "validate_config"]
+
+
+class ExperimentConfig(Section):
+    """A whole GRPO experiment."""
+    name: str = "grpoflow"
+    run_name: str | None = Field(None, description="Defaults to `<name>-<timestamp>`.")
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    train: TrainConfig = TrainConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    reward: RewardConfig = RewardConfig()
+    agent: AgentConfig = AgentConfig()
+    teacher: TeacherConfig = TeacherConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    storage: StorageConfig = StorageConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    def thread_budget(self) -> tuple[int, int | None]:
+        """(torch threads per embedded engine, trainer threads; None: torch's default).
+
+        ``cluster.mode: local`` with ``placement: colocated`` (the default): each plane may use
+        every core, and they take turns. ``placement: disaggregated``: the cores are split,
+        half for the engines and the rest for the trainer, so the planes can run at once (as
+        separate GPUs would). ``rollout.engine_threads`` / ``train.num_threads`` override."""
+        cores = os.cpu_count() or 1
+        split = self.cluster.mode == "local" and self.cluster.placement == "disaggregated"
+        engine_cores = max(1, cores // 2) if split else cores
+        engine = self.rollout.engine_threads or max(1, engine_cores // self.rollout.num_engines)
+        trainer = self.train.num_threads or (max(1, cores - engine_cores) if split else None)
+        return engine, trainer
+
+    @property
+    def overlaps_training(self) -> bool:
+        """Whether generation for later steps runs *while* the trainer trains
+        (``rollout.max_staleness > 0``). On this machine's CPU cores only when the planes'
+        thread pools fit side by side; otherwise (colocated, or the in-process engine, whose
+        threads are the trainer's) the same rollouts run before the step trains, in turn:
+        the same samples and weights, without two OpenMP teams fighting over the cores
+        (docs/benchmarks.md measured 3x slower steps that way)."""
+        r = self.rollout
+        if r.max_staleness == 0:
+            return False
+        if r.engine == "sglang" or self.cluster.mode == "ray":
+            return True  # the engines' own devices (GPUs) or Ray's resource placement
+        if r.engine == "local":
+            return False
+        engine, trainer = self.thread_budget()
+        cores = os.cpu_count() or 1
+        return engine * r.num_engines + (trainer or cores) <= cores
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> ExperimentConfig:
+        if self.algorithm.advantage == "grpo" and self.rollout.n_samples < 2:
+            raise ValueError(
+                "rollout.n_samples must be >= 2 for GRPO advantages (a group of one has no "
+                "baseline); set rollout.n_samples=2 or more")
+        if self.algorithm.clip_low > self.algorithm.clip_high and self.algorithm.clip_high > 0:
+            # DAPO's clip-higher raises clip_high; a lower high bound is almost always a typo.
+            raise ValueError(f"algorithm.clip_low ({self.algorithm.clip_low}) must not exceed "
+                             f"algorithm.clip_high ({self.algorithm.clip_high})")
+        c, r = self.cluster, self.rollout
+        nccl = r.weight_sync_backend == "nccl" or (
+            r.weight_sync_backend == "auto" and c.gpus_per_trainer > 0 and c.gpus_per_engine > 0)
+        if (r.weight_sync == "distributed" and c.mode == "ray" and c.placement == "colocated"
+                and nccl):
+            raise ValueError(
+                "rollout.weight_sync=distributed with cluster.placement=colocated on GPUs puts "
+                "trainer rank 0 and an engine on one device, which NCCL/RCCL refuse "
+                "('Duplicate GPU detected'); use rollout.weight_sync=disk (or object_store), "
+                "or cluster.placement=disaggregated")
+        if r.weight_sync == "object_store" and c.mode != "ray":
+            raise ValueError(
+                "rollout.weight_sync=object_store moves weights through Ray's object store, "
+                f"but cluster.mode={c.mode!r} runs no Ray; use rollout.weight_sync=disk, or "
+                "cluster.mode=ray")
+        if r.engine == "local" and r.num_engines > 1:
+            raise ValueError(
+                f"rollout.engine=local runs one engine in the flow's process, but "
+                f"rollout.num_engines={r.num_engines}: set rollout.engine=embedded for engine "
+                "processes behind sglang-router (or num_engines=1)")
+        if r.weight_sync == "auto":
+            shareable = not self._shared_blockers() and not self.train.lora.enabled
+            r.weight_sync = "shared" if shareable else "disk"
+        if r.weight_sync == "shared":
+            self._check_shared()
+        if self.train.backend == "megatron":
+            self._check_megatron()
+        if self.train.lora.enabled:
+            self._check_lora()
+        if self.train.moe.routing_replay and self.model.path == "embedded:tiny" and (
+                self.model.tiny_arch == "dense"):
+            raise ValueError("train.moe.routing_replay=true replays mixture-of-experts routing, "
+                             "but model.path is the dense embedded:tiny: set "
+                             "model.tiny_arch=qwen3_moe (or an MoE model.path), or "
+                             "train.moe.routing_replay=false")
+        if self.teacher.enabled and (self.rollout.temperature != 1.0 or self.agent.enabled):
+            raise ValueError("teacher.path (on-policy distillation) scores the student's tokens "
+                             "at temperature 1 and single-turn samples: set rollout.temperature"
+                             "=1.0 and leave agent.env/agent.program unset")
+        if self.rollout.max_staleness > 0:
+            if self.rollout.release_memory_while_training:
+                raise ValueError(
+                    "rollout.max_staleness > 0 generates while the trainer trains, so the "
+                    "engines cannot release their memory meanwhile: set "
+                    "rollout.release_memory_while_training=false (or max_staleness=0)")
+            if "tis_cap" not in self.algorithm.model_fields_set:
+                # Off-policy samples: correct them by truncated importance sampling unless the
+                # config says otherwise (tis_cap: null turns it off explicitly).
+                self.algorithm.tis_cap = 2.0
+        if self.rollout.streaming:
+            self._check_streaming()
+        rollouts = self.train.prompts_per_step * self.rollout.n_samples
+        if rollouts % self.train.mini_batches:
+            raise ValueError(
+                f"train.prompts_per_step * rollout.n_samples ({rollouts}) must be divisible by "
+                f"train.mini_batches ({self.train.mini_batches})")
+        return self
+
+    def _check_streaming(self) -> None:
+        r, why = self.rollout, []
+        if r.max_staleness < 1:
+            why.append("rollout.max_staleness is 0 (a stream trains on samples generated while "
+                       "earlier steps trained: set it to 1 or more)")
+        if self.agent.enabled:
+            why.append("agent.env/agent.program is set (multi-turn episodes are not streamed "
+                       "yet: use rollout.max_staleness alone)")
+        if self.algorithm.dynamic_sampling:
+            why.append("algorithm.dynamic_sampling is on (not combined with streaming yet)")
+        if why:
+            raise ValueError("rollout.streaming=true: " + "; ".join(why))
+
+    def _check_lora(self) -> None:
+        if self.train.backend != "torch":
+            raise ValueError("train.lora.rank > 0 needs train.backend=torch (megatron-core 0.16 "
+                             "has no LoRA layers of its own; docs/lora.md)")
+        if (sync := self.rollout.weight_sync) != "disk":
+            raise ValueError(f"train.lora.rank > 0 with rollout.weight_sync={sync!r}: adapters "
+                             "travel as PEFT files (SGLang's /load_lora_adapter); use disk")
+
+    def _check_shared(self) -> None:
+        if why := self._shared_blockers():
+            raise ValueError("rollout.weight_sync=shared lets the in-process engine read the "
+                             "trainer's parameters in place, which needs one process and "
+                             "synchronous steps: " + "; ".join(why) +
+                             ". Otherwise use rollout.weight_sync=disk")
+
+    def _shared_blockers(self) -> list[str]:
+        """Why ``rollout.weight_sync: shared`` cannot run with this config (empty: it can)."""
+        r, why = self.rollout, []
+        if r.engine != "local":
+            why.append(f"rollout.engine is {r.engine!r} (set it to local)")
+        if self.cluster.mode != "local":
+            why.append(f"cluster.mode is {self.cluster.mode!r} (set it to local)")
+        if self.train.backend != "torch":
+            why.append(f"train.backend is {self.train.backend!r} (the torch backend only)")
+        if r.max_staleness > 0:
+            why.append("rollout.max_staleness > 0 (the engine would sample from weights "
+                       "the trainer is changing; set it to 0)")
+        return why
+
+    def _check_megatron(self) -> None:
+        m, c = self.train.megatron, self.cluster
+        ranks = c.trainer_ranks if c.mode == "ray" else 1
+        if m.sequence_parallel and m.tp == 1:
+            raise ValueError(
+                "train.megatron.sequence_parallel=true needs train.megatron.tp > 1: it splits "
+                "the sequence over the tensor-parallel ranks (set tp, or sequence_parallel=false)")
+        if "auto" in (m.tp, m.pp, m.ep):
+            return  # the planner's layout, checked when the trainer starts
+        where = (f"cluster.trainer_ranks ({ranks})" if c.mode == "ray"
+                 else "the one trainer of cluster.mode=local")
+        if ranks % (m.tp * m.pp):
+            raise ValueError(
+                f"train.megatron.tp * train.megatron.pp ({m.tp} * {m.pp}) must divide {where}; "
+                + ("use cluster.mode=ray with cluster.trainer_ranks = tp * pp * dp"
+                   if c.mode == "local" else "change cluster.trainer_ranks or tp/pp"))
+        dp = ranks // (m.tp * m.pp)
+        if (m.tp * dp) % m.ep:
+            raise ValueError(
+                f"train.megatron.ep={m.ep} must divide the ranks of a pipeline stage ({m.tp * dp}"
+                f" = tp * dp = {where} / pp): megatron-core carves the expert-parallel groups "
+                "out of them (across the data-parallel and, experts not being TP-split, the "
+                "tensor-parallel ranks)")
+        if m.dp is not None and m.dp != dp:
+            raise ValueError(
+                f"train.megatron.tp * pp * dp = {m.tp} * {m.pp} * {m.dp} = {m.tp * m.pp * m.dp}, "
+                f"but there are {ranks} trainer ranks ({where}); leave train.megatron.dp unset "
+                "to derive it")
+
+
+def load_config(path: str | Path | None = None,
+                overrides: list[str] | None = None) -> ExperimentConfig:
+    """Load a YAML config (or the defaults when ``path`` is None) and apply overrides."""
+    data, origin = read_config(path, overrides, "configs/tiny-cpu.yaml")
+    return validate_config(ExperimentConfig, data, origin)
+
+
+def config_digest(cfg: ExperimentConfig) -> str:
+    """A stable short digest of the whole config (names outputs and caches)."""
+    blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,0 +1,163 @@
+"""Where the learning signal comes from: reward (and its judge), agent environments, teacher."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from rl_core.config.base import Section
+
+
+class JudgeConfig(Section):
+    """An LLM judge or reward model on engines of its own (`reward.fn: judge`, docs/judges.md)."""
+    model: str | None = Field(None, description="The judge: a local Hugging Face directory or hub "
+        "id of a chat model (its tokenizer's chat template renders the prompt).")
+    mode: Literal["score", "verdict"] = Field("score", description="`score`: a number read from "
+        "the output (\"Score: 7\") divided by `max_score`; `verdict`: yes / no scores 1 / 0.")
+    template: str | None = Field(None, description="The user turn; fields `{question}`, "
+        "`{response}`, `{answer}`, `{max_score}` (literal braces doubled). null: the mode's "
+        "default.")
+    system_prompt: str | None = Field(None, description="A system turn before the template.")
+    max_score: float = Field(10.0, gt=0.0, description="`score` mode: the top of the scale.")
+    max_new_tokens: int = Field(64, ge=1, description="Greedy tokens per judgement at most.")
+    batch_size: int = Field(8, ge=1, description="Samples per request to a judge engine.")
+    timeout_s: float = Field(60.0, gt=0.0, description="Bound on one request (a batch), queueing "
+        "at the engine included; its samples then count as timeouts (scored 0) after `retries`.")
+    retries: int = Field(2, ge=0, description="Further attempts of a request after a timeout or "
+        "an engine error, with exponential backoff (a dead engine is restarted meanwhile).")
+    retry_backoff_s: float = Field(1.0, gt=0.0, description="Wait before the first retry; doubled "
+        "for each further one.")
+    num_engines: int = Field(1, ge=1, description="Judge engine processes (each a model copy).")
+    engine: Literal["embedded", "sglang"] = Field("embedded", description="`embedded`: grpoflow's "
+        "engine processes (CPU); `sglang`: SGLang servers (GPU).")
+    engine_threads: int | None = Field(None, ge=1, description="torch threads per embedded "
+        "judge engine; default: cores / engines.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: "
+        "`model.dtype` on embedded engines, the checkpoint's own on SGLang.")
+    sglang_tp: int = Field(1, ge=1, description="Tensor parallelism of each judge SGLang server.")
+    sglang_base_gpu_id: int = Field(0, ge=0, description="First GPU of judge engine 0 (engine i "
+        "starts at base + i * tp): keep the judge off the rollout engines' GPUs, or share them "
+        "with a small `sglang_mem_fraction_static`.")
+    sglang_mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
+    sglang_extra_args: list[str] = []
+
+    @field_validator("template")
+    @classmethod
+    def _check_template(cls, template: str | None) -> str | None:
+        if template is None:
+            return None
+        import string
+
+        allowed = {"question", "response", "answer", "max_score"}
+        try:
+            names = {n for _, n, _, _ in string.Formatter().parse(template) if n is not None}
+        except ValueError as e:
+            raise ValueError(f"not a format string ({e}); write literal braces as "
+                             "{{ }}") from None
+        if bad := names - allowed:
+            raise ValueError(f"unknown fields {sorted(bad)}; the fields are {sorted(allowed)} "
+                             "(write literal braces as {{ }})")
+        if "response" not in names:
+            raise ValueError("the template must contain {response}: what the judge is to judge")
+        return template
+
+
+class RewardConfig(Section):
+    """How completions are scored."""
+    fn: str = Field("gsm8k", description="`gsm8k`, `format`, `judge` (an LLM judge: "
+        "`reward.judge`), or `package.module:function`.")
+    format_weight: float = Field(0.0, ge=0.0)
+    timeout_s: float = Field(
+        5.0, gt=0.0, description="Bound on one sample's reward call; a timeout scores 0.")
+    memory_limit_mb: int | None = Field(
+        4096, ge=64, description="Address-space limit (RLIMIT_AS) of each worker process running "
+        "a custom reward function; an allocation past it scores that sample 0. null: no limit.")
+    pass_threshold: float = Field(1.0, description="A completion counts as correct (accuracy, eval "
+        "pass@k) when the reward function scores it at least this (format bonus excluded).")
+    max_failed_steps: int = Field(
+        3, ge=0, description="Fail the run when the reward function fails every sample of this "
+        "many consecutive steps (0: never; such steps score 0 and the run goes on).")
+    judge: JudgeConfig = Field(default_factory=JudgeConfig, description="The judge of "
+        "`fn: judge`.")
+
+    @field_validator("fn")
+    @classmethod
+    def _check_fn(cls, fn: str) -> str:
+        spec = fn.strip()
+        if spec in ("gsm8k", "format", "judge"):
+            return fn
+        module, sep, attr = spec.partition(":")
+        names = [*module.split("."), *attr.split(".")]
+        if not sep or ":" in attr or not all(n.isidentifier() for n in names):
+            raise ValueError(f"{fn!r} is neither a builtin ('gsm8k', 'format', 'judge') nor a "
+                             "dotted path 'package.module:function' (e.g. my_rewards.math:score)")
+        return fn
+
+    @model_validator(mode="after")
+    def _judge_has_model(self) -> RewardConfig:
+        if self.fn.strip() == "judge" and not self.judge.model:
+            raise ValueError("reward.fn is 'judge' but reward.judge.model is not set: name the "
+                             "judge model (a local Hugging Face directory or hub id)")
+        return self
+
+
+class AgentConfig(Section):
+    """Multi-turn episodes (`rl_core.agents`, docs/agents.md). With neither `env` nor `program`
+    set, rollouts are single completions."""
+    env: str | None = Field(None, description="`tools` (the builtin tool-use environment), "
+        "`verifiers:<environment id>`, `openenv:<package.module:EnvClass>`, or "
+        "`package.module:factory` (called with `env_args`, returns an Environment per episode).")
+    program: str | None = Field(None, description="A black-box agent, `package.module:function`"
+        "(client, task) -> reward, run against the rollout plane's OpenAI-compatible endpoint.")
+    env_args: dict[str, Any] = Field({}, description="Keyword arguments for the factory.")
+    tools: list[str] = Field(["calculator"], description="Tools of `env: tools`: builtins "
+        "(`calculator`, `python`) or `package.module:attribute` naming an rl_core.agents.Tool.")
+    system_prompt: str | None = Field(None, description="`env: tools`: the system message; "
+        "null: the Hermes tool instructions, unless the chat template renders tools itself.")
+    max_turns: int = Field(4, ge=1, description="Model turns per episode at most.")
+    max_tokens: int = Field(256, ge=1, description="Tokens after the prompt per episode at most "
+        "(model turns and observations); each turn also stops at rollout.max_new_tokens.")
+    timeout_s: float = Field(120.0, gt=0, description="Wall time of one episode at most.")
+    env_timeout_s: float = Field(30.0, gt=0, description="Bound on one environment call.")
+    episode_retries: int = Field(1, ge=0, description="An episode whose environment fails is "
+        "started over this many times, then recorded as failed (trains nothing).")
+    max_failed_frac: float = Field(0.5, ge=0.0, le=1.0, description="A step in which more than "
+        "this share of episodes failed counts towards `max_failed_steps`.")
+    max_failed_steps: int = Field(3, ge=0, description="Fail the run after this many such steps "
+        "in a row (0: never).")
+    score_final_answer: bool = Field(True, description="Add `reward.fn`'s score of the last model "
+        "turn to the environment's reward (off for environments that score themselves).")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> AgentConfig:
+        if self.env is not None and self.program is not None:
+            raise ValueError("set agent.env (an environment grpoflow drives) or agent.program (a "
+                             "black-box agent on the OpenAI endpoint), not both")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.env is not None or self.program is not None
+
+
+class TeacherConfig(Section):
+    """On-policy distillation (``path`` set): docs/distillation.md."""
+
+    path: str | None = Field(None, description="The teacher: HF hub id, local HF directory or "
+                             "an `embedded:` model; None = no distillation.")
+    engine: Literal["embedded", "sglang", "local"] = Field(
+        "embedded", description="What serves the teacher (as rollout.engine).")
+    num_engines: int = Field(1, ge=1)
+    kl_weight: float = Field(1.0, ge=0.0, description="Weight of the per-token reverse-KL "
+                             "advantage log p_teacher - log p_student.")
+    task_weight: float = Field(0.0, ge=0.0, description="Weight of the task reward's GRPO "
+                               "advantage (0: pure distillation).")
+    normalize: bool = Field(False, description="Centre and scale the per-token gap over the "
+                            "step's response tokens (mean 0, std 1) before kl_weight: a "
+                            "baseline, so the gap's mean stops pushing every sampled token down, "
+                            "and GRPO's scale, so kl_weight and task_weight compare.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
