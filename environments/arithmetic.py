@@ -1,14 +1,8 @@
 """The arithmetic task the calculator environments share: problems, the tool, the score.
 
-Problems chain two-digit ``+``, ``-`` and ``*`` steps evaluated left to right, written so
-ordinary precedence agrees (``"What is (47 + 38) * 7?"``, answer ``"#### 595"``): the task
-family of grpoflow's synthetic data and of its builtin ``agent.env: tools`` demo.
-:func:`calculate` is the calculator tool (arithmetic evaluated from the AST, never with
-``eval``); :func:`score` is 1.0 when the text after the reply's last ``####`` is the answer's
-number. Both hub environments (:mod:`environments.vf_calculator`,
-:mod:`environments.openenv_calculator`) use these, so they agree with each other.
-
-Standalone on purpose (a hub environment does not depend on the trainer): never imports
+Two-digit ``+``/``-``/``*`` steps evaluated left to right (``"What is (47 + 38) * 7?"``,
+``"#### 595"``), the calculator (from the AST, never ``eval``) and the score, shared so the hub
+environments agree (docs/agents.md, 'Environment hubs'). Standalone on purpose: never imports
 ``rl_core``, Prefect or MLflow, does no I/O, and never touches global random state.
 """
 

@@ -1,10 +1,7 @@
 """A black-box agent program: the calculator task written against the ``openai`` client.
 
-Nothing in it knows about grpoflow: it is what a user already has, an agent loop over
-``client.chat.completions.create`` that runs the tools the model asks for. With
-``agent.program: environments.calculator_agent:solve`` each episode gets a client whose
-``base_url`` is its own session on the rollout plane's OpenAI-compatible endpoint, which
-records the exact tokens of every call for training (docs/agents.md).
+Nothing in it knows about grpoflow: an ordinary agent loop that runs the tools the model asks
+for. ``agent.program: environments.calculator_agent:solve`` (docs/agents.md, 'Black-box agents').
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
-"""A real OpenEnv environment (openenv-core 0.3.0): arithmetic with a calculator tool, built
-locally because nothing may be downloaded at run time.
+"""A real OpenEnv environment (openenv-core 0.3.0): arithmetic with a calculator tool.
 
-The task is grpoflow's agent demo ("What is (47 + 38) * 7?", answered ``#### 595``) as an
-OpenEnv server-side :class:`CalculatorEnvironment` with typed action, observation and state:
-
-- :class:`CalculatorAction` -- the model's turn as text (``message``); ``<tool_call>{"name":
-  "calculator", "arguments": {"expression": ...}}</tool_call>`` blocks in it (Hermes format)
-  call the calculator;
-- :class:`CalculatorObservation` -- chat ``messages`` for the model: the system prompt and the
-  question after ``reset``, one ``tool`` message per call after a turn that calls the tool;
-  ``tool_calls`` counts them; ``done``/``reward`` as OpenEnv defines them;
-- :class:`CalculatorState` -- the episode's question, answer and counts.
-
-A turn without a tool call is the final answer: the episode ends and :class:`AnswerRubric`
-(an OpenEnv ``Rubric``) scores it, 1.0 when its ``#### <number>`` is the answer; so does the
-turn that reaches ``max_steps``. ``reset(question=..., answer=...)`` sets the task (grpoflow's
-connector passes its record's); without them a seeded problem is drawn.
-
-Served by OpenEnv's own HTTP app (``create_fastapi_app``): ``uvicorn
-environments.openenv_calculator:app --host 127.0.0.1`` or ``python -m
-environments.openenv_calculator --port 8000``; clients play it over the app's WebSocket
-session (``GenericEnvClient``), which grpoflow's connector does with ``transport: http``.
-
-Never imports ``rl_core``, Prefect or MLflow (a hub environment stands alone); runs no code the
-model writes (the calculator evaluates arithmetic from the AST).
+:class:`CalculatorEnvironment` (typed action, observation, state; :class:`AnswerRubric` scores
+the final answer), served by OpenEnv's own app: ``uvicorn environments.openenv_calculator:app``
+or ``python -m environments.openenv_calculator --port 8000`` (docs/agents.md, 'Environment
+hubs'). Built locally because nothing may be downloaded at run time. Never imports ``rl_core``,
+Prefect or MLflow; runs no code the model writes.
 """
 
 from __future__ import annotations
@@ -93,7 +74,9 @@ def _tool_message(name: str, args: dict | None, error: str | None) -> str:
 
 
 class CalculatorEnvironment(Environment[CalculatorAction, CalculatorObservation, CalculatorState]):
-    """Answer the question, calling the calculator on the way (see the module docstring)."""
+    """Answer the question, calling the calculator on the way; a turn without a call (or the
+    one reaching ``max_steps``) ends the episode. ``reset(question=, answer=)`` sets the task,
+    else a seeded problem is drawn."""
 
     SUPPORTS_CONCURRENT_SESSIONS = True  # no shared mutable state between instances
 

@@ -1,28 +1,10 @@
-"""A real ``verifiers`` environment (verifiers 0.4.0, ``verifiers.v1``): arithmetic with a
-calculator tool, built locally because nothing may be downloaded at run time.
+"""A real ``verifiers`` environment (verifiers 0.4.0): arithmetic with a calculator tool.
 
-The task is grpoflow's agent demo (``configs/agent-calculator.yaml``): "What is (47 + 38) * 7?",
-answered ``#### 595``, with a ``calculator`` tool the model may call on the way. In the shape
-verifiers 0.4.0 gives an environment, this module is a plugin package exporting
-
-- :class:`CalculatorTaskset` (the data half: seeded problems, each a :class:`CalculatorTask`
-  whose ``@vf.reward`` scores the final answer and whose ``@vf.metric`` counts tool calls), and
-- :class:`CalculatorHarness` (the program half: an in-process chat loop that offers the
-  ``calculator`` tool in the OpenAI ``tools`` field, runs the calls the model makes and answers
-  each with a ``tool`` message, until a reply without calls ends the rollout). Every model call
-  goes through the rollout's interception endpoint, as verifiers requires; it runs in-process,
-  not as verifiers' uv-installed chat program, because that install needs the network.
-
-verifiers loads both by the taskset id (its loader imports ids as top-level modules, so the id
-is ``vf_calculator``; grpoflow's connector aliases this module under that name) and plays them
-in its ``SingleAgentEnv``. :func:`load_environment` builds that env directly, the hub
-convention. With grpoflow (``agent.env: verifiers:environments.vf_calculator``) the model is
-grpoflow's policy, reached through the connector's OpenAI-compatible bridge, which turns the
-model's Hermes ``<tool_call>`` text into OpenAI tool calls as a vLLM server with the hermes
-parser would (``rl_core/agents/verifiers_env.py``).
-
-Never imports ``rl_core``, Prefect or MLflow (a hub environment stands alone); runs no code the
-model writes (the calculator evaluates arithmetic from the AST).
+A plugin package: :class:`CalculatorTaskset` (seeded problems, scored by each task's
+``@vf.reward``) and :class:`CalculatorHarness` (the model's chat loop with the ``calculator``
+tool); verifiers loads it by the id ``vf_calculator``, :func:`load_environment` builds the env.
+Built locally because nothing may be downloaded at run time (docs/agents.md, 'Environment
+hubs'). Never imports ``rl_core``, Prefect or MLflow; runs no code the model writes.
 """
 
 from __future__ import annotations
@@ -43,7 +25,7 @@ from environments.arithmetic import SYSTEM_PROMPT, TOOL_SCHEMA, calculate, make_
 __all__ = ["CalculatorConfig", "CalculatorData", "CalculatorHarness", "CalculatorHarnessConfig",
            "CalculatorTask", "CalculatorTaskset", "load_environment"]
 
-ENV_ID = "vf_calculator"  # the verifiers plugin id: a top-level module name (see above)
+ENV_ID = "vf_calculator"  # the verifiers plugin id: its loader imports ids as top-level modules
 
 
 class CalculatorData(vf.TaskData):

@@ -1,24 +1,10 @@
 """Flows whose parameters reach the Prefect API with their secrets masked.
 
-Prefect stores a flow run's parameters as given, and its UI and API show them to anyone who
-can read the workspace: a credential typed into an override
-(``storage.s3_endpoint_url=http://user:pass@host``, ``cluster.env={WANDB_API_KEY: ...}``)
-would be stored there. :class:`RedactedFlow` masks them in ``serialize_parameters``, the one
-place Prefect turns parameters into what it sends (creating a flow or subflow run, a worker
-submitting one); the flow function is still called with the real values.
-
-What is masked is what :mod:`rl_core.secrets` masks everywhere else (no rule of its own here;
-an override is only read as ``key=value``): an override whose key looks secret
-(:func:`~rl_core.secrets.is_secret_name`), every ``cluster.env`` value but the known-harmless
-settings, the value after a secret-named flag in an argument list, and in every string
-``user:pass@`` in URLs, AWS key ids, HF tokens, the values of secret-named environment
-variables and ``token=``-style assignments.
-
-What it cannot mask: parameters of a *deployment* run (``prefect deployment run --param``,
-the UI's run form) are stored by the Prefect server before any code of ours runs. Keep
-credentials in the environment or in Prefect Secret blocks, not in overrides.
-
-Never changes the values the flow receives; never logs.
+Prefect stores a flow run's parameters as given and shows them to anyone who can read the
+workspace. :class:`RedactedFlow` masks them in ``serialize_parameters`` with the rule of
+:mod:`rl_core.secrets` (no rule of its own); the flow function still gets the real values.
+Parameters of a *deployment* run are stored by the server before our code runs and cannot be
+masked: keep credentials out of overrides (docs/reliability.md, 'Security'). Never logs.
 """
 
 from __future__ import annotations
@@ -49,12 +35,8 @@ def _parse(raw: str) -> Any:
 
 
 def redact_override(item: str) -> str:
-    """``key=value`` with the value masked where it holds a secret; unchanged otherwise.
-
-    ``storage.s3_endpoint_url=http://u:p@h`` -> ``storage.s3_endpoint_url=http://***@h``;
-    ``cluster.env={HF_TOKEN: x, OMP_NUM_THREADS: '2'}`` ->
-    ``cluster.env={"HF_TOKEN": "***", "OMP_NUM_THREADS": "2"}``.
-    """
+    """``key=value`` with the value masked where it holds a secret; unchanged otherwise
+    (``storage.s3_endpoint_url=http://u:p@h`` -> ``storage.s3_endpoint_url=http://***@h``)."""
     if not _OVERRIDE.match(item):
         return redact(item)
     key, raw = item.split("=", 1)

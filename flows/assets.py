@@ -31,10 +31,8 @@ def prepare_data_flow(
 @redacted_flow(name="download-model")
 def download_model(config: str | None = None, overrides: list[str] | None = None,
                    uri: str | None = None, revision: str | None = None) -> str:
-    """Fetch and verify ``uri`` (default: the config's ``model.path``); returns the local path.
-
-    ``revision``: a hub branch, tag or commit (default: the config's, else ``main``). Run it
-    where the hub is reachable to fill ``storage.cache_dir`` for offline machines.
-    """
+    """Fetch and verify ``uri`` (default: ``model.path``) at ``revision`` (default: the config's,
+    else ``main``); returns the local path. Run it where the hub is reachable to fill
+    ``storage.cache_dir`` for offline machines."""
     cfg = load_config(config, [*(overrides or []), *([f"model.path={uri}"] if uri else [])])
     return fetch_model(cfg.model, cfg.data, cfg.storage.cache_dir, revision)

@@ -2,12 +2,8 @@
 
     prepare data -> fetch model -> bring up a rollout engine -> evaluate
 
-Usable on its own (``grpoflow evaluate``), as a subflow, and on a schedule against the model
-registry (``registry=True``):
-
-    resolve candidate / champion -> evaluate each (unless already evaluated on this set)
-    -> record (nested runs, version tags) -> decide -> promote -> markdown artifact
-
+``registry=True`` (the scheduled evaluation, docs/deployments.md): resolve candidate and
+champion -> evaluate each not yet evaluated on this set -> record -> decide -> promote.
 ``model`` may also be a registry URI, ``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``.
 """
 
@@ -36,13 +32,9 @@ __all__ = ["evaluate", "registry_evaluation_key"]
 def evaluate(config: str | None = None, overrides: list[str] | None = None,
              model: str | None = None, work_dir: str | None = None, registry: bool = False,
              step: int = 0) -> dict[str, Any]:
-    """Evaluate ``model`` (default: the config's ``model.path``) on the config's eval set.
-
-    ``work_dir`` holds the engines' logs (default: ``<storage.root>/evaluations/<name>-<time>``).
-    ``registry=True``: evaluate the registered model ``model.name``'s candidate and champion
-    and promote the candidate when it is better (module docstring, docs/deployments.md).
-    ``step``: the training step the model is from (the training flow's final evaluation).
-    """
+    """Evaluate ``model`` (default: ``model.path``) on the config's eval set; ``work_dir`` holds
+    the engines' logs. ``registry=True``: evaluate ``model.name``'s candidate and champion and
+    promote the candidate when better (docs/deployments.md). ``step``: the model's training step."""
     if registry:
         return _evaluate_registry(config, overrides or [], work_dir)
     if model and model.startswith("models:/"):
@@ -66,9 +58,8 @@ def evaluate(config: str | None = None, overrides: list[str] | None = None,
 
 
 def registry_evaluation_key(cfg: ExperimentConfig, eval_digest: str) -> str:
-    """The key under which a version's evaluation on this config's held-out set is
-    recorded: the same set evaluated the same way (sampling and reward) is never evaluated
-    twice."""
+    """The key a version's evaluation on this held-out set is recorded under: the same set,
+    sampled and rewarded the same way, is never evaluated twice."""
     from tasks.tracking.registry import evaluation_key
 
     e, r = cfg.eval, cfg.reward

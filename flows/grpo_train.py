@@ -3,14 +3,11 @@
     prepare data -> fetch model -> bring up planes -> (resume) -> evaluate
     -> for each step: rollout -> reward -> advantages -> log-probs -> train -> sync weights
                       (every k steps: checkpoint, evaluate)
-    -> checkpoint -> export model -> final evaluation of the exported model (a subflow)
-    -> register the model
+    -> checkpoint -> export model -> final evaluation (a subflow) -> register the model
 
-Every verb is a Prefect task (``tasks/``) or an ``rl_core`` call; the details live one call
-down. ``rollout.max_staleness`` overlaps the next steps' rollouts with training and
-``algorithm.dynamic_sampling`` adds rollout rounds (both in ``flows/rollouts.py``). A step
-whose task retries are spent rebuilds both planes from the latest checkpoint
-(``train.max_plane_restarts``).
+Every verb is a Prefect task (``tasks/``) or an ``rl_core`` call; how rollouts are scheduled is
+``flows/rollouts.py``. A step whose task retries are spent rebuilds both planes from the latest
+checkpoint (``train.max_plane_restarts``).
 """
 
 from __future__ import annotations
@@ -56,12 +53,9 @@ def grpo_train(
     show_progress: bool = True,
     resume: Literal["auto", "always", "never"] = "auto",
 ) -> dict[str, Any]:
-    """Train a policy with GRPO as configured by ``config`` (YAML) and ``overrides``.
-
-    ``resume``: ``auto`` continues from the run directory's latest complete checkpoint when
-    there is one; ``always`` requires one (and without ``run_name`` picks the newest run of
-    this config); ``never`` starts over.
-    """
+    """Train a policy with GRPO as configured by ``config`` (YAML) and ``overrides``. ``resume``:
+    ``auto`` continues from the run's latest complete checkpoint if any; ``always`` requires one
+    (without ``run_name``: the config's newest run); ``never`` starts over."""
     run = Run.open(config, overrides, resume, show_progress)
     cfg = run.cfg
     data = prepare_data(cfg.data, cfg.storage.cache_dir)
@@ -123,12 +117,9 @@ IN_PROCESS_EVAL = ["rollout.engine=local", "rollout.num_engines=1", "cluster.mod
 
 
 def final_eval_overrides(cfg: Any, config: str | None, overrides: list[str] | None) -> list[str]:
-    """The overrides of the final evaluation (of the exported model, after the planes are
-    down). A run on the embedded CPU engines evaluates on the in-process engine: the same
-    engine core and greedy decoding, so the same answers, without starting engine processes,
-    a router (or Ray) again for one evaluation. Agent episodes keep their HTTP engines (the
-    gateway serves them), as does anything the in-process engine cannot run (the config
-    would not validate)."""
+    """The final evaluation's overrides. A run on embedded CPU engines evaluates on the in-process
+    engine (same engine core and greedy decoding, so the same answers, nothing to start again);
+    agent runs, and configs the in-process engine cannot run, keep their HTTP engines."""
     base = list(overrides or [])
     if cfg.rollout.engine != "embedded" or cfg.agent.enabled:
         return base

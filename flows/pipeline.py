@@ -1,28 +1,11 @@
-"""The post-training chain as one flow: SFT, then GRPO from its export, then the registry's
-evaluation.
+"""The post-training chain as one flow: SFT, then GRPO from its export, then registry evaluation.
 
-    sft-train (subflow) -> grpo-train (subflow, model.path = the SFT export)
-    -> evaluate (subflow, registry=True: candidate vs champion, promotion)
+    sft-train -> grpo-train (model.path = the SFT export) -> evaluate (registry=True)
 
-Each stage is the flow that runs it alone (``grpoflow sft``, ``grpoflow train``, ``grpoflow
-evaluate --registry``), with its own tasks, retries, timeouts, checkpoints, MLflow run and
-registered version; this module only wires them together and records what each produced.
-
-Resume: the stages' run names come from ``run_name`` (``<run_name>-sft``, ``<run_name>-grpo``;
-a ``run_name`` in a stage's overrides wins). Running the chain again with the same name skips a
-finished stage (its ``summary.json`` names an exported model that is there, for the steps
-configured now) and resumes an unfinished one from its latest checkpoint, as the stage flows'
-``resume="auto"`` does; a GRPO stage after a freshly trained SFT stage starts over (its base
-changed). The registry evaluation never evaluates a version twice on the same set, so it is
-cheap to repeat.
-
-One MLflow store for all three stages, so the GRPO stage's version lands where the registry
-evaluation (and the ``evaluate/nightly`` deployment) look: ``MLFLOW_TRACKING_URI`` when set,
-else the GRPO stage's ``tracking.uri``, else ``sqlite:///<GRPO storage.root>/mlflow.db``; a
-stage that names its own ``tracking.uri`` keeps it.
-
-No math, no MLflow calls, no tasks of its own: bookkeeping between subflows
-(docs/deployments.md).
+Each stage is the subflow that runs it alone, with its own tasks, retries, checkpoints and
+MLflow run; this module only wires them together (no math, no MLflow calls, no tasks) and
+records what each produced. Stage run names, resume and the shared MLflow store:
+docs/deployments.md, 'The post-training chain'.
 """
 
 from __future__ import annotations
@@ -58,10 +41,9 @@ def post_train(
     show_progress: bool = True,
     resume: Literal["auto", "never"] = "auto",
 ) -> dict[str, Any]:
-    """SFT as ``sft_config`` + ``sft_overrides`` say, GRPO as ``grpo_config`` +
-    ``grpo_overrides`` say from the SFT export, then the registry evaluation of the GRPO
-    stage's registered model (module docstring). ``run_name`` names the chain and its stages
-    (default ``post-train-<time>``); ``resume="never"`` runs every stage again from scratch."""
+    """SFT (``sft_config`` + ``sft_overrides``), GRPO (``grpo_config`` + ``grpo_overrides``) from
+    its export, then the registry evaluation of the GRPO version. ``run_name`` names the chain and
+    its stages (default ``post-train-<time>``); ``resume="never"`` reruns every stage afresh."""
     log = get_run_logger()
     name = run_name or f"post-train-{time.strftime('%Y%m%d-%H%M%S')}"
     sft_args = [f"run_name={name}-sft", *(sft_overrides or [])]
@@ -147,9 +129,9 @@ def _run_dir(cfg: Any) -> Path:  # noqa: ANN401
 
 
 def _one_store(sft_cfg: Any, grpo_cfg: Any) -> tuple[list[str], list[str]]:  # noqa: ANN401
-    """The ``tracking.uri`` overrides of the SFT and the GRPO stage that put both in one MLflow
-    store (module docstring): none under ``MLFLOW_TRACKING_URI``; else the GRPO stage's
-    ``tracking.uri`` or the chain's SQLite file, for each stage that names no store."""
+    """The SFT and GRPO stages' ``tracking.uri`` overrides that put both in one MLflow store: none
+    under ``MLFLOW_TRACKING_URI``; else the GRPO stage's ``tracking.uri`` or the chain's SQLite
+    file, for each stage that names no store."""
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return [], []
     root = Path(grpo_cfg.storage.root).expanduser().resolve()
@@ -158,9 +140,8 @@ def _one_store(sft_cfg: Any, grpo_cfg: Any) -> tuple[list[str], list[str]]:  # n
 
 
 def _stage(flow: Any, cfg: Any, resume: str, **params: Any) -> tuple[dict[str, Any], bool]:  # noqa: ANN401
-    """The stage's summary: its finished run's, or what running the flow (as a subflow,
-    resuming from its latest checkpoint unless ``resume`` is ``never``) returns; and whether
-    it was skipped."""
+    """The stage's summary (its finished run's, or what running the flow as a subflow returns)
+    and whether it was skipped."""
     if resume == "auto" and (done := finished_run(cfg)) is not None:
         get_run_logger().info(f"{flow.name}: run {cfg.run_name} finished earlier "
                               f"({done['model_dir']}); skipped")

@@ -1,39 +1,11 @@
 """Where each GRPO step's samples come from: generated in the step, ahead of it, or in more
 rounds.
 
-``rollout.max_staleness = 0`` (the default): step ``t`` generates its samples, then trains,
-then syncs the weights, in turn (fully synchronous, on-policy).
-
-``rollout.max_staleness = k > 0`` (one-step off-policy for ``k = 1``, as verl, NeMo RL,
-AReaL and prime-rl do): before step ``t`` trains, the rollouts of steps ``t+1 .. t+k`` are
-submitted as Prefect tasks (threads) that the engines serve with the weights they have
-(version ``t-1``) while the trainer trains; the weight sync after the update waits for them.
-Where the two planes' thread pools do not fit on the cores side by side
-(:attr:`~rl_core.config.ExperimentConfig.overlaps_training`: ``cluster.placement:
-colocated`` on one machine) the same rollouts run just before the step trains instead, in
-turn, so the run computes the same samples without oversubscribing the cores.
-Step ``t+j`` then trains on samples from weights at most ``k`` versions old; every sample
-carries its ``weight_version`` and :meth:`Rollouts.take` refuses one older than the bound
-(the TIS correction uses the engine's log-probs recorded with it).
-
-Dynamic sampling (DAPO, ``algorithm.dynamic_sampling``): :meth:`Rollouts.informative` keeps
-the groups whose rewards differ and draws more prompt batches until the step has
-``train.prompts_per_step`` of them (or the rounds run out).
-
-Fully asynchronous rollouts (``rollout.streaming``): prompts stream through the engines in
-rounds and each step trains on the first finished groups, long samples continuing across
-weight updates (:mod:`rl_core.rollout.stream`, partial rollouts). A round runs before each
-step's training only when too few groups are ready, and one runs while it trains; the weight
-sync waits for that round (deterministic: a bounded token count per sample) or aborts it
-(``rollout.deterministic=false``: the update's pause cuts it).
-
-Every prompt batch drawn stays in ``pending`` until its step has trained and is written into
-the checkpoint with the sampler's position (:meth:`state_dict`), and the rollouts generated
-ahead (all finished when a checkpoint is written: the weight sync waited for them) are written
-beside it (:meth:`buffer`). A resume takes them back (:meth:`load_buffer`) instead of
-generating them again from other weights, so consumed data is neither skipped nor repeated and
-the resumed run trains on exactly the samples the uninterrupted one did; a batch drawn ahead
-without its samples (an older checkpoint) is regenerated.
+``rollout.max_staleness = k > 0`` submits steps ``t+1 .. t+k``'s rollouts while step ``t``
+trains (or just before, where the planes cannot share the cores); ``rollout.streaming`` streams
+groups across weight updates; ``algorithm.dynamic_sampling`` (DAPO) draws more prompt batches.
+Batches drawn and rollouts generated ahead go into the checkpoint, so a resume trains on exactly
+the samples the uninterrupted run did (docs/training.md, 'Overlapping rollout and training').
 """
 
 from __future__ import annotations
@@ -159,9 +131,8 @@ class Rollouts:
         return StepSamples(step, samples, metrics, dropped=dropped)
 
     def informative(self, scored: StepSamples, step: int) -> StepSamples:
-        """DAPO's dynamic sampling: keep the groups whose rewards differ, roll out more prompt
-        batches until ``train.prompts_per_step`` such groups exist (or
-        ``algorithm.dynamic_sampling_max_rounds`` run out), and train on exactly that many;
+        """DAPO's dynamic sampling: keep groups whose rewards differ, roll out more batches until
+        ``train.prompts_per_step`` such groups exist (or the rounds run out) and train on that many;
         the rest go to the ledger as not trained."""
         cfg = get_planes(self.planes).config
         n, want = cfg.rollout.n_samples, cfg.train.prompts_per_step * cfg.rollout.n_samples
@@ -189,11 +160,9 @@ class Rollouts:
         return StepSamples(step, kept, metrics, dropped=dropped + surplus)
 
     def prefetch(self, step: int) -> None:
-        """Streaming: submit a round that generates while ``step`` trains. Otherwise submit
-        the rollouts of steps ``step+1 .. step+k`` that are not in flight yet, each
-        after the one before it: rollouts never share the engines' batches, so what the
-        engines compute (tokens and log-probs, to the last bit) does not depend on how two
-        rollouts' requests happened to interleave."""
+        """Streaming: submit a round that generates while ``step`` trains. Otherwise submit steps
+        ``step+1 .. step+k``'s rollouts not in flight yet, each after the one before it, so no two
+        share the engines' batches and their tokens and log-probs are bit-reproducible."""
         if self.stream is not None:
             limit = self.stream.limit or 0
             if step < self.steps and (self.stream.admitted < limit or self.stream.in_flight):
@@ -268,9 +237,8 @@ class Rollouts:
             log.info("regenerating the prompt batches drawn ahead for steps %s", again)
 
     def buffer(self) -> list[dict[str, Any]]:
-        """The rollouts generated ahead of the current step, finished (call after
-        :meth:`drain`), as JSON-able rows for the checkpoint: step, prompt indices, samples
-        (every field: tokens, log-probs, versions) and their metrics."""
+        """The finished rollouts generated ahead (call after :meth:`drain`) as JSON-able checkpoint
+        rows: step, prompt indices, samples (every field) and their metrics."""
         if self.stream is not None:
             return self.stream.rows()
         rows = []

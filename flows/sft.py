@@ -1,15 +1,12 @@
 """The SFT flow: supervised fine-tuning whose exported model ``grpo_train`` takes as is.
 
     fetch model -> prepare data (data.teacher: the teacher's samples) -> start trainer
-    -> (resume) -> evaluate
-    -> repeat: train steps (a chunk per task run) -> (every k: checkpoint, evaluate)
+    -> (resume) -> evaluate -> repeat: train a chunk of steps (every k: checkpoint, evaluate)
     -> checkpoint -> export model -> final evaluation -> register the model
 
-Then ``grpoflow train <grpo config> model.path=<run>/model`` continues with GRPO, and the
-registry's scheduled evaluation (``evaluate/nightly``) takes it from there (docs/sft.md).
-Every verb is a Prefect task (``tasks/sft.py``, ``tasks/tracking``); the math is in
-:mod:`rl_core.training.sft`. The run directory, resume rules and MLflow run are the GRPO
-flow's (:class:`flows.run.Run`, :mod:`tasks.tracking`).
+Verbs are Prefect tasks (``tasks/sft.py``, ``tasks/tracking``), the math is
+:mod:`rl_core.training.sft`; run directory, resume and MLflow run are the GRPO flow's
+(:class:`flows.run.Run`). GRPO and the scheduled evaluation take it from there (docs/sft.md).
 """
 
 from __future__ import annotations

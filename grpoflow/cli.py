@@ -1,25 +1,10 @@
 """The ``grpoflow`` command line.
 
-    grpoflow train [CONFIG] [section.key=value ...]     run the GRPO flow (--resume)
-    grpoflow sft [CONFIG] [section.key=value ...]       supervised fine-tuning (--resume)
-    grpoflow post-train SFT_CONFIG GRPO_CONFIG [...]    SFT -> GRPO -> registry evaluation
-    grpoflow evaluate [CONFIG] [--model PATH] [...]     greedy pass@1 and sampled pass@k
-    grpoflow prepare-data [CONFIG] [...]                validate and snapshot the data
-    grpoflow download-model [CONFIG] [--uri URI]        fetch and verify a model (--revision)
-    grpoflow bootstrap-model [--out DIR] [CONFIG] [...] build the embedded tiny model
-    grpoflow engine serve --model PATH --port P         SGLang-compatible embedded engine
-    grpoflow doctor [CONFIG] [...] [--json]             what is here, what is missing, fixes
-    grpoflow plan --model M --device D --devices N      TP/PP/DP recommendation per plane
-    grpoflow deploy [--name PATTERN]                    register deployments/prefect.yaml
-    grpoflow tracking replay FILE [--uri URI]           send a run's unsent MLflow metrics
-
-Flows run on Prefect's ephemeral API unless ``PREFECT_API_URL`` points at a server:
-nothing to install or start. Before a flow starts, the config is loaded and checked
-(:func:`rl_core.preflight.preflight`): a config that cannot work is refused in seconds with
-``grpoflow: <one paragraph>`` on stderr and exit code 2, before any flow or task runs. A
-failure inside a flow is reported the same way (exit code 1; 2 for config, model, storage
-and checkpoint errors): Prefect's own failure lines and tracebacks stay off the console (they
-still reach the Prefect API and its UI); ``--debug`` shows them, and the traceback.
+Subcommands: ``grpoflow --help``. Flows run on Prefect's ephemeral API unless
+``PREFECT_API_URL`` points at a server. A config that cannot work is refused before any flow
+runs (:func:`rl_core.preflight.preflight`): ``grpoflow: <one paragraph>`` on stderr, exit 2. A
+failure inside a flow is reported the same way (exit 1; 2 for config, model, storage and
+checkpoint errors), Prefect's tracebacks only with ``--debug`` (docs/configuration.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """``grpoflow deploy``: register deployments/prefect.yaml with a Prefect server.
 
-    grpoflow deploy [--prefect-file deployments/prefect.yaml] [--name PATTERN ...]
-
-Creates the work pools the file names (type ``process`` unless they exist), then runs
-``prefect --no-prompt deploy --all`` (or ``--name`` for each pattern) from the repository
-root with ``GRPOFLOW_HOME`` set to it, which the deployments' pull step uses as the working
-directory of every flow run. Needs ``PREFECT_API_URL``: deployments registered with the
-ephemeral API would vanish with it.
+Creates the work pools the file names (``process`` unless they exist), then runs ``prefect
+--no-prompt deploy --all`` (or ``--name`` per pattern) from the repository root with
+``GRPOFLOW_HOME`` set to it, the deployments' working directory. Needs ``PREFECT_API_URL``:
+deployments registered with the ephemeral API would vanish with it.
 """
 
 from __future__ import annotations

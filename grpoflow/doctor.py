@@ -1,26 +1,17 @@
 """``grpoflow doctor [CONFIG] [overrides] [--json]``: what this machine has, and what the
 config still needs, with the fix for each.
 
-One row per check, each ``ok``, ``warn`` or ``missing`` and, where something is wrong, the
-command or setting that fixes it: Python and torch; the platform (CPU, CUDA, ROCm), its
-devices and memory, driver and runtime versions; visible devices and the environment
-presets every actor gets; Ray, SGLang, sglang-router and megatron-core; the MLflow tracking
-server and the S3 endpoint (reachable or not) and whether S3 credentials are set; the model;
-free disk under ``storage.root``; CPUs against ``train.num_threads``. A row the config does
-not need (Ray for a local run, SGLang with the embedded engine) never fails the check. Exit
-code 0 when nothing the config needs is missing, 1 otherwise, 2 for a config that does not
-load. (What the config itself gets wrong is :mod:`rl_core.preflight`'s to say.)
-
-Never prints a secret: credentials are reported as set or not set, key ids masked to their
-last 4 characters, and URLs lose their user-info and query string (:mod:`rl_core.secrets`).
-Every network probe is one HTTP GET bounded to :data:`PROBE_TIMEOUT_S` seconds, and logged.
-Never starts Ray, an engine or a server, and never imports Prefect or the optional heavy
-packages into this process: a child process tries each import, bounded.
+One ``ok`` / ``warn`` / ``missing`` row per check (docs/platforms.md, 'grpoflow doctor'); a row
+the config does not need never fails. Exit 0, 1 when something it needs is missing, 2 for a
+config that does not load. Never prints a secret; every network probe is one logged GET bounded
+by :data:`PROBE_TIMEOUT_S`; never starts Ray, an engine or a server, and never imports Prefect
+or heavy packages here (a bounded child process tries each import).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -117,8 +108,10 @@ def probe_http(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> Probe:
     return probe
 
 
+@functools.cache
 def import_probe(module: str, dist: str) -> tuple[bool, str]:
-    """Whether ``module`` imports (tried in a child process, bounded) and its version."""
+    """Whether ``module`` imports (tried in a child process, bounded) and its version; once
+    per process (each probe is a Python start-up plus the import: seconds of CPU)."""
     try:
         if importlib.util.find_spec(module) is None:
             return False, "not installed"

@@ -1,27 +1,10 @@
 """What a ``grpoflow`` command leaves running when it ends, however it ends: nothing.
 
-A run starts processes of its own and through libraries: the ephemeral Prefect API server
-(Prefect starts it, and nothing stops it when its parent is SIGKILLed), the embedded engines,
-``sglang-router``, reward and judge workers, a local Ray. Most exit with their parent; the
-Prefect server did not (each SIGKILLed ``grpoflow train`` left one behind: ~200 MB and 2-3%
-of a core). Two mechanisms cover every way out:
-
-- :func:`start` launches a *reaper*: a small process (``python -m grpoflow.reaper``, psutil
-  only, in a session of its own so a signal to the run's process group spares it) that keeps
-  a list of the command's descendants, refreshed every ``poll_s`` seconds, and learns of the
-  command's death from the kernel (``PR_SET_PDEATHSIG``: no polling for that; the signal
-  follows threads, so a dying multi-threaded command sends it once per thread the reaper is
-  handed on to: the first one counts, the reaper waits for the last thread). When the
-  command is gone (exited, SIGKILLed, OOM-killed) it sends SIGTERM to every descendant it
-  saw that is still the same process (pid and start time), waits ``grace_s`` seconds and
-  SIGKILLs the rest, then exits. Every process the command starts inherits a marker in its
-  environment (``GRPOFLOW_REAPED_BY``); at the end the reaper also ends the marked processes
-  its scans missed (started in the last ``poll_s`` seconds, or reparented away early).
-  ``GRPOFLOW_REAPER_LOG=PATH`` makes it write what it saw and signalled to ``PATH``.
-- :func:`exit_within` bounds the command's own exit after SIGTERM/SIGINT: the flow tears
-  its planes down, and if the interpreter has not exited ``seconds`` later (a thread that
-  does not stop), the descendants are killed and the process leaves with ``os._exit``.
-
+:func:`start` launches a *reaper* (``python -m grpoflow.reaper``, its own session) that scans
+the command's descendants every ``poll_s`` seconds, learns of its death from the kernel
+(``PR_SET_PDEATHSIG``), then SIGTERMs what it saw (pid and start time still matching) and what
+carries its marker or is listed by the launcher, and SIGKILLs the rest ``grace_s`` later.
+:func:`exit_within` bounds the command's own exit after SIGTERM/SIGINT (docs/reliability.md).
 Never imports Prefect, torch or rl_core (the reaper starts in ~50 ms).
 """
 
@@ -254,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pids", default=None, help="the file the command's launcher lists the "
                    "processes it starts in")
     args = p.parse_args(argv)
-    if path := os.environ.get("GRPOFLOW_REAPER_LOG"):
+    if path := os.environ.get("GRPOFLOW_REAPER_LOG"):  # what it saw and signalled
         logging.basicConfig(filename=path, level=logging.INFO,
                             format="%(asctime)s %(process)d %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the terminal is for the run

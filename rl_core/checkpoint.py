@@ -1,24 +1,11 @@
 """Checkpoints that are complete or invisible: written aside, committed by a manifest last.
 
-Layout of one checkpoint (``<dir>/step-000020/``)::
-
-    model/              the policy in HF format (safetensors, tokenizer), loadable as is
-    trainer_state.pt    optimizer, LR scheduler, optimizer-step counter
-    rng.pt              python, numpy and torch RNG states
-    state.json          step, weight_version, data-sampler state, tracking run id, digests
-    MANIFEST.json       written last: every file with its size and SHA-256
-
-Everything is written into ``step-000020.partial-<nonce>/``, the manifest last, and the
-directory is then renamed into place: a crash leaves nothing or a partial directory that
-:func:`latest_checkpoint` never returns. The last ``keep_last`` complete checkpoints are kept.
-
-An ``s3://`` root (``checkpoint.uri``, via :mod:`rl_core.storage`) is written locally as above
-(``<cache_dir>/checkpoints/``), then uploaded manifest last: a prefix without ``MANIFEST.json``
-is an interrupted upload, never listed, loaded or resumed from (pruned once older than the
-newest complete one). :func:`fetch_checkpoint` downloads one, every SHA-256 checked; the copy
-just uploaded stays in the cache, so a restart on the same machine downloads nothing.
-
-Never imports Prefect or MLflow; never logs or raises a message that was not redacted.
+Each is written into ``step-NNNNNN.partial-<nonce>/``, ``MANIFEST.json`` last, then renamed
+into place: a crash leaves nothing :func:`latest_checkpoint` returns; the last ``keep_last``
+are kept. An ``s3://`` root is staged locally, then uploaded manifest last (a prefix without a
+manifest is never loaded); :func:`fetch_checkpoint` verifies every SHA-256 and reuses the cached
+copy (layout and S3 rules: docs/storage.md). Never imports Prefect or MLflow; never logs or
+raises a message that was not redacted.
 """
 
 from __future__ import annotations
@@ -92,12 +79,10 @@ def step_dir_name(step: int) -> str:
 def write_checkpoint(root: str | Path, state: CheckpointState,
                      write_payload: Callable[[Path], None], *, keep_last: int = 2,
                      cache_dir: str | Path | None = None) -> Path | str:
-    """Write a checkpoint for ``state.step`` under ``root`` and commit it atomically.
-
-    ``write_payload(tmp_dir)`` writes the heavy files (model, trainer state); this adds the RNG
-    and run state, the manifest last, renames the directory into place and prunes. Returns the
-    directory, or for an S3 root its URI (staged under ``<cache_dir>/checkpoints/``, default
-    :func:`rl_core.storage.default_cache_dir`; the local copy stays as the cache)."""
+    """Write a checkpoint for ``state.step`` under ``root`` and commit it atomically:
+    ``write_payload(tmp_dir)`` writes the heavy files, this the RNG and run state and the manifest
+    last, then renames and prunes. Returns the directory, or for an S3 root its URI (staged under
+    ``<cache_dir>/checkpoints/``, kept as the cache)."""
     if storage.is_remote(root):
         return _write_remote(str(root), state, write_payload, keep_last, cache_dir)
     final, _ = _commit_local(Path(root), state, write_payload)

@@ -1,13 +1,8 @@
 """Held-out evaluation: greedy pass@1 and sampled pass@k of any rollout plane, scored by the
-run's own reward (the same function, sandbox and timeouts as training: ``reward.fn``).
-
-A completion passes when the reward function scores it at least ``reward.pass_threshold``
-(format bonus excluded; for the built-in ``gsm8k`` reward: a right final answer). pass@k uses
-the unbiased estimator of Chen et al. (2021), ``1 - C(n - c, k) / C(n, k)`` for ``c``
-passing out of ``n`` samples, averaged over problems (here ``n = k``, so it is "any of k
-passes"). Sampling seeds depend only on (seed, problem, sample index), so an evaluation is
-reproducible and comparable across steps.
-
+run's own reward (same function, sandbox and timeouts as training). A completion passes at
+``reward.pass_threshold`` or more (format bonus excluded); pass@k is Chen et al.'s (2021)
+unbiased ``1 - C(n - c, k) / C(n, k)`` with ``n = k`` ("any of k passes"), averaged over
+problems. Seeds depend only on (seed, problem, sample index): reproducible across steps.
 Never imports Prefect or MLflow.
 """
 

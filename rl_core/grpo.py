@@ -2,12 +2,9 @@
 
     prompts -> rollout (n samples per prompt) -> rewards -> group advantages -> Batch
 
-Each function is one verb of the step and is what a Prefect task in ``tasks/`` calls.
-Samples carry the ``weight_version`` that produced them and a per-sample sampling seed
-derived from (run seed, step, prompt, sample index), so a re-run of a step's rollout after a
-failure produces the same samples.
-
-Never imports Prefect or MLflow.
+Each function is one verb a task in ``tasks/`` calls. Samples carry their ``weight_version``
+and a sampling seed from (run seed, step, prompt, sample index), so a re-run of a step's
+rollout produces the same samples. Never imports Prefect or MLflow.
 """
 
 from __future__ import annotations

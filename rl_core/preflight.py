@@ -1,23 +1,10 @@
 """Pre-flight: refuse a config that cannot work, within seconds and before any task runs.
 
-:func:`preflight` checks what needs no download, build or start, cheapest first, and raises
-:class:`~rl_core.config.ConfigError` (model problems: :class:`~rl_core.models.hub.ModelError`)
-with one paragraph: field, value, limit and fix. The CLI calls it after loading the config; a
-flow calls it again with the fetched model (``model_path=``) for a model new to this machine.
-
-- **data**: a local ``data.source`` / ``data.eval_source`` that is missing, not a regular file
-  or directory, unreadable, or an empty directory (hub names and ``s3://``: prepare-data's).
-- **storage**: local ``storage.root``, ``storage.cache_dir``, ``checkpoint.uri`` are writable.
-- **engines**: ``model.trust_remote_code`` with the embedded engine (it runs no model code);
-  ``rollout.sglang_extra_args`` repeating a flag grpoflow sets per engine (``--port``, ...).
-- **model**, in :func:`~rl_core.models.hub.local_model_dir`: ``data.max_prompt_tokens`` +
-  ``rollout.max_new_tokens`` (and ``eval.max_new_tokens``) fit the context window
-  (:func:`context_length`); the directory verifies (:func:`~rl_core.models.hub.verify_model_dir`);
-  one prompt renders as the run renders it, leaving room for a question. A tiny model not built
-  yet is checked against its spec; a hub or S3 model not fetched yet, after fetch-model.
-
-Ports: a run binds none its config fixes (docs/configuration.md, "Ports").
-
+:func:`preflight` runs the checks that need no download, build or start, cheapest first (data
+paths, storage, engine flags, the model's context window, files and prompt rendering: the table
+in docs/configuration.md, 'Pre-flight checks'), raising :class:`~rl_core.config.ConfigError`
+(:class:`~rl_core.models.hub.ModelError`) with one paragraph: field, value, limit and fix. The
+CLI calls it after loading the config, a flow again with the fetched model (``model_path=``).
 Never imports Prefect or MLflow; never downloads, builds, starts or writes anything.
 """
 

@@ -1,17 +1,6 @@
-"""A run's directory on local disk: its config, metrics stream, evaluations and outputs.
-
-Layout::
-
-    <storage.root>/<run_name>/
-        config.yaml        the resolved config, secrets masked (rl_core.secrets)
-        metrics.jsonl      one JSON object per step
-        evals.jsonl        evaluation results with sample generations
-        samples.jsonl      the sample ledger: per step, each sample's uid, weight version, reward
-        checkpoints/       complete checkpoints (see rl_core.checkpoint)
-        model/             the final policy in Hugging Face format
-        summary.json       written last
-
-Never imports Prefect or MLflow.
+"""A run's directory on local disk: its config (secrets masked), metrics stream, evaluations,
+sample ledger, checkpoints, final model and ``summary.json`` written last (the layout:
+docs/storage.md, 'The run directory'). Never imports Prefect or MLflow.
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """One rule for what is secret, used wherever grpoflow writes something down.
 
-The run directory's ``config.yaml``, MLflow params and tags, Prefect flow-run parameters,
-log records, error messages and ``grpoflow doctor`` all go through the functions here, so
-they mask the same things:
-
-- **by name**: a config key or variable whose name says it holds a credential
-  (:func:`is_secret_name`, word by word: ``*token``, ``*secret*``, ``*passw*``,
-  ``*credential*``, ``key``, ``*apikey``, ``auth``, ``authorization``, ``sig``,
-  ``signature``, ``cookie``, ``pat``; not counts, limits and ids of LLM tokens such as
-  ``max_new_tokens``, ``stop_token_ids``, ``token_budget``, ``TOKENIZERS_PARALLELISM``);
-- **environment values**: everything under ``cluster.env`` (and any mapping named ``env``)
-  is secret unless its name is on a short allow-list of known-harmless settings
-  (:func:`is_harmless_env`: thread counts, NCCL/RCCL/Gloo/Ray/HIP/ROCm/CUDA tuning flags,
-  tokenizer and logging switches) *and* does not itself look secret;
-- **command-line arguments**: in a list of arguments (``rollout.sglang_extra_args``), the
-  value after a secret-named flag (``--api-key X``) and of ``--api-key=X``;
-- **by text**, in every string: ``user:pass@`` in URLs, AWS access key ids, Hugging Face
-  tokens, presigned URL signatures, ``Bearer`` tokens, ``name=value`` / ``name: value``
-  where the name is secret by the rule above, and the value of every environment variable
-  of this process whose name is.
-
-Never imports Prefect, MLflow or torch; never logs.
+The run directory's ``config.yaml``, MLflow params and tags, Prefect flow-run parameters, log
+records, error messages and ``grpoflow doctor`` all mask the same things through these
+functions: values *by name* (:func:`is_secret_name`; not LLM token counts such as
+``max_new_tokens``), every ``cluster.env`` value but known-harmless settings
+(:func:`is_harmless_env`), the value of a secret-named flag in an argument list, and *in every
+string* URL user-info, key ids, tokens, signatures and secret-named environment values (the
+full rule: docs/reliability.md, 'Security'). Never imports Prefect, MLflow or torch; never logs.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """One URI abstraction for durable storage: local paths and ``s3://bucket/prefix``.
 
-Every function takes either and behaves the same for both, so data sources, model downloads
-and checkpoints never branch on where the bytes live. S3 goes through boto3, so any
-S3-compatible store works (MinIO, Ceph RGW, R2): endpoint ``AWS_ENDPOINT_URL_S3`` (see
-:func:`s3_env`), else ``AWS_ENDPOINT_URL``, else AWS; region ``AWS_REGION`` /
-``AWS_DEFAULT_REGION``; credentials from boto3's standard chain (never read, stored or logged
-here). Transfers: multipart, several files at once, bounded retries (botocore ``standard``
-mode), connect/read timeouts. Directories travel with a manifest (``MANIFEST.json``: each
-file's size and SHA-256) that :func:`upload_dir` writes last: a prefix without one is an
-interrupted upload, which :func:`download_dir` refuses; a download is verified in a temporary
-directory, then renamed into place. Errors and log lines are redacted
-(:func:`rl_core.secrets.redact`); errors name the URI, the operation and the fix.
-
-Never imports Prefect or MLflow; never deletes outside the prefix it is given (nor a bucket).
+Every function behaves the same for both, so callers never branch on where bytes live. S3 goes
+through boto3 (any S3-compatible store; endpoint, region, credentials, timeouts and retries:
+docs/storage.md). Directories travel with a ``MANIFEST.json`` (sizes, SHA-256) written last; a
+prefix without one is an interrupted upload, refused on download; downloads are verified aside,
+then renamed into place. Errors and log lines are redacted and name the URI, operation and fix.
+Never reads, stores or logs credentials; never imports Prefect or MLflow; never deletes outside
+the prefix it is given (nor a bucket).
 """
 
 from __future__ import annotations
@@ -518,11 +512,9 @@ def _transfer(op: str, uri: str, local: Path, names: list[str], total: int,
 def upload_dir(local: PathOrUri, uri: PathOrUri, *, manifest_name: str = MANIFEST,
                manifest: Mapping[str, Any] | None = None, multipart_threshold: int | None = None,
                multipart_chunksize: int | None = None) -> dict[str, Any]:
-    """Upload every file under ``local`` to the prefix ``uri``, the manifest LAST; returns it.
-
-    The manifest is computed here, or passed by a caller that just computed one (a checkpoint;
-    only sizes are re-checked). One already at ``uri`` is deleted first: the prefix reads as
-    incomplete during the upload. Files there that the new manifest omits are left alone."""
+    """Upload every file under ``local`` to the prefix ``uri``, the manifest LAST; returns it. The
+    manifest is computed here or passed by a caller that just did (sizes re-checked); one already at
+    ``uri`` is deleted first. Files there that the new manifest omits are left alone."""
     src, uri = Path(local), str(uri)
     if not src.is_dir():
         _raise(NotFound, f"upload {src}: no such directory")
@@ -570,13 +562,10 @@ def download_dir(uri: PathOrUri, local: PathOrUri, *, manifest_name: str = MANIF
                  require_manifest: bool = True, include: Callable[[str], bool] | None = None,
                  multipart_threshold: int | None = None,
                  multipart_chunksize: int | None = None) -> dict[str, Any]:
-    """Download the directory ``uri`` into ``local``, verified, atomically (a temporary sibling
-    is renamed onto ``local`` when complete). The files its manifest lists must match in
-    size and SHA-256 (:class:`ChecksumMismatch` names one that does not); the manifest is
-    copied too. Without one, :class:`ManifestMissing`, unless ``require_manifest=False`` (a
-    directory from other tools, e.g. a synced base model: sizes are checked against the
-    listing). ``include(name)`` narrows the files. Returns the manifest with ``"verified":``
-    ``"sha256"`` or ``"size"``."""
+    """Download the directory ``uri`` into ``local``, verified (size and SHA-256 against its
+    manifest, else :class:`ChecksumMismatch`) and atomically. No manifest: :class:`ManifestMissing`,
+    unless ``require_manifest=False`` (sizes checked against the listing). ``include(name)`` narrows
+    the files. Returns the manifest with ``"verified": "sha256"`` or ``"size"``."""
     uri, dest = str(uri), Path(local)
     try:
         manifest, verified = read_manifest(uri, manifest_name=manifest_name), "sha256"

@@ -1,29 +1,13 @@
 """On-policy distillation: a teacher plane scores the student's samples token by token.
 
-The student samples as in GRPO; a second rollout plane serving the teacher (``teacher.path``;
-embedded engines on CPU, SGLang on GPUs) scores every sampled token by prefill only (SGLang's
-``max_new_tokens: 0`` + ``logprob_start_len``, :meth:`~rl_core.rollout.http.HttpPlane.score`).
-Each token's advantage is then
+A second rollout plane serving ``teacher.path`` scores every sampled token by prefill only, and
+each token's advantage becomes (``normalize``: the gap centred and scaled over the step first)
 
     A_t = task_weight * A_grpo + kl_weight * (log p_teacher(y_t) - log p_student(y_t))
 
-(with ``normalize``, the gap is first centred and scaled over the step's response tokens)
-
-where ``log p_student`` is what the rollout engine reported for the token (the sampling
-policy), so the second term is the per-token *reverse* KL's negative estimate: tokens the
-teacher finds likelier than the student are pushed up, the others down (on-policy
-distillation: Agarwal et al. 2024, Qwen3, Thinking Machines 2025). ``task_weight: 0`` is pure
-distillation; GRPO's clipping, the loss aggregation and the rollout corrections apply as
-they do to GRPO's advantages.
-
-The other direction, the forward KL, is SFT on the teacher's samples (the SFT flow's
-``data.teacher``): :func:`rl_core.planes.sample_teacher_examples` brings the same teacher
-plane up, has it answer each prompt row and returns the rows with the teacher's answers as completions (``keep: correct``: only answers the gsm8k reward
-accepts, i.e. rejection sampling). Minimising the student's NLL on them is the Monte-Carlo
-estimate of ``KL(p_teacher || p_student)`` up to the teacher's entropy.
-
-The teacher and the student must share a tokenizer (their vocabularies are compared when the
-planes come up: a mismatch names both models). Never imports Prefect or MLflow.
+``log p_student`` being the rollout engine's: the per-token reverse KL's negative estimate. The
+forward KL, SFT on the teacher's samples, uses :func:`teacher_examples` (docs/distillation.md).
+Teacher and student must share a tokenizer. Never imports Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -113,14 +97,11 @@ def distill_advantages(batch: Batch, samples: Sequence[Sample], cfg: TeacherConf
 
 def teacher_examples(plane: Any, tokenizer: Any, examples: Sequence[Example], d: SFTDataConfig,
                      chunk: int = 512) -> tuple[list[Example], dict[str, float]]:
-    """``examples`` (prompt rows) with their completions replaced by the teacher's samples
-    from ``plane``: ``data.teacher.samples_per_prompt`` per row, each prompt rendered as the
-    SFT step will render it (:func:`rl_core.sft.prompt_text`, ``tokenizer`` the student's).
-    Samples cut by ``max_new_tokens`` (no end to imitate) and empty ones are dropped;
-    ``keep: correct`` drops those the gsm8k reward scores 0 against the row's reference.
-    Returns the examples and counts: ``samples``, ``kept``, ``truncated``, ``empty``,
-    ``correct`` (by the reward, among the finished ones), ``prompt_tokens`` and
-    ``completion_tokens`` (what the teacher read and wrote), ``seconds``."""
+    """``examples`` (prompt rows) with their completions replaced by ``plane``'s samples
+    (``samples_per_prompt`` each, prompts rendered as the SFT step will with the student's
+    ``tokenizer``); cut and empty samples dropped, ``keep: correct`` keeps what the gsm8k reward
+    accepts. Returns the examples and counts (``samples``, ``kept``, ``truncated``, ``empty``,
+    ``correct``, ``prompt_tokens``, ``completion_tokens``, ``seconds``)."""
     from rl_core.engine.sampling import SamplingParams, sample_seed
     from rl_core.rewards import gsm8k_reward
     from rl_core.sft import Example

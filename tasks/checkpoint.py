@@ -1,9 +1,6 @@
-"""Tasks that save and restore a run: periodic checkpoints and resume.
-
-A checkpoint holds everything a resumed run needs to continue as if it had never stopped:
-weights, optimizer, LR schedule, RNG states, data-sampler position, step and weight version,
-and the rollouts generated ahead of the step (``rollouts.json``, with
-``rollout.max_staleness > 0``).
+"""Tasks that save and restore a run: periodic checkpoints and resume. A checkpoint holds all a
+resumed run needs to continue as if never stopped: weights, optimizer, LR schedule, RNG states,
+sampler position, step, weight version, and the rollouts generated ahead (``rollouts.json``).
 """
 
 from __future__ import annotations

@@ -112,12 +112,9 @@ def _not_a_config_error(task: object, task_run: object, state: object) -> bool:
 def fetch_model(
     model: ModelConfig, data: DataConfig, cache_dir: str, revision: str | None = None
 ) -> str:
-    """Resolve ``model.path`` to a verified local HF directory, cached by its content.
-
-    Hub snapshots are keyed by (repo id, commit sha) and checked against their manifest when
-    reused: a second run skips the download and says so. ``revision`` (branch, tag or commit)
-    defaults to ``model.revision``, else ``main``. HF_TOKEN is passed on, never logged.
-    """
+    """Resolve ``model.path`` to a verified local HF directory, cached by content: hub snapshots
+    by (repo id, commit sha), checked against their manifest when reused. ``revision`` defaults to
+    ``model.revision``, else ``main``. HF_TOKEN is passed on, never logged."""
     log = get_run_logger()
     started = time.perf_counter()
     token = os.environ.get("HF_TOKEN")

@@ -1,10 +1,7 @@
-"""Prefect tasks of the SFT flow (``flows/sft.py``): thin, timed, retryable where a retry is
-safe, each a call into :mod:`rl_core.sft` / :mod:`rl_core.training.sft`.
-
-Prepared data is keyed by the digest of its inputs (a second run skips the work and says so);
-the model and optimizer stay in the flow's process behind an
-:class:`~rl_core.training.sft.SFTHandle`, never in a task result. ``train-steps`` never
-retries, so an optimizer step is never applied twice.
+"""Prefect tasks of the SFT flow (``flows/sft.py``): thin, timed calls into :mod:`rl_core.sft`
+and :mod:`rl_core.training.sft`, retried where safe. Prepared data is keyed by its inputs'
+digest; the model and optimizer stay in the flow's process behind an
+:class:`~rl_core.training.sft.SFTHandle`. ``train-steps`` never retries (no optimizer step twice).
 """
 
 from __future__ import annotations

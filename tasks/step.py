@@ -1,10 +1,9 @@
 """The tasks of one GRPO step: rollout, reward, (log-probs), train, sync; and advantages.
 
-Each is one phase in the Prefect UI (task run names carry the step number) and returns a
-small value with its own duration. Tasks that reach an engine or user code retry with
-backoff; re-running a step's rollout is safe because sampling seeds depend only on (run
-seed, step, prompt, sample index). ``train`` never retries: an optimizer step must not be
-applied twice.
+Each is one phase in the Prefect UI and returns a small value with its own duration. Tasks that
+reach an engine or user code retry with backoff (a rollout is safe to rerun: sampling seeds
+depend only on run seed, step, prompt and sample index); ``train`` never retries, so an
+optimizer step is never applied twice.
 """
 
 from __future__ import annotations
@@ -132,11 +131,10 @@ def rollout(planes: PlanesHandle, indices: list[int], step: int) -> StepSamples:
 @_named("rollout-round")
 def rollout_round(planes: PlanesHandle, stream: Any, n: int, step: int,
                   stop: threading.Event | None = None) -> dict[str, float]:
-    """Rounds of the streamed rollout (:class:`rl_core.rollout.stream.GroupStream`) at the
-    plane's weight version, before ``step`` trains (``n`` > 0: the n-th round the trainer
-    waits for) or while it trains (``n`` = 0): one round, or with ``stop`` (an update
-    that aborts in-flight requests ends the round) rounds until ``stop`` is set or nothing is
-    left to generate. Safe to retry: a failed round leaves the samples as they were."""
+    """Rounds of the streamed rollout at the plane's weight version: before ``step`` trains
+    (``n`` > 0: the n-th round the trainer waits for) one round; while it trains (``n`` = 0) one,
+    or with ``stop`` rounds until it is set or nothing is left. Safe to retry: a failed round leaves
+    the samples as they were."""
     plane = get_planes(planes).rollout
     started, metrics, rounds = time.perf_counter(), {}, 0
     while True:

@@ -1,15 +1,9 @@
 """Multi-turn episodes: environments, tools, and the runner that turns them into samples.
 
-- :mod:`~rl_core.agents.env`: the :class:`Environment` protocol (reset -> messages; step ->
-  observation, reward, done), :class:`EpisodeLimits`, :class:`EnvironmentFailure`.
-- :mod:`~rl_core.agents.chat`: token-exact conversations from a chat template.
-- :mod:`~rl_core.agents.tools`: Hermes/Qwen tool-call parsing, the calculator and Python
-  tools, bounded tool runs.
-- :mod:`~rl_core.agents.tool_env`: the builtin tool-use environment.
-- :mod:`~rl_core.agents.episode`: :class:`EpisodeRunner`, episodes on a rollout plane.
-
-:func:`environment_factory` turns ``agent.env`` into a factory of fresh environments.
-Never imports Prefect or MLflow.
+Submodules: ``env`` (the :class:`Environment` protocol, limits, failures), ``chat``
+(token-exact conversations), ``tools`` (Hermes tool calls, the builtin tools), ``tool_env`` (the
+builtin tool-use environment), ``episode`` (:class:`EpisodeRunner`). :func:`environment_factory`
+turns ``agent.env`` into a factory of fresh environments. Never imports Prefect or MLflow.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Token-exact chat: the ids of a conversation that grows turn by turn.
 
-A multi-turn episode is one token sequence: the prompt, then each model turn *as the engine
-sampled it* (its own ids, never re-tokenized text), then the tokens of whatever the
-environment says next. :class:`ChatTokens` makes the non-model parts from the tokenizer's chat
-template: :meth:`~ChatTokens.prompt_ids` renders the first messages with the generation
-prompt, and :meth:`~ChatTokens.observation_ids` renders only the *new* messages after a model
-turn (the template's text between the end of an assistant turn and the next message,
-the messages, and the next generation prompt), found as the difference between the template
-rendered with and without them. A model turn cut short (no end-of-turn token) is closed with
-the template's end-of-turn token first; those tokens are the environment's, masked from the
-loss like every observation token.
-
-Never imports Prefect or MLflow; never decodes and re-encodes a model turn.
+:class:`ChatTokens` makes an episode's non-model tokens from the chat template: the prompt, and
+after each model turn the template's tokens up to the next generation prompt (the difference of
+two renderings; a turn cut short gets the end-of-turn token first). docs/agents.md, 'What an
+episode is'. Never imports Prefect or MLflow; never decodes and re-encodes a model turn.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Connectors: environments of the hubs people already use, as grpoflow environments.
 
-``agent.env: verifiers:<id>`` runs a `verifiers` environment (:mod:`rl_core.agents.verifiers_env`),
-``agent.env: openenv:<spec>`` an OpenEnv one (:mod:`rl_core.agents.openenv_env`). Each factory
-returns a callable making one fresh :class:`~rl_core.agents.env.Environment` per episode (what
-``agent.env`` resolves to, :func:`rl_core.agents.environment_factory`); the hub environment
-itself decides what the model sees and what its answer is worth. This module holds what both
-share: the optional-import check, the one event loop async hub code runs on, and bounded waits.
-
-Failures: anything the hub environment raises, a malformed answer, or no answer within
-``call_timeout_s`` is an :class:`~rl_core.agents.env.EnvironmentFailure` naming the env, which
-costs the episode (the runner retries it), never the step. Async hub code runs on one
-background event loop; every wait on it is bounded.
-
-Never imports Prefect or MLflow; the hub packages are imported only when a factory is made
-(they are the optional ``agents`` extra).
+What ``verifiers:<id>`` (:mod:`~rl_core.agents.verifiers_env`) and ``openenv:<spec>``
+(:mod:`~rl_core.agents.openenv_env`) share: the optional-import check, the one background event
+loop async hub code runs on, and bounded waits. A hub error, malformed answer or timeout is an
+:class:`~rl_core.agents.env.EnvironmentFailure`: it costs the episode, never the step
+(docs/agents.md, 'Environment hubs'). Never imports Prefect or MLflow; the hub packages are
+imported only when a factory is made (the optional ``agents`` extra).
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """The environment protocol: what a multi-turn episode talks to.
 
-An :class:`Environment` is one episode's world. :meth:`~Environment.reset` takes the task (a
-:class:`~rl_core.data.records.Record`) and returns the first chat messages; each
-:meth:`~Environment.step` takes the model's :class:`Turn` (its text and the engine's token
-ids) and returns a :class:`StepResult`: the observation messages to append (tool results,
-environment text), a reward, whether the episode is over, and free-form ``info``. A
-single-turn task is an environment whose first step is done.
-
-Episodes are bounded by :class:`EpisodeLimits` (turns, total tokens, wall time, and one
-environment call's time); an environment that raises, hangs past its bound or returns
-something that is not a :class:`StepResult` fails its episode with an
-:class:`EnvironmentFailure` (the runner records it and may retry the episode), never the step.
-
+An :class:`Environment` is one episode's world: ``reset(task)`` returns the first messages,
+``step(turn)`` a :class:`StepResult` (observation, reward, done, info). :class:`EpisodeLimits`
+bound an episode; an environment that raises, hangs or answers malformed data fails its episode
+with an :class:`EnvironmentFailure`, never the step (docs/agents.md, 'Writing an environment').
 Never imports Prefect or MLflow.
 """
 

@@ -1,26 +1,10 @@
 """Multi-turn episodes on a rollout plane: one :class:`~rl_core.types.Sample` per episode.
 
-:class:`EpisodeRunner` plays many episodes at once, turn by turn: each round sends the next
-model turn of every running episode to the plane as one batch (so the engine batches them as it
-batches single-turn samples), then lets every environment answer, concurrently, each call
-bounded by ``env_timeout_s``. The episode's tokens are the prompt, then the engine's own ids
-for each model turn (``loss_mask`` 1, the engine's log-probs, the serving ``weight_version``)
-and the chat template's ids for each observation (``loss_mask`` 0, log-prob 0), so the sample
-is token-exact and the loss trains on model tokens only. Its ``text`` is the last model turn
-(what a final-answer reward scores) and ``meta["episode"]`` holds the trace: every turn,
-tool call, reward and timing.
-
-Bounds: ``max_turns`` model turns, ``max_tokens`` after the prompt, ``timeout_s`` of wall
-time, each ending the episode normally (``meta["episode"]["finish"]`` says which). An
-environment that raises, hangs or answers malformed data fails its episode: it is retried
-from ``reset`` with fresh seeds up to ``retries`` times, then recorded as ``failed`` with a
-zero loss mask and reward 0 (it keeps its place in the group; it trains nothing). The step
-goes on.
-
-Seeds depend only on (run seed, step, task, sample index, attempt, turn), so a re-run of a
-step's rollout replays the same episodes.
-
-Never imports Prefect or MLflow.
+:class:`EpisodeRunner` plays episodes batched by turn: one plane call per round, then every
+environment at once, each call bounded by ``env_timeout_s``. Samples are token-exact (model
+turns ``loss_mask`` 1, observations 0; ``text`` is the last model turn, ``meta["episode"]`` the
+trace); a failed environment is retried from ``reset`` up to ``retries`` times, then recorded as
+``failed``; seeds replay (docs/agents.md, 'What an episode is'). Never imports Prefect or MLflow.
 """
 
 from __future__ import annotations

@@ -1,35 +1,9 @@
 """Black-box agents on the rollout plane: an OpenAI-compatible endpoint per episode.
 
-An agent program written against the ``openai`` client (any program: grpoflow does not drive
-it) plays an episode by calling ``/v1/chat/completions`` (or ``/v1/completions``) on
-:class:`AgentGateway`, an HTTP server in front of any
-:class:`~rl_core.interfaces.RolloutPlane` (the in-process engine, the embedded engine
-processes, real SGLang through :class:`~rl_core.rollout.http.HttpPlane`). Each episode gets a
-session, ``{gateway}/sessions/{sid}/v1``, that records the trajectory the way
-:class:`~rl_core.agents.EpisodeRunner` does: the engine's own token ids, log-probs and
-weight version of every completion (``loss_mask`` 1) and the chat template's ids for
-everything between them (``loss_mask`` 0, log-prob 0). When a request's messages extend the
-session's conversation (its earlier messages and the reply the gateway gave, compared by
-role and content), the prompt is the recorded ids plus
-:meth:`~rl_core.agents.chat.ChatTokens.observation_ids` of the new messages: earlier turns are
-never re-tokenized. An agent that rewrites its history starts a new chain (the sample keeps
-the last one; ``meta["episode"]["info"]["history_rewrites"]`` counts the others).
-
-The gateway owns the sampling, not the agent: temperature, top-p/k and min-p are the run's
-(so rollout log-probs match what the trainer assumes), the seed is a function of (run seed,
-step, task, sample index, attempt, request number), so a replay gives the same episode, and
-``max_tokens`` is clamped to what is left of the episode's ``EpisodeLimits.max_tokens``.
-Requests past ``max_turns``, past the episode's deadline or on a closed session get an
-OpenAI-shaped 4xx that the client raises. Every generation goes through one batching worker
-thread that owns the plane: handlers enqueue and wait (bounded); the worker takes everything
-queued (waiting ``batch_wait_s`` for more) and calls ``plane.generate`` once per batch, so
-concurrent agents are batched and the in-process plane is only ever called from one thread.
-
-:func:`run_programs` plays ``n`` episodes per task of ``program(client, task) -> reward``
-concurrently, each in its own session, retrying an attempt that raises or outlives
-``timeout_s`` (a hung program's thread is abandoned and its session closed, so it cannot add
-tokens), and returns one :class:`~rl_core.types.Sample` per episode in EpisodeRunner's layout.
-
+:class:`AgentGateway` serves ``/sessions/{sid}/v1`` in front of any ``RolloutPlane``; a session
+records its episode token-exactly in EpisodeRunner's layout and owns the sampling (the run's
+settings, replayable seeds, ``max_tokens`` clamped to the episode's budget). :func:`run_programs`
+plays ``program(client, task) -> reward`` on it (docs/agents.md, 'Black-box agents').
 Never imports Prefect or MLflow; never re-tokenizes a model turn; never calls the plane from
 more than one thread; never waits without a bound.
 """
@@ -124,7 +98,8 @@ def _request_error(e: BaseException) -> bool:
 
 
 class _Batcher:
-    """The one thread that calls ``plane.generate`` (see the module docstring)."""
+    """The one thread that calls ``plane.generate``: everything queued (waiting ``wait_s`` for
+    more, up to ``max_batch``) goes out as one batch; handlers wait on their futures."""
 
     def __init__(self, plane: RolloutPlane, wait_s: float, max_batch: int) -> None:
         self.plane, self.wait_s, self.max_batch = plane, wait_s, max_batch
@@ -234,9 +209,8 @@ def _keys(messages: Sequence[dict[str, Any]]) -> list[tuple[str, Any]]:
 
 
 class GatewaySession:
-    """One episode's endpoint and the trajectory it records (see the module docstring).
-    Made by :meth:`AgentGateway.open_session`; ``base_url`` is what an ``openai`` client
-    takes."""
+    """One episode's endpoint and the trajectory it records (made by
+    :meth:`AgentGateway.open_session`; ``base_url`` is what an ``openai`` client takes)."""
 
     def __init__(self, gateway: AgentGateway, sid: str, task: Record | None, *, index: int,
                  group: int, attempt: int, step: int, seed: int, params: SamplingParams,
@@ -458,12 +432,9 @@ class GatewaySession:
 # ---------------------------------------------------------------------------- the gateway
 
 class AgentGateway:
-    """OpenAI-compatible sessions in front of ``plane`` (see the module docstring).
-
-    ``start()`` binds ``host:port`` (0: a free port; ``url`` is the address bound);
-    ``batch_wait_s`` is how long the batching worker waits for more requests after the first
-    of a batch, ``max_batch`` its largest batch; ``request_timeout_s`` bounds one request's
-    wait for its generation; bodies over ``max_request_bytes`` get 413."""
+    """OpenAI-compatible sessions in front of ``plane``. ``start()`` binds ``host:port`` (0: a
+    free port); ``batch_wait_s``/``max_batch`` shape the worker's batches; ``request_timeout_s``
+    bounds one request's wait; bodies over ``max_request_bytes`` get 413."""
 
     def __init__(self, plane: RolloutPlane, chat: ChatTokens, *, host: str = "127.0.0.1",
                  port: int = 0, model_name: str = "grpoflow-policy", batch_wait_s: float = 0.01,
@@ -729,10 +700,9 @@ def run_programs(gateway: AgentGateway, program: Program, records: Sequence[Reco
                  params: SamplingParams, step: int, seed: int,
                  limits: EpisodeLimits | None = None, retries: int = 1,
                  concurrency: int = 64) -> list[Sample]:
-    """``n`` episodes of ``program(client, task) -> reward`` per task, groups contiguous and
-    prompt-major (EpisodeRunner.run's layout), at most ``concurrency`` at once. An attempt
-    that raises or runs past ``limits.timeout_s`` is retried with a fresh session (and fresh
-    seeds) up to ``retries`` times, then recorded as ``failed``. Returns within about
+    """``n`` episodes of ``program`` per task in EpisodeRunner.run's layout, at most
+    ``concurrency`` at once; a failed or hung attempt is retried with a fresh session up to
+    ``retries`` times, then recorded as ``failed``. Returns within about
     ``(attempts / concurrency + 1) * timeout_s`` whatever the programs do."""
     if n < 1 or concurrency < 1 or retries < 0:
         raise ValueError("run_programs: n and concurrency must be >= 1, retries >= 0")

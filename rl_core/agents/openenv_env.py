@@ -1,24 +1,10 @@
 """The OpenEnv connector: an OpenEnv (``openenv-core``) environment as a grpoflow environment.
 
-``openenv:<package.module:EnvClass>`` or ``openenv:http://host:port`` (openenv-core 0.3.0) --
-:func:`openenv_factory`. The OpenEnv environment's ``reset``/``step`` produce the observations,
-rewards and ``done``; the model's turn text is the action (put in the action's one required
-field, or ``action_field``; an action with several required fields takes the turn as a JSON
-object). An observation maps to chat messages: its ``messages`` field when it has one
-(``[{"role", "content"}]``), else one message holding its ``content``/``message``/``text``/
-``prompt``/``observation`` string (or ``observation_field``; else the whole observation as
-JSON) with its ``role`` field's role, else ``observation_role``. ``reset`` receives the task as
-``question``, ``answer`` and ``task_id`` (an environment takes those its ``reset`` declares,
-as OpenEnv's server does) plus ``reset_args``. The class runs in-process (``transport:
-inprocess``) or behind OpenEnv's own HTTP app, which the connector serves on 127.0.0.1 and
-reaches with OpenEnv's ``GenericEnvClient`` over its WebSocket session (``transport: http``);
-a URL connects to a server already running. grpoflow plays a step's episodes at once, each with
-its own instance or session, so the class must declare ``SUPPORTS_CONCURRENT_SESSIONS``. A turn
-that is not a valid action ends the episode with reward 0 (``info["invalid_action"]``): the
-model's mistake, not the environment's. An observation's integer ``tool_calls`` field, when it
-has one, is reported as the step's tool calls.
-
-Failures and the event loop: :mod:`rl_core.agents.connectors`.
+``agent.env: openenv:<package.module:EnvClass>`` or ``openenv:http://host:port`` (openenv-core
+0.3.0; :func:`openenv_factory`): the environment's ``reset``/``step`` give observations, rewards
+and ``done``, the model's turn is the action; the class runs in-process or behind OpenEnv's HTTP
+app. Actions, observations, ``env_args``: docs/agents.md, 'Environment hubs'; failures and the
+event loop: :mod:`rl_core.agents.connectors`.
 """
 
 from __future__ import annotations
@@ -230,9 +216,7 @@ class OpenEnvFactory:
                                  "Type, ObservationType, StateType]")
             self.transport = transport
             schema = self.action_cls.model_json_schema()
-            # The episode runner plays a whole step's episodes at once (prompts x samples),
-            # each its own environment: OpenEnv lets that happen only for classes that
-            # declare their instances independent.
+            # A step's episodes play at once, each its own instance (OpenEnv's opt-in):
             if not getattr(self.cls, "SUPPORTS_CONCURRENT_SESSIONS", False):
                 raise ValueError(
                     f"agent.env=openenv:{spec}: {self.cls.__name__} does not declare "
@@ -401,15 +385,7 @@ class OpenEnvEnv:
 
 
 def openenv_factory(spec: str, **kwargs: Any) -> OpenEnvFactory:  # noqa: ANN401
-    """``agent.env: openenv:<spec>``: a factory of :class:`OpenEnvEnv` episodes.
-
-    ``spec`` is ``package.module:Class`` (an OpenEnv ``Environment``) or the URL of a running
-    OpenEnv server. ``kwargs`` (``agent.env_args``): ``transport`` (``inprocess``, default, or
-    ``http``: serve the class with OpenEnv's HTTP app on 127.0.0.1 and play over its
-    WebSocket), ``env_kwargs`` (the class's constructor arguments), ``reset_args`` (more
-    ``reset`` arguments), ``action_field``, ``observation_field``, ``observation_role``
-    (default ``user``), ``system_prompt`` (a system message before the first observation),
-    ``max_sessions`` (concurrent sessions the served app allows; default 4096: one per episode
-    in flight), ``call_timeout_s`` (default 30).
-    """
+    """``agent.env: openenv:<spec>``: a factory of :class:`OpenEnvEnv` episodes. ``spec``:
+    ``package.module:Class`` or a running server's URL; ``kwargs``: ``agent.env_args``
+    (docs/agents.md, 'Environment hubs')."""
     return OpenEnvFactory(spec, **kwargs)

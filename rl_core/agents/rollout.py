@@ -1,18 +1,9 @@
 """The agent side of a GRPO step: episodes instead of single completions, and their scores.
 
-:class:`AgentRollout` is built once per run from ``agent`` (``rl_core.config.AgentConfig``)
-over the run's rollout plane. :meth:`~AgentRollout.episodes` plays ``n`` episodes per task,
-either of an environment grpoflow drives (``agent.env``: :class:`~rl_core.agents.EpisodeRunner`)
-or of a black-box agent program on the plane's OpenAI-compatible endpoint (``agent.program``:
-:func:`rl_core.agents.gateway.run_programs`); both give one token-exact
-:class:`~rl_core.types.Sample` per episode, so advantages, TIS and the loss do not change.
-:meth:`~AgentRollout.score` adds ``reward.fn``'s score of the final answer to the
-environment's reward (``agent.score_final_answer``), and :meth:`~AgentRollout.check_failures`
-keeps the failure budget: a step in which more than ``agent.max_failed_frac`` of the episodes
-failed counts, and ``agent.max_failed_steps`` such steps in a row raise
-:class:`EpisodeFailureError` (the run stops: retrying would fail the same way).
-
-Never imports Prefect or MLflow.
+:class:`AgentRollout` plays ``n`` episodes per task, of an environment (``agent.env``) or a
+black-box program (``agent.program``), adds ``reward.fn``'s score of the final answer
+(``agent.score_final_answer``) and keeps the failure budget (``agent.max_failed_steps``:
+:class:`EpisodeFailureError`); docs/agents.md. Never imports Prefect or MLflow.
 """
 
 from __future__ import annotations

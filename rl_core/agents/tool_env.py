@@ -1,14 +1,8 @@
 """The builtin tool-use environment: answer the task, calling tools on the way.
 
-:class:`ToolEnv` opens with the task's question (after an optional system prompt; tools are
-described by the chat template when it renders ``tools``, else by ``system_prompt``). Each model
-turn that contains tool calls (:func:`~rl_core.agents.tools.parse_tool_calls`) is answered with
-one ``tool`` message per call; a turn without one is the final answer and ends the episode.
-The environment gives no reward itself: the run's ``reward.fn`` scores the final answer
-(``agent.score_final_answer``), so the same reward function, sandbox and fault budget apply
-as for single-turn rollouts. ``info`` counts the calls (``tool_calls``) and their failures.
-
-Never imports Prefect or MLflow.
+Each tool call of a model turn gets a ``tool`` message; a turn without one is the final answer.
+No reward of its own: ``reward.fn`` scores the final answer (``agent.score_final_answer``) with
+its sandbox and fault budget (docs/agents.md, 'Tools'). Never imports Prefect or MLflow.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Tools a model calls during an episode: parsing its calls, running them, bounded.
 
-A model asks for a tool in the Hermes format that Qwen2.5/Qwen3, Hermes and most open chat
-models are trained on (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one or
-more per turn); :func:`parse_tool_calls` finds them in the turn's text and reports malformed
-ones rather than guessing. :func:`run_tool` runs one call with a wall-time bound and returns
-the text of the tool message; a tool that raises, times out or gets bad arguments answers with
-an error message the model can read (that is part of the episode, not a failure of it).
-
-Two tools ship: :data:`CALCULATOR` (arithmetic on numbers, evaluated from the AST, never with
-``eval``) and :data:`PYTHON` (code run by a fresh ``python -I`` in its own session under the
-reward sandbox's memory limit; a timeout kills its whole process group). A user tool is a
-:class:`Tool` around any function of keyword arguments that returns text.
-
-Never imports Prefect or MLflow.
+:func:`parse_tool_calls` finds Hermes ``<tool_call>`` blocks (reporting malformed ones, never
+guessing); :func:`run_tool` runs one call with a wall-time bound, and a tool that raises, times
+out or gets bad arguments answers with an error the model reads. Builtins: :data:`CALCULATOR`
+(from the AST, never ``eval``) and :data:`PYTHON` (a fresh ``python -I`` under the reward
+sandbox's memory limit). docs/agents.md, 'Tools'. Never imports Prefect or MLflow.
 """
 
 from __future__ import annotations

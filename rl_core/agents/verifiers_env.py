@@ -1,34 +1,10 @@
 """The `verifiers` connector: a verifiers environment as a grpoflow environment.
 
-``verifiers:<id>`` (verifiers 0.4.0, ``verifiers.v1``) -- :func:`verifiers_factory`. The
-verifiers ``Env`` runs unchanged, on its own terms: its taskset's task type, its harness (the
-model's program) in the local subprocess runtime, its interception server, limits and
-``@stop`` checks, and its task's ``@reward``/``@metric`` scoring at the end of the episode. The
-one thing it does not own is the model: grpoflow is its OpenAI-compatible provider. The
-connector serves a small chat-completions *bridge* on 127.0.0.1 and gives the env a client
-config pointing there (``EvalClientConfig``, verifiers' ordinary relay client): each model call
-the env makes becomes an observation for grpoflow (its messages after the previous model turn),
-and grpoflow's next model turn becomes the call's response. Like a vLLM server with the
-hermes parser, the bridge turns the turn's ``<tool_call>{"name": ..., "arguments": ...}
-</tool_call>`` blocks into OpenAI ``tool_calls`` when the call offered ``tools`` (a turn with a
-malformed call stays plain text, as vLLM leaves it), and can describe the offered tools in the
-system message (Hermes format, ``render_tools``), since grpoflow's chat rendering takes
-messages only. When the env's episode ends, the step is ``done`` and its reward is the sum of
-the trace rewards. grpoflow's sampling settings apply (the call's own are ignored); the call's
-``usage`` counts the turn's tokens, not the prompt's. One conversation per episode: a call that
-does not continue the previous one (an env whose several agents share the policy, or one that
-rewrites history) fails the episode as ``malformed``. An episode grpoflow ends first
-(``agent.max_turns``/``max_tokens``/``timeout_s``) is never scored by the env (reward 0), so
-give the env its own turn limit (``max_turns``) no larger than ``agent.max_turns``. The id is a
-verifiers taskset id; verifiers imports those as top-level modules, so a dotted module path is
-imported and aliased under its last name.
-
-The task: a grpoflow :class:`~rl_core.data.records.Record` becomes a task of the env's task
-type, copied from the taskset's first task (so its system prompt and settings hold) with
-``id``/``name`` = ``record.id``, ``prompt`` = ``record.question``, and ``answer`` /
-``question`` = the record's when the task data declares such fields.
-
-Failures and the event loop: :mod:`rl_core.agents.connectors`.
+``agent.env: verifiers:<id>`` (verifiers 0.4.0, ``verifiers.v1``; :func:`verifiers_factory`):
+the env runs unchanged, and grpoflow is only its model, through a chat-completions bridge on
+127.0.0.1 (each model call becomes an observation, grpoflow's next turn its response).
+``env_args``, the task mapping, tool calls, limits: docs/agents.md, 'Environment hubs';
+failures and the event loop: :mod:`rl_core.agents.connectors`.
 """
 
 from __future__ import annotations
@@ -456,13 +432,6 @@ def _completion(body: dict[str, Any], turn: Turn) -> dict[str, Any]:
 
 def verifiers_factory(env_id: str, **kwargs: Any) -> VerifiersFactory:  # noqa: ANN401
     """``agent.env: verifiers:<env_id>``: a factory of :class:`VerifiersEnv` episodes.
-
-    ``env_id`` is a verifiers taskset id (an installed package) or a dotted module path.
-    ``kwargs`` (``agent.env_args``): ``taskset`` (taskset config), ``agent`` (overrides for
-    every seat's ``AgentConfig``), ``env`` (raw ``EnvConfig`` keys), ``max_turns`` (the seats'
-    turn limit; keep it <= ``agent.max_turns`` so the env ends, and scores, its episodes),
-    ``render_tools`` (describe offered tools in the system message; default true),
-    ``call_timeout_s`` (bound on the env's answer to one turn; default 30),
-    ``idle_timeout_s``, ``start_timeout_s``.
-    """
+    ``env_id``: a taskset id or a dotted module path; ``kwargs``: ``agent.env_args``
+    (docs/agents.md, 'Environment hubs')."""
     return VerifiersFactory(env_id, **kwargs)

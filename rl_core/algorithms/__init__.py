@@ -1,6 +1,5 @@
-"""Pure RL math for grpoflow: advantages (``advantages``) and policy losses (``losses``) on
-torch tensors.
+"""Pure RL math on torch tensors: advantages (``advantages``) and policy losses (``losses``).
 
-Nothing in this package may import prefect or mlflow, touch models, or do I/O; the trainer
-computes log-probs and calls these functions. Import from the submodules.
+No prefect or mlflow, no models, no I/O: the trainer computes log-probs and calls these
+functions. Import from the submodules. The math: docs/training.md, "The loss, exactly".
 """

@@ -1,11 +1,7 @@
-"""Group-relative advantage estimators for GRPO-style training.
+"""Group-relative advantage estimators for GRPO-style training (pure torch math, no I/O).
 
-Turns per-sample rewards into per-sample advantages by comparing each sample with the others
-drawn for the same prompt (its *group*). Pure torch math: never imports prefect or mlflow,
-never touches models, tokenizers or devices, never does I/O.
-
-Layout: ``rewards`` has shape ``(B,)``; groups are *contiguous* runs of ``group_size``
-samples, i.e. samples ``[g * G, (g + 1) * G)`` answer the same prompt.
+Each sample's reward is compared with the others drawn for the same prompt (its *group*).
+``rewards`` is (B,); groups are *contiguous* runs of ``group_size`` samples.
 """
 
 from __future__ import annotations
@@ -38,24 +34,10 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
 def group_advantages(
     rewards: Tensor, group_size: int, mode: AdvantageMode = "grpo", eps: float = 1e-6
 ) -> Tensor:
-    r"""Group-relative (outcome) advantages, one scalar per sample.
-
-    For a group g of G samples with rewards r_1..r_G (contiguous in ``rewards``)::
-
-        grpo   (GRPO, Shao et al. 2024 "DeepSeekMath", outcome supervision):
-               A_i = (r_i - mean_g(r)) / (std_g(r) + eps)
-               std_g is the *unbiased* sample std, sqrt(sum_j (r_j - mean_g)^2 / (G - 1)),
-               as in verl's ``compute_grpo_outcome_advantage``.
-        drgrpo (Dr.GRPO, Liu et al. 2025 "Understanding R1-Zero-Like Training"):
-               A_i = r_i - mean_g(r)     (no std normalisation: avoids the difficulty bias)
-
-    A group whose rewards are all identical (max == min) gets exactly 0 in both modes, never
-    NaN and never round-off noise amplified by ``1 / eps``.
-
-    Returns a (B,) tensor (``rewards``' float dtype; float32 for int/bool input). Raises
-    ValueError on a bad shape, B % group_size != 0, group_size < 2 for ``grpo``, or an
-    unknown mode.
-    """
+    """Per-sample advantages: ``grpo`` (r - mean) / (unbiased std + eps), ``drgrpo`` r - mean
+    (docs/training.md, "The loss, exactly"); a constant group gets exactly 0, never NaN.
+    (B,) in ``rewards``' float dtype (float32 for int/bool). ValueError on a bad shape,
+    B % group_size != 0, group_size < 2 for ``grpo`` or an unknown mode."""
     if mode not in ADVANTAGE_MODES:
         raise ValueError(f"unknown advantage mode {mode!r}; allowed: {ADVANTAGE_MODES}")
     if mode == "grpo" and group_size < 2:

@@ -1,23 +1,11 @@
 """Token-level policy-gradient losses for GRPO-style RL post-training.
 
-Pure functions on torch tensors: PPO/GRPO clipped surrogates (with DAPO clip-higher, dual clip
-and GSPO sequence ratios), KL penalties against a reference policy, loss aggregation
-(token-mean, seq-mean-*, Dr.GRPO), entropy and log-probs from logits, and the corrections for
-the rollout engine sampling from another policy than the trainer's (truncated or masked
-importance sampling, IcePop token masking, sequence masking). Never imports prefect or mlflow, never
-touches models, optimizers or devices, never does I/O: the trainer computes log-probs and
-calls these functions.
-
-Conventions:
-
-* ``mask`` is a bool (B, T) tensor, True on response tokens that count (non-bool masks are
-  converted with ``mask != 0``).
-* ``logp``, ``old_logp``, ``ref_logp``, ``rollout_logp`` are float (B, T) tensors of
-  log pi(y_t | y_<t) under the current policy (with grad), the policy that started this
-  training step (no grad), the frozen reference, and the rollout engine.
-* Masked-out positions contribute nothing, and whatever they hold (inf, NaN) never leaks into
-  a value or a gradient: inputs are sanitised with ``torch.where`` before any arithmetic,
-  never by multiplying with the mask. Per-token outputs hold exact zeros there.
+Pure functions on torch tensors: clipped surrogates (DAPO clip-higher, dual clip, GSPO), KL
+penalties, loss aggregation, entropy and log-probs from logits, and the rollout/trainer
+mismatch corrections (TIS, MIS, IcePop, sequence masking). ``mask`` is bool (B, T), True on
+the response tokens that count; log-probs are float (B, T). Whatever masked positions hold
+(inf, NaN) reaches no value or gradient (``torch.where``, never a multiply by the mask), and
+per-token outputs are exactly 0 there. The math: docs/training.md, "The loss, exactly".
 """
 
 from __future__ import annotations
@@ -69,11 +57,8 @@ def _fill(x: Tensor, mask: Tensor, value: float = 0.0) -> Tensor:
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    r"""masked_sum(x, m) = sum_{i : m_i} x_i   (over all elements, or along ``dim``).
-
-    Masked-out entries are replaced by 0 with ``torch.where`` first, so inf/NaN there leak
-    into neither the value nor the gradient.
-    """
+    """Sum of ``x`` where ``mask`` (all elements, or along ``dim``); inf/NaN elsewhere never
+    reach the value or the gradient."""
     filled = torch.where(_as_mask(mask), x, torch.zeros_like(x))
     return filled.sum() if dim is None else filled.sum(dim=dim)
 
@@ -96,19 +81,9 @@ def _masked_max(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def gspo_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    r"""GSPO sequence-level importance ratio, broadcast to tokens (GSPO-token form), (B, T).
-
-    GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization") replaces the per-token
-    ratio by the length-normalised sequence likelihood ratio::
-
-        s_i     = exp( (1/|y_i|) sum_{t in mask_i} (logp_{i,t} - old_logp_{i,t}) )
-        r_{i,t} = sg(s_i) * exp(logp_{i,t} - sg(logp_{i,t}))          (sg = stop-gradient)
-
-    r_{i,t} equals s_i everywhere and d r_{i,t} / d logp_{i,t} = s_i (0 w.r.t. other tokens):
-    the GSPO-token estimator, which with a sequence-level advantage reproduces GSPO's gradient.
-    As in verl, the mean log-ratio is clamped to [-20, 20] before exp. Masked positions hold
-    s_i (1.0 for a fully-masked row) with zero gradient. Typical clip ranges: 3e-4 / 4e-4.
-    """
+    """GSPO's length-normalised sequence ratio s_i on every token (GSPO-token form), (B, T):
+    value s_i, gradient s_i w.r.t. the token's own logp only (docs/training.md, "The loss,
+    exactly"). Masked positions hold s_i (1.0 for a fully-masked row) with zero gradient."""
     mask = _as_mask(mask)
     _check_same_shape(mask, logp=logp, old_logp=old_logp)
     logp, old_logp = _fill(logp, mask), _fill(old_logp, mask)
@@ -122,30 +97,10 @@ def policy_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 0.2,
     clip_high: float = 0.2, dual_clip: float | None = None, ratio_type: RatioType = "token",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    r"""Per-token PPO clipped surrogate loss (GRPO / DAPO / dual-clip / GSPO).
-
-    PPO (Schulman et al. 2017) as used by GRPO (Shao et al. 2024, DeepSeekMath)::
-
-        ratio_{i,t} = exp(logp_{i,t} - old_logp_{i,t})        (ratio_type="token")
-        L_{i,t}     = -min( ratio * A,  clip(ratio, 1 - clip_low, 1 + clip_high) * A )
-
-    * DAPO clip-higher (Yu et al. 2025): clip_high > clip_low (e.g. 0.2 / 0.28) keeps
-      exploration alive for low-probability tokens.
-    * Dual clip (Ye et al. 2020): for A < 0, L = min(L, -dual_clip * A) = min(L, dual_clip*|A|),
-      so a huge ratio on a negative-advantage token cannot make the loss unbounded (dual_clip > 1).
-    * ratio_type="sequence" uses :func:`gspo_ratio` (GSPO); pair it with sequence-level
-      advantages, clip ranges around 3e-4 / 4e-4 and usually ``seq-mean-token-mean``.
-
-    As in verl, the token log-ratio is clamped to [-20, 20] before exp. ``advantages`` is (B,)
-    (broadcast over T) or (B, T).
-
-    Returns ``(loss, metrics)``: ``loss`` (B, T) with zeros at masked positions (reduce it with
-    :func:`aggregate_loss`); ``metrics`` detached 0-dim tensors over masked tokens:
-    ``clip_frac`` (clipped branch strictly chosen: clip(ratio) * A < ratio * A), split into
-    ``clip_frac_low`` (ratio < 1) and ``clip_frac_high`` (ratio > 1); ``dual_clip_frac``
-    (dual-clip cap strictly active); ``ratio_mean``, ``ratio_max``; ``ppo_kl`` = masked mean of
-    (old_logp - logp), the k1 estimate of KL(old || new).
-    """
+    """Per-token PPO clipped surrogate (B, T), 0 at masked positions (reduce it with
+    :func:`aggregate_loss`), and detached 0-dim metrics: ``clip_frac`` (``_low``, ``_high``),
+    ``dual_clip_frac``, ``ratio_mean``, ``ratio_max``, ``ppo_kl``. ``advantages``: (B,) or
+    (B, T). Clip-higher, dual clip, GSPO, the metrics: docs/training.md, "The loss, exactly"."""
     mask = _as_mask(mask)
     _check_same_shape(mask, logp=logp, old_logp=old_logp)
     if ratio_type not in RATIO_TYPES:
@@ -194,20 +149,9 @@ def policy_loss(
 def kl_penalty(
     logp: Tensor, ref_logp: Tensor, kind: KLKind = "low_var_kl", mask: Tensor | None = None
 ) -> Tensor:
-    r"""Per-token (B, T) estimate of KL(pi || pi_ref) from samples y ~ pi.
-
-    With r = ref_logp - logp = log(pi_ref / pi) (Schulman 2020, "Approximating KL
-    Divergence", http://joschu.net/blog/kl-approx.html)::
-
-        k1         = -r = logp - ref_logp             (unbiased, high variance, can be < 0)
-        k2         = 0.5 * r^2 = 0.5 * (logp - ref_logp)^2      (biased, low variance)
-        k3         = exp(r) - r - 1                   (unbiased, >= 0; GRPO's estimator,
-                                                       DeepSeekMath eq. 4)
-        low_var_kl = clamp( exp(r') - r' - 1, -10, 10 ),  r' = clamp(r, -20, 20)
-                     (verl's ``low_var_kl``: k3 made overflow-safe)
-
-    Masked positions (when ``mask`` is given) are exactly 0 whatever they held.
-    """
+    """Per-token (B, T) estimate of KL(pi || pi_ref) from samples of pi: ``k1``, ``k2``,
+    ``k3`` or ``low_var_kl`` (docs/training.md, "The loss, exactly"). Masked positions (when
+    ``mask`` is given) are exactly 0 whatever they held."""
     if kind not in KL_KINDS:
         raise ValueError(f"unknown KL kind {kind!r}; allowed: {KL_KINDS}")
     if mask is not None:
@@ -232,29 +176,10 @@ def aggregate_loss(
     norm_const: float | None = None, global_tokens: float | None = None,
     global_seqs: float | None = None,
 ) -> Tensor:
-    r"""Reduce a per-token loss matrix (B, T) to a scalar.
-
-    With m the mask, n_i = sum_t m_{i,t} and S = {i : n_i > 0} (fully-masked rows are
-    excluded from every sequence count)::
-
-        token-mean              = sum_{i,t} m L / N_tok,        N_tok = sum_i n_i
-                                  (DAPO's token-level loss, Yu et al. 2025)
-        seq-mean-token-mean     = (1/N_seq) sum_{i in S} (1/n_i) sum_t m L
-                                  (original GRPO, DeepSeekMath; GSPO)
-        seq-mean-token-sum      = (1/N_seq) sum_{i in S} sum_t m L
-        seq-mean-token-sum-norm = sum_{i,t} m L / (N_seq * C)    (Dr.GRPO, Liu et al. 2025)
-                                  C = norm_const, default T = mask.shape[-1] (a constant, so
-                                  long responses are not down-weighted), N_seq = |S|
-
-    Gradient accumulation / data parallel: summed micro-batch losses equal the full-batch loss
-    only if every micro-batch divides by the *full batch's* N_tok / N_seq. Pass those as
-    ``global_tokens`` (replaces N_tok in ``token-mean``) and ``global_seqs`` (replaces N_seq in
-    the ``seq-*`` modes; the one ``mode`` does not use is ignored); ``norm_const`` must then
-    be the same on every micro-batch. An empty selection gives 0 (not NaN), still on the graph.
-
-    Raises ValueError on an unknown mode (listing the allowed ones) or a non-positive
-    ``norm_const`` / ``global_tokens`` / ``global_seqs``.
-    """
+    """Reduce a per-token loss matrix (B, T) to a scalar by ``mode`` (docs/training.md, "The
+    loss, exactly"). ``global_tokens``/``global_seqs`` (the full batch's counts) replace the
+    local ones so micro-batches sum to the full batch's loss; ``norm_const`` must then be equal
+    on all. Empty selection: 0, on the graph. ValueError: unknown mode, non-positive count."""
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; allowed: {LOSS_AGG_MODES}")
     for name, value in (("norm_const", norm_const), ("global_tokens", global_tokens),
@@ -282,14 +207,8 @@ def aggregate_loss(
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
-    r"""Entropy of softmax(z) at every position: float32 (B, T) from (B, T, V) logits.
-
-        H(z) = -sum_v p_v log p_v = logsumexp(z) - sum_v softmax(z)_v * z_v
-
-    (verl's form: no log of a probability, so stable for very peaked distributions). Entries
-    with p_v == 0 (e.g. z_v = -inf for a banned token) contribute exactly 0 with finite
-    gradients.
-    """
+    """Entropy of softmax(z) at every position: float32 (B, T) from (B, T, V) logits, in
+    verl's stable form; p_v == 0 entries (banned tokens) add exactly 0 with finite gradients."""
     z = logits.float()
     p = torch.softmax(z, dim=-1)
     z_safe = torch.where(p > 0, z, torch.zeros_like(z))
@@ -297,15 +216,9 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 
 def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
-    r"""Log-probability (float32, (B, T)) of ``labels`` under softmax(logits / temperature).
-
-        logp_{b,t} = z_{b,t,y} / tau - logsumexp_v(z_{b,t,v} / tau),   y = labels_{b,t}
-
-    Equals ``log_softmax(logits / tau).gather(-1, labels)`` without keeping a (B, T, V)
-    log-softmax. The rollout engine samples with the same temperature, so the trainer must
-    divide by it too or the ratios are biased. ``labels`` must all be valid ids (padded
-    positions hold e.g. the pad id and are masked downstream).
-    """
+    """Log-probability (float32, (B, T)) of ``labels`` under softmax(logits / temperature),
+    without a (B, T, V) log-softmax. Use the engine's sampling temperature, or the ratios are
+    biased; ``labels`` must all be valid ids (padding is masked downstream)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     z = logits.float()
@@ -332,44 +245,10 @@ def rollout_correction(
     icepop_low: float | None = None, icepop_high: float | None = None,
     seq_mask_threshold: float | None = None, seq_mask_metric: SeqMaskMetric = "max",
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    r"""Per-token weights and keep-mask correcting the rollout engine / trainer mismatch.
-
-    The rollout engine (vLLM/SGLang, or older weights when rollout overlaps training) samples
-    from pi_rollout, not from the trainer's pi_old, so the policy gradient is off-policy
-    (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
-    Training"). With the per-token log-ratio (NaN counts as +inf)::
-
-        d_{i,t} = old_logp_{i,t} - rollout_logp_{i,t}  = log( pi_old / pi_rollout )
-
-    three corrections compose; each is off while its parameter is None:
-
-    * ``tis_cap`` = C, an importance weight rho at ``tis_level``::
-
-          token:     rho_{i,t} = exp(d_{i,t})
-          sequence:  rho_i     = exp( sum_{t in mask_i} d_{i,t} )        (product of ratios)
-          geometric: rho_i     = exp( (1/|y_i|) sum_{t in mask_i} d_{i,t} )
-
-      ``tis_mode="truncate"`` (TIS): w = min(rho, C). ``tis_mode="mask"`` (MIS, verl's
-      ``rollout_is_mode: mask``): w = rho where rho <= C, else the token (sequence, at the
-      sequence levels) is masked out.
-    * IcePop band ``icepop_low`` < 1 < ``icepop_high``: a token whose exp(d_{i,t}) lies
-      outside [low, high] is masked out (the edges are kept); the others are not reweighted.
-      With TIS truncate and C >= high this is IcePop's M(k) = k on [low, high], 0 outside.
-    * Sequence masking (rejection): sample i is masked out entirely when its mismatch
-      m_i = max_t |d_{i,t}| (``seq_mask_metric="max"``) or |(1/|y_i|) sum_t d_{i,t}|
-      (``"mean"``) exceeds ``seq_mask_threshold``.
-
-    Returns ``(w, keep, metrics)``, all detached. ``keep`` (bool (B, T)) is ``mask`` minus the
-    tokens any rule masked out; ``w`` (B, T) is the TIS weight (1 without ``tis_cap``) on
-    ``keep`` and exactly 0 elsewhere, finite everywhere: the caller multiplies the per-token
-    policy-gradient loss by it. Masked-out tokens still count in the loss normaliser (see
-    :func:`compute_grpo_loss`). ``metrics`` (0-dim, over ``mask``): ``rollout_trainer_logp_diff``
-    (mean |d| over tokens where d is finite); with ``tis_cap``, ``tis_mean`` and ``tis_max`` of
-    the TIS weight (0 where MIS masked) and ``tis_clip_frac`` (share of tokens with rho > C);
-    ``mis_masked_token_frac`` (mask mode) and ``mis_masked_sample_frac`` (mask mode, sequence
-    levels); ``icepop_masked_token_frac``; ``seq_masked_sample_frac``. Each rule's fraction is
-    its own (the rules may overlap); sample fractions are over rows with a response token.
-    """
+    """Per-token weights and keep-mask correcting the rollout engine / trainer mismatch: TIS/MIS,
+    IcePop, sequence masking, each off while None (docs/training.md, "Off-policy corrections").
+    Returns ``(w, keep, metrics)``, detached: ``keep`` is ``mask`` minus what any rule dropped;
+    ``w`` the finite TIS weight on ``keep`` (1 without ``tis_cap``), exactly 0 elsewhere."""
     if tis_level not in TIS_LEVELS:
         raise ValueError(f"unknown TIS level {tis_level!r}; allowed: {TIS_LEVELS}")
     if tis_mode not in TIS_MODES:
@@ -431,17 +310,8 @@ def tis_weights(
     old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float = 2.0,
     level: TISLevel = "token",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    r"""Truncated importance-sampling weights: :func:`rollout_correction` with TIS alone.
-
-        token:    w_{i,t} = min( exp(old_logp_{i,t} - rollout_logp_{i,t}), cap )
-        sequence: w_{i,t} = min( exp( sum_{t in mask_i} (old_logp - rollout_logp) ), cap )
-                  (one weight per sequence, broadcast to its tokens; ``geometric``: the mean)
-
-    ``w`` (B, T) is detached and 0 at masked positions, so the caller multiplies the per-token
-    loss by it directly. Metrics (detached, 0-dim, over masked tokens): ``tis_mean``,
-    ``tis_max``, ``tis_clip_frac`` (raw weight > ``cap``) and ``rollout_trainer_logp_diff``
-    (mean |old_logp - rollout_logp|).
-    """
+    """Truncated importance-sampling weights min(rho, cap) at ``level``: :func:`rollout_correction`
+    with TIS alone. ``(w, metrics)``: ``w`` (B, T) detached, 0 at masked positions."""
     if level not in TIS_LEVELS:
         raise ValueError(f"unknown TIS level {level!r}; allowed: {TIS_LEVELS}")
     if cap <= 0:
@@ -462,31 +332,13 @@ def compute_grpo_loss(
     seq_mask_threshold: float | None = None, seq_mask_metric: SeqMaskMetric = "max",
     global_tokens: float | None = None, global_seqs: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    r"""Full GRPO objective for one (micro-)batch.
+    """The full GRPO objective of one (micro-)batch: a 0-dim loss with grad, and float metrics.
 
         loss = agg(L_pg * w) + kl_coef * agg(KL) - entropy_coef * agg(H)
 
-    L_pg from :func:`policy_loss`; w from :func:`rollout_correction` (TIS/MIS, IcePop,
-    sequence masking; only when ``rollout_logp`` and one of ``tis_cap``, ``icepop_low``/
-    ``icepop_high``, ``seq_mask_threshold`` are given, else 1); KL from :func:`kl_penalty`
-    against ``ref_logp``, a loss term as in GRPO (DeepSeekMath eq. 3), not folded into the
-    reward; H the per-token entropy; agg :func:`aggregate_loss` with ``loss_agg``/
-    ``norm_const``/``global_tokens``/``global_seqs`` for all three terms. A term is only
-    added when its coefficient is non-zero; ``kl`` / ``entropy`` are still reported when given.
-
-    A token the correction masks out gets w = 0 in the policy-gradient term only (KL and
-    entropy keep every token) and still counts in agg's normaliser: masking is an importance
-    weight of 0 in sum w L / N, as in IcePop and MIS, not a smaller batch. So micro-batches
-    and data-parallel ranks keep the normalisers counted from ``mask`` before any loss
-    (gradient accumulation stays exact), and a step where many tokens are masked moves the
-    policy less instead of scaling the survivors up (verl drops them from the denominator).
-
-    Returns ``(loss, metrics)``: a 0-dim loss with grad and python floats ``loss``, ``pg_loss``
-    (with the global normalisers when given), ``kl`` (masked mean, if ``ref_logp``),
-    ``entropy`` (masked mean, if ``entropy``), every :func:`policy_loss` metric (over all of
-    ``mask``) and, with a correction, every :func:`rollout_correction` metric; all but
-    ``loss``/``pg_loss`` are local to the micro-batch. Raises ValueError for ``kl_coef != 0``
-    without ``ref_logp`` or ``entropy_coef != 0`` without ``entropy``.
+    w (:func:`rollout_correction`) only with ``rollout_logp`` and a correction on; a token it
+    masks out still counts in agg's normaliser (docs/training.md, "The loss, exactly").
+    ValueError: ``kl_coef`` without ``ref_logp``, ``entropy_coef`` without ``entropy``.
     """
     if kl_coef != 0.0 and ref_logp is None:
         raise ValueError("kl_coef != 0 requires ref_logp")

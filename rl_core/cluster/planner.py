@@ -1,20 +1,11 @@
 """The parallelism planner: from a model's shape, the sequence lengths and the device's memory,
 recommend TP/PP/DP for the rollout and training planes, say why, and report the weight traffic
-each sync moves between the two layouts (the rules and their sources: docs/planner.md).
+each sync moves between the two layouts (the rules, formulas and sources: docs/planner.md).
 
     python -m rl_core.cluster.planner --model qwen2.5-7b --device mi300x --devices 8
 
-Rollout: the smallest power-of-two TP at which the weights plus a KV budget of ``min_kv_seqs``
-full-length sequences fit SGLang's static memory, DP for the rest (one engine per device when
-the model fits one: no per-layer all-reduce in decode, :data:`TP1_RESULT`). Training: FSDP2
-first (16 bytes/param, sharded); Megatron TP/PP only where that does not fit a node or one
-micro-batch's activations do not fit; a mixture-of-experts model trains with Megatron expert
-parallelism (EP shards the experts inside a node, PP across nodes). Weight sync: the full
-weights, once per rollout replica.
-
-Memory in GiB, reading nominal capacity as GiB (an H100 "80 GB" reports 79.1 GiB: the headroom
-factors absorb it); bandwidth in GB/s (1e9 bytes/s, per direction, per device, as vendors quote
-it). Every number is an estimate for choosing a layout, not a promise that a run will not OOM.
+Memory in GiB (nominal capacity read as GiB), bandwidth in GB/s per direction per device.
+Every number is an estimate for choosing a layout, not a promise that a run will not OOM.
 Pure standard-library arithmetic: never imports torch, Ray, Prefect or MLflow, never touches a
 device or the network.
 """

@@ -1,21 +1,12 @@
 """Which machine this is (CPU, CUDA or ROCm) and the environment every actor gets there.
 
-:func:`detect_platform` reports the platform kind, its devices (name, memory, architecture),
-the torch / CUDA / HIP versions and, where a file says so cheaply, the driver version.
-:data:`PLATFORM_ENV_PRESETS` is the one table of per-platform environment variables (each
-row with the reason it is there); :func:`platform_env` merges it with the device selection
-and the user's overrides (``cluster.env``; a value of ``None`` removes a preset). The table
-is rendered into ``docs/platforms.md`` by ``python -m rl_core.cluster.platform``.
-
-Device selection rule: Ray is told never to rewrite the visible-devices variables
-(``RAY_EXPERIMENTAL_NOSET_*_VISIBLE_DEVICES=1``), so every process sees the devices the
-node exposes and picks its own by physical id (``base_gpu_id``, local rank). On ROCm the
-HIP runtime honours both ``HIP_VISIBLE_DEVICES`` and ``CUDA_VISIBLE_DEVICES``: grpoflow sets
-both to the same value, and refuses an environment where they disagree.
-
-This module loads on a CPU laptop with neither Ray nor SGLang installed; torch is imported
-only inside :func:`detect_platform`. Never imports Prefect or MLflow; never changes
-``os.environ``.
+:func:`detect_platform` reports the platform, its devices and versions;
+:data:`PLATFORM_ENV_PRESETS` is the one table of per-platform variables (each with its reason,
+rendered into docs/platforms.md by ``python -m rl_core.cluster.platform``); :func:`platform_env`
+merges it with the device selection and ``cluster.env``. Ray never rewrites visible devices;
+ROCm's two variables must agree (docs/platforms.md, 'Visible devices'). Loads without Ray or
+SGLang, torch only inside :func:`detect_platform`; never imports Prefect or MLflow; never
+changes ``os.environ``.
 """
 
 from __future__ import annotations
@@ -126,13 +117,9 @@ def platform_env(
     kind: PlatformKind, overrides: Mapping[str, str | None] | None = None, *,
     visible_devices: Sequence[int] | str | None = None, environ: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The environment variables a process (a Ray actor, an engine) on ``kind`` gets.
-
-    Precedence, lowest first: the preset table; variables already set in ``environ`` (a
-    preset never replaces what the user exported; ``None``: ignore the environment); the
-    device selection for ``visible_devices``; ``overrides`` (``cluster.env``), where a
-    value of ``None`` removes the variable. Returns a new dict.
-    """
+    """The environment variables a process on ``kind`` gets, as a new dict. Precedence, lowest
+    first: presets; what ``environ`` already sets (``None``: ignore the environment); the device
+    selection for ``visible_devices``; ``overrides`` (``cluster.env``; ``None`` removes)."""
     _check_kind(kind)
     if overrides is not None and not isinstance(overrides, Mapping):
         raise TypeError(f"platform_env overrides must be a mapping of name -> str | None, got "
@@ -261,12 +248,9 @@ def _device_info(torch: Any, index: int, kind: str) -> DeviceInfo:
 
 
 def detect_platform() -> PlatformInfo:
-    """Detect CPU, CUDA or ROCm, and the devices this process can see.
-
-    Rules: torch built with HIP (``torch.version.hip``) and at least one visible device is
-    ``rocm``; built with CUDA and a visible device is ``cuda``; anything else (no torch, a
-    CPU build, a GPU build with no visible device) is ``cpu``, with a note saying why.
-    """
+    """Detect CPU, CUDA or ROCm, and the devices this process can see: torch built with HIP and a
+    visible device is ``rocm``, with CUDA and a visible device ``cuda``, anything else ``cpu`` with
+    a note saying why."""
     cpus = _cpu_count()
     try:
         import torch

@@ -1,20 +1,12 @@
 """Ray for the two planes: start a local Ray or join a cluster, check that it holds what the
-config asks for, and reserve devices for the planes with placement groups.
+config asks for, and reserve devices with placement groups (docs/multinode.md, 'Placement groups').
 
-    need = need_for(PlaneResources(1, 1, 0, 2, 1, 0), "colocated")
-    with RayCluster.start(cfg.cluster, run_dir, need=need) as cluster:
-        with place_planes(need.resources, "colocated", timeout_s=60) as placed:
-            Trainer.options(**placed.trainer[0].actor_options()).remote(...)
-
-**Local** (``cluster.address`` unset): 127.0.0.1 only, no dashboard, token authentication on,
-temp dir ``<run_dir>/ray`` (or a linked ``/tmp/grpoflow-ray-*`` past the unix socket limit);
-**joined** (``auto``, ``host:port``, ``ray://``): shutdown only disconnects. Both, and why:
-docs/architecture.md, "Ray on a shared host". Every wait is bounded (``ray.init`` in a thread
-of its own, a TCP probe of an address, placement groups with ``timeout_s``, every ``ray.get``).
-Process-wide (Ray's own): a local start sets ``RAY_AUTH_MODE=token`` unless set, writes
-``~/.ray/auth_token`` if missing, and from the main thread installs Ray's SIGTERM handler when
-none is set. Ray is imported only where needed (:func:`plan_bundles`, :func:`need_for` need none).
-Never imports Prefect or MLflow; never stops a Ray it did not start; never reads the config.
+Local (``cluster.address`` unset): 127.0.0.1 only, no dashboard, token authentication, temp dir
+under the run directory; joined: shutdown only disconnects (docs/architecture.md, 'Ray on a
+shared host'). Every wait is bounded. A local start sets ``RAY_AUTH_MODE=token`` unless set,
+writes ``~/.ray/auth_token`` if missing and, from the main thread, installs Ray's SIGTERM
+handler. Ray is imported only where needed. Never imports Prefect or MLflow; never stops a Ray
+it did not start; never reads the config.
 """
 
 
@@ -119,19 +111,10 @@ def _shape(cpus: float, gpus: float) -> dict[str, float]:
 
 
 def plan_bundles(resources: PlaneResources, placement: str) -> BundlePlan:
-    """The bundles ``placement`` needs for ``resources`` and the actor -> bundle mapping.
-
-    disaggregated: group ``trainer`` has ``trainer_ranks`` bundles ``{CPU: cpus_per_trainer,
-    GPU: gpus_per_trainer}``, rank ``i`` in bundle ``i``; group ``rollout`` likewise for the
-    engines; each actor asks for its whole bundle (a ``gpus_per_engine=4`` engine is one 4-GPU
-    bundle, so on one node). colocated: group ``colocated`` has ``N = max(trainer_ranks * dt,
-    engines * de)`` device bundles ``{CPU: max(cpus_per_trainer, cpus_per_engine), GPU: 1}`` (no
-    GPU key on CPU), ``dt``/``de`` being the devices per trainer rank/engine (``ceil(gpus)``, at
-    least 1). Rank ``i`` sits in bundle ``i * dt`` and engine ``j`` in bundle ``j * de``, each
-    asking for half of its first bundle (``cpus / 2``, ``min(gpus, 1) / 2``: Ray bookkeeping
-    only, both time-share the whole device). Extra bundles (4 ranks, 2 engines) hold one plane
-    only; with ``gpus_per_engine=2`` and 4 ranks engine 0 spans bundles 0-1 and engine 1
-    bundles 2-3, each shared with the rank of the same index."""
+    """The bundles ``placement`` needs for ``resources`` and the actor -> bundle mapping: one bundle
+    per actor in a group per plane (disaggregated), or one shared group of single-device bundles in
+    which each trainer rank and engine takes half of its first bundle (colocated; the layout:
+    docs/multinode.md, 'Placement groups')."""
     if placement not in PLACEMENTS:
         raise ValueError(f"cluster.placement must be one of {PLACEMENTS}, got {placement!r}")
     r = resources
@@ -267,12 +250,9 @@ _abandoned: threading.Thread | None = None
 
 class _RayThread:
     """The one thread that calls ``ray.init`` and, at the end, ``ray.shutdown``: Ray's GCS and
-    raylet die with the *thread* that started them (``PR_SET_PDEATHSIG``), so ``ray.init`` runs
-    here and the thread waits for :meth:`stop`; the caller's thread may end. :meth:`start` waits
-    at most ``timeout_s`` (``ray.init`` has none); a start finishing later is shut down here, and
-    until this thread ends later starts in the process are refused (two ``ray.init`` at once
-    would share process-wide state). Ray installs its SIGTERM handler (exit, so atexit stops
-    Ray) only from the main thread; from there the same one is installed."""
+    raylet die with the *thread* that started them (``PR_SET_PDEATHSIG``). :meth:`start` waits at
+    most ``timeout_s``; a start finishing later is shut down here, and later starts are refused
+    until this thread ends (two would share process-wide state)."""
 
     def __init__(self, ray: Any, kwargs: dict[str, Any], what: str) -> None:
         self._ray, self._kwargs, self._what = ray, kwargs, what
@@ -386,11 +366,10 @@ def _probe(address: str, timeout_s: float) -> None:
 
 
 class RayCluster:
-    """A Ray this process started (``owns``: :meth:`shutdown` stops it) or joined. Use
-    :meth:`start`; as a context manager it shuts down on exit. ``address``: the GCS
-    ``host:port`` or the ``ray://`` address joined; ``connected_here``: :meth:`start` called
-    ``ray.init``; ``temp_dir``: Ray's temp dir for a local start, else ``None``;
-    ``startup_s``: seconds ``ray.init`` took (0 when a connection was reused)."""
+    """A Ray this process started (``owns``: :meth:`shutdown` stops it) or joined; use
+    :meth:`start` (a context manager that shuts down on exit). ``address``: GCS or ``ray://``;
+    ``connected_here``: :meth:`start` called ``ray.init``; ``temp_dir``: a local start's;
+    ``startup_s``: seconds ``ray.init`` took (0: a reused connection)."""
 
     def __init__(self, *, address: str, owns: bool, thread: _RayThread | None,
                  temp_dir: Path | None, startup_s: float) -> None:
@@ -584,11 +563,9 @@ class PlanePlacement:
 
 def place_planes(resources: PlaneResources, placement: str, *, timeout_s: float = 120.0,
                  strategy: str = "PACK", name: str = "grpoflow") -> PlanePlacement:
-    """Reserve the planes' devices with placement groups and say where each actor goes. Needs a
-    connected Ray. ``strategy``: Ray's placement-group strategy (``PACK``: fewest nodes). Waits
-    at most ``timeout_s`` for all groups; on timeout removes them and raises
-    :class:`ClusterError` naming what is missing. A colocated multi-device actor whose devices
-    landed on different nodes is an error too."""
+    """Reserve the planes' devices with placement groups (``strategy``, ``PACK``: fewest nodes) and
+    say where each actor goes; needs a connected Ray. Waits at most ``timeout_s``, then removes the
+    groups and raises :class:`ClusterError` naming what is missing."""
     ray = _import_ray()
     if not ray.is_initialized():
         raise ClusterError("place_planes needs a connected Ray: call RayCluster.start first")

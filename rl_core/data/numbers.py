@@ -3,7 +3,7 @@
 
 Used where numeric answers are read: data validation (a row's final answer must parse) and the
 math rewards (`rl_core.rewards.math`). Pure Python, total on `str` input, no float equality:
-the rules are in `parse_number`'s docstring and docs/rewards.md.
+the rules are in `parse_number`'s docstring and docs/agents.md ("Reading a math answer").
 """
 
 from __future__ import annotations
@@ -84,18 +84,13 @@ def _rest_is_unit(rest: str) -> bool:
 def parse_number(s: str) -> Fraction | None:
     """Parse a number string into an exact Fraction, or None if it is not one number.
 
-    Accepted: thousands separators (``1,234,567.50``; LaTeX ``1{,}000`` / ``1\\,000``),
-    decimals (``.5``, ``3.``), fractions (``3/4``, ``-3/4``, ``\\frac{3}{4}``, ``\\dfrac``,
-    ``\\tfrac``), signs (``+5``, ``-5``, unicode ``−5``), currency (``$12``, ``-$5``, ``€3``),
-    percent (``50%`` and ``50\\%`` are **50**: GSM8K references are written without it),
-    scientific notation (``1e3``, ``2.5E-2``; exponents beyond ±1000 rejected), trailing units
-    (``12 cm``, ``7kg``, ``3\\text{ m}``, ``90^\\circ``) and surrounding punctuation/markdown
-    (``(42)``, ``**42**``, ``42.``, ``= 42``, ``#### 42``).
-
-    Rejected (None): irregular comma groups (``1,23``, ``1234,567``, ``0,5``: thousands
-    separator or decimal comma? no value is guessed); a zero denominator; digits after the
-    number other than as part of it (``5-3``, ``1 1/2``, ``2^3``, ``5 x 10^3``); empty or
-    number-free strings.
+    Accepted: thousands separators (``1,234.50``, ``1{,}000``, ``1\\,000``), decimals (``.5``,
+    ``3.``), fractions (``-3/4``, ``\\frac``/``\\dfrac``/``\\tfrac``), signs (unicode ``−`` too),
+    currency (``-$5``, ``€3``), percent (``50%`` is **50**, as GSM8K references write it),
+    scientific notation (exponents within ±1000), trailing units (``7kg``, ``3\\text{ m}``,
+    ``90^\\circ``), surrounding punctuation/markdown (``**42**``, ``= 42``, ``#### 42``). None:
+    irregular comma groups (``1,23``, ``0,5``: no value is guessed), a zero denominator, further
+    digits (``5-3``, ``1 1/2``, ``2^3``), empty or number-free strings.
     """
     if not isinstance(s, str):
         return None

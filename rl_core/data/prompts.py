@@ -22,17 +22,10 @@ PLAIN_TEMPLATE: str = DataConfig.model_fields["plain_template"].default  # one d
 def render_prompt(tokenizer: Any, question: str, *, system_prompt: str | None = None,
                   use_chat_template: bool | None = None,
                   plain_template: str = PLAIN_TEMPLATE) -> str:
-    """Prompt text for one question.
-
-    With ``use_chat_template`` None (auto) or True and a tokenizer that has a ``chat_template``:
-    ``apply_chat_template`` over [system (if given), user] with ``add_generation_prompt=True``.
-    Otherwise ``plain_template`` with the literal ``{question}`` replaced by the question (no
-    other formatting, so braces elsewhere are kept); a ``system_prompt`` is then put before it,
-    followed by a blank line.
-
-    Raises :class:`~rl_core.config.ConfigError` (a ValueError) when ``use_chat_template`` is
-    True but the tokenizer has no chat template, or when ``plain_template`` lacks ``{question}``.
-    """
+    """Prompt text for one question: the tokenizer's chat template over [system, user] when
+    ``use_chat_template`` allows and it has one, else ``plain_template`` with ``{question}``
+    replaced (docs/configuration.md, 'Prompts'). Raises :class:`~rl_core.config.ConfigError` for
+    a required chat template that is missing or a template without ``{question}``."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if use_chat_template and not has_template:
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__

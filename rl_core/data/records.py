@@ -1,12 +1,9 @@
 """GSM8K-format records: the one in-memory shape every data source is turned into.
 
-A :class:`Record` is ``(id, question, answer)`` where ``answer`` is worked reasoning ending in
-a line ``#### <number>`` (a bare number is accepted too). :func:`validate_records` turns raw
-rows into records and reports every bad row by number, so a user can fix the file rather than
-guess; :func:`records_digest` fingerprints a record list for lineage and resume checks.
-
-This module must never do I/O, touch the network, or import prefect or mlflow: it is pure
-data handling that every plane (rollout, training, evaluation) can import cheaply.
+A :class:`Record` is ``(id, question, answer)``, the answer ending in ``#### <number>`` (or a
+bare number). :func:`validate_records` reports every bad row by number; :func:`records_digest`
+fingerprints a record list for lineage and resume checks (docs/configuration.md, 'Data').
+Pure data handling: never does I/O, touches the network, or imports prefect or mlflow.
 """
 
 from __future__ import annotations
@@ -127,12 +124,9 @@ def validate_numbered_rows(
     answer_field: str = "answer", id_field: str | None = "id", max_bad_fraction: float = 0.0,
     row_label: str = "row", note: str | None = None,
 ) -> tuple[list[Record], list[tuple[int, str]]]:
-    """Like :func:`validate_records` for rows that carry their own numbers (e.g. JSONL lines).
-
-    A :class:`BadRow` counts as a bad row with its reason. ``row_label`` ("row", "line") names
-    the unit in messages; ``note`` is appended to an error message (e.g. which file a
-    row-number range came from).
-    """
+    """Like :func:`validate_records` for rows that carry their own numbers (JSONL lines); a
+    :class:`BadRow` counts as bad with its reason. ``row_label`` names the unit in messages;
+    ``note`` is appended to an error message (which file a row range came from)."""
     if not 0.0 <= max_bad_fraction <= 1.0:
         raise ValueError(f"max_bad_fraction must be within [0, 1], got {max_bad_fraction}")
     good: list[Record] = []
@@ -176,17 +170,10 @@ def validate_records(
     rows: Iterable[Mapping], source: str, question_field: str = "question",
     answer_field: str = "answer", id_field: str | None = "id", max_bad_fraction: float = 0.0,
 ) -> tuple[list[Record], list[tuple[int, str]]]:
-    """Build records from raw rows; return (good records, [(1-based row number, reason)]).
-
-    A row is bad when a field is missing or not a string, the question is blank, the answer
-    has no parsable final number, or its id repeats an earlier row's. Integer ids are accepted
-    and turned into strings. When ``id_field`` is None or a row has no id, the id is the first
-    12 hex digits of sha1(question, answer): stable however the file is reordered; identical
-    rows then report as duplicates.
-
-    Raises :class:`DataValidationError` when the bad fraction exceeds ``max_bad_fraction`` or
-    no row is good ("empty dataset").
-    """
+    """Build records from raw rows; return (good records, [(1-based row number, reason)]). Ids
+    missing (or ``id_field`` None): sha1 of question and answer, so identical rows are duplicates
+    (the bad-row rules: docs/configuration.md, 'Data'). Raises :class:`DataValidationError` above
+    ``max_bad_fraction`` bad rows or when no row is good."""
     return validate_numbered_rows(
         enumerate(rows, start=1), source, question_field=question_field,
         answer_field=answer_field, id_field=id_field, max_bad_fraction=max_bad_fraction)

@@ -1,11 +1,9 @@
 """Deterministic, resumable prompt sampling: which dataset indices each step trains on.
 
-The whole state is ``(seed, epoch, position)``. Epoch ``e`` visits ``range(num_items)`` in the
-order ``numpy.random.default_rng([seed, e]).permutation(num_items)`` — a pure function of
-(seed, epoch) — so restoring a checkpointed state reproduces exactly the batches the original
-run would have drawn: a resume neither skips nor repeats an epoch.
-
-This module must never use global random state, do I/O, or import prefect or mlflow.
+The whole state is ``(seed, epoch, position)``; epoch ``e`` is
+``numpy.random.default_rng([seed, e]).permutation(num_items)``, so a restored state draws
+exactly the batches the original run would have (docs/configuration.md, 'Data'). Never uses
+global random state, does I/O, or imports prefect or mlflow.
 """
 
 from __future__ import annotations
@@ -29,14 +27,9 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 
 
 class PromptSampler:
-    """Batches of dataset indices; each epoch is a seeded permutation of ``range(num_items)``.
-
-    ``next_batch`` continues across epoch boundaries (a batch may take the rest of one epoch and
-    the start of the next). A used-up epoch moves the state to ``(epoch + 1, 0)`` at once, so a
-    checkpoint taken there resumes at the start of the next epoch. Whether the dataset behind
-    the indices is unchanged across a resume is the caller's check (e.g. ``records_digest``);
-    ``num_items`` is not part of the state.
-    """
+    """Batches of dataset indices; each epoch is a seeded permutation of ``range(num_items)``. A
+    batch may span an epoch boundary; a used-up epoch moves to ``(epoch + 1, 0)`` at once. That
+    the dataset is unchanged across a resume is the caller's check (``num_items`` is not state)."""
 
     def __init__(self, num_items: int, batch_size: int, seed: int) -> None:
         self._num_items = _check_int("num_items", num_items, 1)

@@ -1,15 +1,10 @@
 """Load GSM8K-format records from wherever they live, and write/read our own Parquet snapshots.
 
-:func:`load_records` reads a JSONL (or JSON) file, a Parquet file, a local directory (a
-``datasets.save_to_disk`` folder, or one with ``{split}.jsonl`` / ``{split}.parquet`` /
-``{split}-*.parquet`` files) or a Hugging Face hub dataset name. URI schemes dispatch through
-``_SCHEME_READERS``: ``s3://bucket/train.jsonl`` (or ``.parquet``) and ``s3://bucket/prefix``
-(laid out like a directory) are downloaded once (:mod:`rl_core.storage`) into
-``<cache_dir>/s3-data/``, keyed by ETags and sizes, and read with the local readers.
-
-Never imports prefect or mlflow; never downloads on its own (only an explicit hub dataset name
-reaches ``datasets.load_dataset``, only an explicit ``s3://`` URI reaches S3); never crashes
-on a bad row: bad rows are reported by number (:class:`~rl_core.data.records.DataValidationError`).
+:func:`load_records` reads JSONL/JSON, Parquet, a local dataset directory, a hub dataset name
+or, through ``_SCHEME_READERS``, ``s3://`` objects and prefixes (downloaded once into
+``<cache_dir>/s3-data/``; docs/configuration.md, 'Data'). Never imports prefect or mlflow;
+never downloads what was not named explicitly; never crashes on a bad row: bad rows are
+reported by number (:class:`~rl_core.data.records.DataValidationError`).
 """
 
 from __future__ import annotations
@@ -337,16 +332,10 @@ def load_records(
     question_field: str = "question", answer_field: str = "answer", id_field: str | None = "id",
     limit: int | None = None, max_bad_fraction: float = 0.0,
     cache_dir: str | os.PathLike[str] | None = None) -> list[Record]:
-    """Load and validate GSM8K-format records from a file, directory, URI or hub dataset name.
-
-    ``subset`` names a hub configuration (``openai/gsm8k`` + ``main``), or for a local directory
-    the sub-folder of that name when one exists (single files ignore it). A save_to_disk folder
-    holding a single Dataset must hold ``split`` (when it records one). ``limit`` keeps the first
-    N good records; the bad-row check always covers the whole source. ``s3://`` sources are
-    downloaded into ``cache_dir`` (default :func:`rl_core.storage.default_cache_dir`). Raises
-    FileNotFoundError for a missing local path or S3 object, DataValidationError (a ValueError)
-    for bad rows beyond ``max_bad_fraction`` or no good rows, :class:`rl_core.storage.StorageError`
-    when S3 cannot be read (the message says why)."""
+    """Load and validate records from a file, directory, ``s3://`` URI or hub dataset name
+    (``subset``: the hub configuration or local sub-folder; ``limit``: the first N good records).
+    Raises FileNotFoundError (missing path or object), DataValidationError (a ValueError: bad rows)
+    or :class:`rl_core.storage.StorageError` (S3 unreadable)."""
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
     columns = [question_field, answer_field] + ([id_field] if id_field is not None else [])

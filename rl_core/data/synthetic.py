@@ -1,13 +1,9 @@
 """Seeded arithmetic word problems in GSM8K format, for the embedded demo and for tests.
 
-Each problem chains a few ``+``, ``-`` or ``*`` steps evaluated **left to right**; the worked
-answer shows one line per step (``"12 + 7 = 19"``) and ends with ``"#### <result>"``. The
-question is written so ordinary precedence gives the same left-to-right result: whenever a
-``*`` follows a ``+``/``-``, the expression so far is parenthesised (``"What is (12 + 7) * 3?"``).
-A tiny model can learn this, which is what the demo needs.
-
-This module must never touch global random state (it uses its own ``random.Random``), do I/O,
-or import prefect or mlflow. Output is a pure function of (n, seed, knobs).
+A few ``+``, ``-`` or ``*`` steps evaluated left to right (parenthesised so ordinary precedence
+agrees), one worked line per step, ending with ``#### <result>``: a tiny model can learn this
+(docs/configuration.md, 'Data'). Never touches global random state, does I/O or imports
+prefect or mlflow; output is a pure function of (n, seed, knobs).
 """
 
 from __future__ import annotations
@@ -102,16 +98,9 @@ def generate_arithmetic(
     allow_negative: bool = False, long_frac: float = 0.0, long_steps: int = 12,
 ) -> list[Record]:
     """``n`` GSM8K-format arithmetic problems, deterministic for ``seed``; ids ``syn-{seed}-{i}``.
-
-    Each problem has s operations (s uniform in ``steps``) on operands whose digit count is
-    uniform in ``digits`` (0 counts as one digit); the right operand of ``*`` is always one
-    digit from 2 to 9, so products stay small. With ``allow_negative=False`` no intermediate
-    result is negative: a first ``-`` swaps its operands, a later one resamples its operand.
-    Questions are evaluated left to right (see the module docstring). Duplicate questions are
-    possible in one call (:func:`generate_splits` makes disjoint train/test sets).
-    ``long_frac``: the share of problems with ``long_steps`` steps instead (a long-tailed
-    response length: their worked answers are several times longer than the rest).
-    """
+    Steps, operand digits and ``*``'s one-digit right operand as docs/configuration.md ('Data')
+    says; ``allow_negative=False``: no negative intermediate result; ``long_frac`` of the problems
+    get ``long_steps`` steps. May repeat a question (:func:`generate_splits`: disjoint splits)."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     ops = _check_knobs(digits, operations, steps)

@@ -1,24 +1,11 @@
 """The embedded rollout engine: continuous batching over one Hugging Face causal LM, no HTTP.
 
-One model copy serves every request. A scheduler thread owns all generation state and loops
-as SGLang's scheduler does, in miniature: (1) run pending control operations (abort, pause,
-weight updates, memory release) at this *safe point*, where nothing is mid-forward, so weights
-and the KV cache may change; (2) admit waiting requests first-come-first-served while the KV
-budget (``max_total_tokens``: prompt + ``max_new_tokens`` per request) and
-``max_running_requests`` allow, prefilled in one batch into the running batch's KV cache
-(:mod:`rl_core.engine.kv`); (3) decode one step for the whole batch, retire finished rows and
-resolve their futures. Requests join and leave between steps; an idle thread waits on a
-condition (bounded). ``background=False`` runs no thread: the scheduler runs on whichever
-thread waits in :meth:`~EmbeddedEngine.generate_sync` or a control call (the in-process
-plane's mode: generation then shares the trainer's thread and its OpenMP team; a second
-thread computing in the same process costs the engine up to 2x on small models). Sampling is :func:`~rl_core.engine.sampling.sample_next`: a seeded
-request yields the same tokens whatever its batch. ``weight_version`` is a string, as in
-SGLang (``"default"`` until the first versioned update; pass ``str(step)``). Prompt log-probs
-(``logprob_start_len >= 0``) are SGLang's: unscaled ``log_softmax(logits)``, first entry
-``None``. The weights' checksum is computed at the safe point that changes them, and cached.
-
-Never imports Prefect or MLflow; never unpickles received data; opens no socket except the
-``torch.distributed`` group a trainer asks it to join.
+One model copy serves every request. A scheduler (a thread, or with ``background=False`` the
+thread that waits on it) owns all generation state; each turn it runs pending control calls at
+its *safe point*, admits waiting requests within the KV budget, and decodes one step for the
+batch. A seeded request yields the same tokens whatever its batch. ``weight_version`` is a
+string, as in SGLang. Details: docs/rollout.md, "The embedded engine". Never unpickles received
+data; opens no socket but the ``torch.distributed`` group a trainer asks it to join.
 """
 
 from __future__ import annotations
@@ -133,12 +120,9 @@ def _abort_reason(message: str, status_code: int | None = None, err_type: str | 
 
 class EmbeddedEngine:
     """A continuous-batching generation engine in this process (see the module docstring).
-
-    ``max_total_tokens`` defaults to ``max(65536, context_length)``; ``control_timeout_s``
-    bounds a control call's wait for the next safe point, ``weight_sync_timeout_s`` each
-    collective of a distributed weight update. ``on_step(n)`` runs on the scheduler thread
-    after decode step ``n`` (tests act at exact points with it). ``kv_layout``: "auto" (slots
-    where the model supports them, else padded), "slots" or "padded"."""
+    ``max_total_tokens`` defaults to ``max(65536, context_length)``; the timeouts bound a
+    control call's wait for a safe point and each weight-update collective; ``on_step(n)``
+    runs on the scheduler after decode step ``n`` (for tests); ``kv_layout``: auto/slots/padded."""
 
     def __init__(self, model_path: str | Path, *, dtype: str = "float32",
                  max_running_requests: int = 256, max_total_tokens: int | None = None,

@@ -1,15 +1,11 @@
 """The running batch's KV cache for the engine's scheduler: two layouts behind one interface.
 
-``prefill`` computes new rows into staging (their logits), ``admit`` moves the staged rows
-the scheduler keeps into the batch, ``step`` decodes one token for every row, ``select`` keeps
-some rows (their new order), ``clear`` empties the batch, ``free`` also drops the buffers,
-``weights_changed`` drops anything derived from the weights, ``token_rows`` says where each
-prefilled sequence's tokens are in the forward's flattened token order (the engine's MoE
-routing capture reads them there). :class:`SlotBatch` (``slots``: Llama, Qwen2, Qwen3 and
-their MoE variants Qwen2-MoE, Qwen3-MoE) copies nothing per step; :class:`PaddedBatch` (``padded``: any other
-full-attention model) copies the whole cache every step, as ``transformers`` ``generate``
-does (``docs/benchmarks.md``). Used only by the scheduler thread of :mod:`rl_core.engine.core`.
-Never imports Prefect or MLflow; never changes the model's weights.
+``prefill`` computes new rows into staging, ``admit`` moves the kept ones into the batch,
+``step`` decodes one token per row, ``select`` keeps some rows (returns their new order),
+``clear``/``free`` empty it (``free`` drops the buffers), ``weights_changed`` drops anything
+derived from the weights, ``token_rows`` locates each prefilled sequence's tokens (for MoE
+routing capture). :class:`SlotBatch` (Llama/Qwen families) copies nothing per step;
+:class:`PaddedBatch` runs any full-attention model (docs/rollout.md, "KV cache layouts").
 """
 
 from __future__ import annotations
@@ -57,19 +53,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class SlotBatch:
     """Preallocated per-row KV slots, written in place; the decoder runs on the model's modules.
-
-    Per layer, K and V buffers (slots, kv_heads, columns, head_dim): row ``r`` lives in slot
-    ``r`` with its token at position ``p`` in column ``p`` (no front padding), so a decode step
-    writes one column per row in place and attends to columns ``[0, max length]`` under a
-    per-row length mask. Buffers grow geometrically (columns capped at the longest row's
-    prompt + ``max_new_tokens``, slots at ``max_running_requests``) and are kept between
-    batches; retired rows' slots are filled from the batch's end, so only moved rows are
-    copied. Prefill right-pads new rows (positions ``0..n-1``): plain causal attention is
-    exact for every real token; matrix products run on the packed real tokens. Embedding,
-    norms, MLPs, rotary tables and LM head are the model's own modules, called at run time,
-    so weight updates and offloading apply. Attention is HF's Llama/Qwen2/Qwen3 attention
-    (SDPA with GQA, rotary, optional q/k norms) without ``repeat_kv`` copies. An MoE layer's
-    MLP is the model's own sparse block (router and experts) on the packed tokens."""
+    Per layer, K and V of (slots, kv_heads, columns, head_dim): row ``r`` in slot ``r``, its
+    position ``p`` in column ``p``, so a decode step writes one column per row. Layout, growth
+    and attention: docs/rollout.md, "KV cache layouts"."""
 
     layout = "slots"
 
@@ -238,11 +224,10 @@ class SlotBatch:
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, *, prefill_at: int | None = None,
                  packing: tuple[torch.Tensor, int, int] | None = None,
                  decode_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The decoder's final hidden states for ``ids`` (n, T). Prefill (``prefill_at=b``,
-        ``packing=(index, rows, width)``): ``ids`` (1, T) holds the new rows' tokens back to
-        back; causal attention runs on the right-padded (rows, width) layout (token ``j`` at flat
-        position ``index[j]``), keys going to slots ``b..b+rows-1``. Decode (``decode_mask`` (B,
-        width), T = 1): keys go to column ``pos`` of each slot; attention reads ``[0, width)``."""
+        """Final hidden states for ``ids`` (n, T). Prefill (``prefill_at=b``, ``packing=(index,
+        rows, width)``): ``ids`` (1, T) packed, attention on the right-padded (rows, width) layout
+        (token ``j`` at ``index[j]``), keys to slots ``b..``. Decode (``decode_mask`` (B, width),
+        T = 1): keys to column ``pos`` of each slot, attention over ``[0, width)``."""
         (n, t), hd, packed = ids.shape, self.head_dim, self._weights()
         h = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(h, positions)
@@ -346,10 +331,8 @@ def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
 
 class PaddedBatch:
     """The running batch through the model's own forward: any full-attention HF causal LM.
-
-    Rows are left-padded to a common length in a ``DynamicCache`` with per-row attention masks
-    and positions; joining rows are padded and concatenated, leading columns no row needs are
-    trimmed when rows leave, and every decode step copies the whole cache."""
+    Rows left-padded in a ``DynamicCache`` (per-row masks, positions); leading columns no row
+    needs are trimmed when rows leave; every decode step copies the whole cache."""
 
     layout = "padded"
 

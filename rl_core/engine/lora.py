@@ -1,19 +1,11 @@
-"""LoRA adapters in the embedded engine, by SGLang's protocol: loaded and unloaded by name,
-chosen per request (``lora_path`` on ``/generate``).
+"""LoRA adapters in the embedded engine, by SGLang's protocol: loaded by name, chosen per request.
 
-An adapter is a PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``, what
-``peft``'s ``save_pretrained`` writes) or the same tensors and config in memory. The engine
-serves one by *merging* it: at a safe point it keeps the base weights of every layer the
-adapter targets and adds ``scaling * B @ A`` (PEFT's definition; ``scaling = alpha / r``, or
-``alpha / sqrt(r)`` with rsLoRA), so decoding costs what the base model costs. A running batch
-serves one adapter (or the base model) at a time: a request for another waits until the batch
-drains, first come first served (SGLang with ``--max-loras-per-batch 1``). Adapter checksums
-are :func:`~rl_core.weight_sync.weights_checksum` of the tensors as the trainer names them,
-so a weight sync can be verified like a full one.
-
-Refused with the reason: DoRA, per-module ranks or alphas, ``fan_in_fan_out``, trained biases,
-``modules_to_save``, and targets that are not linear weights of the model. Never imports
-Prefect or MLflow; never unpickles.
+An adapter is a PEFT directory (or its tensors and config in memory). The engine serves one by
+*merging* ``scaling * B @ A`` into the base weights at a safe point, one adapter per running
+batch (SGLang with ``--max-loras-per-batch 1``); its checksum is that of the tensors as the
+trainer names them, so a sync is verified like a full one (docs/lora.md). Refused with the
+reason: DoRA, per-module ranks or alphas, ``fan_in_fan_out``, trained biases,
+``modules_to_save``, targets that are not linear weights. Never unpickles.
 """
 
 from __future__ import annotations
@@ -109,12 +101,9 @@ def parse_adapter(name: str, config: Mapping[str, Any], tensors: Mapping[str, to
 
 class Adapters:
     """The adapters an engine holds and which one its weights serve now (merged).
-
-    ``live()`` returns the served weights by state_dict name (the tensors to change in place,
-    the host buffer while offloaded); ``changed()`` runs after every merge or unmerge (the
-    engine drops what it derived from the weights). Only the scheduler thread calls
-    :meth:`activate`, at a safe point.
-    """
+    ``live()``: the served weights by state_dict name (the host buffer while offloaded);
+    ``changed()`` runs after every merge or unmerge. Only the scheduler thread calls
+    :meth:`activate`, at a safe point."""
 
     def __init__(self, live: Callable[[], dict[str, torch.Tensor]],
                  changed: Callable[[], None]) -> None:

@@ -1,17 +1,11 @@
 """SGLang's native HTTP protocol over the embedded engine: request bodies in, responses out.
 
-Reads bodies under a size cap (413 as soon as one is known too large; non-standard JSON,
-``NaN`` / ``Infinity`` or too deep nesting: 400), turns ``/generate`` bodies into
+Reads bodies under a size cap (413), turns ``/generate`` bodies into
 :class:`~rl_core.engine.core.GenerateRequest` (prompt-major for ``n > 1``, seeds ``seed + j``,
-at most ``max_request_samples``, checked before expanding) and answers in SGLang's shapes:
-``{"object": "error", "message", "type": "Bad Request", "code": 400}`` (malformed),
-``{"error": {"message"}}`` (refused), ``{"success", "message"}`` (control).
-``return_routed_experts`` (MoE models; SGLang needs ``--enable-return-routed-experts``, the
-embedded engine always serves it) adds ``meta_info.routed_experts``
-(:mod:`rl_core.engine.routing`). Penalties,
-grammars, ``stream``, ``input_embeds`` and top-k log-probs are refused unless at their
-default. Routers get the engine from the dependency :data:`Engine` (503 while none is
-attached). Never imports Prefect or MLflow; never unpickles request data.
+at most ``max_request_samples``, checked before expanding) and answers in SGLang's three
+shapes (malformed, refused, control); what is refused: docs/rollout.md, "The embedded engine".
+Routers get the engine from the dependency :data:`Engine` (503 while none is attached).
+Never unpickles request data.
 """
 
 from __future__ import annotations

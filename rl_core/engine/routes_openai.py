@@ -1,23 +1,11 @@
-"""OpenAI-compatible routes of the embedded engine: ``/v1/chat/completions``,
-``/v1/completions`` and ``/v1/models``, and the request/response code the agent gateway shares.
+"""OpenAI-compatible routes of the embedded engine (``/v1/chat/completions``, ``/v1/completions``).
 
-An agent written against the ``openai`` client talks to these routes as it would to OpenAI or
-to SGLang (which serves the same routes natively). Chat messages are rendered with the engine
-tokenizer's chat template (``tools`` passed to it); a turn's Hermes tool calls
-(``<tool_call>{...}</tool_call>``) come back parsed in ``message.tool_calls`` while ``content``
-keeps the text as generated. Sampling fields are OpenAI's (``max_tokens`` /
-``max_completion_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``,
-``logprobs``) plus SGLang's extensions (``top_k``, ``min_p``, ``stop_token_ids``,
-``ignore_eos``, ``skip_special_tokens``, ``chat_template_kwargs``, ``return_token_ids``: the
-prompt and completion token ids per choice). Fields the engine cannot honour (``stream``,
-penalties, ``logit_bias``, top-k log-prob alternatives, ``echo``, ...) are refused unless at
-their default, and unknown fields are refused, in OpenAI's error shape
-``{"error": {"message", "type", "param", "code"}}``, so a client never gets silently different
-behaviour. Bodies are read under the server's size cap (:func:`~rl_core.engine.protocol.read_body`)
-and every wait on the engine is bounded (``app.state.openai_timeout_s``, default
-:data:`OPENAI_TIMEOUT_S`; a client that goes away has its requests aborted).
-
-Never imports Prefect or MLflow; never unpickles request data; never re-tokenizes a completion.
+Also ``/v1/models``, and the request/response code the agent gateway shares. OpenAI's fields
+plus SGLang's extensions; Hermes tool calls parsed into ``message.tool_calls``; anything the
+engine cannot honour, or does not know, is refused in OpenAI's error shape, so a client never
+gets silently different behaviour (docs/rollout.md, "OpenAI-compatible routes"). Bodies are
+size-capped, every wait is bounded (:data:`OPENAI_TIMEOUT_S`). Never unpickles request data;
+never re-tokenizes a completion.
 """
 
 from __future__ import annotations

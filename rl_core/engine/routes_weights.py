@@ -1,13 +1,9 @@
 """Weight and memory routes of the embedded engine's server: SGLang's update paths and ours.
 
-Disk (safetensors), distributed (a ``torch.distributed`` group, ``backend`` ``gloo`` by
-default on a CPU engine, where SGLang's ``nccl`` needs a GPU; one broadcast per tensor),
-version bumps, memory release/resume. No ``/update_weights_from_tensor``: its payloads are
-pickled CUDA IPC handles, never unpickled here. ``GET /weights_checksum`` (ours):
-``{"checksum", "weight_version"}``, the XXH3-128 checksum cached when the engine applied the
-weights, for the trainer to compare with its own (``?lora_name=``: that adapter's). LoRA
-adapters: SGLang's ``/load_lora_adapter`` (``{"lora_name", "lora_path"}``, a PEFT directory)
-and ``/unload_lora_adapter`` (``{"lora_name"}``). Never imports Prefect or MLflow.
+Disk, distributed (``backend`` defaults to ``gloo`` on a CPU engine), version bumps, memory
+release/resume, LoRA adapters by name, and ``GET /weights_checksum`` (ours: the cached checksum
+for the trainer to compare). No ``/update_weights_from_tensor``: its payloads are pickled CUDA
+IPC handles, never unpickled here. Fields: docs/rollout.md, "The embedded engine".
 """
 
 from __future__ import annotations

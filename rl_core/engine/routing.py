@@ -1,12 +1,10 @@
 """Routing capture for the embedded engine: SGLang's ``return_routed_experts`` (MoE models).
 
-A request with ``return_routed_experts`` gets, in its output, the experts every one of its
-tokens was routed to in every MoE layer, from its prefill and from each decode step, as
+A request that asks gets the experts each of its tokens was routed to in every MoE layer, as
 SGLang returns them: base64 of int32 ``[seq_len - 1, moe_layers, top_k]`` (the last token is
-sampled, never run through the model, so it has no row; :mod:`rl_core.types`). The routers'
-choices are read by :class:`~rl_core.models.moe.RouterTap` hooks after each forward and
-kept per request; a retracted request's rows are recomputed with its next prefill. Used
-only by the scheduler thread of :mod:`rl_core.engine.core`. Never imports Prefect or MLflow.
+never run through the model; docs/moe.md). Read by :class:`~rl_core.models.moe.RouterTap`
+hooks after each forward and kept per request; a retracted request's rows are recomputed with
+its next prefill. Used only by the scheduler thread of :mod:`rl_core.engine.core`.
 """
 
 from __future__ import annotations

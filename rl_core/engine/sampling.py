@@ -1,12 +1,10 @@
 """The engine's sampler: SGLang's sampling parameters and one batched sampling step.
 
-:func:`sample_next` gives tokens and log-probs as SGLang computes them: ``log_softmax(logits /
-temperature)`` *before* top-k / top-p / min-p filtering, for every generated token including
-EOS. Sampling is seeded per request and batch-invariant: row ``r`` at output position ``t``
-draws one uniform number, a pure function of ``(seed_r, t)`` (counter-based splitmix64), and
-takes the token where it falls in the row's cumulative distribution (inverse CDF), so a
-request samples the same tokens whatever batch it runs in (resumed runs reproduce). Never
-imports Prefect or MLflow; never touches the trainer's model.
+:func:`sample_next` returns tokens and log-probs as SGLang computes them:
+``log_softmax(logits / temperature)`` *before* top-k / top-p / min-p filtering, EOS included.
+Seeded and batch-invariant: one uniform per row and output position, a pure function of
+``(seed, position)``, placed in the row's cumulative distribution (docs/rollout.md, "The
+embedded engine"). Never touches the trainer's model.
 """
 
 from __future__ import annotations
@@ -89,11 +87,9 @@ def sampling_uniforms(seeds: torch.Tensor, position: torch.Tensor) -> torch.Tens
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """For each row the token where ``u`` (B,) falls in the cumulative distribution of
-    ``probs`` (B, V; not normalised, zeros for filtered tokens). The sum runs in float64 so
-    rounding cannot move mass between tokens, and a zero-probability token is never returned:
-    ``x = u * total`` lands in token ``j``'s interval ``[cdf[j-1], cdf[j])`` only if it is not
-    empty; if rounding puts ``x`` at the total itself, the last token with mass is taken."""
+    """Per row, the token where ``u`` (B,) falls in the cumulative distribution of ``probs``
+    (B, V; unnormalised, zeros for filtered tokens). Summed in float64; a zero-probability
+    token is never returned (``u * total`` rounded up to the total: the last with mass)."""
     cdf = probs.to(torch.float64).cumsum_(-1)
     x = (u * cdf[:, -1])[:, None]
     token = torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
@@ -138,11 +134,10 @@ _BLOCK_ELEMENTS = 16384
 def sample_next(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                 top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor,
                 position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sampling step for a batch of rows: (tokens, their log-probs), both shape (B,).
-    ``position`` is each row's output index (the :func:`sampling_uniforms` counter). T = 0 is
-    greedy and reports the unscaled ``log_softmax``; otherwise the token is drawn from
-    ``softmax(filtered logits / T)`` by inverse CDF, its log-prob is ``log_softmax(logits / T)``
-    before filtering. Rows are independent, processed in blocks of ``_BLOCK_ELEMENTS`` values."""
+    """One sampling step: (tokens, log-probs), both (B,); ``position``: each row's output
+    index. T = 0 is greedy with the unscaled ``log_softmax``; else an inverse-CDF draw from
+    ``softmax(filtered logits / T)``, log-prob ``log_softmax(logits / T)`` before filtering.
+    Rows are independent, processed in blocks of ``_BLOCK_ELEMENTS`` values."""
     uniforms = sampling_uniforms(seeds, position)
     rows = max(1, _BLOCK_ELEMENTS // logits.shape[-1])
     args = (logits, temperature, top_k, top_p, min_p, uniforms)

@@ -1,12 +1,10 @@
 """SGLang's native HTTP API over the embedded engine: the app, and the uvicorn runners.
 
-:func:`create_app` puts the routers (``routes_*``) and :mod:`rl_core.engine.protocol`'s error
-handlers over one engine in ``app.state``; ``python -m rl_core.engine.server`` (:func:`main`,
-``grpoflow engine serve``) loads a model and serves it. Endpoints, fields and shapes are
-SGLang's (``/work/shared/reference/sglang-protocol.md`` §1–2, §7): one client drives this
-server and real SGLang alike; hostile input gets a 4xx before it reaches the scheduler thread
-(``tests/test_http_fuzz.py``). Never imports Prefect or MLflow; never unpickles request data;
-binds 127.0.0.1 unless told otherwise.
+:func:`create_app` puts the routers (``routes_*``) and the protocol's error handlers over one
+engine in ``app.state``; ``python -m rl_core.engine.server`` (:func:`main`, ``grpoflow engine
+serve``) loads a model and serves it. Endpoints and shapes are SGLang's (docs/rollout.md), so
+one client drives this server and real SGLang alike; hostile input gets a 4xx before it
+reaches the scheduler. Never unpickles request data; binds 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
@@ -34,11 +32,9 @@ log = logging.getLogger(__name__)
 def create_app(engine: EmbeddedEngine | None = None, *, health_timeout_s: float = 20.0,
                max_request_bytes: int = MAX_REQUEST_BYTES,
                max_request_samples: int = MAX_REQUEST_SAMPLES) -> FastAPI:
-    """The SGLang-compatible app over ``engine`` (or attached later as ``app.state.engine``;
-    every endpoint answers 503 until then). Bodies over ``max_request_bytes`` get 413, a
-    ``/generate`` asking for more than ``max_request_samples`` samples 400. OpenAI-compatible
-    routes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``) are
-    :mod:`~rl_core.engine.routes_openai`."""
+    """The SGLang-compatible app (OpenAI routes included) over ``engine``, or one attached
+    later as ``app.state.engine`` (503 until then). Bodies over ``max_request_bytes`` get
+    413, a ``/generate`` asking for more than ``max_request_samples`` samples 400."""
     for name, value in (("max_request_bytes", max_request_bytes),
                         ("max_request_samples", max_request_samples)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

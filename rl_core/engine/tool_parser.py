@@ -1,9 +1,9 @@
-"""Tool calls in a model's text, Hermes format (Qwen2.5/Qwen3, Hermes and most open chat
-models): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one or more per turn.
+"""Tool calls in a model's text, Hermes format: ``<tool_call>{"name", "arguments"}</tool_call>``.
 
-The engine's OpenAI routes return them parsed in ``message.tool_calls``, as SGLang's
-``--tool-call-parser`` does; the agents' tool environments read them with the same parser.
-Malformed calls are reported, never guessed.
+The format of Qwen2.5/Qwen3, Hermes and most open chat models, one or more per turn. The
+engine's OpenAI routes return them in ``message.tool_calls``, as SGLang's
+``--tool-call-parser`` does; the agents' tool environments use the same parser. Malformed
+calls are reported, never guessed.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The weights an engine serves: state_dict names, tied aliases, host offload and the checksum.
 
-:class:`ServedWeights` maps every state_dict name to its tensor (tied names such as
-``lm_head.weight`` share one), checks incoming named tensors against those names and shapes,
-copies them in, moves the weights to a host buffer and back, and keeps their XXH3 checksum
-(:func:`rl_core.weight_sync.weights_checksum`), computed on first use and after each copy (release
-and restore move the same bytes: the checksum stands). Only the engine's scheduler thread
-changes the weights (at a safe point). Never imports Prefect or MLflow; never reads files.
-
-A mixture of experts runs its experts as fused 3-D tensors (``<p>.experts.gate_up_proj``,
-``<p>.experts.down_proj``); updates may also name them one expert at a time, as checkpoints
-and SGLang's loader do (``<p>.experts.<e>.{gate,up,down}_proj.weight``, what a broadcast
-sends): each such tensor is copied into its expert's slice.
+:class:`ServedWeights` checks incoming named tensors against the model's names and shapes,
+copies them in (fused MoE experts also by their per-expert checkpoint names, into their
+slices), moves the weights to a host buffer and back, and caches their checksum (recomputed
+after each copy; offload and restore keep it). Only the engine's scheduler thread changes the
+weights, at a safe point. Never reads files.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Resolving a model reference to a verified local Hugging Face directory, cached by content.
 
-``model.path`` may be ``embedded:tiny`` (built by :mod:`rl_core.base_model`), a local HF
-directory, a hub id, or an ``s3://`` prefix. Every result is verified to load (config,
-tokenizer, weights) before anything else starts and carries a content key: the digest of its
-manifest (each file's name, size and sha256). Hub snapshots are cached by commit under
-``<cache>/models/hf/<org>--<name>/{snapshots,refs,tmp}/``, S3 snapshots by the digest of the
-prefix's listing under ``<cache>/models/s3/``; downloads land in ``tmp/`` and are renamed in
-when verified, a damaged snapshot is discarded, never used, and an unreachable hub or S3 falls
-back to the snapshot last resolved (the layout and rules: docs/models.md, "The model cache").
-:func:`local_model_dir` finds a reference already on this machine without downloading,
-building or hashing (for :mod:`rl_core.preflight`). The HF token goes to ``huggingface_hub``
-only, never to a log. Never imports Prefect or MLflow.
+``model.path``: ``embedded:tiny``, a local HF directory, a hub id or an ``s3://`` prefix. Every
+result is verified to load before anything starts and keyed by its manifest's digest; hub and
+S3 snapshots are cached by commit / listing, downloaded atomically, discarded when damaged, and
+reused when the source is unreachable (docs/models.md, 'The model cache').
+:func:`local_model_dir` finds a reference already here without downloading, building or
+hashing. The HF token goes to ``huggingface_hub`` only, never to a log. No Prefect or MLflow.
 """
 
 

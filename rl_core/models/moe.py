@@ -1,22 +1,10 @@
 """Mixture-of-experts models: the tiny MoE demo model, routing capture and replay, router stats.
 
-Qwen3-MoE and Qwen2-MoE as ``transformers`` 5 runs them: every MoE layer's ``mlp.gate`` is a
-top-k router module (``Qwen3MoeTopKRouter``) that returns ``(logits, weights, indices)`` —
-softmax over the experts, the top-k, renormalised to sum to 1 where ``norm_topk_prob`` — and
-``mlp.experts`` holds the experts as 3-D tensors (``gate_up_proj`` (E, 2I, H), ``down_proj``
-(E, H, I)); Qwen2-MoE adds a sigmoid-gated shared expert. Checkpoints store the experts one
-by one (``mlp.experts.<e>.gate_proj.weight``): ``save_pretrained``/``from_pretrained``
-convert, and :func:`fuse_expert_weights` converts tensors read from disk the same way, so
-the engine and the trainer load them by their runtime names.
-
-Routing is read and replaced by forward hooks on the router modules, in layer order:
-:class:`RouterTap` records what each router chose (the engine's ``return_routed_experts``,
-the trainer's router metrics) and, given the rollout's expert indices, replaces the router's
-choice with them (routing replay, R3): the gate weights are the training router's softmax
-probabilities at those indices, renormalised as the architecture does, so the router still
-learns. A row of indices that holds a -1 keeps the router's own choice.
-
-Never imports Prefect or MLflow.
+Qwen3-MoE and Qwen2-MoE as ``transformers`` 5 runs them: top-k router modules and experts fused
+into 3-D tensors, which checkpoints store one by one (:func:`fuse_expert_weights` converts).
+:class:`RouterTap`'s forward hooks record each router's choice and, given the rollout's expert
+indices, replay them (R3) with the training router's gate weights, so the router still learns;
+-1 keeps the router's own choice (docs/moe.md). Never imports Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -75,16 +63,10 @@ def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def gate_weights(router: torch.nn.Module, logits: torch.Tensor,
                  idx: torch.Tensor) -> torch.Tensor:
-    """The gate weights ``router`` gives experts ``idx`` (tokens, k) from its ``logits``, as
-    its own forward computes them for the experts it picks (routing replay: the weights of
-    the replayed experts, differentiable through the logits):
-
-    - sigmoid routers (DeepSeek-V3, GLM-4.5: ``e_score_correction_bias``): the sigmoid
-      scores, renormalised with ``norm_topk_prob``, times ``routed_scaling_factor`` (the
-      bias only picks experts; it never weighs them);
-    - softmax routers: the softmax probabilities, renormalised over the k experts where the
-      router does (``norm_topk_prob``; always for Mixtral, and gpt-oss's softmax over the
-      top-k logits is the same thing)."""
+    """The gate weights ``router`` gives experts ``idx`` (tokens, k) from its ``logits``, as its
+    own forward computes them (differentiable, for routing replay): sigmoid routers (DeepSeek-V3,
+    GLM-4.5) their scores renormalised and times ``routed_scaling_factor`` (the bias only picks);
+    softmax routers the probabilities, renormalised over the k where the router does."""
     if hasattr(router, "e_score_correction_bias"):
         top = logits.float().sigmoid().gather(-1, idx)
         if getattr(router, "norm_topk_prob", False):
@@ -200,11 +182,9 @@ def hub_layout(hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 class RouterTap:
     """Forward hooks on every router of ``model`` (a context manager; ``close()`` removes them).
-
-    After a forward, :meth:`indices` holds the experts each flattened token went to, per
-    layer, and :attr:`logits` each router's logits (``keep_logits``). :meth:`replay` sets the
-    indices the next forwards must use instead: (tokens, layers, top_k) in the flattened
-    token order of the model's input (rows with a -1: the router's own choice)."""
+    After a forward :meth:`indices` holds each flattened token's experts per layer and
+    :attr:`logits` the routers' logits (``keep_logits``); :meth:`replay` sets the (tokens, layers,
+    top_k) indices the next forwards use (-1: the router's own choice)."""
 
     def __init__(self, model: torch.nn.Module, *, keep_logits: bool = False) -> None:
         self.routers = routers(model)
@@ -262,21 +242,10 @@ class RouterTap:
 def router_metrics(logits: list[torch.Tensor], indices: torch.Tensor, mask: torch.Tensor,
                    *, per_layer: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
     """The load-balancing loss (with gradient) and the ``moe/*`` router metrics over the tokens
-    ``mask`` (flattened, bool) of one forward; ``indices`` (tokens, layers, top_k) the experts
-    the forward used (the replayed ones under routing replay). The megatron backend reports
-    the same names (:mod:`rl_core.training.megatron.moe`).
-
-    - ``moe/aux_loss``: ``transformers``' load-balancing loss of Qwen2/3-MoE
-      (``load_balancing_loss_func``, without its coefficient): ``E * sum_e f_e * P_e``, ``f_e``
-      the share of tokens routed to expert ``e`` (top-k slots summed), ``P_e`` its mean router
-      probability, both over every layer's tokens (k when balanced);
-    - ``moe/load_max_over_mean``: the busiest expert's tokens over the mean (1 = balanced,
-      E / k = everything on k experts) and ``moe/load_cv``: std / mean of the loads, per layer
-      and averaged over layers;
-    - ``moe/router_entropy``: the mean entropy (nats; ln E = uniform) of a token's router
-      distribution, averaged over layers.
-
-    ``per_layer`` adds ``<name>_l<i>`` for every layer ``i`` (not for the loss)."""
+    ``mask`` of one forward, ``indices`` (tokens, layers, top_k) the experts it used: ``aux_loss``
+    (``E * sum_e f_e * P_e``), ``load_max_over_mean``, ``load_cv``, ``router_entropy``, the names
+    the megatron backend reports too (docs/moe.md, 'Router metrics'). ``per_layer`` adds
+    ``<name>_l<i>`` (not for the loss)."""
     mask = mask.to(indices.device)
     counts, probs_sum, metrics, per = [], [], {}, {}
     for layer, z in enumerate(logits):

@@ -1,25 +1,11 @@
-"""LLM judges and reward models as a plane: a judge model served by its own engines scores
-completions, as ``reward.fn: judge`` or from inside an environment.
+"""LLM judges and reward models: a judge model on engines of its own scores completions.
 
-`JudgeRunner` scores on an engine pool of its own (``reward.judge.engine``: embedded engine
-processes on CPU, SGLang servers on GPU), brought up by the planes as the rollout plane's is
-(:func:`rl_core.planes.start_judge`), and sends requests through the rollout client; it renders one prompt per sample from
-``reward.judge.template`` (fields ``{question}``, ``{response}``, ``{answer}``, ``{max_score}``)
-with the judge tokenizer's chat template, decodes greedily and reads a score from the output:
-``mode: score`` a number ("Score: 7", divided by ``max_score``), ``mode: verdict`` yes / no
-(1 / 0). Samples go out in requests of ``batch_size``, all batches at once; each request is
-bounded by ``timeout_s`` and retried ``retries`` times with exponential backoff (an engine that
-died is restarted by the pool meanwhile; a timed-out request is aborted on the engine).
-
-`JudgeRunner.score` has `RewardRunner.score`'s contract, so the judge drops in as the step's
-reward runner: failures (no answer in time, engine errors, outputs with no score) score 0 and
-are counted in the same `RewardResult` fields, and ``reward.max_failed_steps`` consecutive steps
-in which every sample failed raise `JudgeError`, a `RewardFunctionError`. It is thread-safe:
-the reward task and environments (`active_judge`) may call it at the same time.
-
-Never imports prefect or mlflow; imports transformers only when a judge starts
-(``rl_core.rewards`` is imported by reward worker processes, which must stay light); never
-raises because of a bad sample; never waits without a bound.
+`JudgeRunner` (``reward.fn: judge``, or from an environment via `active_judge`) renders one
+prompt per sample, decodes greedily on its engine pool (:func:`rl_core.planes.start_judge`) and
+reads a score; requests are batched, bounded by ``timeout_s`` and retried. `JudgeRunner.score`
+has `RewardRunner.score`'s contract (failures score 0 and are counted; the fault budget raises
+`JudgeError`) and is thread-safe. docs/judges.md. Never imports prefect or mlflow, nor
+transformers before a judge starts; never raises for a bad sample; never waits without a bound.
 """
 
 from __future__ import annotations
@@ -115,11 +101,9 @@ class Judgement:
 
 
 def parse_judgement(text: str, mode: str, max_score: float = 10.0) -> float:
-    """The score in [0, 1] a judge's output ``text`` gives. ``mode="score"``: the number after
-    the last "score" label ("Score: 7", "**Score:** 7/10"), else the first number, divided by
-    ``max_score``; ``mode="verdict"``: the last labelled yes / no ("Verdict: yes"), else the
-    first yes / no word, as 1 / 0. ``<think>`` blocks are skipped. Raises ValueError saying what
-    is missing or out of range."""
+    """The score in [0, 1] a judge's output ``text`` gives (``mode``: ``score`` or ``verdict``);
+    ValueError says what is missing or out of range. Rules: docs/judges.md, 'How its answer
+    becomes a score'."""
     visible = _THINK.sub(" ", text)
     if mode == "score":
         found = [m.group(1) for m in _LABELED_SCORE.finditer(visible)][-1:] or [
@@ -141,8 +125,8 @@ def parse_judgement(text: str, mode: str, max_score: float = 10.0) -> float:
 
 
 def active_judge() -> JudgeRunner:
-    """The judge this process started last and has not closed: how an environment reaches the
-    run's judge (``reward.fn: judge``) from inside an episode. Raises LookupError otherwise."""
+    """The judge this process started last and has not closed (how an environment reaches the
+    run's judge); LookupError if none."""
     with _open_lock:
         if _open_judges:
             return _open_judges[-1]
@@ -155,15 +139,9 @@ def _template_fields(template: str) -> set[str]:
 
 
 class JudgeRunner:
-    """A judge model on engines of its own, scoring completions (see the module docstring).
-
-    ``reward``: the ``reward`` config section (``reward.judge`` and the fields every reward
-    runner reads: ``format_weight``, ``pass_threshold``, ``max_failed_steps``).
-    ``start_engines``: starts the judge's engines and returns their pool (the planes' engine
-    bring-up: :func:`rl_core.planes.start_judge`); called once the judge model's tokenizer has
-    been checked, so a model that cannot judge is refused before any engine starts.
-    ``log_dir``: where the engines log (named in errors). ``questions``: record id -> question,
-    for callers that pass ``record_ids`` (None: that id's question is unknown). Engines stop in
+    """A judge model on engines of its own, scoring completions (docs/judges.md).
+    ``start_engines`` starts them and returns the pool, after the tokenizer is checked;
+    ``questions``: record id -> question for callers that pass ``record_ids``. Engines stop in
     `close()` (or ``with``)."""
 
     def __init__(self, reward: RewardConfig, start_engines: Callable[[], Any], *,
@@ -183,8 +161,7 @@ class JudgeRunner:
         self._stats = dict.fromkeys(("calls", "samples", "errors", "timeouts", "requests",
                                      "retries", "all_failed_calls"), 0)
         self._recent: deque[Judgement] = deque(maxlen=_RECENT)
-        # Fault budget, as RewardRunner keeps it: the current step, whether it had samples and
-        # whether the judge scored any, the failed steps in a row before it.
+        # Fault budget, as RewardRunner keeps it.
         self._streak = FailedStepStreak()
         self._failed_streak = 0
         self._fatal: JudgeError | None = None
@@ -246,12 +223,9 @@ class JudgeRunner:
               step: int | None = None, budget: bool = True,
               questions: Sequence[str] | None = None,
               record_ids: Sequence[str] | None = None) -> RewardResult:
-        """Judge each completion against its reference answer (and its question: ``questions``,
-        or ``record_ids`` looked up in the judge's map); never raises for a bad sample. ``step``
-        and ``budget`` as in `RewardRunner.score` (an environment passes ``budget=False``: its
-        calls are not the step's). Raises ValueError for misaligned lists, RuntimeError after
-        `close()`, and `JudgeError` once ``reward.max_failed_steps`` consecutive steps failed
-        every sample (and on every later call). Safe to call from several threads at once."""
+        """Judge each completion against its answer and question (``questions``, or
+        ``record_ids`` looked up) with `RewardRunner.score`'s contract, `JudgeError` for a
+        spent budget (environments pass ``budget=False``). Safe from several threads at once."""
         if len(completions) != len(answers):
             raise ValueError(f"got {len(completions)} completions but {len(answers)} answers; "
                              "they must be aligned one to one")
@@ -423,9 +397,7 @@ class JudgeRunner:
         return result
 
     def _count_failed_call(self, result: RewardResult, step: object) -> None:
-        """`RewardRunner`'s fault budget (called under the lock): a step fails once it has
-        samples and the judge scored none of them; ``max_failed_steps`` failed steps in a row
-        raise `JudgeError`."""
+        """`RewardRunner`'s fault budget (under the lock); raises `JudgeError` when spent."""
         if result.scores and result.all_failed:
             self._stats["all_failed_calls"] += 1
         self._failed_streak = self._streak.count(result, step)

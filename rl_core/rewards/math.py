@@ -1,23 +1,10 @@
 """Answer extraction and numeric equivalence for math-word-problem rewards (GSM8K style).
 
-What this module is for: turning a model completion into a final numeric answer string
-(`extract_answer`), turning such strings into exact rationals (`parse_number`), and deciding
-whether two answers mean the same number (`answers_equal`). The builtin reward functions
-`gsm8k_reward` and `format_reward` are built from these.
-
-What it must never do: import prefect, mlflow, torch or anything heavy (it is imported by
-reward worker subprocesses, whose start-up time is paid again after every timeout); use
-floating point for equality (values are `fractions.Fraction`, so "0.1 + 0.2" style rounding
-never decides a reward); or raise on arbitrary model output (every public function is total
-on `str` input and signals "no answer" with None / 0.0).
-
-Decisions other modules rely on (see each docstring for detail):
-
-* `50%` parses as 50, not 0.5 (GSM8K references are written without the percent sign).
-* `1,23` and other irregular comma groupings are rejected (None), never read as 123 or 1.23.
-* Mixed numbers (`1 1/2`) and `a \\times 10^b` notation are not supported.
-* Decimals written with 6 or more fractional digits compare with an absolute tolerance of
-  1e-6 (so `0.333333` equals `1/3`); everything else compares exactly.
+`extract_answer` (completion -> answer string), `parse_number` (-> exact Fraction),
+`answers_equal`, and the builtin rewards `gsm8k_reward` and `format_reward` built on them; the
+rules (precedence, spellings, tolerance): docs/agents.md, 'Reward functions'. Imports nothing
+heavy (reward workers import it); never uses floats for equality; every public function is
+total on ``str`` and signals "no answer" with None / 0.0.
 """
 
 from __future__ import annotations
@@ -94,18 +81,8 @@ def _boxed_content(text: str) -> str | None:
 
 
 def extract_answer(text: str) -> str | None:
-    """Return the final answer in ``text`` as it was written, or None if there is no number.
-
-    Precedence (a rule that finds no number falls through to the next): 1. the first number
-    after the *last* ``####``; 2. the first number inside the last ``\\boxed{...}`` (nested
-    braces handled: ``\\boxed{\\frac{1}{2}}`` gives ``\\frac{1}{2}``); 3. the last number
-    anywhere.
-
-    The result is the number only (whitespace, ``$``, a trailing period, ``%`` and units
-    dropped) in its own spelling (``"1,000"``, ``"-3/4"``, ``"1e3"``, unicode minus), so logs
-    show what the model wrote. Digits glued to a word (``"mp3"``) are not numbers; a minus
-    right after a digit (``"10-3"``) is subtraction, so only ``"3"`` is taken.
-    """
+    """The final answer in ``text``, the number only in its own spelling, or None: the first
+    number after the last ``####``, else in the last ``\\boxed{}``, else the last one."""
     # LaTeX's "{,}" thousands separator would otherwise split "1{,}000" into two numbers.
     text = text.replace("{,}", ",")
     marker = text.rfind(_GSM8K_MARKER)
@@ -118,15 +95,8 @@ def extract_answer(text: str) -> str | None:
 
 
 def answers_equal(pred: str | None, ref: str) -> bool:
-    """Whether ``pred`` and ``ref`` denote the same number.
-
-    Both sides go through `parse_number`; a side that does not parse makes the answer wrong.
-    Values compare exactly as Fractions (``"5.00" == "5"``, ``"0.5" == "1/2"``), except when
-    either side is a decimal with 6 or more fractional digits: almost certainly a rounded
-    non-terminating decimal (``0.333333`` for 1/3, a float artefact like
-    ``0.30000000000000004``), so |a - b| <= 1e-6 is accepted. Integers and short decimals get
-    no tolerance: ``1000000`` and ``1000001`` stay different.
-    """
+    """Whether ``pred`` and ``ref`` denote the same number: exact Fractions, or within 1e-6 when
+    either is a decimal with 6+ fractional digits; a side that does not parse is wrong."""
     if pred is None:
         return False
     a, b = parse_number(pred), parse_number(ref)
@@ -137,20 +107,15 @@ def answers_equal(pred: str | None, ref: str) -> bool:
 
 
 def gsm8k_reward(completion: str, answer: str) -> float:
-    """1.0 if the answer extracted from ``completion`` equals the reference, else 0.0.
-
-    ``answer`` may be a full GSM8K solution (``"...\\n#### 72"``) or a bare number (``"72"``);
-    it goes through the same `extract_answer`. A reference with no number scores 0.0.
-    """
+    """1.0 if the answer extracted from ``completion`` equals the reference's, else 0.0
+    (``answer``: a full GSM8K solution or a bare number; one with no number scores 0.0)."""
     ref = extract_answer(answer)
     return 1.0 if ref is not None and answers_equal(extract_answer(completion), ref) else 0.0
 
 
 def format_reward(completion: str) -> float:
-    """1.0 if the completion ends with a well-formed ``#### <number>`` line, else 0.0: the last
-    ``####`` starts a line (only spaces/tabs before it), is followed on that line by one number
-    `parse_number` accepts (an optional ``$`` before it), and then only whitespace (no units,
-    no percent sign, no further text or lines)."""
+    """1.0 if the completion ends with a well-formed ``#### <number>`` line (the last ``####``
+    starts it; one number, an optional ``$``, then only whitespace), else 0.0."""
     marker = completion.rfind(_GSM8K_MARKER)
     if marker == -1:
         return 0.0

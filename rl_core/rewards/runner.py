@@ -1,21 +1,11 @@
-"""Bounded execution of reward functions over (completion, reference answer) pairs: resolve a
-reward spec (a builtin name or ``package.module:function``) to a callable (`load_reward_fn`) and
-score rollout batches with it (`RewardRunner`), so that a broken, slow or hanging user function
-costs one sample's reward, never the training step.
+"""Bounded execution of reward functions over (completion, reference answer) pairs.
 
-Builtins run in-process. Custom specs run in fresh ``python -c`` workers (not ``multiprocessing``
-spawn children, which re-import the parent's ``__main__``) importing only ``rl_core.rewards``
-and the user module, over a socket pair, each in its own session under ``RLIMIT_AS``: a timeout
-kills the worker *and* what it started (``killpg``). ``isolate=False`` runs a custom function on
-a daemon thread joined with ``timeout_s`` (a hung call runs on: Python cannot kill a thread).
-Fault budget: a function that fails every sample of ``max_failed_steps`` consecutive steps
-(grouped by the ``step`` argument; ``budget=False`` calls stay out) raises
-`RewardFunctionError`, then again on every later call. Details: docs/reliability.md.
-
-Never imports prefect, mlflow or torch (workers pay every import again after each timeout);
-never raises because of a bad *sample* (exceptions, hangs, NaN, wrong types score 0 and are
-counted); never leaves a stuck process behind when isolated; never blocks the caller for much
-more than ``timeout_s`` per sample.
+`load_reward_fn` resolves a spec (a builtin or ``package.module:function``); `RewardRunner`
+scores batches with it, custom functions in sandboxed worker processes, so a broken, slow or
+hanging function costs one sample's reward, never the step; failing every sample of
+``max_failed_steps`` steps raises `RewardFunctionError` (docs/agents.md, 'Reward functions';
+docs/reliability.md). Never imports prefect, mlflow or torch; never raises for a bad sample;
+never leaves a stuck process behind; never blocks much longer than ``timeout_s`` per sample.
 """
 
 
@@ -101,12 +91,9 @@ def _split_spec(spec: object) -> tuple[str, str]:
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """Resolve ``spec``, a builtin name (``"gsm8k"``, ``"format"``) or
-    ``package.module:function`` (``function`` may be dotted, e.g. ``mod:Scorer.score``), to a
-    reward function ``fn(completion, answer) -> float``, imported in *this* process
-    (`RewardRunner` calls this inside its worker for custom specs). Raises ValueError naming
-    the spec, what is wrong (malformed, module not found or failing to import, attribute
-    missing, not callable, not callable with two positional arguments) and how to fix it."""
+    """Resolve ``spec`` (a builtin name or ``package.module:function``, the function may be
+    dotted) to ``fn(completion, answer) -> float``, imported in *this* process (a worker's, for
+    custom specs). Raises ValueError naming the spec, what is wrong and the fix."""
     if isinstance(spec, str) and spec.strip() in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec.strip()]
     module_name, attr_path = _split_spec(spec)
@@ -183,14 +170,10 @@ def _call_one(fn: RewardFn, completion: str, answer: str) -> _Outcome:
 
 @dataclass
 class RewardResult:
-    """Per-batch outcome of `RewardRunner.score`, aligned with the input lists.
-    ``scores[i]``: ``fn(completion, answer) + format_weight * format_reward(completion)``, or 0.0
-    when the call failed (error or timeout; no format bonus then either). ``correct[i]``: the
-    function scored the sample at least ``pass_threshold`` (format bonus excluded). ``errors``:
-    the first few failure messages (timeouts included), each prefixed with the sample index;
-    ``last_error`` the last one. ``failed_streak``: consecutive steps, this call's included,
-    that failed every sample (0 once a sample of this call's step scored; not updated by
-    ``budget=False`` calls)."""
+    """Per-batch outcome of `RewardRunner.score`, aligned with the inputs: ``scores`` (fn plus
+    the format bonus; 0.0 on failure), ``correct`` (fn's score >= ``pass_threshold``), failure
+    counts and messages, ``failed_streak`` (this call's step included; not updated by
+    ``budget=False`` calls). docs/agents.md, 'Reward functions'."""
     scores: list[float]
     correct: list[bool]
     num_errors: int = 0
@@ -320,25 +303,13 @@ def _is_int(value: object, least: int) -> bool:
 
 
 class RewardRunner:
-    """Score completions against reference answers with every call bounded by a timeout.
+    """Score completions against reference answers, every call bounded by a timeout.
 
-    ``spec``: builtin name or ``package.module:function`` (`load_reward_fn`). ``timeout_s``:
-    per-sample limit. ``format_weight``: weight of `format_reward` added to every successful
-    sample. ``max_workers``: worker processes, each scoring a contiguous chunk of a batch
-    (isolated only; inline scoring is sequential). ``isolate``: None = custom specs in workers,
-    builtins inline; True / False = always / never in workers (see the module docstring).
-    ``memory_limit_mb``: RLIMIT_AS per worker (address space, not RSS: libraries reserving large
-    mappings need headroom); ``"auto"``: `DEFAULT_MEMORY_LIMIT_MB` when isolated, none inline;
-    None: no limit; a number needs isolation. ``start_timeout_s``: how long a worker may take to
-    start and import the user module. ``max_failed_steps``: the fault budget (0: off).
-    ``pass_threshold``: a sample is ``correct`` (accuracy, pass@k) when the function scores it
-    at least this, format bonus excluded (the builtin ``gsm8k`` scores 1 when right).
-
-    Workers start in the constructor (a bad custom spec raises ValueError there, RuntimeError
-    when a worker cannot start) and live across `score` calls; one that times out is replaced.
-    Release with `close()` or ``with``; a `weakref.finalize` kills leftover workers at garbage
-    collection or exit. `score` calls are serialised by a lock; `close()` during another
-    thread's `score` is not supported."""
+    ``isolate``: None = custom specs in workers, builtins inline; True/False = always/never.
+    ``memory_limit_mb``: RLIMIT_AS per worker (``"auto"``: the default when isolated; a number
+    needs isolation). Workers start here (bad spec: ValueError; no start: RuntimeError) and live
+    across calls until `close()`, ``with`` or garbage collection. `score` calls are serialised;
+    `close()` during another thread's `score` is unsupported. docs/agents.md, 'Reward functions'."""
 
     def __init__(self, spec: str = "gsm8k", timeout_s: float = 5.0, format_weight: float = 0.0,
                  max_workers: int = 1, isolate: bool | None = None,
@@ -371,8 +342,7 @@ class RewardRunner:
         self.timeout_s, self.format_weight = float(timeout_s), float(format_weight)
         self.memory_limit_mb, self.start_timeout_s = memory_limit_mb, float(start_timeout_s)
         self.max_failed_steps, self.pass_threshold = max_failed_steps, float(pass_threshold)
-        # Fault budget state: the current step, whether it scored samples and whether the
-        # function scored any of them, the failed steps in a row before it and with it.
+        # Fault budget: the streak, and the error that ends every later call.
         self._streak = FailedStepStreak()
         self._failed_streak = 0
         self._fatal: RewardFunctionError | None = None
@@ -406,12 +376,9 @@ class RewardRunner:
               step: int | None = None, budget: bool = True,
               record_ids: Sequence[str] | None = None) -> RewardResult:
         """Score each completion against its reference answer; never raises for a bad sample.
-        ``step`` and ``budget``: see the fault budget in the module docstring. ``record_ids``
-        name each sample's task for scorers that read the question (a judge,
-        :class:`~rl_core.rewards.judge.JudgeRunner`); a reward function does not. Raises ValueError
-        if the two lists differ in length, RuntimeError after `close()`, and
-        `RewardFunctionError` once ``max_failed_steps`` consecutive steps failed every sample
-        (and on every later call)."""
+        ``step``/``budget``: the fault budget; ``record_ids``: for scorers that read the
+        question (a judge). Raises ValueError for misaligned lists, RuntimeError after
+        `close()`, `RewardFunctionError` once the budget is spent (and on every later call)."""
         if len(completions) != len(answers):
             raise ValueError(f"got {len(completions)} completions but {len(answers)} answers; "
                              "they must be aligned one to one")
@@ -431,9 +398,7 @@ class RewardRunner:
             return result
 
     def _count_failed_call(self, result: RewardResult, step: object) -> None:
-        """Track consecutive steps whose every sample failed; raise at ``max_failed_steps``. A
-        step fails once it has samples and the function scored none; a later call of the same
-        step that scores one clears it."""
+        """Count the call in the fault budget (`FailedStepStreak`); raise when it is spent."""
         if result.scores and result.all_failed:
             self._stats["all_failed_calls"] += 1
         self._failed_streak = self._streak.count(result, step)

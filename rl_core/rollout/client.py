@@ -1,16 +1,11 @@
 """Client for SGLang's native HTTP API: the one protocol every rollout engine speaks.
 
-The same client drives a real SGLang server, the embedded CPU engine, or the ``sglang-router``
-in front of several of either. Every request is bounded three ways (connect, read, and a total
-``asyncio.wait_for``); connection errors, timeouts and 5xx are retried with exponential backoff
-and jitter, on another engine when the client holds several base URLs (an engine killed
-mid-batch loses no request); a 4xx raises :class:`RolloutRequestError` with the server's
-message. Generation requests go through a semaphore (``max_concurrency``); control calls do not
-wait behind them. :class:`SyncSGLangClient` runs an :class:`SGLangClient` on a private
-event-loop thread for the synchronous training loop.
-
-Never imports Prefect or MLflow; never starts or stops processes (``pool.py`` does); never
-retries a 4xx, nor a collective weight-update call (the other ranks would wait forever).
+The same client drives real SGLang, the embedded engine, or ``sglang-router`` in front of
+either. Every request is bounded (connect, read, total); connection errors, timeouts and 5xx
+are retried with jittered exponential backoff, on another engine when there are several; a 4xx
+raises :class:`RolloutRequestError` with the server's message and is never retried, nor is a
+collective weight-update call (docs/rollout.md, "Client, router, pool"). Never starts or stops
+processes (``pool.py`` does).
 """
 
 from __future__ import annotations
@@ -68,9 +63,8 @@ def _error_message(resp: httpx.Response) -> str:
 
 
 def _retry_rids(body: Any, attempt: int) -> Any:
-    """A retry gets fresh request ids that keep the original as prefix: the engine that timed
-    out may still hold the old id ("Duplicate request ID"), and SGLang's ``/abort_request``
-    matches ids by prefix, so ``abort(rid)`` still reaches it."""
+    """Fresh ids for a retry, with the original as prefix: the engine that timed out may
+    still hold the old one, and ``/abort_request`` matches by prefix."""
     rid = body.get("rid") if isinstance(body, dict) else None
     if isinstance(rid, str):
         return {**body, "rid": f"{rid}-retry{attempt}"}
@@ -89,12 +83,9 @@ def _version(weight_version: int | str | None) -> dict[str, str]:
 
 class SGLangClient:
     """Async client for one or more SGLang-protocol servers (engines or a router).
-
-    With several ``base_urls`` (router off) generation requests are spread round-robin and a
-    failed attempt is retried on the next engine; an engine that failed is skipped for
-    ``engine_cooldown_s`` unless every engine is cooling down. Control calls target one server:
-    pass ``url=`` unless the client holds exactly one base URL. A client belongs to the event
-    loop that first uses it (httpx connections do)."""
+    Generation is spread round-robin over ``base_urls``, failing over (a failed engine cools
+    down ``engine_cooldown_s``); control calls need ``url=`` unless there is one base URL.
+    A client belongs to the event loop that first uses it (httpx connections do)."""
 
     def __init__(self, base_urls: str | Sequence[str], *, connect_timeout_s: float = 5.0,
                  read_timeout_s: float = 600.0, total_timeout_s: float = 900.0,

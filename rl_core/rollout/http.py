@@ -1,19 +1,10 @@
 """The rollout plane over SGLang's HTTP API: the plane the GRPO loop uses by default.
 
-:class:`HttpPlane` is an :class:`~rl_core.rollout.pool.EnginePool` of engine processes
-(grpoflow's embedded engine, ``python -m rl_core.engine.server``, on CPU; real SGLang on
-GPUs), optionally behind the real ``sglang-router``, as one
-:class:`~rl_core.interfaces.RolloutPlane`. Every sample travels through the client code a
-real SGLang deployment sees and comes back as a :class:`~rl_core.types.Sample` built from the
-engine's token ids; a sample made by any weight version other than the plane's fails the
-rollout, so a stale engine cannot slip samples into a step.
-
-Weights arrive through :func:`rl_core.weight_sync.sync_weights`: :meth:`paused` pauses every
-engine (aborting what is in flight), flushes its cache and yields the engines to update;
-:meth:`verify` checks each reports the new ``weight_version`` and, where it can (the
-embedded engine's ``/weights_checksum``), the trainer's checksum.
-
-Never imports Prefect or MLflow; never waits without a bound.
+:class:`HttpPlane` is an :class:`~rl_core.rollout.pool.EnginePool` of engine processes (the
+embedded engine on CPU, real SGLang on GPUs), optionally behind ``sglang-router``, as one
+:class:`~rl_core.interfaces.RolloutPlane`. Samples are built from the engines' token ids; one
+made by any weight version other than the plane's fails the rollout. :meth:`paused` and
+:meth:`verify` are its half of :func:`rl_core.weight_sync.sync_weights`. Never waits unbounded.
 """
 
 from __future__ import annotations
@@ -53,16 +44,10 @@ def sampling_payload(params: SamplingParams) -> dict[str, Any]:
 
 
 class HttpPlane:
-    """N engines behind SGLang's HTTP API as one rollout plane.
-
-    ``pool`` is started and owned by this object (``close()`` stops it). ``before_generate``
-    (set by the planes) runs before each generation while restarted engines wait for weights
-    (the distributed transport re-broadcasts then). ``deterministic``: a generation goes to
-    each engine as one request (the engine admits its samples together), so which samples
-    share the engine's batches, and so the last bit of every log-prob, does not depend on when
-    requests arrive (with one engine, or the router's one-sample requests excepted).
-    ``routed_experts``: every request asks for its MoE routing (``train.moe.routing_replay``).
-    """
+    """N engines behind SGLang's HTTP API as one rollout plane; owns ``pool``.
+    ``before_generate`` runs before a generation while restarted engines await weights;
+    ``deterministic``: one request per engine per generation (docs/rollout.md, "Deterministic
+    rollouts"); ``routed_experts``: requests ask for MoE routing (routing replay)."""
 
     def __init__(self, pool: EnginePool, *, request_batch_size: int = 16, timeout_s: float = 600.0,
                  weight_sync_timeout_s: float = 600.0, verify_checksum: bool = True,
@@ -134,15 +119,10 @@ class HttpPlane:
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
         *, partial: bool = False,
     ) -> list[Sample]:
-        """One sample per prompt, in order. Requests go out concurrently (each retried by the
-        client): chunks of ``request_batch_size`` samples straight to the engines, one sample
-        per request through the router (sglang-router 0.3 refuses per-sample parameters in a
-        batch, and every sample has its own seed).
-
-        ``partial``: a segment of a partial rollout (:mod:`rl_core.rollout.stream`). A weight
-        update may interrupt it: an aborted sample comes back with the tokens it has, and each
-        sample is tagged with the version the engine served it with, which may be newer than
-        the plane's when the call began."""
+        """One sample per prompt, in order, in concurrent requests of ``request_batch_size``
+        (one sample each through the router: sglang-router 0.3 refuses per-sample parameters).
+        ``partial``: a stream segment; an update may abort it (tokens kept), and each sample
+        is tagged with the version the engine served it with."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):

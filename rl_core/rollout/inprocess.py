@@ -1,19 +1,11 @@
 """The in-process rollout plane (``rollout.engine: local``): the engine core without HTTP.
 
 :class:`InProcessPlane` drives the same :class:`~rl_core.engine.core.EmbeddedEngine` the HTTP
-server wraps (its continuous-batching scheduler, KV cache and sampler) directly from the
-training process: one engine, one generation loop, whichever plane a run uses. It speaks the
-:class:`~rl_core.interfaces.RolloutPlane` interface, so the loop does not change when the
-engine moves behind SGLang's API; weights arrive as tensors at the engine's next safe point
-(:class:`~rl_core.weight_sync.transports.TensorSync`), checked by version and checksum like
-any other sync.
-
-``rollout.weight_sync: shared`` is the single-machine fast path: the engine serves a
-:func:`shared_view` of the trainer's model (its own module objects over the *same* parameter
-storage), so the optimizer's in-place updates are what the engine reads next and a weight
-sync is a version bump (:class:`~rl_core.weight_sync.transports.SharedSync`), not a copy.
-
-Never imports Prefect or MLflow; never changes the trainer's model object.
+server wraps, from the training process, behind the same
+:class:`~rl_core.interfaces.RolloutPlane` interface; weights arrive as tensors (``TensorSync``)
+or, with ``rollout.weight_sync: shared``, the engine serves a :func:`shared_view` of the
+trainer's model and a sync is a checked version bump (docs/rollout.md, "The single-machine
+fast path"). Never changes the trainer's model object.
 """
 
 from __future__ import annotations
@@ -37,11 +29,8 @@ __all__ = ["InProcessPlane", "shared_view"]
 
 def shared_view(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` whose parameters alias ``model``'s storage (no gradients).
-
-    Buffers and module objects are copied (the engine may switch them to eval mode), tied
-    weights stay tied, and every in-place change to ``model``'s parameters (an optimizer
-    step, a checkpoint load) is visible through the view without a copy.
-    """
+    Buffers and modules are copied (the engine may set eval mode), tied weights stay tied,
+    and in-place changes to ``model``'s parameters show through without a copy."""
     memo: dict[int, Any] = {id(p): torch.nn.Parameter(p.data, requires_grad=False)
                             for p in model.parameters()}
     return copy.deepcopy(model, memo)

@@ -1,16 +1,10 @@
-"""Launching rollout servers: the embedded engine's and SGLang's command lines, their
-environments, and the process helpers the engine pool and the router share.
+"""Launching rollout servers: command lines, environments and the process helpers.
 
 ``embedded_engine_command`` starts ``python -m rl_core.engine.server`` tied to this process's
-life; ``build_sglang_command`` turns a :class:`SGLangLaunchConfig` into ``python -m
-sglang.launch_server ...`` with the platform's environment presets
-(:func:`rl_core.cluster.platform.platform_env`: CUDA or ROCm). The helpers below
-(``start_process``, ``wait_healthy``, ``stop_process``, ``log_tail``) start
-every server in its own session, so stopping one stops all of its children (SGLang spawns
-scheduler and detokenizer processes).
-
-Never imports sglang (GPU images only; this module must import on a CPU laptop), Prefect or
-MLflow; never binds anything but the configured host (127.0.0.1 by default).
+life; ``build_sglang_command`` makes ``python -m sglang.launch_server ...`` with the platform's
+environment presets (docs/gpu.md, "How grpoflow starts the SGLang engines"). The process
+helpers start every server in its own session, so stopping one stops its children. Never
+imports sglang (this module must import on a CPU laptop); binds only the configured host.
 """
 
 from __future__ import annotations
@@ -175,10 +169,8 @@ def embedded_engine_command(
     max_running_requests: int = 256, max_total_tokens: int | None = None,
     trust_remote_code: bool = False, weight_sync_timeout_s: float | None = None,
 ) -> EngineCommand:
-    """``command(index, port)`` for the embedded engine, tied to this process's life.
-
-    ``weight_sync_timeout_s``: the engine's bound on a weight-update broadcast, the same as
-    the trainer's (``rollout.weight_sync_timeout_s``), so neither side gives up first."""
+    """``command(index, port)`` for the embedded engine, tied to this process's life
+    (``--parent-pid``); ``weight_sync_timeout_s``: its bound on each weight-update collective."""
     if trust_remote_code:
         raise ValueError("the embedded engine does not run remote code; use rollout.engine=local")
 

@@ -1,17 +1,11 @@
 """A pool of rollout engines: start, watch, restart, re-sync, update weights.
 
-:class:`EnginePool` owns N engine processes (any SGLang-protocol server: real SGLang on GPUs,
-the embedded engine on CPU) started from a command factory ``command(index, port) -> argv``,
-optionally behind a :class:`~rl_core.rollout.router.RouterProcess`. A monitor thread polls
-every engine's ``/health_generate`` every ``health_interval_s``; an engine that fails
-``failure_threshold`` consecutive checks (or whose process exited) is taken out of service,
-restarted, re-synced to the current weights and only then put back. :meth:`EnginePool.paused`
-is the engines' half of the weight-update sequence slime, miles and AReaL run (driven by
-:func:`rl_core.weight_sync.sync_weights`): pause → abort what is in flight → flush cache →
-(the transport loads, the plane verifies) → continue, always.
-
-Never imports Prefect or MLflow; never waits without a bound; never puts an engine back
-into service before it serves the current weights.
+:class:`EnginePool` owns N SGLang-protocol engine processes (optionally behind the router). A
+monitor thread polls ``/health_generate``; an engine that fails ``failure_threshold`` checks
+in a row, or exits, is restarted and re-synced before it serves again. :meth:`EnginePool.paused`
+is the engines' half of :func:`rl_core.weight_sync.sync_weights` (pause, abort, flush, ...,
+continue, always). Never waits unbounded; never puts an engine back into service before it
+serves the current weights (docs/reliability.md, "Failure model: the weight sync").
 """
 
 from __future__ import annotations
@@ -39,12 +33,10 @@ log = logging.getLogger(__name__)
 
 
 class ProcessLauncher:
-    """Starts engines as local processes (each in its own session) from ``command``.
-
-    A launcher is what the pool needs to own an engine: ``spawn(index, port, log_path) -> (proc,
-    host, port)`` where ``proc`` answers ``poll()``, ``pid`` and ``returncode`` like a
-    :class:`subprocess.Popen`; ``stop(proc, timeout_s)``; ``kill(proc)``. The other one is
-    :class:`~rl_core.rollout.ray_engines.RayActorLauncher` (Ray actors)."""
+    """Starts engines as local processes (each in its own session) from ``command``. The
+    launcher interface: ``spawn(index, port, log_path) -> (proc, host, port)`` (``proc`` like a
+    :class:`subprocess.Popen`: ``poll()``, ``pid``, ``returncode``), ``stop(proc, timeout_s)``,
+    ``kill(proc)``; the other launcher is :class:`~rl_core.rollout.ray_engines.RayActorLauncher`."""
 
     def __init__(self, command: launch.EngineCommand, env: Mapping[str, str] | None = None) -> None:
         self.command = command
@@ -87,13 +79,9 @@ class EngineHandle:
 
 class EnginePool:
     """N engine processes, optionally behind ``sglang-router``, kept healthy and in sync.
-
-    ``resync(url)`` (the weight transport's) brings a restarted engine to the current weights;
-    one that returns ``False`` defers: the engine stays out of service, ``awaiting_weights``,
-    until the next update includes it (the distributed transport, whose broadcast needs the
-    trainer). ``client`` is a :class:`SyncSGLangClient` whose generation requests go to the
-    router (``router=True``) or round-robin over the engines in service; control calls take
-    ``url=``."""
+    ``resync(url)`` brings a restarted engine to the current weights (``False``: it waits out
+    of service, ``awaiting_weights``, for the next update). ``client`` sends generation to the
+    router or round-robin over the engines in service; control calls take ``url=``."""
 
     def __init__(
         self, command: launch.EngineCommand | None, num_engines: int, *, log_dir: str | Path,
@@ -349,11 +337,9 @@ class EnginePool:
     @contextlib.contextmanager
     def paused(self, *, timeout_s: float = 600.0,
                flush_wait_s: float = 60.0) -> Iterator[list[str]]:
-        """Hold the pool for a weight update: pause the engines to update (aborting what is in
-        flight: partial samples, ``finish_reason.type == "abort"``), flush their caches, yield
-        their URLs, resume them on exit, always. Engines awaiting weights go back into service
-        once an update succeeds; if it fails or times out, engines that stopped answering are
-        taken out of service (the monitor replaces them; a retry updates the others)."""
+        """Hold the pool for a weight update: pause (aborting what is in flight), flush, yield
+        the URLs, resume on exit, always. Awaiting engines go back into service after a success;
+        on a failure, engines that stopped answering are taken out of service."""
         self._require_client()
         if not self._sync_lock.acquire(timeout=timeout_s):
             raise WeightSyncError(f"weight update: an engine recovery held the pool {timeout_s}s")

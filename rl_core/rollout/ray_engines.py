@@ -1,16 +1,9 @@
 """Rollout engines as Ray actors: one actor per engine, placed where the cluster plan says.
 
-An :class:`EngineActor` owns one engine server process (the embedded engine or SGLang) on
-its node: it picks a free port there, starts the server bound to the node's address with
-``--parent-pid`` set to the actor, and reports ``(host, port)``. Killing the actor (a node
-loss, ``ray.kill``) takes the server with it within a second, and the
-:class:`~rl_core.rollout.pool.EnginePool`'s monitor restarts a fresh actor, re-syncs it to the
-current weights and puts it back behind the router.
-
-:class:`RayActorLauncher` is the pool's launcher for this: the same pool code drives local
-processes and Ray actors.
-
-Never imports Prefect or MLflow; every ``ray.get`` is bounded.
+An :class:`EngineActor` runs one engine server on its node (``--parent-pid`` the actor), so
+killing the actor takes the server with it within a second and the pool's monitor restarts a
+fresh one. :class:`RayActorLauncher` is the pool's launcher for them: the same pool code drives
+local processes and Ray actors. Every ``ray.get`` is bounded.
 """
 
 from __future__ import annotations
@@ -52,9 +45,8 @@ class EngineActor:
 
     def load_weights(self, arrays: Mapping[str, Any], version: str, staging_dir: str,
                      timeout_s: float) -> str:
-        """``object_store`` sync: weights arrive through Ray's object store (numpy arrays come
-        out without a copy), go to a node-local safetensors directory, and this node's
-        server loads them (``/update_weights_from_disk``). Returns the server's answer."""
+        """``object_store`` sync: the arrays (from Ray's object store, no copy) go to
+        node-local safetensors, then ``/update_weights_from_disk``; the server's answer."""
         from safetensors.torch import save_file
 
         from rl_core.weight_sync.source import from_arrays
@@ -110,11 +102,8 @@ class RayEngineProcess:
 
 
 class RayActorLauncher:
-    """Starts engine ``index`` as an :class:`EngineActor` with ``options[index]``.
-
-    ``options`` are Ray actor options per engine (resources and the placement group's
-    scheduling strategy from :mod:`rl_core.cluster.ray_cluster`).
-    """
+    """Starts engine ``index`` as an :class:`EngineActor` with ``options[index]``: Ray actor
+    options (resources, placement group strategy from :mod:`rl_core.cluster.ray_cluster`)."""
 
     def __init__(self, command: Any, options: Sequence[Mapping[str, Any]], *,
                  env: Mapping[str, str] | None = None, start_timeout_s: float = 300.0,

@@ -1,14 +1,10 @@
 """The real ``sglang-router`` as a managed subprocess, and its worker API.
 
 :class:`RouterProcess` runs ``python -m sglang_router.launch_router`` on 127.0.0.1, waits
-(bounded) until it answers (log: ``<log_dir>/router-<port>.log``), and registers / removes
-engines through the worker API: ``POST /workers`` and ``DELETE /workers/{id}`` (router >=
-0.3), falling back to the legacy ``POST /add_worker?url=`` / ``POST /remove_worker?url=``.
-Registration is asynchronous in the router (202, queued job), so ``add_worker`` and
-``remove_worker`` wait until ``GET /workers`` shows the change.
-
-Never imports Prefect or MLflow; never binds anything but 127.0.0.1 (the Prometheus
-exporter included); never leaves the router running after ``stop()`` or the ``with`` block.
+(bounded) until it answers, and adds and removes workers (``/workers``, or the legacy
+``/add_worker``), waiting until ``GET /workers`` shows each change, since registration is
+asynchronous (docs/rollout.md, "Client, router, pool"). Never binds anything but 127.0.0.1
+(the Prometheus exporter included); never leaves the router running after ``stop()``.
 """
 
 from __future__ import annotations
@@ -40,13 +36,9 @@ class RouterError(RuntimeError):
 
 
 class RouterProcess:
-    """One ``sglang-router`` process bound to 127.0.0.1.
-
-    ``health_check_interval_s`` / ``health_failure_threshold`` tune the router's own worker
-    probes; the engine pool runs its own monitor and removes dead engines explicitly, so the
-    router's checks are a second line of defence. The router retries a failed ``/generate``
-    on another worker (``retries``); the client retries on top.
-    """
+    """One ``sglang-router`` process bound to 127.0.0.1. Its own worker probes
+    (``health_check_*``) and ``retries`` are a second line behind the pool's monitor, which
+    removes dead engines explicitly, and the client's retries."""
 
     def __init__(
         self, worker_urls: Sequence[str] = (), *, log_dir: str | Path, port: int | None = None,

@@ -1,47 +1,11 @@
 """Fully asynchronous rollouts: a stream of groups, partial rollouts across weight updates.
 
-``rollout.streaming: true`` replaces "generate step t's batch" with a stream (as AReaL's and
-slime's asynchronous modes do). Prompts are admitted a batch at a time into an in-flight set;
-the rollout plane generates for every unfinished sample in *rounds*; a group whose ``n``
-samples have finished joins the buffer of finished groups, and a step trains on the first
-``train.prompts_per_step`` finished groups (oldest first). A long sample no longer holds its
-step back: it continues in the next rounds, batched with the next prompts, while the trainer
-trains on the groups that are done.
-
-**Partial rollouts.** A round is one *segment* of generation per unfinished sample. The next
-segment continues the sample from its tokens so far (prompt + tokens as the request's input,
-the rest of ``max_new_tokens`` as its budget), with whatever weights the engines then serve,
-so one sample's tokens can come from several weight versions: :attr:`Sample.versions` tags
-each token with the version that produced it and :attr:`Sample.logprobs` holds each token's
-log-prob under that version, which is what the importance ratios and the off-policy
-corrections of the loss are taken against (the behaviour policy of every token).
-``weight_version`` is the oldest of them: a sample's age is its oldest token's.
-
-What ends a segment:
-
-- ``rollout.deterministic`` (the embedded engine's default): a token count. A round gives
-  each sample at most ``rollout.partial_tokens`` new tokens, and rounds start only between
-  weight updates, so which version produced which token depends on the step and the token
-  count, never on the clock: runs repeat bit for bit and a resume is exact. The weight update
-  waits for the round, which is bounded (``partial_tokens`` decode steps), never for a long
-  generation.
-- otherwise (SGLang on GPUs): the weight update itself. A round asks for the whole remaining
-  budget; the update's pause aborts what is in flight (``/pause_generation`` with
-  ``mode=abort``, as slime's partial rollouts do), the aborted samples come back with the
-  tokens they have, and the next round continues them with the new weights.
-
-**Staleness.** Batches are admitted only while at most ``rollout.max_staleness`` of them are
-outstanding beyond the one the next step trains on (AReaL's bound on how far generation runs
-ahead of training); a group whose oldest token is older than ``max_staleness`` versions when
-a step would take it is not trained on (it goes to the ledger as ``stale``: its prompt is
-recorded, not silently lost; ``stream_stale_groups``).
-
-**Exactness.** The whole stream (in-flight and finished groups, every token, log-prob and
-version, and how many batches were admitted) is checkpointed with the run; a resume continues
-each sample from its saved tokens, so a resumed run trains on exactly the samples an
-uninterrupted one would (deterministic mode).
-
-Never imports Prefect or MLflow.
+``rollout.streaming: true``: prompts are admitted a batch at a time (at most
+``rollout.max_staleness`` batches ahead of training), every unfinished sample gets one
+generation *segment* per round, and a step trains on the oldest finished groups. Each token
+is tagged with the weight version that produced it (:attr:`Sample.versions`); a sample's age is
+its oldest token's. The whole stream is checkpointed, so a resume is exact (deterministic
+mode). How segments end, staleness and resume: docs/training.md, "Fully asynchronous rollouts".
 """
 
 from __future__ import annotations
@@ -64,8 +28,7 @@ log = logging.getLogger(__name__)
 
 
 def _segment_seed(seed: int, done: int) -> int:
-    """The sampling seed of a sample's segment that starts after ``done`` tokens (its own
-    seed for the first, so a sample that fits in one segment is the sample it always was)."""
+    """The seed of a sample's segment starting after ``done`` tokens (the first: its own)."""
     if done == 0:
         return seed
     blob = f"{seed}:{done}".encode()
@@ -119,10 +82,9 @@ class GroupStream:
     # ------------------------------------------------------------------ generation
 
     def admit(self, version: int) -> int:
-        """Draw batches while fewer than ``version + 1 + max_staleness`` are admitted: the
-        batches the steps up to ``version + 1 + max_staleness`` train on (a sample admitted
-        now is at most ``max_staleness`` versions old when the last of them trains, unless it
-        is slower than its batch). Returns how many groups were admitted."""
+        """Draw batches while fewer than ``version + 1 + max_staleness`` are admitted (a
+        sample admitted now is at most ``max_staleness`` versions old when its batch trains,
+        unless it is slower than its batch); how many groups were admitted."""
         added, bound = 0, version + 1 + self.max_staleness
         while self.admitted < (bound if self.limit is None else min(bound, self.limit)):
             self.admitted += 1
@@ -138,9 +100,8 @@ class GroupStream:
         return added
 
     def round(self, plane: RolloutPlane, version: int) -> dict[str, float]:
-        """Admit what the bound allows, then one segment for every unfinished sample (one
-        generate call, so the engines batch the tail with the new prompts); groups whose
-        samples are all done join the finished buffer."""
+        """Admit what the bound allows, then one segment per unfinished sample in one
+        generate call (the tail batches with the new prompts); finished groups are marked."""
         admitted = self.admit(version)
         todo = [(g, j) for g in self.groups if g.finished_round is None
                 for j, s in enumerate(g.samples) if not _done(s, self.params.max_new_tokens)]

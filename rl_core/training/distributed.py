@@ -1,19 +1,11 @@
 """Trainer ranks: torch trainers in Ray actors that form one ``torch.distributed`` group.
 
-:class:`TrainerGroup` (driver side) starts ``num_ranks`` :class:`TrainerRank` actors, joins
-them into one process group (gloo on CPU; "nccl" on CUDA, RCCL on ROCm) and offers the
-single-rank :class:`~rl_core.interfaces.Trainer` interface, so the loop does not change.
-
-Data parallel, exactly: every rank gets an equal slice of each mini-batch (short slices padded
-with zero-weight rows), normalises its loss by the mini-batch's *global* counts, and gradients
-are summed, not averaged: N ranks make the step one rank holding the whole mini-batch makes.
-``data_parallel="ddp"`` (CPU default) replicates the model, ``"fsdp2"`` (GPU default) shards it;
-with ``train.backend=megatron`` each rank holds a ``MegatronTrainer``. Checkpoints have the
-single-rank layout whatever the world size: runs resume on any number of ranks. Every wait is
-bounded (the group's timeout per collective, ``timeout_s`` per ``ray.get``); a failure names the
-rank and leaves the group unusable: start a new one from the latest checkpoint (docs/training.md).
-
-Never imports Prefect or MLflow; never touches the rollout plane.
+:class:`TrainerGroup` (driver side) starts :class:`TrainerRank` actors (DDP or FSDP2
+``TorchTrainer`` ranks, or ``MegatronTrainer`` ranks) and offers the single-rank
+:class:`~rl_core.interfaces.Trainer` interface. N ranks make exactly the update one rank makes
+on the whole batch (global-count normalisation, summed gradients); checkpoints keep the
+single-rank layout; every wait is bounded, and a failure names the rank and leaves the group
+unusable. Never touches the rollout plane. docs/training.md, "Trainer ranks".
 """
 
 
@@ -343,16 +335,10 @@ class TrainerGroup:
         data_parallel: DataParallel | None = None, trust_remote_code: bool = False,
         env: Mapping[str, str] | None = None, num_cpus_per_rank: float | None = None,
         num_gpus_per_rank: float | None = None) -> TrainerGroup:
-        """Start ``num_ranks`` rank actors, form their process group, load the model.
-
-        ``scheduling_strategies``: one Ray scheduling strategy per rank (placement-group
-        bundles), or None to let Ray place them. ``device``: ``cpu`` or ``cuda`` (each rank takes
-        one GPU; ROCm too). ``data_parallel``: ``ddp`` or ``fsdp2`` (default: DDP on CPU, FSDP2
-        on GPUs; DDP for QLoRA: FSDP2 does not shard bitsandbytes' 4-bit weights). ``env``:
-        extra environment for the rank processes (e.g. the platform presets).
-        ``timeout_s`` bounds every call and every collective. ``num_cpus_per_rank`` /
-        ``num_gpus_per_rank``: what each rank reserves from Ray (default: its threads, and one
-        GPU on GPUs), e.g. a placement slot's share."""
+        """Start ``num_ranks`` rank actors (one Ray scheduling strategy each, or None), form
+        their process group, load the model. ``data_parallel``: default FSDP2 on GPUs, else
+        DDP (and for QLoRA: FSDP2 cannot shard 4-bit weights). ``timeout_s`` bounds every call
+        and collective; ``num_cpus/gpus_per_rank`` default to its threads and one GPU on GPUs."""
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         if scheduling_strategies is not None and len(scheduling_strategies) != num_ranks:

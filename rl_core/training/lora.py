@@ -1,23 +1,9 @@
 """LoRA on the torch backend through ``peft``: wrap, name, write, merge (``train.lora``).
 
-The trainer wraps its model with :func:`apply_lora` (only the adapters train). Its weights
-then have three forms, each from the model's full state_dict (whole on the sending rank):
-
-- :func:`adapter_tensors`: the LoRA A/B tensors under the names ``peft`` saves them with
-  (``base_model.model.<module>.lora_A.weight``): what a weight sync sends, what the engine's
-  ``/load_lora_adapter`` reads, what a checkpoint keeps, and what the checksum covers;
-- :func:`merged_tensors`: the base model with ``scaling * B @ A`` added to every target, under
-  the base model's own names: the exported Hugging Face checkpoint;
-- :func:`model_keys`: adapter tensors renamed back to the wrapped model's state_dict names,
-  for restoring a checkpoint.
-
-QLoRA (``train.lora.quantize``): :func:`quantization` is the ``BitsAndBytesConfig`` the trainer
-loads its frozen base with (4-bit NF4/FP4, bitsandbytes, on CPU, CUDA and ROCm). The adapter
-trains on the dequantized base; the engines keep serving the full-precision base with the
-adapter on top, and the merged export adds the adapter to the full-precision base read from
-``model.path`` (a 4-bit base has no exact full-precision weights to merge into).
-
-Never imports Prefect or MLflow.
+:func:`apply_lora` wraps the model (only the adapters train). The weights' three forms, each
+from the full state_dict: :func:`adapter_tensors` (peft's names: sync, checkpoint, checksum),
+:func:`merged_tensors` (the HF export) and :func:`model_keys` (for restores). QLoRA:
+:func:`quantization`, the 4-bit base's ``BitsAndBytesConfig``. docs/lora.md.
 """
 
 from __future__ import annotations
@@ -58,14 +44,9 @@ def quantization(cfg: LoraConfig, compute_dtype: torch.dtype) -> Any:
 
 
 def unpacked_4bit(model: torch.nn.Module) -> torch.nn.Module:
-    """``model``'s 4-bit layers never switch to bitsandbytes' AVX512-BF16 CPU layout.
-
-    On CPUs with AVX512-BF16, ``Linear4bit`` repacks its weight in place at its first
-    no-grad, eval-mode forward (log-prob scoring) and then runs another kernel: it needs
-    every input width to be a multiple of its block (64), and a training forward after the
-    repack fails inside bitsandbytes (an in-place bias add on a view; measured with 0.50.2).
-    Off, every CPU runs the same portable kernel (what machines without AVX512-BF16 run);
-    on GPUs the switch is never consulted."""
+    """``model``'s 4-bit layers kept off bitsandbytes' AVX512-BF16 CPU repack, which breaks
+    the next training forward (docs/lora.md, "QLoRA"): every CPU runs the portable kernel;
+    GPUs never consult the switch."""
     for m in model.modules():
         if hasattr(m, "support_avx512bf16_for_cpu"):
             m.support_avx512bf16_for_cpu = False

@@ -1,18 +1,10 @@
 """The torch trainer's mixture-of-experts forward: routing replay (R3), router metrics, aux loss.
 
-:class:`MoeForward` wraps each forward of an MoE model (the policy, the reference, their DDP
-or FSDP2 wrappers: one :class:`~rl_core.models.moe.RouterTap` per set of routers). With
-``train.moe.routing_replay`` and a batch that carries the rollout's experts
-(``Batch.routed_experts``, :mod:`rl_core.types`), every router uses those experts, token by
-token and layer by layer, in whichever layout the forward runs (padded rows, or the packed
-rows of :mod:`rl_core.training.packing`); the gate weights are the training router's
-probabilities at those experts, renormalised as the architecture does, so the router is
-still trained, and tokens without recorded experts (-1) are routed by the router. A forward
-with gradients (the loss pass) also yields the load-balancing loss and the router metrics
-(:func:`~rl_core.models.moe.router_metrics`) over the tokens that predict a real token, and
-with replay on, ``moe/replayed_tokens``: the share of them routed by the rollout's experts.
-
-Never imports Prefect or MLflow.
+:class:`MoeForward` wraps every forward of an MoE model (policy, reference, DDP/FSDP2
+wrappers). With ``train.moe.routing_replay`` each router takes the batch's recorded experts
+(``Batch.routed_experts``, padded or packed layout; -1: its own choice) with the training
+router's renormalised gate weights, so it still learns. Forwards with gradients also yield
+the balance loss and router metrics over the tokens that predict a real token. docs/moe.md.
 """
 
 from __future__ import annotations

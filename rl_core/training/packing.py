@@ -4,7 +4,7 @@ One row per group, ``[prompt, completion_1, ..., completion_n]``, with a block a
 and position ids that restart after the prompt: every token's logits equal its padded row's,
 the prompt gets the summed gradient of its completions, and :meth:`PackPlan.gather` maps the
 logits back to the padded layout. :func:`plan_packing` packs only where a FLOP estimate says
-it is cheaper (docs/training.md). Never imports Prefect or MLflow.
+it is cheaper (docs/training.md).
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
-"""The SFT trainer: next-token cross-entropy on the labelled tokens, one optimizer step per
-batch of examples, and what a run around it needs (held-out loss, greedy accuracy,
-checkpoints, the export that ``grpo_train`` takes as ``model.path``).
+"""The SFT trainer: next-token cross-entropy on the labelled tokens, and what a run needs.
 
-The loss of a step is the mean over every labelled token of its examples (``-100`` labels,
-prompts and non-assistant turns, carry none). Each micro-batch adds its token sum divided by
-the *step's* token count, so micro-batching changes speed, not the update (exact gradient
-accumulation). With ``train.packing`` the step's examples are packed first-fit into rows of
-``pack_length`` tokens; each example keeps its own positions (restarting at 0) and sees only
-itself (a block-diagonal causal mask, as :mod:`rl_core.training.packing` builds for GRPO
-groups), so the loss is the unpacked one up to float rounding, on fewer padded tokens.
-
-:class:`SFTTrainer` is the GRPO :class:`~rl_core.training.torch_trainer.TorchTrainer` (model
-loading, ``train.lora`` through :mod:`rl_core.training.lora`, AdamW with warmup and cosine
-decay, ``save_state``/``load_state``, the merged export) with the SFT step instead of the
-GRPO one. A step's randomness (LoRA dropout) is seeded by (seed, step), and the sampler's
-whole state is ``(seed, epoch, position)``: a resumed run ends bit-identical to an
-uninterrupted one on CPU.
-
-Heavy state stays here: the flow passes a small :class:`SFTHandle` (:func:`start_session`,
-:func:`get_session`, :func:`close_session`). Never imports Prefect or MLflow.
+:class:`SFTTrainer` is the GRPO ``TorchTrainer`` (loading, LoRA, AdamW and its schedule,
+state, the merged export) with the SFT step: the mean loss over the step's labelled tokens
+(``-100``: none), exactly accumulated over micro-batches, optionally on packed rows. Around it:
+held-out loss, greedy accuracy, checkpoints (resumes are bit-identical on CPU) and the export
+``grpo_train`` takes as ``model.path``. The flow holds only a small :class:`SFTHandle`
+(:func:`start_session`). docs/sft.md.
 """
 
 from __future__ import annotations

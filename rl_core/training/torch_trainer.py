@@ -1,28 +1,11 @@
 """The torch training backend: a Hugging Face causal LM updated with the GRPO loss.
 
-One trainer object owns the policy, the frozen reference policy (only when the KL term is
-on), the optimizer and the LR schedule. Its interface is :class:`rl_core.interfaces.Trainer`:
-``compute_logprobs``, ``train_step``, the weight side of :class:`~rl_core.weight_sync.source.
-WeightSource` (``export_weights``, ``write_weights``, ...), ``save_state``/``load_state``.
-It runs in-process as one rank; ``rl_core.training.distributed`` runs it on several ranks
-(Ray actors, DDP or FSDP2) through the same interface and a few hooks here (``_train_module``,
-``_grad_sync``, ``_across_ranks``) whose single-rank bodies do nothing.
-
-Gradient accumulation is exact: each micro-batch's loss is normalised by the token or
-sequence count of the whole mini-batch, so micro-batching changes speed, not the update.
-Data parallelism is the same rule: ``train_step(batch, minis=...)`` takes each mini-batch's
-*global* counts, so a rank holding part of a mini-batch contributes its exact share.
-
-A mixture-of-experts model's forwards go through :class:`~rl_core.training.moe.MoeForward`:
-routing replay (``train.moe.routing_replay``), router metrics and the load-balancing loss
-(``train.moe.aux_loss_coef``).
-
-With ``train.lora`` (:mod:`rl_core.training.lora`) only the adapters train, the reference
-log-probs are the base model's (the adapter disabled: no second copy), the exported weights
-(sync, checkpoints) are the adapter's tensors, and :meth:`save_pretrained` writes the merged
-model with the adapter beside it.
-
-Never imports Prefect or MLflow.
+:class:`TorchTrainer` (:class:`rl_core.interfaces.Trainer`) owns the policy, the frozen
+reference (only with the KL term), AdamW and the LR schedule. Each micro-batch's loss is its
+share of the mini-batch's *global* counts, so micro-batching and data parallelism are exact;
+:mod:`rl_core.training.distributed` runs it on ranks through the hooks ``_train_module``,
+``_grad_sync`` and ``_across_ranks`` (no-ops here). MoE forwards: :mod:`.moe`; ``train.lora``:
+:mod:`.lora` (docs/lora.md). The step: docs/training.md, "The training step".
 """
 
 from __future__ import annotations
@@ -63,12 +46,9 @@ MiniResult = tuple[list[tuple[dict[str, float], float]], float]
 
 @dataclass(frozen=True)
 class MiniBatch:
-    """One optimizer step's rows of a batch and the counts its loss is normalised by.
-
-    ``rows`` index the batch given to :meth:`TorchTrainer.train_step`. ``tokens`` and
-    ``seqs`` are the response-token and sequence counts of the *whole* mini-batch, which on
-    a data-parallel rank includes the rows other ranks hold.
-    """
+    """One optimizer step's ``rows`` of the batch given to :meth:`TorchTrainer.train_step`,
+    and the response-token and sequence counts of the *whole* mini-batch (on a data-parallel
+    rank, including the rows other ranks hold) that its loss is normalised by."""
 
     rows: torch.Tensor
     tokens: float
@@ -199,15 +179,9 @@ class TorchTrainer(WeightSource):
 
     @property
     def needs_old_logp(self) -> bool:
-        """Whether the update is off the sampling policy within a step.
-
-        With one mini-batch and one epoch the policy being trained *is* the one whose
-        log-probs would be recomputed, so the ratio is exactly 1 at the first (only)
-        gradient and the extra forward pass is skipped (as nanochat and verl do); the
-        rollout corrections (TIS/MIS, IcePop, sequence masking) then compare the rollout
-        engine with the training forward's own log-probs, detached (``grpo_micro_loss``),
-        which are the same numbers a separate pass would compute.
-        """
+        """Whether old log-probs need their own pass (several mini-batches or epochs); else
+        the ratio is exactly 1 and the corrections use the training forward's own, detached
+        (``grpo_micro_loss``; docs/training.md, "The training step")."""
         cfg = self.train_cfg
         return cfg.mini_batches > 1 or cfg.ppo_epochs > 1
 
@@ -346,15 +320,9 @@ def run_train_step(trainer: Any, batch: Batch, minis: Sequence[MiniBatch] | None
                    update: Callable[[Batch, MiniBatch, float], MiniResult],
                    lr: Callable[[], float]) -> dict[str, float]:
     """``ppo_epochs * mini_batches`` optimizer steps on ``batch``: both backends' ``train_step``.
-
-    ``update(batch, mini, norm_const)`` makes one optimizer step and returns each micro-batch's
-    metrics with its response-token count, and the gradient norm; ``lr()`` is the LR after
-    the step. By default the mini-batches are ``mini_batches`` chunks normalised by their own
-    counts, and Dr.GRPO's ``norm_const`` is ``max_response_len``, else the batch's width: it
-    must be the same on every micro-batch (each is trimmed to its own longest row), or
-    gradient accumulation is not exact. Returns token-weighted means, maxima, mean grad
-    norm, LR and tokens/s, over every rank (``trainer._across_ranks``).
-    """
+    ``update(batch, mini, norm_const)`` makes one step and returns (each micro-batch's metrics,
+    its response tokens) and the grad norm; ``lr()`` is the LR after it. Defaults and the metric
+    reduction over every rank: docs/training.md, "The training step"."""
     started = time.perf_counter()
     trainer.model.train()
     if minis is None:

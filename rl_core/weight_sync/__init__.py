@@ -1,21 +1,11 @@
 """Weight sync: the trainer's weights to the rollout plane, versioned and verified.
 
-Every caller (each GRPO step, a resume, a restarted engine's re-broadcast) moves weights
-through :func:`sync_weights`, the one sequence::
-
-    stage (the trainer writes, puts or prepares them; the checksum is taken there)
-    -> pause every engine, abort what is in flight, flush the cache
-    -> load (the transport: disk, object store, broadcast, in-process tensors)
-    -> verify (every engine reports the new weight_version and the trainer's checksum)
-    -> weight_version = version  (the one place the plane's version changes)
-    -> resume (always, also when a step above failed)
-
-Silent non-sync is the most common weight-sync bug in RL frameworks: a sync that does not
-deliver the trainer's weights fails loudly here, and a sample made by any other version is
-refused by the plane. The transports live in :mod:`.transports` and :mod:`.broadcast`, the
-trainer side in :mod:`.source`, the checksum in :mod:`.checksum`.
-
-Never imports Prefect or MLflow.
+Every update (each step, a resume, a restarted engine's re-broadcast) is one call of
+:func:`sync_weights`: stage (checksum taken) -> pause, abort, flush -> load -> verify (version
+and checksum on every engine) -> bump the plane's version (the only place) -> resume, always.
+A sync that does not deliver the trainer's weights fails loudly (docs/architecture.md, "The
+weight-update sequence"; docs/reliability.md). Transports: :mod:`.transports`,
+:mod:`.broadcast`; trainer side: :mod:`.source`; checksum: :mod:`.checksum`.
 """
 
 from __future__ import annotations
@@ -43,8 +33,7 @@ def sync_weights(trainer: Any, plane: Any, transport: Any, version: int) -> dict
 
 
 def served_version(label: object) -> int:
-    """The weight version an engine's label names (``meta_info.weight_version``): the
-    engines' initial label (``default``) is the base model they were started on, version 0
-    (a restarted engine is re-synced before it serves)."""
+    """The version an engine's label (``meta_info.weight_version``) names; the initial
+    ``default`` (any non-number) is the base model, version 0."""
     text = str(label) if label is not None else ""
     return int(text) if text.isdigit() else 0

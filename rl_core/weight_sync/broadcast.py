@@ -1,17 +1,11 @@
 """``rollout.weight_sync: distributed``: trainer rank 0 broadcasts to every engine.
 
-SGLang's ``/init_weights_update_group`` + ``/update_weights_from_distributed`` protocol, the
-one slime, verl and OpenRLHF drive: the trainer hosts a TCP rendezvous, every engine joins as
-``rank_offset`` 1, 2, ..., and each update is one broadcast per tensor from rank 0 in the
-order of the names the engines were told, in buckets of ``rollout.weight_sync_bucket_mb``
-(one POST per bucket and engine). gloo on CPU, NCCL on CUDA, RCCL on ROCm.
-
-The group is opened when the first update is staged and again whenever the engines in it
-change (a restarted engine keeps its URL but has left the group: membership is per process).
-A restarted engine waits out of service for the next broadcast; :meth:`BroadcastSync.rejoin`
-brings it back earlier when the trainer still holds the weights it last sent.
-
-Never imports Prefect or MLflow; every wait is bounded by ``rollout.weight_sync_timeout_s``.
+SGLang's ``/init_weights_update_group`` + ``/update_weights_from_distributed`` protocol (as
+slime, verl and OpenRLHF drive it): engines join as ranks 1, 2, ...; each update is one
+broadcast per tensor in the posted order, one POST per bucket (``rollout.weight_sync_bucket_mb``)
+and engine. The group is (re)opened whenever its member processes change; a restarted engine
+waits out of service until then (docs/reliability.md, "Failure model: the weight sync"). Every
+wait is bounded by ``rollout.weight_sync_timeout_s``.
 """
 
 from __future__ import annotations

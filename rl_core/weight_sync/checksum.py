@@ -1,15 +1,9 @@
 """A content checksum of a model's named weights, computed the same way on both planes.
 
-XXH3-128 over (name, dtype, shape, raw bytes) in sorted-name order, hashed straight from
-each tensor's memory (no copy). XXH3 is not a cryptographic hash: it guards against wrong
-bytes (a corrupted bucket, a stale or half-applied update, a mismatched layout), not against
-an adversary who controls both planes. It replaced SHA-256 because the weight sync hashes
-every byte twice (trainer and engine): at 0.65 GB/s SHA-256 took most of a product sync
-(docs/benchmarks.md, "Weight sync"); XXH3 runs at memory speed.
-
-Tied weights that share storage (``lm_head.weight`` tied to the embeddings) are hashed
-under each name, so both sides must export the same names; :func:`weights_checksum` skips
-names in ``ignore``. Digests read ``xxh3-128:<32 hex digits>``.
+XXH3-128 over (name, dtype, shape, raw bytes) in sorted-name order, straight from each
+tensor's memory: ``xxh3-128:<32 hex digits>``. Tied weights are hashed under each name, so
+both sides must export the same names. It catches wrong bytes, not an adversary controlling
+both planes (why XXH3, not SHA-256: docs/reliability.md, "Failure model: the weight sync").
 """
 
 from __future__ import annotations

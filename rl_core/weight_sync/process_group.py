@@ -1,19 +1,12 @@
 """A weight-update process group beside (never instead of) the default one, SGLang's way.
 
-SGLang, slime, verl and OpenRLHF build the trainer → engine broadcast group alike: a TCP
-rendezvous hosted by the trainer's rank 0, a ``PrefixStore`` named after the group, and
-``_new_process_group_helper`` (private torch; its signature is checked at call time), so the
-group joins ``torch.distributed``'s world without touching a default group. Both sides must
-build it the same way, so the trainer side (:func:`broadcast_named_tensors`) and the engine
-side (:func:`receive_named_tensors`) live here together. Rank 0 hosts the store on a socket
-already bound to the address the peers are told (:func:`host_tcp_store`: a ``TCPStore`` given
-a host name would listen on every interface); the others join as clients, as SGLang engines do.
-Wire order: one ``broadcast`` per tensor, in the order of the names the trainer POSTs (SGLang's
-``load_format: null`` layout); every collective is bounded by the group's timeout.
-
-Never imports Prefect or MLflow; never pickles.
+As SGLang, slime, verl and OpenRLHF build it: a TCP rendezvous hosted by the trainer's rank 0,
+a ``PrefixStore`` named after the group, and torch's private ``_new_process_group_helper``
+(signature checked at call time). Both sides must build it alike, so the trainer's
+(:func:`broadcast_named_tensors`) and the engine's (:func:`receive_named_tensors`) live here.
+Wire order: one broadcast per tensor, in the posted names' order; every collective is bounded
+by the group's timeout. Rank 0's store binds only the address peers are told. Never pickles.
 """
-
 
 from __future__ import annotations
 
@@ -78,13 +71,10 @@ def _bound_socket(address: str, port: int) -> socket.socket:
 
 def host_tcp_store(address: str, port: int, world_size: int, *, timeout: timedelta,
                    wait_for_workers: bool) -> dist.TCPStore:
-    """The master ``TCPStore`` of a group, listening on ``address:port`` only.
-
-    ``port`` 0 lets the OS pick one (read it from ``store.port``). ``wait_for_workers``
-    blocks until ``world_size`` ranks have connected, bounded by ``timeout``. From here the
-    store owns the bound socket: it closes it when destroyed or when its construction fails
-    (a ``wait_for_workers`` timeout included).
-    """
+    """The master ``TCPStore`` of a group, listening on ``address:port`` only (a host name
+    would listen on every interface; docs/reliability.md, "Security"). ``port`` 0: the OS
+    picks (``store.port``); ``wait_for_workers`` blocks, bounded by ``timeout``. The store
+    owns the bound socket from here (closed on destruction or a failed construction)."""
     fd = _bound_socket(address, port).detach()
     return dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout,
                          wait_for_workers=wait_for_workers, master_listen_fd=fd, use_libuv=True)

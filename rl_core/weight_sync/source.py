@@ -1,26 +1,11 @@
 """The trainer side of every weight transport: :class:`WeightSource`, mixed into each trainer.
 
-A trainer provides ``export_weights()`` (the policy by HF name, whole on the rank that sends:
-a collective on multi-rank trainers) and ``_write_hf(path, weights)``; this class turns that
-into what each transport needs, computing the checksum where the weights are written:
-
-- ``write_weights(path)``: HF safetensors (``disk``) and their checksum;
-- ``put_weights()``: numpy arrays in Ray's object store (``object_store``), the reference and
-  the checksum; the arrays never pass through the driver;
-- ``open_weight_broadcast`` / ``broadcast_weights`` / ``close_weight_broadcast``: rank 0 of a
-  ``torch.distributed`` group with the engines (``distributed``, SGLang's
-  ``/init_weights_update_group`` + ``/update_weights_from_distributed``), one broadcast per
-  tensor in the order the engines were told. Tensors go by their checkpoint names: the fused
-  expert tensors of a model whose checkpoints name experts one by one
-  (:data:`~rl_core.models.moe.PER_EXPERT_CHECKPOINTS`) travel one expert at a time
-  (:func:`~rl_core.models.moe.hub_layout`), the names SGLang's loader takes (the embedded
-  engine takes them too); the checksum is of the weights the engines must then hold.
-
-Every rank of a multi-rank trainer calls these methods (the export may be a collective:
-FSDP2's gathers, megatron's TP/PP gathers); only the rank whose ``_sends_weights`` is true
-(rank 0) writes, puts or broadcasts. Every wait is bounded by the group's timeout.
-
-Never imports Prefect or MLflow.
+A trainer provides ``export_weights()`` (the policy by HF name) and ``_write_hf(path, weights)``;
+this class turns them into ``write_weights`` (``disk``), ``put_weights`` (``object_store``) and
+the rank-0 side of a broadcast group (``distributed``: one broadcast per tensor, by checkpoint
+name, docs/moe.md), taking the checksum where the weights are written. Every rank of a
+multi-rank trainer calls them (the export may be a collective); only the rank whose
+``_sends_weights`` is true writes, puts or broadcasts. Every wait is bounded.
 """
 
 from __future__ import annotations

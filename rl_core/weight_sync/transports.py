@@ -1,29 +1,11 @@
 """The plane side of the weight transports: how staged weights reach the paused engines.
 
-``rollout.weight_sync`` picks one for the HTTP plane:
-
-- :class:`DiskSync` (``disk``): the trainer writes HF safetensors into
-  ``<run>/weight_sync/v<version>``; every engine reloads them (``/update_weights_from_disk``).
-  One node, or a filesystem the engines share.
-- :class:`ObjectStoreSync` (``object_store``, engines are Ray actors): the trainer's rank 0
-  puts numpy arrays into Ray's object store; each engine's actor writes them to node-local
-  disk and its server loads them. Nothing passes through the driver.
-- :class:`~rl_core.weight_sync.broadcast.BroadcastSync` (``distributed``): a
-  ``torch.distributed`` broadcast from trainer rank 0 to every engine.
-
-The in-process plane uses :class:`TensorSync` (the engine core copies the trainer's tensors)
-or, with ``rollout.weight_sync: shared``, :class:`SharedSync` (the engine reads the trainer's
-parameters in place; the sync checks that they still alias and bumps the version).
-
-With LoRA (``train.lora``) the disk and in-process transports move the *adapter* only: the
-trainer writes or exports its LoRA tensors (a PEFT directory on disk), and each engine swaps
-adapter ``lora_name`` by SGLang's protocol (``/unload_lora_adapter`` then
-``/load_lora_adapter``, then ``/update_weight_version``); the plane then sends every request
-with ``lora_path=lora_name`` and verifies the adapter's checksum.
-
-Each keeps what it last delivered, so an engine that restarts is brought back to the current
-weights (:meth:`resync`) before it serves again. Never imports Prefect or MLflow; every wait
-is bounded.
+HTTP plane (``rollout.weight_sync``): :class:`DiskSync` (``disk``: HF safetensors, then
+``/update_weights_from_disk``), :class:`ObjectStoreSync` (``object_store``: Ray's object store to
+each engine's actor) and :class:`~rl_core.weight_sync.broadcast.BroadcastSync` (``distributed``).
+In-process plane: :class:`TensorSync` (tensors copied) and :class:`SharedSync` (``shared``: the
+engine reads the trainer's parameters). With LoRA, disk and tensors move the adapter only. Each
+keeps what it last delivered, so :meth:`resync` brings a restarted engine back; waits are bounded.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Experiment tracking with MLflow, the system of record (run, params, metrics, samples,
-checkpoints, evaluations; with :mod:`tasks.tracking.registry` the registered model). The flow never
-touches MLflow: it passes a :class:`TrackingHandle` (``None`` when ``tracking.backend`` is
-``none``: everything then does nothing) to what is exported here. Modules: ``run``, ``sender``,
-``artifacts``, ``traces`` (episodes as MLflow traces), ``handle`` (docs/tracking.md). No secret
-reaches MLflow (:mod:`rl_core.secrets`); MLflow is imported here and in :mod:`tasks.tracking.registry`
-only, never by ``rl_core``.
+checkpoints, evaluations, the registered model). The flow never touches MLflow: it passes a
+:class:`TrackingHandle` (``None`` when tracking is off: everything then does nothing) to what
+is exported here. Modules and contracts: docs/tracking.md. No secret reaches MLflow; MLflow is
+imported here and in :mod:`tasks.tracking.registry` only, never by ``rl_core``.
 """
 
 from tasks.tracking.artifacts import log_checkpoint, log_evaluation, log_step, sample_rows

@@ -1,13 +1,9 @@
-"""The model registry: registering a training run's final model (:func:`register_model`,
-called by ``finish_tracking``: transformers flavor, registered as ``model.name`` with the
-alias ``tracking.alias``, the final evaluation as version tags), and the steps of the scheduled
-``candidate`` / ``champion`` evaluation (the ``evaluate`` flow with ``registry=True``;
-docs/deployments.md): resolve the aliases; evaluate each version unless it already carries an
-evaluation on the same set and settings (:func:`evaluation_key`), so nothing is evaluated
-twice; record it (a nested run, ``eval.<key>.*`` version tags); :func:`decide`; :func:`promote`.
-
-MLflow is imported here and in :mod:`tasks.tracking` only, never by ``rl_core``. Registering
-fails loudly (a run whose model did not reach the registry is not done).
+"""The model registry: registering a run's final model (:func:`register_model`, as
+``model.name`` with the alias ``tracking.alias``) and the steps of the scheduled candidate /
+champion evaluation (docs/deployments.md): resolve the aliases, evaluate each version not yet
+evaluated on the same set (:func:`evaluation_key`), record it, :func:`decide`, :func:`promote`.
+MLflow is imported here and in :mod:`tasks.tracking` only. Registering fails loudly (a run
+whose model did not reach the registry is not done).
 """
 
 from __future__ import annotations
@@ -259,12 +255,10 @@ def _new_version(tracker: Tracker, name: str, logged: Any, step: int,
 
 def register_model(tracker: Tracker, model_dir: str, eval_result: Mapping[str, Any],
                    model_name: str | None) -> dict[str, Any]:
-    """Log the Hugging Face model in ``model_dir`` on the tracker's run (transformers
-    flavor, linked to the run's metrics at the final step) and register it as ``model_name``
-    (default ``model.name``) with the handle's alias; raises when either fails. The version
-    records the base model it was trained from (``grpoflow.base_model``: the run's
-    ``model.path``); a LoRA run's version is the merged model, with the adapter's rank, alpha
-    and targets as tags and the adapter itself logged beside it (``adapter/``)."""
+    """Log the HF model in ``model_dir`` on the run (transformers flavor) and register it as
+    ``model_name`` (default ``model.name``) with the handle's alias; raises when either fails. The
+    version records ``grpoflow.base_model``; a LoRA run's is the merged model, adapter tags and
+    ``adapter/`` beside it (docs/lora.md)."""
     import mlflow
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema

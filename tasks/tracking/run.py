@@ -1,10 +1,8 @@
-"""The MLflow run's lifecycle: open it (or re-attach to it on resume) with its params, tags
-and dataset inputs; close it (the curve, the registered model, the end status); the flow hook
-that marks it FAILED. One experiment per config name (or ``tracking.experiment``), one run per
-training run. Starting fails loudly after retries (a wrong ``tracking.uri`` should stop a run
-before it spends GPU hours); so does registering the final model. Never writes a param, tag or
-error that has not been through :mod:`rl_core.secrets`, and never chains MLflow's own
-exception (it holds the URI as given).
+"""The MLflow run's lifecycle: open it (or re-attach on resume) with params, tags and dataset
+inputs; close it (curve, registered model, status); the flow hook that marks it FAILED. One
+experiment per config name (or ``tracking.experiment``), one run per training run. Starting and
+registering fail loudly after retries (docs/tracking.md, 'When tracking fails'). Never writes an
+unredacted param, tag or error, and never chains MLflow's exception (it holds the raw URI).
 """
 
 from __future__ import annotations
@@ -163,11 +161,9 @@ def _link_artifact(h: TrackingHandle, where: str) -> None:
 def start_tracking(cfg: ExperimentConfig, run_dir: str, data: PreparedData | None = None,
                    resume_from: str | None = None,
                    resume_run_id: str | None = None) -> TrackingHandle | None:
-    """Open the MLflow run of this training run (``None`` when tracking is off): create it in
-    the experiment ``tracking.experiment`` or ``name``, or on resume (``resume_from``: the
-    checkpoint; or ``resume_run_id``) re-attach to the run the checkpoint names or tagged with
-    this run directory's name. Tags (Prefect flow run, git commit, platform), the redacted
-    config as params and ``config.yaml``, the datasets; the system metrics monitor."""
+    """Open this training run's MLflow run (``None`` when tracking is off), or on resume
+    (``resume_from``, ``resume_run_id``) re-attach to the one the checkpoint or run name points to;
+    tags, redacted config as params and ``config.yaml``, datasets, system metrics monitor."""
     if cfg.tracking.backend == "none":
         return None
     from mlflow import MlflowClient
@@ -255,11 +251,10 @@ def start_tracking(cfg: ExperimentConfig, run_dir: str, data: PreparedData | Non
 def finish_tracking(handle: TrackingHandle | None, *, status: str = "FINISHED",
                     model_dir: str | None = None, eval_result: dict[str, Any] | None = None,
                     model_name: str | None = None) -> dict[str, Any]:
-    """Close the training run: the reward/accuracy curve (``plots/reward_accuracy.png``);
-    given ``model_dir``, the final model registered (:func:`tasks.tracking.registry.register_model`;
-    its failures raise and mark the run FAILED); the run ends with ``status``. Queued metrics
-    get ``tracking.flush_timeout_s``; the rest goes to the unsent-metrics file. Returns the
-    run id, the curve, the registration and :meth:`Tracker.end`'s report (outages, file)."""
+    """Close the run: the reward curve, the registered model (given ``model_dir``; its failures
+    raise and mark the run FAILED), the end ``status``. Queued metrics get
+    ``tracking.flush_timeout_s``, the rest go to the unsent-metrics file. Returns run id, curve,
+    registration and :meth:`Tracker.end`'s report."""
     if handle is None:
         return {}
     from tasks.tracking.registry import register_model

@@ -1,11 +1,9 @@
-"""The metrics sender: per-step metrics and samples tables leave the training loop through
-the queue of a :class:`Tracker` (an ``MlflowClient`` bound to one run), which a daemon thread
-(``grpoflow-mlflow-sender``) sends. Through an outage it keeps them (up to 200,000 values and
-50 tables, oldest dropped first), retries after 1 s, 2 s, ... up to 30 s, warns once, and
-records the outage on the run. :meth:`Tracker.end` gives the queue ``tracking.flush_timeout_s``,
-then writes what is left to the unsent-metrics file, which :func:`replay_unsent` sends later.
-
-Never blocks the caller on the server, never raises from queueing, never logs unredacted.
+"""The metrics sender: per-step metrics and samples tables leave the training loop through a
+:class:`Tracker`'s queue, which a daemon thread (``grpoflow-mlflow-sender``) sends, keeping
+them through outages; what is left at the end goes to the unsent-metrics file, which
+:func:`replay_unsent` sends later (limits, backoff: docs/tracking.md, 'When the server goes
+away'). Never blocks the caller on the server, never raises from queueing, never logs
+unredacted.
 """
 
 from __future__ import annotations
@@ -30,10 +28,8 @@ Table = tuple[str, dict[str, list[Any]]]  # (artifact file, columns)
 MAX_PENDING, MAX_TABLES = 200_000, 50  # metric values, tables kept while the server is away
 BATCH = 1000  # MLflow's limit of metrics per log_batch
 RETRY_DELAYS = (1.0, 30.0)  # the sender's backoff after a failed send: 1 s doubling to 30 s
-# MLflow's REST client retries 7 times with backoff factor 2, up to 120 s per connect/read:
-# ~4 minutes per call to a dead server. Ours, unless the environment sets them: 3 retries after
-# 0, 2 and 4 s (+ up to 1 s jitter), 60 s per connect/read (covering the reply to a large
-# artifact upload; raise it for huge models).
+# MLflow's REST client takes ~4 min per call to a dead server; ours unless the environment
+# sets them: 3 retries after 0, 2, 4 s, 60 s per connect/read (docs/tracking.md).
 MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_TIMEOUT": "60",
                         "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
 UNSENT_FILE = "mlflow-unsent-metrics.jsonl"  # in the run directory

@@ -1,22 +1,11 @@
-"""Multi-turn episodes as MLflow traces: a sample of each step's episodes (``meta["episode"]``,
-:mod:`rl_core.agents.episode`) becomes one trace each, in the run's experiment, with the run as
-its source (the run's Traces tab) and the sample ledger's keys as tags (``grpoflow.uid``,
-``grpoflow.step``, ``grpoflow.record_id``, ``grpoflow.group``, ``grpoflow.reward``,
-``grpoflow.status``). Spans: the episode (AGENT), one per retried attempt (CHAIN), the
-environment's reset (CHAIN), each model turn (LLM: text, tokens, ``weight_version``, finish
-reason) and each environment answer (TOOL when it ran tool calls, else CHAIN: observation,
-reward, done); durations are the episode record's own timings. Failed episodes and attempts
-carry ERROR status and their errors.
+"""Multi-turn episodes as MLflow traces: some of each step's episodes (``meta["episode"]``)
+become one trace each on the run, tagged with the sample ledger's keys, with spans for the
+episode, retried attempts, reset, model turns and environment answers (docs/agents.md).
+A daemon thread (``grpoflow-mlflow-traces``) writes them with a ``TracingClient`` bound to the
+run's URI and keeps up to ``MAX_QUEUED`` through an outage (docs/tracking.md, 'Episode traces').
 
-The spans are made with MLflow's entities on a private OpenTelemetry tracer and written with a
-``TracingClient`` bound to the run's tracking URI, by a daemon thread
-(``grpoflow-mlflow-traces``): MLflow's fluent tracing API exports to the process-wide tracking
-URI, which grpoflow never sets. Through an outage the thread keeps up to ``MAX_QUEUED``
-traces (oldest dropped), retries after 1 s, 2 s, ... up to 30 s and warns once per outage.
-
-Never blocks or fails the training step (nothing here raises to the caller); never writes a
-string that has not been through :func:`rl_core.secrets.redact`; never sets MLflow's global
-tracking URI, experiment or tracer provider.
+Never blocks or fails the training step; never writes an unredacted string; never sets MLflow's
+global tracking URI, experiment or tracer provider.
 """
 
 from __future__ import annotations
@@ -49,11 +38,9 @@ _ERROR = re.compile(r"attempt (\d+): (\w+): (\w+): (.*)", re.S)  # EpisodeRunner
 
 
 def choose_episodes(samples: Sequence[Any], limit: int) -> list[Any]:
-    """Up to ``limit`` of the samples that hold an episode, deterministically: failed episodes
-    first (they are what one opens traces for), then round by round one episode from each of
-    groups spread evenly over the step (in group order), each group's in the order best
-    reward, worst reward, second best, ... (a GRPO group's contrast). Returned in the samples'
-    order."""
+    """Up to ``limit`` episode samples, deterministically, in the samples' order: failed ones
+    first, then one per group from groups spread over the step, each group's ranked best, worst,
+    second best, ... (a GRPO group's contrast)."""
     episodes = [(i, s) for i, s in enumerate(samples)
                 if isinstance(getattr(s, "meta", None), Mapping)
                 and isinstance(s.meta.get("episode"), Mapping)]
@@ -215,10 +202,8 @@ def _ledger(sample: Any, step: int, trained: bool | None) -> dict[str, str]:
 def episode_trace(sample: Any, step: int, *, experiment_id: str, run_id: str,
                   run_name: str = "", trained: bool | None = None,
                   logged_at: float | None = None) -> Any:
-    """The MLflow ``Trace`` of one episode sample (see the module docstring); pure, no I/O.
-
-    Spans sit end to end from the episode's ``started_at`` (wall clock, when its record has
-    one), else so that the episode ends at ``logged_at`` (default: now): the durations are the
+    """The MLflow ``Trace`` of one episode sample; pure, no I/O. Spans sit end to end from the
+    episode's ``started_at`` (else ending at ``logged_at``, default now): the durations are the
     record's, the absolute times then approximate."""
     from mlflow.entities import SpanType, Trace, TraceData, TraceInfo, TraceLocation, TraceState
     from mlflow.tracing.constant import SpanAttributeKey, TraceMetadataKey, TraceTagKey
@@ -557,10 +542,9 @@ def _sender(handle: TrackingHandle) -> _Sender:
 
 def log_traces(handle: TrackingHandle | None, step: int, samples: Sequence[Any], limit: int,
                dropped: Sequence[Any] = ()) -> int:
-    """Queue traces of up to ``limit`` (``tracking.traces_per_step``) of this step's episodes
-    (:func:`choose_episodes` over ``samples``, those trained on, and ``dropped``, those not)
-    and return at once: how many were queued. Samples without ``meta["episode"]`` are never
-    traced (a single-turn run does nothing here). Not a task; never raises."""
+    """Queue traces of up to ``limit`` of this step's episodes (:func:`choose_episodes` over
+    ``samples`` and ``dropped``) and return at once how many; samples without ``meta["episode"]``
+    are never traced. Not a task; never raises."""
     if handle is None or limit <= 0:
         return 0
     try:

@@ -1,32 +1,11 @@
 """Megatron-core on a machine without CUDA: the few hard-coded CUDA calls, redirected.
 
-megatron-core's pure-PyTorch layer spec computes correctly on CPU over gloo, but about ten
-call sites assume a CUDA device (measured on 0.16.1; ``../shared/reference/megatron-cpu.md``
-lists each one). This module redirects exactly those, and only when CUDA is absent: on a
-GPU machine :func:`install` and :func:`cuda_free` do nothing.
-
-- :func:`install` (process-wide, idempotent): the RNG tracker's CUDA generator becomes the
-  CPU default generator, ``torch.cuda.current_device`` answers ``"cpu"`` (RoPE's
-  ``inv_freq``, DDP's and TP's buffers), and ``torch.cuda.synchronize`` / ``current_stream``
-  become no-ops (pipeline p2p, checkpoint writes, the grad-sync stream), as do
-  ``torch.cuda.Stream`` / ``torch.cuda.stream`` (the MoE all-to-all token dispatcher's
-  device-to-host side stream), and that dispatcher's split sizes become numpy arrays, as its
-  device-to-host copy makes them on GPUs. These would raise on this machine anyway, so nothing
-  else that worked changes.
-- :func:`fix_moe_without_te` (every platform, idempotent): megatron-core 0.16.1's MoE router
-  gating (``moe_utils.RouterGatingLinearFunction``) tests ``te_general_gemm is not None``, a
-  name bound only when Transformer Engine imports; without TE it raises ``NameError``. It binds
-  the name to ``None`` (the plain ``torch.mm`` path), on GPUs too: the local spec has no TE.
-- :func:`cuda_free` (a context manager around megatron's optimizer and DDP calls): a
-  ``TorchFunctionMode`` making ``device='cuda'`` tensors CPU tensors (optimizer scale and
-  overflow buffers, ``clip_grads``' norm buffers), ``Tensor.cuda()`` a no-op, and
-  ``Tensor.type()`` answer ``torch.cuda.FloatTensor`` for CPU tensors (``clip_grads`` and the
-  mixed-precision optimizer compare type strings). It lies about types, so it is scoped: torch
-  function modes are per thread, and only the trainer's own calls run inside it.
-
-It depends on private names of ``megatron.core.tensor_parallel.random``; the version is
-pinned (``megatron-core==0.16.1``, the newest that installs on Python 3.11), and
-:func:`install` fails loudly if those names move.
+Only when CUDA is absent (on GPUs :func:`install` and :func:`cuda_free` do nothing):
+:func:`install` redirects the process-wide calls (RNG, current device, streams, the
+all-to-all dispatcher's split sizes); :func:`cuda_free` is a scoped ``TorchFunctionMode`` for
+``device='cuda'``, ``.cuda()`` and ``Tensor.type()``. :func:`fix_moe_without_te` applies
+everywhere. Private names of the pinned megatron-core 0.16.1: :func:`install` fails loudly if
+they move. docs/megatron.md, "The CPU compatibility layer".
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Hugging Face <-> megatron-core weights for the decoders of :mod:`.model`, dense and MoE.
 
-megatron-core's wheel ships no converter, and the bridges (megatron-bridge, mbridge) need
-CUDA and Transformer Engine; this is the mapping they implement, for the local layer spec (the
-name-by-name table: docs/megatron.md, "Weight mapping"). Pipeline stages number their layers
-locally; the embedding lives on the first stage, the final norm and the head on the last.
-Both directions are exact (slicing and concatenation only), so HF -> megatron -> HF
-round-trips bit for bit. Never imports Prefect or MLflow.
-
-Experts (``qwen3_moe``, ``qwen2_moe``) come in two HF layouts, and both are read:
-``mlp.experts.gate_up_proj`` (E, 2I, H) / ``mlp.experts.down_proj`` (E, H, I), the fused
-tensors of transformers 5's modules (its ``state_dict()``, what both trainers export), and
-``mlp.experts.{e}.{gate,up,down}_proj.weight``, the per-expert tensors of hub checkpoints
-(what ``save_pretrained`` writes and SGLang loads; :func:`rl_core.models.moe.hub_layout`
-turns the first into the second). Expert ``e`` is ``mlp.experts.local_experts.{e - r * E/ep}`` on EP rank ``r``; the
-router ``mlp.gate.weight`` is ``mlp.router.weight`` and qwen2_moe's shared expert
-``mlp.shared_expert.*`` / ``mlp.shared_expert_gate.weight`` is ``mlp.shared_experts.*`` /
-``mlp.shared_experts.gate_weight``, all replicated on every EP rank.
+megatron-core ships no converter (the bridges need CUDA and Transformer Engine): this maps the
+local layer spec, reading both HF expert layouts (fused and per-expert). Pipeline stages number
+their layers locally. Exact both ways (slicing and concatenation: round trips are bit for
+bit). The name tables: docs/megatron.md, "Weight mapping" and "Mixture of experts".
 """
 
 from __future__ import annotations
@@ -177,12 +165,10 @@ def merge_tp(name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
 def mcore_to_hf(
     merged: Mapping[str, torch.Tensor], arch: Arch, *, pp_rank: int = 0, pp: int = 1
 ) -> dict[str, torch.Tensor]:
-    """HF weights of one pipeline stage from its TP-merged (:func:`merge_tp`) tensors: the
-    embedding from the first stage, the final norm and an untied head from the last. A tied
-    model's ``lm_head.weight`` is the embedding tensor under a second name, as HF's
-    ``state_dict()`` lists it (the rollout plane's checksums cover both names). Experts must
-    carry their global index (the trainer renames them after the EP gather) and come out
-    fused, as transformers 5's ``state_dict()`` has them (:func:`rl_core.models.moe.hub_layout`: per expert)."""
+    """HF weights of one pipeline stage from its TP-merged (:func:`merge_tp`) tensors. A tied
+    model also lists the embedding as ``lm_head.weight``, as HF's ``state_dict()`` does (the
+    checksums cover both). Experts must carry global indices (renamed after the EP gather);
+    they come out fused, as transformers 5 holds them (per expert: ``hub_layout``)."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[int, dict[int, tuple[torch.Tensor | None, torch.Tensor | None]]] = {}
     offset = stage_layers(arch, pp_rank, pp).start

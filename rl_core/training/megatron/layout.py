@@ -1,15 +1,9 @@
 """``train.megatron.tp/pp/ep: auto``: the parallelism planner's layout, taken at trainer start.
 
-The planner (:mod:`rl_core.cluster.planner`, ``grpoflow plan``) does the memory arithmetic
-for the model, the device and the number of trainer ranks: it keeps pure data parallelism
-(TP = PP = 1) while the sharded state fits, and otherwise recommends the smallest megatron
-TP (then PP) that fits; a mixture-of-experts model gets expert parallelism (EP within a
-node, TP 1, PP across nodes). ``auto`` takes that recommendation; an explicit value wins.
-On CPU the planner's device is the host (TP 1). On GPUs the device is the one the trainer's
-process sees (``detect_platform``), matched by name to the planner's table (H100, H200,
-B200, A100, MI300X, MI325X, MI355X); an unknown one fails with the fix.
-
-Never imports Prefect or MLflow.
+``auto`` takes :mod:`rl_core.cluster.planner`'s recommendation (``grpoflow plan``) for the
+model, the device and the trainer ranks; an explicit value wins. The device is the host on
+CPU; on GPUs the one this process sees (``detect_platform``), matched by name to the planner's
+table (an unknown one fails with the fix). docs/megatron.md, docs/planner.md.
 """
 
 from __future__ import annotations

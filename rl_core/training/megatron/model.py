@@ -1,38 +1,10 @@
 """A megatron-core ``GPTModel`` built from a Hugging Face config, and its parallel layout.
 
-Supported architectures (the local pure-PyTorch layer spec):
-
-- ``qwen2`` (Qwen2, Qwen2.5): GQA, RMSNorm, SwiGLU, RoPE, q/k/v bias, tied or untied head.
-- ``llama`` (Llama 2/3/3.1): as Qwen2 without the q/k/v bias (``attention_bias``); Llama
-  3.1's ``rope_type: llama3`` scaling maps to megatron's ``rope_scaling``.
-- ``qwen3`` (dense): per-head RMSNorm on queries and keys (``qk_layernorm``), explicit
-  ``head_dim``, no q/k/v bias.
-
-- ``qwen3_moe`` (Qwen3-30B-A3B, -235B-A22B): Qwen3 attention, top-k softmax routing
-  (``norm_topk_prob``), no shared expert; layers in ``mlp_only_layers`` (or off the
-  ``decoder_sparse_step``) stay dense (megatron's ``moe_layer_freq`` list).
-- ``qwen2_moe`` (Qwen1.5/2-MoE): Qwen2 attention and a shared expert behind a sigmoid gate.
-
-Experts are megatron's ``SequentialMLP`` (``moe_grouped_gemm=False``: grouped GEMMs need
-Transformer Engine), one ``linear_fc1``/``linear_fc2`` pair per expert, sharded by expert
-parallelism (``ep``: rank ``r`` holds experts ``[r * E/ep, (r + 1) * E/ep)``) and never by
-tensor parallelism (``expert_tensor_parallel_size=1``). Training MoE layers at ``tp > 1``
-needs sequence parallelism (megatron-core refuses it otherwise).
-
-Sequence parallelism (``sequence_parallel``): the local spec's norm, ``WrappedTorchNorm``,
-refuses it (its weights would not be marked for the TP all-reduce of their gradients, which
-Transformer Engine's norms are); :class:`SequenceParallelRMSNorm` is the same torch
-``RMSNorm`` with its weight marked ``sequence_parallel``, so megatron's
-``finalize_model_grads`` sums its gradient over the TP ranks, each of which normalised its
-own slice of the sequence. The rest of the local spec (column/row-parallel linears, the
-embedding's scatter, the output's gather, the MoE dispatchers) does sequence parallelism
-itself, with ``all_gather_into_tensor``/``reduce_scatter_tensor`` (gloo has both on CPU).
-
-The vocabulary is padded to a multiple of ``vocab_divisible_by * tp`` (vocab-parallel layers
-split it evenly, as Megatron-LM does); the padded logits are masked out of every softmax, so
-padding changes speed, never a log-prob.
-
-Never imports Prefect or MLflow.
+The local (pure-PyTorch) layer spec for ``qwen2``, ``llama``, ``qwen3``, ``qwen3_moe`` and
+``qwen2_moe``; experts are ``SequentialMLP``s sharded by EP, never by TP.
+:class:`SequenceParallelRMSNorm` makes sequence parallelism work without Transformer Engine.
+The vocabulary is padded to a multiple of ``vocab_divisible_by * tp`` (masked out of every
+softmax). docs/megatron.md: "Supported architectures", "Configuration", "Mixture of experts".
 """
 
 from __future__ import annotations
@@ -198,10 +170,8 @@ def transformer_config(
     cpu_init: bool = True, ep: int = 1, dispatcher: str = "alltoall",
 ) -> Any:
     """megatron's ``TransformerConfig`` for ``arch`` (per-token loss: see the trainer). MoE:
-    HF's routing exactly (softmax over all experts, top-k; ``norm_topk_prob`` renormalises the
-    k weights, which is megatron's top-k-then-softmax; otherwise its pre-softmax top-k), fp32
-    router logits as HF computes them, no auxiliary loss in the gradient (HF adds it only
-    with ``output_router_logits``; the trainer reports it as a metric), no token dropping."""
+    HF's routing exactly, fp32 router, no token dropping, megatron's own aux loss off (the
+    balance loss is :mod:`.moe`'s; docs/megatron.md, "Mixture of experts")."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 

@@ -1,43 +1,11 @@
 """The routers of a megatron MoE model: routing replay (R3) in, routing statistics out.
 
-megatron-core 0.16.1 has a hook for this: ``TopKRouter.router_replay``, through which
-``topk_routing_with_score_function`` asks for the top-k (its own ``RouterReplay`` records or
-replays whole layers, for debugging). :func:`attach` puts a :class:`_Tap` in that slot on every
-router of one model; the tap
-
-- **replays** (Rollout Routing Replay): for the tokens the batch gives experts for
-  (``Batch.routed_experts``, from SGLang's ``routed_experts``: per token, per MoE layer, the
-  ``top_k`` experts the rollout engine chose)
-  the router takes exactly those experts; their weights are recomputed from this forward's own
-  router logits (softmax over the replayed experts when ``norm_topk_prob``, else their softmax
-  probabilities over all experts), so the router still gets gradients. Tokens without given
-  experts (the last token, which no engine routes; padding; rows whose entries are ``-1``)
-  are routed as usual. Under full activation recompute the backward pass re-runs the router:
-  a first-in-first-out queue gives it the experts its forward used (1F1B runs backwards in
-  forward order), as megatron's own ``REPLAY_BACKWARD`` does.
-- **counts**: per MoE layer, the tokens each expert received, the sum of each expert's router
-  probability, the summed router entropy and the token count, over the tokens that predict a
-  real token (as the torch backend counts them, :mod:`rl_core.training.moe`; not the padding
-  rows that even out data-parallel shards) of the training forwards.
-  :func:`routing_metrics` turns the counts of every rank (summed over the data-parallel ranks)
-  into the step's ``moe/*`` metrics, the torch backend's names and formulas
-  (:func:`rl_core.models.moe.router_metrics`).
-- **balances** (``train.moe.aux_loss_coef > 0``): the micro-batch's load-balancing loss, as
-  transformers computes it for Qwen-MoE (``E * sum_e f_e P_e``, ``f_e`` and ``P_e`` pooled
-  over the layers' counted tokens), times the coefficient and the micro-batch's share of the
-  mini-batch's response tokens (the torch backend's term), joins the gradient through
-  megatron's ``MoEAuxLossAutoScaler`` (the schedules set its scale). ``f`` is known only when
-  the last layer has routed, and carries no gradient: each layer attaches
-  ``E * sum_e f_e P_le`` with ``f`` a buffer that :meth:`Routing.end` fills after the
-  forward, before any backward. Under pipeline parallelism each stage pools its own layers
-  (the loss is then the layer-weighted mean of the stages' losses; exact at ``pp = 1``).
-
-Under sequence parallelism each TP rank's routers see its own slice of the sequence (the
-hidden states are [S/tp, B, H]): the targets and the valid-token mask are cut the same way,
-the counts are of that rank's tokens (summed over the TP ranks with the rest), and ``f``
-and the token count of the balance loss are summed over the TP group first.
-
-Never imports Prefect or MLflow.
+:func:`attach` puts a :class:`_Tap` in megatron-core 0.16.1's ``TopKRouter.router_replay`` slot
+of every router. A tap replays the batch's given experts (gate weights from this forward's
+logits, so the router learns; a FIFO serves recompute's backward re-runs), counts what
+:func:`routing_metrics` needs, and adds the balance loss through ``MoEAuxLossAutoScaler``
+(``f`` filled in by :meth:`Routing.end`). Under SP each TP rank sees its slice of the
+sequence. docs/megatron.md, "Mixture of experts".
 """
 
 from __future__ import annotations
@@ -231,21 +199,8 @@ def attach(core: Any, arch: Arch, *, recompute: bool, sp_group: Any = None) -> R
 def routing_metrics(stats: torch.Tensor, experts: int, *,
                     per_layer: bool = False) -> dict[str, float]:
     """The step's ``moe/*`` metrics from summed :class:`Routing` statistics (one row per MoE
-    layer), the torch backend's names and formulas (:func:`rl_core.models.moe.router_metrics`):
-
-    - ``moe/aux_loss``: transformers' load-balancing loss of Qwen2/3-MoE
-      (``load_balancing_loss_func`` without its coefficient): ``E * sum_e f_e * P_e``, ``f_e``
-      the share of tokens routed to expert ``e`` (top-k slots summed), ``P_e`` its mean router
-      probability, both over every layer's tokens (k when balanced); in the loss only with
-      ``train.moe.aux_loss_coef > 0``;
-    - ``moe/load_max_over_mean``: the busiest expert's tokens over the mean (1 = balanced) and
-      ``moe/load_cv``: std / mean of the loads, per layer and averaged over layers;
-    - ``moe/router_entropy``: the mean entropy (nats; ln E = uniform) of a token's router
-      distribution over all experts, averaged over layers.
-
-    Over all the step's counted tokens at once (every micro-batch, every data-parallel rank):
-    the torch backend averages per-micro-batch values instead, the same number for one
-    micro-batch. ``per_layer`` adds ``<name>_l<i>`` for every MoE layer (not for the loss)."""
+    layer) over all its counted tokens at once; the torch backend's names and formulas
+    (docs/moe.md, "Router metrics"). ``per_layer`` adds ``<name>_l<i>`` (not for the loss)."""
     load, probs = stats[:, :experts], stats[:, experts:2 * experts]
     entropy, tokens = stats[:, -2], stats[:, -1]
     if float(tokens.sum()) == 0:

@@ -1,23 +1,11 @@
 """The megatron-core training backend: the torch backend's interface over a ``GPTModel``.
 
-:class:`MegatronTrainer` implements :class:`~rl_core.interfaces.Trainer` and computes what
-:class:`~rl_core.training.torch_trainer.TorchTrainer` does (docs/megatron.md): weights from the
-HF checkpoint (:mod:`.convert`) sharded by TP and PP; log-probs and entropy from vocab-parallel
-logits (:func:`vocab_parallel_logprobs`: no rank holds ``(B, L, V)``); the loss
-:func:`~rl_core.algorithms.losses.compute_grpo_loss` per micro-batch as its share of the
-mini-batch's global token and sequence counts, through ``get_forward_backward_func`` (1F1B when
-``pp > 1``) with ``calculate_per_token_loss``, so gradients are summed over DP and N replicas
-equal one; megatron's optimizer (Adam, clipping, fp32 main weights, ZeRO-1) on the torch
-backend's schedule. Checkpoints: HF ``model/`` plus ``megatron/`` (``dist_checkpointing``,
-reloadable on another layout) and ``megatron_state.json``. Mixture-of-experts models
-(``qwen3_moe``, ``qwen2_moe``) shard their experts by expert parallelism (``ep``, carved out of
-the data-parallel ranks), replay the rollout's routing when the batch carries it and report
-router metrics (:mod:`.moe`).
-
-Every method is collective: all ranks call it (the Ray ranks of a
-:class:`~rl_core.training.distributed.TrainerGroup`, or this process alone in ``cluster.mode:
-local``); data-parallel rank ``d`` gets the ``d``-th slice of the batch; results come from the
-ranks :attr:`reports` names. Never imports Prefect or MLflow.
+:class:`MegatronTrainer` computes what ``TorchTrainer`` does on a TP x PP x DP (x EP) layout:
+HF weights converted (:mod:`.convert`), vocab-parallel log-probs, the same GRPO loss per
+micro-batch through megatron's schedules, megatron's optimizer, ``dist_checkpointing``
+checkpoints, MoE replay and metrics (:mod:`.moe`). Every method is collective (all ranks call
+it; alone in ``cluster.mode: local``); DP rank ``d`` gets the ``d``-th slice of the batch;
+results come from the :attr:`reports` ranks. docs/megatron.md.
 """
 
 
@@ -107,16 +95,9 @@ def init_parallel(tp: int, pp: int, device: torch.device, timeout_s: float = 600
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, vocab: int,
                             with_entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Per-token log-probs of ``targets`` and entropies from this TP rank's logit columns.
-
-    ``logits``: (B, T, V_local), already divided by the temperature, float32; rank ``r``
-    holds global columns ``[r * V_local, (r + 1) * V_local)``; columns ``>= vocab`` are
-    padding and are masked out. With ``m`` the global max, ``s = sum_v exp(z_v - m)``:
-
-        logp = z_y - m - log s,    H = m + log s - (sum_v exp(z_v - m) z_v) / s
-
-    The three sums are one all-reduce over the TP group (backward: identity, megatron's
-    convention for a loss every TP rank computes alike)."""
+    """Per-token log-probs of ``targets`` and entropies (B, T) from this TP rank's columns of
+    float32, temperature-scaled logits (B, T, V_local); columns ``>= vocab`` are masked. One
+    all-reduce over the TP group (docs/megatron.md, "Vocab-parallel log-probs")."""
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
     ps = _mpu()
@@ -228,11 +209,8 @@ class MegatronTrainer(WeightSource):
             raise RuntimeError(f"{self.model_path}: HF -> megatron conversion left missing "
                                f"{missing[:5]}, unexpected {unexpected[:5]}")
         for name, param in core.named_parameters():
-            # Experts are replicated over the expert-data-parallel group (ranks that share
-            # the experts but see other tokens: the DP ranks, and under TP the TP ranks too,
-            # since experts are not TP-split). megatron marks them for that group's gradient
-            # reduction only at ep > 1 (at ep = 1 they would be reduced over the dense DP
-            # group, which leaves out the TP ranks): mark them always.
+            # Experts' gradients go over the expert-DP group (TP ranks included); megatron
+            # marks them so only at ep > 1: mark them always (docs/megatron.md, MoE).
             if ".mlp.experts." in name:
                 param.allreduce = False
         if self.dtype == torch.float32:
@@ -270,12 +248,9 @@ class MegatronTrainer(WeightSource):
     needs_old_logp = TorchTrainer.needs_old_logp
 
     def _micro_batches(self, batch: Batch, rows: torch.Tensor) -> list[Batch]:
-        """``rows`` cut into micro-batches; under PP (and sequence parallelism) all of one
-        shape, as the pipeline's send/receive buffers need (extra rows repeat a real row
-        with an empty response mask: they add nothing). Under EP every rank of an expert
-        group runs as many micro-batches of one shape (the token dispatcher's collectives;
-        the all-gather dispatcher needs equal token counts): extra micro-batches are such
-        rows only."""
+        """``rows`` cut into micro-batches; under PP or SP all of one shape, and under EP as
+        many of one shape on every rank of an expert group, made up with rows that repeat a
+        real row with an empty response mask (they add nothing; docs/megatron.md)."""
         mbs, ep = self.train_cfg.micro_batch_size, self.mcfg.ep
         parts = [batch.select(r) for r in rows.split(mbs)]
         if self.mcfg.pp == 1 and not self.sp and ep == 1:
@@ -566,14 +541,9 @@ class MegatronTrainer(WeightSource):
 
 
 def _in_process_results_queue() -> None:
-    """Collect ``dist_checkpointing``'s write results in a plain in-process queue:
-    megatron-core 0.16.1 creates that queue with ``multiprocessing.get_context("spawn")
-    .Manager()`` on the first save: a spawned server process that re-imports ``__main__``, so a
-    user's script without an ``if __name__ == "__main__":`` guard runs twice (measured), and the
-    first save pays ~2.5 s for the spawn. The queue only crosses processes for *asynchronous*
-    saves; the trainer saves synchronously (the forked writers report through their own queues,
-    the parent, which runs the save, fills this one): an in-process queue is equivalent here.
-    Private name, pinned version (0.16.1)."""
+    """Give ``dist_checkpointing`` an in-process write-results queue instead of megatron-core
+    0.16.1's spawned ``Manager`` (which re-imports ``__main__`` and costs ~2.5 s): equivalent
+    for synchronous saves (docs/megatron.md, compat layer). Private name, pinned version."""
     import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -583,11 +553,9 @@ def _in_process_results_queue() -> None:
 
 
 def _init_empty_adam_state(optimizer: Any) -> None:
-    """A distributed optimizer that has not stepped yet (a fresh trainer resuming) has no Adam
-    state, and its ``state_dict`` (the one ``sharded_state_dict`` builds the load plan from)
-    fails on the missing ``step`` (megatron-core 0.16.1 without Apex/TE). Give it state the
-    way megatron does before loading into a fresh model (one step on zero gradients); every
-    value it writes is then overwritten by the checkpoint (main parameters, moments, step)."""
+    """Give a distributed optimizer that has not stepped (a fresh trainer resuming) Adam state
+    to load into, as megatron does (one step on zero gradients; the load overwrites it all):
+    without it 0.16.1's ``state_dict`` fails on the missing ``step`` (no Apex/TE)."""
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(chained, "optimizer", None)
         if inner is not None and not inner.state and hasattr(
@@ -597,12 +565,9 @@ def _init_empty_adam_state(optimizer: Any) -> None:
 
 
 def _restore_adam_steps(optimizer: Any) -> None:
-    """Give torch Adam's per-parameter ``step`` the value the checkpoint restored. The distributed
-    optimizer's checkpoint (megatron-core 0.16.1, ``dp_reshardable``) keeps Adam's step count in
-    the parameter groups, as Apex's FusedAdam reads it; torch's AdamW (megatron's fallback without
-    Apex/TE) reads ``state[p]["step"]``, which the load leaves as it was. Without this the bias
-    correction after a resume is the wrong step's, and training does not continue identically
-    (tests/test_megatron.py catches it)."""
+    """Copy Adam's step count, which the distributed optimizer's checkpoint restores into the
+    parameter groups (where Apex's FusedAdam reads it), into torch AdamW's per-parameter
+    ``state[p]["step"]``: else a resume's bias correction is the wrong step's (0.16.1)."""
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         if (inner := getattr(chained, "optimizer", None)) is None:
             continue
