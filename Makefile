@@ -60,7 +60,8 @@ setup-dev: $(DEV)
 run: setup
 	$(BIN)/grpoflow train $(CONFIG)
 
-# The suite CI runs (.ci/run): lint, the layer contracts, then every test but the soak tier.
+# The suite CI runs (.ci/run): lint, the layer contracts (.importlinter), the 600-line bound
+# per file (scripts/loc.py), then every test but the soak tier.
 # Three workers on 2 cores (pytest-xdist; each test module runs whole on one worker, the
 # longest modules first: tests/conftest.py): with two, about 1.3 cores were busy on average,
 # the flow tests waiting on process start-ups, servers and HTTP; a third fills those waits
@@ -69,6 +70,7 @@ XDIST ?= -n 3 --dist loadscope --no-loadscope-reorder
 test: setup-dev
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/python scripts/loc.py --max-file 600 --top 0
 	$(PYTEST) $(XDIST) -p no:randomly $(PYTEST_ARGS)
 
 # The same suite in a random order (pytest-randomly; its seed is printed: -p randomly
@@ -85,6 +87,7 @@ soak: setup-dev
 lint: setup-dev
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/python scripts/loc.py --max-file 600 --top 0
 
 # PNGs of the Prefect and MLflow UIs on a short demo run (docs/img/; scripts/screenshots.py).
 screenshots: setup

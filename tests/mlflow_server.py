@@ -11,16 +11,20 @@ same port and store (an outage, for tests/test_tracking_outage.py).
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from rl_core.host import free_port
+
+MLFLOW_VERSION = importlib.metadata.version("mlflow")
 
 
 @dataclass
@@ -30,20 +34,28 @@ class MlflowServer:
     artifacts: Path | str  # a directory, or the s3:// destination
     log_path: Path
     proc: subprocess.Popen
+    restart: Callable[[int], subprocess.Popen] | None = None  # on another port (chosen port)
 
     def wait_ready(self, timeout: float = 180.0) -> None:
-        """Block until ``/health`` answers; raise with the server's log if it exits or the
-        bound passes."""
+        """Block until this MLflow answers ``/version`` with MLflow's version (a ``/health``
+        could be another server's that took the port first); raise with the server's log if
+        it exits or the bound passes. A server on a port the test did not choose that lost its
+        port to another process is started again on a fresh one (``url`` changes)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited early:\n{self._log_tail()}")
+                if self.restart is None or "already in use" not in self._log_tail():
+                    raise RuntimeError(f"mlflow server exited early:\n{self._log_tail()}")
+                port = free_port()
+                self.url, self.proc = f"http://127.0.0.1:{port}", self.restart(port)
+                continue
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
+                with urllib.request.urlopen(f"{self.url}/version", timeout=2) as r:
+                    if r.status == 200 and r.read().decode().strip() == MLFLOW_VERSION:
                         return
             except OSError:
-                time.sleep(0.5)
+                pass
+            time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"mlflow server not healthy after {timeout}s:\n{self._log_tail()}")
 
@@ -105,7 +117,7 @@ def start_mlflow_server(
     (default: a free one) with the ``root`` of a stopped server restarts that server: same
     URL, same store; its log is appended to."""
     root.mkdir(parents=True, exist_ok=True)
-    port = port or free_port()
+    chosen, port = port is not None, port or free_port()
     db, log_path = root / "mlflow.db", root / "server.log"
     artifacts: Path | str = artifacts_destination or root / "artifacts"
     env = {
@@ -114,20 +126,23 @@ def start_mlflow_server(
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
         "MLFLOW_DISABLE_TELEMETRY": "true",
     }
-    cmd = [
-        str(Path(sys.executable).with_name("mlflow")),
-        "server",
-        "--backend-store-uri", f"sqlite:///{db}",
-        "--artifacts-destination", str(artifacts),
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--workers", "1",
-    ]  # fmt: skip
-    with log_path.open("a") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    server = MlflowServer(f"http://127.0.0.1:{port}", db, artifacts, log_path, proc)
+
+    def launch(port: int) -> subprocess.Popen:
+        cmd = [
+            str(Path(sys.executable).with_name("mlflow")),
+            "server",
+            "--backend-store-uri", f"sqlite:///{db}",
+            "--artifacts-destination", str(artifacts),
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--workers", "1",
+        ]  # fmt: skip
+        with log_path.open("a") as log:
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+
+    server = MlflowServer(f"http://127.0.0.1:{port}", db, artifacts, log_path, launch(port),
+                          restart=None if chosen else launch)
     if wait:
         server.wait_ready(timeout)
     return server

@@ -35,7 +35,8 @@ from engine_helpers import hf_reference
 from rl_core.agents import EpisodeRunner
 from rl_core.agents.chat import ChatTokens
 from rl_core.agents.env import EpisodeLimits
-from rl_core.agents.gateway import AgentGateway, request_seed, run_programs
+from rl_core.agents.gateway import AgentGateway, request_seed
+from rl_core.agents.programs import run_programs
 from rl_core.data.records import Record
 from rl_core.engine.core import EmbeddedEngine
 from rl_core.engine.sampling import SamplingParams

@@ -453,7 +453,8 @@ def test_agent_episodes_carry_the_routing_of_every_token(tmp_path: Path) -> None
     from test_agents_openai import multi_turn
 
     from rl_core.agents import ChatTokens, EpisodeLimits, EpisodeRunner
-    from rl_core.agents.gateway import AgentGateway, run_programs
+    from rl_core.agents.gateway import AgentGateway
+    from rl_core.agents.programs import run_programs
 
     model_dir = _moe_demo_dir(tmp_path / "moe")
     model = AutoModelForCausalLM.from_pretrained(model_dir)

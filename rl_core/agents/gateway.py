@@ -2,7 +2,7 @@
 
 :class:`AgentGateway` serves ``/sessions/{sid}/v1`` in front of any ``RolloutPlane``; a session
 records its episode token-exactly in EpisodeRunner's layout and owns the sampling (the run's
-settings, replayable seeds, ``max_tokens`` clamped to the episode's budget). :func:`run_programs`
+settings, replayable seeds, ``max_tokens`` clamped to the episode's budget). :func:`~rl_core.agents.programs.run_programs`
 plays ``program(client, task) -> reward`` on it (docs/agents.md, 'Black-box agents').
 Never imports Prefect or MLflow; never re-tokenizes a model turn; never calls the plane from
 more than one thread; never waits without a bound.
@@ -11,25 +11,21 @@ more than one thread; never waits without a bound.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
 import contextlib
-import itertools
 import json
 import logging
-import math
-import queue
 import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rl_core.agents.batcher import Batcher, Done, request_error
 from rl_core.agents.chat import ChatTokens
 from rl_core.agents.env import EpisodeLimits
 from rl_core.data.records import Record
@@ -49,16 +45,11 @@ from rl_core.engine.routes_openai import (
 from rl_core.engine.sampling import SamplingParams, sample_seed
 from rl_core.engine.server import ServerThread
 from rl_core.interfaces import RolloutPlane
-from rl_core.rollout.client import RolloutRequestError
 from rl_core.types import Sample, pad_routed_experts
 
-__all__ = ["AgentGateway", "GatewaySession", "Program", "request_seed", "run_programs"]
+__all__ = ["AgentGateway", "GatewaySession", "request_seed"]
 
 log = logging.getLogger(__name__)
-
-# program(client, task) -> the environment's reward (None: 0).
-Program = Callable[[Any, Record], "float | None"]
-
 
 def _wake(fut: asyncio.Future) -> None:
     if not fut.done():
@@ -70,122 +61,6 @@ def request_seed(seed: int, step: int, record_id: str, index: int, attempt: int,
     """The sampling seed of request ``request`` (0-based) of an episode: what EpisodeRunner
     uses for its turn of the same number, so a replayed episode samples the same tokens."""
     return sample_seed(seed, step, f"{record_id}#{attempt}.{request}", index)
-
-
-# ---------------------------------------------------------------------------- the batcher
-
-@dataclass(eq=False)
-class _Job:
-    prompt: list[int]
-    params: SamplingParams
-    future: cf.Future = field(default_factory=cf.Future)
-    submitted: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class _Done:
-    """A finished generation and when it ran."""
-
-    sample: Sample
-    queued_s: float
-    generate_s: float
-    batch: int
-
-
-def _request_error(e: BaseException) -> bool:
-    """The plane refused a request (bad ids, too long): that request's fault, not the batch's."""
-    return isinstance(e, ValueError) or (isinstance(e, RolloutRequestError) and e.status < 500)
-
-
-class _Batcher:
-    """The one thread that calls ``plane.generate``: everything queued (waiting ``wait_s`` for
-    more, up to ``max_batch``) goes out as one batch; handlers wait on their futures."""
-
-    def __init__(self, plane: RolloutPlane, wait_s: float, max_batch: int) -> None:
-        self.plane, self.wait_s, self.max_batch = plane, wait_s, max_batch
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="grpoflow-gateway-batch",
-                                        daemon=True)
-        self.stats = {"batches": 0, "requests": 0, "max_batch": 0}
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def submit(self, prompt: list[int], params: SamplingParams) -> cf.Future:
-        if self._closed.is_set():
-            raise OpenAIError("the gateway is shutting down", 503, code="gateway_closed")
-        job = _Job(prompt, params)
-        self._queue.put(job)
-        return job.future
-
-    def close(self, timeout: float = 10.0) -> None:
-        self._closed.set()
-        self._queue.put(None)
-        self._thread.join(timeout=timeout)
-        while True:  # whatever is still queued will never run
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None and job.future.set_running_or_notify_cancel():
-                job.future.set_exception(OpenAIError("the gateway shut down", 503))
-
-    def _loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                job = self._queue.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            if job is None:
-                break
-            batch, end = [job], time.monotonic() + self.wait_s
-            # A few ms for the rest of a wave of requests: agents answering the same batch
-            # come back at nearly the same time, and one plane call serves them all.
-            while len(batch) < self.max_batch:
-                try:
-                    nxt = self._queue.get(timeout=max(0.0, end - time.monotonic()))
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._closed.set()
-                    break
-                batch.append(nxt)
-            batch = [j for j in batch if j.future.set_running_or_notify_cancel()]
-            if batch:
-                self._run(batch)
-
-    def _run(self, batch: list[_Job]) -> None:
-        t0 = time.monotonic()
-        try:
-            samples = self.plane.generate([j.prompt for j in batch], [j.params for j in batch])
-            if len(samples) != len(batch):
-                raise RuntimeError(f"the plane answered {len(samples)} samples for "
-                                   f"{len(batch)} prompts")
-        except Exception as e:
-            if len(batch) > 1 and _request_error(e):
-                # One bad request must not fail its batch-mates: each on its own.
-                for j in batch:
-                    self._run_alone(j)
-                return
-            for j in batch:
-                j.future.set_exception(e)
-            return
-        seconds = time.monotonic() - t0
-        self.stats["batches"] += 1
-        self.stats["requests"] += len(batch)
-        self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
-        for j, s in zip(batch, samples, strict=True):
-            j.future.set_result(_Done(s, t0 - j.submitted, seconds, len(batch)))
-
-    def _run_alone(self, job: _Job) -> None:
-        t0 = time.monotonic()
-        try:
-            (s,) = self.plane.generate([job.prompt], [job.params])
-        except Exception as e:
-            job.future.set_exception(e)
-            return
-        job.future.set_result(_Done(s, t0 - job.submitted, time.monotonic() - t0, 1))
 
 
 # ---------------------------------------------------------------------------- sessions
@@ -346,7 +221,7 @@ class GatewaySession:
                               number))
         return plan, params, number
 
-    def _record(self, plan: _Plan, req: OpenAIRequest, done: _Done, text: str,
+    def _record(self, plan: _Plan, req: OpenAIRequest, done: Done, text: str,
                 number: int, calls: int, seed: int | None, seconds: float) -> None:
         s = done.sample
         if not plan.extend:
@@ -445,7 +320,7 @@ class AgentGateway:
                              "request_timeout_s > 0 and batch_wait_s >= 0")
         self.plane, self.chat, self.model_name = plane, chat, model_name
         self.request_timeout_s, self.max_sessions = request_timeout_s, max_sessions
-        self._batcher = _Batcher(plane, batch_wait_s, max_batch)
+        self._batcher = Batcher(plane, batch_wait_s, max_batch)
         self._sessions: dict[str, GatewaySession] = {}
         self._lock = threading.Lock()
         self._server = ServerThread(self._app(max_request_bytes), host=host, port=port)
@@ -611,11 +486,11 @@ class AgentGateway:
             raise OpenAIError(f"no generation within request_timeout_s="
                               f"{self.request_timeout_s:g}s", 504, code="timeout")
         try:
-            done: _Done = waiting.result()
+            done: Done = waiting.result()
         except OpenAIError:
             raise
         except Exception as e:
-            if _request_error(e):
+            if request_error(e):
                 raise OpenAIError(f"the rollout plane refused the request: {e}",
                                   code="invalid_request") from None
             raise OpenAIError(f"the rollout plane failed: {type(e).__name__}: {e}", 502,
@@ -642,131 +517,3 @@ class AgentGateway:
         body = envelope(req, f"{session.sid}-{number}", req.model or self.model_name, [choice],
                         len(plan.prompt), len(s.completion_ids), s.weight_version)
         return JSONResponse(body)
-
-
-# ---------------------------------------------------------------------------- programs
-
-@dataclass(eq=False)
-class _Run:
-    """One episode across its attempts."""
-
-    group: int
-    task: Record
-    index: int
-    attempt: int = 0
-    sessions: list[GatewaySession] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    reward: float = 0.0
-    failed: bool = False
-    started: float = 0.0
-
-
-@dataclass(eq=False)
-class _Attempt:
-    run: _Run
-    session: GatewaySession
-    deadline: float
-
-
-def _reward(value: object) -> float:
-    if value is None:
-        return 0.0
-    if isinstance(value, int | float) and math.isfinite(value):
-        return float(value)
-    raise TypeError(f"the program returned {str(value)[:80]!r}; it must return the episode's "
-                    "reward as a finite float, or None")
-
-
-def _play(program: Program, session: GatewaySession, timeout_s: float, token: int,
-          done: queue.SimpleQueue) -> None:
-    """One attempt on its own thread: the outcome goes to ``done`` (if anyone still cares)."""
-    import openai
-
-    client = None
-    try:
-        client = openai.OpenAI(base_url=session.base_url, api_key="grpoflow", max_retries=0,
-                               timeout=timeout_s)
-        outcome: tuple[str, Any] = ("ok", _reward(program(client, session.task)))
-    except BaseException as e:  # noqa: BLE001 (whatever the program does fails its attempt)
-        outcome = ("error", f"{type(e).__name__}: {e}")
-    finally:
-        if client is not None:
-            with contextlib.suppress(Exception):
-                client.close()
-    done.put((token, outcome))
-
-
-def run_programs(gateway: AgentGateway, program: Program, records: Sequence[Record], *, n: int,
-                 params: SamplingParams, step: int, seed: int,
-                 limits: EpisodeLimits | None = None, retries: int = 1,
-                 concurrency: int = 64) -> list[Sample]:
-    """``n`` episodes of ``program`` per task in EpisodeRunner.run's layout, at most
-    ``concurrency`` at once; a failed or hung attempt is retried with a fresh session up to
-    ``retries`` times, then recorded as ``failed``. Returns within about
-    ``(attempts / concurrency + 1) * timeout_s`` whatever the programs do."""
-    if n < 1 or concurrency < 1 or retries < 0:
-        raise ValueError("run_programs: n and concurrency must be >= 1, retries >= 0")
-    lim = limits or EpisodeLimits()
-    runs = [_Run(g, rec, j) for g, rec in enumerate(records) for j in range(n)]
-    todo: deque[_Run] = deque(runs)
-    running: dict[int, _Attempt] = {}
-    done: queue.SimpleQueue = queue.SimpleQueue()
-    tokens = itertools.count()
-
-    def start(run: _Run) -> None:
-        session = gateway.open_session(run.task, index=run.index, group=run.group,
-                                       attempt=run.attempt, step=step, seed=seed, params=params,
-                                       limits=lim)
-        run.sessions.append(session)
-        run.started = run.started or session.opened
-        token = next(tokens)
-        running[token] = _Attempt(run, session, session.deadline)
-        threading.Thread(target=_play, args=(program, session, lim.timeout_s, token, done),
-                         name=f"grpoflow-agent-{run.task.id}-{run.index}", daemon=True).start()
-
-    def finish(a: _Attempt, kind: str, value: Any) -> None:
-        run = a.run
-        a.session.close("the program returned" if kind == "ok" else f"attempt {kind}")
-        if kind == "ok":
-            run.reward = value
-            return
-        message = f"attempt {run.attempt + 1}: {kind}: {value}"
-        run.errors.append(message)
-        log.warning("episode %s:%s %s", run.task.id, run.index, message)
-        if run.attempt < retries:
-            run.attempt += 1
-            todo.append(run)
-        else:
-            run.failed = True
-
-    try:
-        while todo or running:
-            while todo and len(running) < concurrency:
-                start(todo.popleft())
-            first = min(a.deadline for a in running.values())
-            try:
-                token, (kind, value) = done.get(timeout=min(1.0, max(0.0, first -
-                                                                      time.monotonic())))
-            except queue.Empty:
-                pass
-            else:
-                if (a := running.pop(token, None)) is not None:  # else: abandoned already
-                    finish(a, kind, value)
-            now = time.monotonic()
-            for token, a in list(running.items()):
-                if now > a.deadline:  # hung: abandon the thread, close its door
-                    del running[token]
-                    finish(a, "timeout", f"the program ran past agent.timeout_s="
-                           f"{lim.timeout_s:g}s; its thread was abandoned and its session "
-                           "closed")
-        return [_episode_sample(run) for run in runs]
-    finally:
-        gateway.discard([s for run in runs for s in run.sessions])
-
-
-def _episode_sample(run: _Run) -> Sample:
-    """The last attempt's session, with every attempt's trace and errors."""
-    last = run.sessions[-1]
-    trace = [t for s in run.sessions for t in s.trace]
-    return last.sample(failed=run.failed, errors=run.errors, env_reward=run.reward,
-                       attempts=run.attempt + 1, trace=trace, started=run.started)

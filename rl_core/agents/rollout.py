@@ -65,7 +65,7 @@ class AgentRollout:
         """``n`` episodes of each task, groups contiguous (as single-turn rollouts)."""
         if self.runner is not None:
             return self.runner.run(records, n=n, params=params, step=step, seed=seed)
-        from rl_core.agents.gateway import run_programs
+        from rl_core.agents.programs import run_programs
 
         return run_programs(self.gateway, self.program, records, n=n, params=params, step=step,
                             seed=seed, limits=self.limits, retries=self.cfg.episode_retries)

@@ -19,7 +19,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,14 +27,18 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rl_core.engine.control import (
+    EngineControl,
+    EngineRequestError,
+    EngineStateError,
+)
 from rl_core.engine.kv import make_kv_batch
-from rl_core.engine.lora import Adapters, parse_adapter, read_adapter
+from rl_core.engine.lora import Adapters
 from rl_core.engine.routing import RoutingCapture
 from rl_core.engine.sampling import SamplingParams, hit_stop, prompt_logprobs, sample_next
 from rl_core.engine.weights import ServedWeights
-from rl_core.models import eos_token_ids, read_weights, torch_dtype
+from rl_core.models import eos_token_ids, torch_dtype
 from rl_core.models.moe import prefer_fast_experts
-from rl_core.weight_sync import process_group as pgroup
 
 __all__ = ["PAUSE_MODES", "EmbeddedEngine", "EngineRequestError", "EngineStateError",
            "GenerateOutput", "GenerateRequest"]
@@ -43,21 +47,12 @@ log = logging.getLogger(__name__)
 
 INITIAL_WEIGHT_VERSION = "default"
 PAUSE_MODES = ("abort", "retract", "in_place")
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 # SGLang's messages: clients (AReaL, slime) branch on the first one.
 ABORT_BEFORE_PREFILL = "Abort before prefill"
 ABORTED = "Aborted"
 # Prompt tokens one prefill batch may take (always at least one request), so a burst of
 # long prompts does not stall the running batch for long.
 MAX_PREFILL_TOKENS = 16384
-
-
-class EngineRequestError(ValueError):
-    """A request or update the engine refuses; the HTTP server answers it with 400."""
-
-
-class EngineStateError(RuntimeError):
-    """An operation the engine cannot perform in its current state (closed, no such group)."""
 
 
 @dataclass
@@ -118,7 +113,7 @@ def _abort_reason(message: str, status_code: int | None = None, err_type: str | 
     return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(EngineControl):
     """A continuous-batching generation engine in this process (see the module docstring).
     ``max_total_tokens`` defaults to ``max(65536, context_length)``; the timeouts bound a
     control call's wait for a safe point and each weight-update collective; ``on_step(n)``
@@ -331,196 +326,6 @@ class EmbeddedEngine:
     @property
     def paused(self) -> bool:
         return self._paused
-
-    def flush_cache(self) -> bool:
-        """Drop cached KV state; False (nothing done) while requests run or wait."""
-        def do() -> bool:
-            with self._cond:
-                if self._running or self._waiting:
-                    return False
-            self._reset_batch(free=True)
-            self._empty_device_cache()
-            return True
-
-        return self._call(do, "flush_cache")
-
-    def release_memory(self, tags: Sequence[str] | None = None) -> None:
-        """Free the KV cache (``kv_cache``: running requests are retracted, recomputed on
-        resume) and move the weights to a host buffer (``weights``: the parameters become
-        empty, the model cannot run until :meth:`resume_memory`; weights and checksum do not
-        change). ``cuda_graph`` is accepted (no-op)."""
-        wanted = self._tags(tags)
-
-        def do() -> None:
-            if "kv_cache" in wanted:
-                self._retract_all()
-                self._kv.free()
-                self._kv_released = True
-            if "weights" in wanted and self._weights.offloaded is None:
-                self._weights.offload()
-                self._kv.weights_changed()
-            self._empty_device_cache()
-
-        self._call(do, "release_memory")
-
-    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
-        """Undo :meth:`release_memory` for ``tags`` (all when None)."""
-        wanted = self._tags(tags)
-
-        def do() -> None:
-            if "weights" in wanted and self._weights.offloaded is not None:
-                self._weights.restore(self.device)
-                self._kv.weights_changed()
-            if "kv_cache" in wanted:
-                self._kv_released = False
-
-        self._call(do, "resume_memory")
-
-    def _empty_device_cache(self) -> None:
-        # Dropped tensors are freed by reference counting; only a CUDA caching allocator
-        # keeps the memory until asked (a full gc.collect() here costs ~0.5 s per call).
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    @property
-    def memory_released(self) -> dict[str, bool]:
-        return {"weights": self._weights.offloaded is not None, "kv_cache": self._kv_released}
-
-    @staticmethod
-    def _tags(tags: Sequence[str] | None) -> set[str]:
-        wanted = set(tags) if tags else set(MEMORY_TAGS)
-        if unknown := wanted - set(MEMORY_TAGS):
-            raise EngineRequestError(f"unknown memory tags {sorted(unknown)}; known {MEMORY_TAGS}")
-        return wanted
-
-    def update_weights_from_disk(
-            self, model_path: str | Path, weight_version: str | int | None = None, *,
-            abort_all_requests: bool = False) -> str:
-        """Load every weight from a Hugging Face safetensors directory; returns the checksum.
-        Names are the model's state_dict names (tied aliases may be absent); nothing changes
-        if any name is unknown, missing or of the wrong shape."""
-        try:
-            named = read_weights(model_path)
-        except FileNotFoundError as e:
-            raise EngineRequestError(str(e)) from None
-        checksum = self._update(named, weight_version, abort_all_requests, str(model_path), True)
-        self.model_path = str(model_path)
-        return checksum
-
-    def update_weights_from_tensors(
-            self, named: Mapping[str, torch.Tensor], weight_version: str | int | None = None, *,
-            abort_all_requests: bool = False) -> str:
-        """Load some or all weights from named tensors (a bucket); returns the checksum."""
-        return self._update(dict(named), weight_version, abort_all_requests, "tensors")
-
-    def update_weight_version(self, new_version: str | int, *,
-                              abort_all_requests: bool = True) -> str:
-        """Set ``weight_version`` without touching weights (SGLang aborts all by default)."""
-        if abort_all_requests:
-            self.abort(abort_all=True)
-        version = str(new_version)
-        self._call(lambda: setattr(self, "weight_version", version), "update_weight_version")
-        return version
-
-    def weights_changed_in_place(self, new_version: str | int) -> None:
-        """The served parameters were changed by their owner (a trainer sharing them, see
-        :func:`~rl_core.rollout.inprocess.shared_view`): at a safe point, drop what was derived
-        from them (packed weights, the checksum) and serve them as ``new_version``."""
-
-        def apply() -> None:
-            self._weights.invalidate()
-            self._weights_changed(new_version)
-
-        self._call(apply, "weights_changed_in_place")
-
-    def _weights_changed(self, version: str | int | None) -> None:
-        """At a safe point, after the weights changed: drop the KV layout's packed copy of
-        them and serve ``version`` (if given)."""
-        self._kv.weights_changed()
-        if version is not None:
-            self.weight_version = str(version)
-
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                  world_size: int, group_name: str = "weight_update_group",
-                                  backend: str = "gloo") -> None:
-        """Join the trainer's broadcast group as rank ``rank_offset`` (one rank: TP = 1);
-        blocks until every rank has joined (bounded by ``weight_sync_timeout_s``)."""
-        if group_name in self._groups:
-            raise EngineStateError(f"weight update group {group_name!r} already exists")
-        if backend != "gloo" and self.device.type == "cpu":
-            raise EngineRequestError(f"backend {backend!r} needs an accelerator; an engine on cpu "
-                                     "joins weight update groups with backend 'gloo'")
-        pg = pgroup.init_custom_process_group(
-            master_address=master_address, master_port=master_port, rank=rank_offset,
-            world_size=world_size, group_name=group_name, backend=backend,
-            timeout_s=self.weight_sync_timeout_s)
-        self._groups[group_name] = (pg, backend)
-
-    def update_weights_from_distributed(
-            self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
-            group_name: str = "weight_update_group", weight_version: str | int | None = None, *,
-            load_format: str | None = None, abort_all_requests: bool = False) -> str:
-        """Receive one broadcast per tensor from group rank 0, in ``names`` order, then load.
-        All tensors are received before any check, so a trainer is never left blocked in a
-        broadcast; a mismatch then fails the call with nothing loaded."""
-        if group_name not in self._groups:
-            raise EngineStateError(
-                f"no weight update group {group_name!r}; call init_weights_update_group first")
-        if load_format not in (None, "direct"):
-            raise EngineRequestError(
-                f"load_format {load_format!r} is not supported for distributed updates by the "
-                "embedded engine; send one broadcast per tensor (load_format null)")
-        pg, backend = self._groups[group_name]
-        named = pgroup.receive_named_tensors(names, dtypes, shapes, pg,
-                                             device=self.device if backend != "gloo" else "cpu",
-                                             timeout_s=self.weight_sync_timeout_s)
-        return self._update(named, weight_version, abort_all_requests, f"group {group_name!r}")
-
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        if group_name not in self._groups:
-            raise EngineStateError(f"no weight update group {group_name!r}")
-        pgroup.destroy_process_group(self._groups.pop(group_name)[0])
-
-    def checksum(self, lora_name: str | None = None) -> str:
-        """The base weights' :func:`~rl_core.weight_sync.weights_checksum`, cached per change
-        (an adapter merged for a batch does not change it), or adapter ``lora_name``'s."""
-        return self._weights.checksum if lora_name is None else self._lora.get(lora_name).checksum
-
-    # ------------------------------------------------------------------ LoRA (engine/lora.py)
-
-    def load_lora_adapter(self, lora_name: str, lora_path: str | Path | None = None, *,
-                          tensors: Mapping[str, torch.Tensor] | None = None,
-                          config: Mapping[str, Any] | None = None) -> str:
-        """Hold an adapter under ``lora_name``: a PEFT directory, or ``tensors`` + ``config``
-        (in process); its checksum. A name already loaded is refused (unload it first)."""
-        if tensors is None:
-            config, tensors = read_adapter(lora_path or "")
-        adapter = parse_adapter(lora_name, config or {}, tensors, self._weights.shapes,
-                                None if lora_path is None else str(lora_path))
-        self._call(lambda: self._lora.add(adapter), f"load LoRA adapter {lora_name!r}")
-        return adapter.checksum
-
-    def unload_lora_adapter(self, lora_name: str) -> None:
-        """Drop adapter ``lora_name``; refused while running requests use it."""
-        self._call(lambda: self._lora.remove(lora_name, len(self._running)),
-                   f"unload LoRA adapter {lora_name!r}")
-
-    def _update(self, named: dict[str, torch.Tensor], version: str | int | None, abort_all: bool,
-                source: str, complete: bool = False) -> str:
-        """Check ``named`` against the model, then copy it in at a safe point; the checksum."""
-        if parts := self._weights.mismatches(named, complete=complete):
-            raise EngineRequestError(f"weights from {source} do not match the model "
-                                     f"({'; '.join(parts)}); nothing was loaded")
-        if abort_all:
-            self.abort(abort_all=True)
-
-        def apply() -> str:
-            self._lora.activate(None)  # the base weights change; adapters re-merge on them
-            self._weights.copy_in(named)
-            self._weights_changed(version)
-            return self._weights.checksum
-
-        return self._call(apply, f"update weights from {source}")
 
     def load(self) -> dict[str, Any]:
         """Running/waiting requests and KV tokens used and reserved (SGLang's load names)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import random
 import re
 import string
@@ -27,14 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rl_core.errors import RolloutError, RolloutRequestError
-from rl_core.rewards.math import format_reward
-from rl_core.rewards.runner import (
-    _MAX_ERROR_MESSAGES,
-    FailedStepStreak,
-    RewardFunctionError,
-    RewardResult,
-    _short,
-)
+from rl_core.rewards.results import FailedStepStreak, RewardFunctionError, RewardResult, ScoreBook
 
 if TYPE_CHECKING:  # the config module imports no rewards code; only the types are needed
     from rl_core.config import RewardConfig
@@ -138,7 +130,7 @@ def _template_fields(template: str) -> set[str]:
     return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
 
 
-class JudgeRunner:
+class JudgeRunner(ScoreBook):
     """A judge model on engines of its own, scoring completions (docs/judges.md).
     ``start_engines`` starts them and returns the pool, after the tokenizer is checked;
     ``questions``: record id -> question for callers that pass ``record_ids``. Engines stop in
@@ -373,38 +365,8 @@ class JudgeRunner:
                     for m, s in zip(members, samples, strict=True)}
         return dict.fromkeys(members, failure)
 
-    def _assemble(self, completions: Sequence[str], outcomes: list[tuple[str, Any]],
-                  ) -> RewardResult:
-        """`RewardResult` exactly as `RewardRunner` fills it: the score plus the format bonus,
-        ``correct`` at ``pass_threshold``, failures 0 and counted (timeouts apart)."""
-        result = RewardResult(scores=[], correct=[])
-        for i, (completion, (kind, value)) in enumerate(zip(completions, outcomes, strict=True)):
-            result.correct.append(kind == "ok" and value >= self.pass_threshold)
-            if kind == "ok":
-                bonus = self.format_weight * format_reward(completion) if self.format_weight else 0
-                if math.isfinite(total := value + bonus):
-                    result.scores.append(total)
-                    continue
-                kind, value = "error", f"score {value} + format bonus is not finite"
-            result.scores.append(0.0)
-            if kind == "timeout":
-                result.num_timeouts += 1
-            else:
-                result.num_errors += 1
-            result.last_error = _short(f"sample {i}: {value}")
-            if len(result.errors) < _MAX_ERROR_MESSAGES:
-                result.errors.append(result.last_error)
-        return result
-
-    def _count_failed_call(self, result: RewardResult, step: object) -> None:
-        """`RewardRunner`'s fault budget (under the lock); raises `JudgeError` when spent."""
-        if result.scores and result.all_failed:
-            self._stats["all_failed_calls"] += 1
-        self._failed_streak = self._streak.count(result, step)
-        if self.max_failed_steps and self._failed_streak >= self.max_failed_steps:
-            self._fatal = JudgeError(self.spec, self._failed_streak,
-                                     result.last_error or "no message")
-            raise self._fatal
+    def _fatal_error(self, steps: int, last: str) -> JudgeError:
+        return JudgeError(self.spec, steps, last)
 
     # ------------------------------------------------------------------ state
 

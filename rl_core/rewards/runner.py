@@ -32,6 +32,14 @@ from multiprocessing.connection import wait as wait_for_connections
 from typing import TYPE_CHECKING, Any, Literal
 
 from rl_core.rewards.math import format_reward, gsm8k_reward
+from rl_core.rewards.results import (
+    FailedStepStreak,
+    Outcome,
+    RewardFunctionError,
+    RewardResult,
+    ScoreBook,
+    short,
+)
 
 if TYPE_CHECKING:  # the config module imports no rewards code; only the type is needed
     from rl_core.config import RewardConfig
@@ -40,36 +48,13 @@ __all__ = ["BUILTIN_REWARDS", "DEFAULT_MAX_FAILED_STEPS", "DEFAULT_MEMORY_LIMIT_
            "RewardFunctionError", "RewardResult", "RewardRunner", "load_reward_fn"]
 
 RewardFn = Callable[[str, str], float]
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "gsm8k": gsm8k_reward, "format": lambda completion, answer: format_reward(completion)}
 
-# Outcome of one call: ("ok", score) | ("error", message) | ("timeout", None).
-_Outcome = tuple[str, Any]
-_MAX_ERROR_MESSAGES, _MAX_MESSAGE_CHARS = 5, 200
 _KILL_WAIT_S, _ORPHAN_POLL_S = 5.0, 1.0
 
 # Defaults shared with rl_core.config.RewardConfig (a test keeps them equal).
 DEFAULT_MEMORY_LIMIT_MB, DEFAULT_MAX_FAILED_STEPS = 4096, 3
-
-
-class RewardFunctionError(RuntimeError):
-    """A reward function failed every sample of ``steps`` consecutive steps: the run must stop.
-    ``spec`` names the function, ``last_error`` is the last failure it reported."""
-
-    def __init__(self, spec: str, steps: int, last_error: str) -> None:
-        self.spec, self.steps, self.last_error = spec, steps, last_error
-        super().__init__(
-            f"reward function {spec!r} failed every sample of {steps} consecutive steps "
-            f"(reward.max_failed_steps={steps}); last error: {last_error}. Fix the function "
-            f"(try it by hand: from rl_core.rewards import load_reward_fn; "
-            f"load_reward_fn({spec!r})(completion, answer)), raise reward.timeout_s or "
-            "reward.memory_limit_mb if it timed out or ran out of memory, or set "
-            "reward.max_failed_steps=0 to score such steps 0 and carry on.")
-
-    def __reduce__(self):  # picklable across process boundaries (Prefect results, Ray)
-        return (type(self), (self.spec, self.steps, self.last_error))
-
-
-BUILTIN_REWARDS: dict[str, RewardFn] = {
-    "gsm8k": gsm8k_reward, "format": lambda completion, answer: format_reward(completion)}
 
 
 def _builtin_names() -> str:
@@ -139,28 +124,23 @@ def load_reward_fn(spec: str) -> RewardFn:
     return obj
 
 
-def _short(message: str) -> str:
-    message, cap = " ".join(message.split()), _MAX_MESSAGE_CHARS
-    return message if len(message) <= cap else message[: cap - 3] + "..."
-
-
 def _describe(exc: BaseException) -> str:
-    return _short(f"{type(exc).__name__}: {exc}")
+    return short(f"{type(exc).__name__}: {exc}")
 
 
-def _as_score(value: object) -> _Outcome:
+def _as_score(value: object) -> Outcome:
     if value is None or isinstance(value, str | bytes):
-        return "error", _short(f"returned {type(value).__name__} {value!r}, expected a float")
+        return "error", short(f"returned {type(value).__name__} {value!r}, expected a float")
     try:
         score = float(value)  # type: ignore[arg-type]
     except Exception as e:
-        return "error", _short(f"returned {type(value).__name__}, expected a float ({e})")
+        return "error", short(f"returned {type(value).__name__}, expected a float ({e})")
     if not math.isfinite(score):
         return "error", f"returned non-finite score {score}"
     return "ok", score
 
 
-def _call_one(fn: RewardFn, completion: str, answer: str) -> _Outcome:
+def _call_one(fn: RewardFn, completion: str, answer: str) -> Outcome:
     try:
         value = fn(completion, answer)
     except (Exception, SystemExit) as e:  # sys.exit() in a user function is a bad sample
@@ -168,56 +148,11 @@ def _call_one(fn: RewardFn, completion: str, answer: str) -> _Outcome:
     return _as_score(value)
 
 
-@dataclass
-class RewardResult:
-    """Per-batch outcome of `RewardRunner.score`, aligned with the inputs: ``scores`` (fn plus
-    the format bonus; 0.0 on failure), ``correct`` (fn's score >= ``pass_threshold``), failure
-    counts and messages, ``failed_streak`` (this call's step included; not updated by
-    ``budget=False`` calls). docs/agents.md, 'Reward functions'."""
-    scores: list[float]
-    correct: list[bool]
-    num_errors: int = 0
-    num_timeouts: int = 0
-    errors: list[str] = field(default_factory=list)
-    failed_streak: int = 0
-    last_error: str | None = None
-
-    @property
-    def all_failed(self) -> bool:
-        """The batch is not empty and the function scored no sample (errors and timeouts)."""
-        return bool(self.scores) and self.num_errors + self.num_timeouts == len(self.scores)
-
-
 # Runs in the fresh interpreter. sys.path must be in place before rl_core can be imported.
 _WORKER_BOOT = (
     "import json, sys\ncfg = json.loads(sys.argv[1])\n"
     "sys.path[:] = cfg['sys_path'] + [p for p in sys.path if p not in cfg['sys_path']]\n"
     "from rl_core.rewards.runner import _worker_main\n_worker_main(cfg)\n")
-
-
-class FailedStepStreak:
-    """Consecutive steps whose every sample failed: the fault budget of the reward function
-    (``reward.max_failed_steps``) and of the judge. A step fails once it has samples and none
-    was scored; a later call of the same step that scores one clears it; an empty call proves
-    nothing."""
-
-    def __init__(self) -> None:
-        self._step: object = None
-        self._seen = self._scored = False
-        self._done = 0  # failed steps in a row before the current one
-
-    def count(self, result: RewardResult, step: object) -> int:
-        """Count ``result`` (a call of ``step``); the streak, this step included (also set as
-        ``result.failed_streak``)."""
-        if step != self._step:  # a new step begins
-            self._done = self._done + 1 if self._seen and not self._scored else 0
-            self._step, self._seen, self._scored = step, False, False
-        if result.scores:
-            self._seen = True
-            if not result.all_failed:
-                self._scored, self._done = True, 0
-        result.failed_streak = self._done + (1 if self._seen and not self._scored else 0)
-        return result.failed_streak
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -302,7 +237,7 @@ def _is_int(value: object, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
-class RewardRunner:
+class RewardRunner(ScoreBook):
     """Score completions against reference answers, every call bounded by a timeout.
 
     ``isolate``: None = custom specs in workers, builtins inline; True/False = always/never.
@@ -397,16 +332,6 @@ class RewardRunner:
                 self._count_failed_call(result, object() if step is None else step)
             return result
 
-    def _count_failed_call(self, result: RewardResult, step: object) -> None:
-        """Count the call in the fault budget (`FailedStepStreak`); raise when it is spent."""
-        if result.scores and result.all_failed:
-            self._stats["all_failed_calls"] += 1
-        self._failed_streak = self._streak.count(result, step)
-        if self.max_failed_steps and self._failed_streak >= self.max_failed_steps:
-            last = result.last_error or "no message"
-            self._fatal = RewardFunctionError(str(self.spec), self._failed_streak, last)
-            raise self._fatal
-
     def stats(self) -> dict[str, int]:
         """Cumulative counters since construction (calls, samples, errors, timeouts, ...)."""
         return dict(self._stats)
@@ -432,38 +357,16 @@ class RewardRunner:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _assemble(self, completions: Sequence[str], outcomes: list[_Outcome]) -> RewardResult:
-        result = RewardResult(scores=[], correct=[])
-        for i, (completion, (kind, value)) in enumerate(zip(completions, outcomes, strict=True)):
-            result.correct.append(kind == "ok" and value >= self.pass_threshold)
-            if kind == "ok":
-                total = value + self.format_weight * self._format_score(completion)
-                if math.isfinite(total):
-                    result.scores.append(total)
-                    continue
-                kind, value = "error", f"score {value} + format bonus is not finite"
-            result.scores.append(0.0)
-            if kind == "timeout":
-                result.num_timeouts += 1
-                message = f"timed out after {self.timeout_s:g} s"
-            else:
-                result.num_errors += 1
-                message = str(value)
-            result.last_error = _short(f"sample {i}: {message}")
-            if len(result.errors) < _MAX_ERROR_MESSAGES:
-                result.errors.append(result.last_error)
-        return result
+    def _fatal_error(self, steps: int, last: str) -> RewardFunctionError:
+        return RewardFunctionError(str(self.spec), steps, last)
 
-    def _format_score(self, completion: str) -> float:
-        try:
-            return format_reward(completion) if self.format_weight else 0.0
-        except Exception:
-            return 0.0
+    def _timeout_note(self) -> str:
+        return f"timed out after {self.timeout_s:g} s"
 
-    def _run_inline(self, completion: str, answer: str) -> _Outcome:
+    def _run_inline(self, completion: str, answer: str) -> Outcome:
         if self._builtin:
             return _call_one(self._fn, completion, answer)
-        box: list[_Outcome] = []
+        box: list[Outcome] = []
         fn = self._fn
         thread = threading.Thread(target=lambda: box.append(_call_one(fn, completion, answer)),
                                   daemon=True, name="reward-fn-inline")
@@ -521,14 +424,14 @@ class RewardRunner:
                 raise ValueError(payload)
             slot.state = "ready"
 
-    def _fail_queue(self, slot: _Slot, outcomes: list[_Outcome | None], message: str) -> None:
+    def _fail_queue(self, slot: _Slot, outcomes: list[Outcome | None], message: str) -> None:
         """Kill the worker (if any) and fail every sample it still owed with ``message``."""
         _kill_slot(slot)
         for index in slot.queue:
             outcomes[index] = ("error", message)
         slot.queue.clear()
 
-    def _restart(self, slot: _Slot, outcomes: list[_Outcome | None], count: bool = True) -> None:
+    def _restart(self, slot: _Slot, outcomes: list[Outcome | None], count: bool = True) -> None:
         _kill_slot(slot)
         self._stats["worker_restarts"] += count
         try:
@@ -537,7 +440,7 @@ class RewardRunner:
             self._fail_queue(slot, outcomes, f"could not start worker process: {e}")
 
     def _dispatch(self, slot: _Slot, completions: Sequence[str], answers: Sequence[str],
-                  outcomes: list[_Outcome | None]) -> None:
+                  outcomes: list[Outcome | None]) -> None:
         slot.state = "busy"
         try:
             slot.conn.send([(i, completions[i], answers[i]) for i in slot.queue])
@@ -546,7 +449,7 @@ class RewardRunner:
             return
         slot.deadline = time.monotonic() + self.timeout_s
 
-    def _on_death(self, slot: _Slot, outcomes: list[_Outcome | None],
+    def _on_death(self, slot: _Slot, outcomes: list[Outcome | None],
                   timed_out: bool = False) -> None:
         """The worker died, or ran past its deadline (``timed_out``). A busy one costs the sample
         it was scoring and is replaced, even with nothing left to do (the next batch finds a
@@ -565,7 +468,7 @@ class RewardRunner:
         self._restart(slot, outcomes)
 
     def _drain(self, slot: _Slot, completions: Sequence[str], answers: Sequence[str],
-               outcomes: list[_Outcome | None]) -> None:
+               outcomes: list[Outcome | None]) -> None:
         while (conn := slot.conn) is not None:
             try:
                 if not conn.poll(0):
@@ -591,8 +494,8 @@ class RewardRunner:
                     if not slot.queue:
                         slot.state = "ready"
 
-    def _run_isolated(self, completions: Sequence[str], answers: Sequence[str]) -> list[_Outcome]:
-        outcomes: list[_Outcome | None] = [None] * len(completions)
+    def _run_isolated(self, completions: Sequence[str], answers: Sequence[str]) -> list[Outcome]:
+        outcomes: list[Outcome | None] = [None] * len(completions)
         working: list[_Slot] = []
         n, k = len(completions), len(self._slots)
         for i, slot in enumerate(self._slots):  # slot i scores a contiguous chunk

@@ -17,7 +17,6 @@ import json
 import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +37,17 @@ from rl_core.training.megatron.convert import (
     tp_split,
 )
 from rl_core.training.megatron.model import arch_from_hf, build_gpt_model, transformer_config
+from rl_core.training.megatron.parallel import (
+    finalize_grads,
+    init_parallel,
+    mpu,
+    vocab_parallel_logprobs,
+)
 from rl_core.training.torch_trainer import MiniBatch, MiniResult, TorchTrainer
 from rl_core.types import Batch
 from rl_core.weight_sync.source import WeightSource
 
-__all__ = ["MegatronTrainer", "vocab_parallel_logprobs"]
+__all__ = ["MegatronTrainer"]
 
 log = logging.getLogger(__name__)
 
@@ -50,88 +55,7 @@ log = logging.getLogger(__name__)
 # Transformer Engine / Apex to its PyTorch implementations: that is the intended path here.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")
 
-_MASKED = -1e30  # padded vocabulary columns: exp() is 0, and 0 * _MASKED is 0 (not nan)
 _STATE = "megatron_state.json"
-
-
-def _mpu() -> Any:
-    from megatron.core import parallel_state
-
-    return parallel_state
-
-
-def init_parallel(tp: int, pp: int, device: torch.device, timeout_s: float = 600.0,
-                  ep: int = 1) -> bool:
-    """The default process group (one rank when none exists) and megatron's TP/PP/DP (and
-    expert-parallel) groups; True when this call created the default group (its owner
-    destroys it)."""
-    ps = _mpu()
-    created = not dist.is_initialized()
-    if created:
-        # cluster.mode=local: this process is the only rank. Its store listens on loopback
-        # only (an init_method URL would make torch's TCPStore listen on every interface).
-        from rl_core.weight_sync.process_group import host_tcp_store
-
-        timeout = timedelta(seconds=timeout_s)
-        store = host_tcp_store("127.0.0.1", 0, 1, timeout=timeout, wait_for_workers=False)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0,
-                                world_size=1, timeout=timeout)
-    if ps.model_parallel_is_initialized():
-        if (ps.get_tensor_model_parallel_world_size(),
-                ps.get_pipeline_model_parallel_world_size(),
-                ps.get_expert_model_parallel_world_size()) == (tp, pp, ep):
-            return created
-        ps.destroy_model_parallel()
-    world = dist.get_world_size()
-    if world % (tp * pp) or (world // pp) % ep:
-        raise ValueError(f"train.megatron.tp * pp = {tp * pp} and ep = {ep} do not divide the "
-                         f"{world} trainer ranks (ep must divide world / pp)")
-    # Experts are never split by TP (expert_tensor_parallel_size 1): EP x expert-DP = world / pp,
-    # so the expert-parallel groups may span TP ranks (megatron's "parallel folding").
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
-    return created
-
-
-def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, vocab: int,
-                            with_entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs of ``targets`` and entropies (B, T) from this TP rank's columns of
-    float32, temperature-scaled logits (B, T, V_local); columns ``>= vocab`` are masked. One
-    all-reduce over the TP group (docs/megatron.md, "Vocab-parallel log-probs")."""
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-    ps = _mpu()
-    tp, local = ps.get_tensor_model_parallel_world_size(), logits.shape[-1]
-    start = ps.get_tensor_model_parallel_rank() * local
-    if start + local > vocab:
-        pad = torch.arange(start, start + local, device=logits.device) >= vocab
-        logits = logits.masked_fill(pad, _MASKED)
-    m = logits.detach().amax(-1)
-    if tp > 1:
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
-    shifted = logits - m.unsqueeze(-1)
-    e = shifted.exp()
-    idx = targets.long() - start
-    inside = (idx >= 0) & (idx < local)
-    z_y = shifted.gather(-1, idx.clamp(0, local - 1).unsqueeze(-1)).squeeze(-1) * inside
-    with torch.set_grad_enabled(with_entropy_grad and torch.is_grad_enabled()):
-        ez = (e * shifted).sum(-1)
-    sums = torch.stack([e.sum(-1), z_y, ez])
-    if tp > 1:
-        sums = reduce_from_tensor_model_parallel_region(sums)
-    s, z_y, ez = sums.unbind(0)
-    log_s = s.log()
-    with torch.set_grad_enabled(with_entropy_grad and torch.is_grad_enabled()):
-        entropy = log_s - ez / s
-    return z_y - log_s, entropy
-
-
-def _finalize_grads(model: list[Any], num_tokens: Any = None, **kwargs: Any) -> None:
-    """megatron's grad finalisation (DP reduce, TP/PP ties) without dividing by the token
-    count: every micro-batch's loss already is its share of the mini-batch."""
-    from megatron.core.distributed import finalize_model_grads
-
-    finalize_model_grads(model, None, **kwargs)
 
 
 class MegatronTrainer(WeightSource):
@@ -150,7 +74,7 @@ class MegatronTrainer(WeightSource):
         compat.install()  # nothing on GPUs
         tp, pp, ep = self.mcfg.tp, self.mcfg.pp, self.mcfg.ep
         self._owns_group = init_parallel(tp, pp, self.device, ep=ep)
-        ps = _mpu()
+        ps = mpu()
         self.rank = dist.get_rank()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -192,7 +116,7 @@ class MegatronTrainer(WeightSource):
     def _build(self, hf: dict[str, torch.Tensor]) -> tuple[Any, Any]:
         """This stage's GPTModel loaded with ``hf``, and the module the schedules call
         (``Float16Module`` around it under bf16/fp16)."""
-        ps = _mpu()
+        ps = mpu()
         with compat.cuda_free():
             core = build_gpt_model(self.arch, self.config, padded_vocab=self.padded_vocab,
                                    pre_process=self.first_stage, post_process=self.last_stage)
@@ -239,7 +163,7 @@ class MegatronTrainer(WeightSource):
                 # biases and norms): both backends make the same update.
                 config_overrides={})
         self.config.no_sync_func = self.ddp.no_sync
-        self.config.finalize_model_grads_func = _finalize_grads
+        self.config.finalize_model_grads_func = finalize_grads
         self.config.grad_scale_func = self.optimizer.scale_loss
         self._lr_factor = torch_trainer._lr_lambda(train)
 
@@ -262,7 +186,7 @@ class MegatronTrainer(WeightSource):
         if ep > 1:
             shape = torch.tensor([size, width, count])
             dist.all_reduce(shape, op=dist.ReduceOp.MAX,
-                            group=_mpu().get_expert_model_parallel_group())
+                            group=mpu().get_expert_model_parallel_group())
             size, width, count = shape.tolist()
         empty = dataclasses.replace(parts[0], response_mask=torch.zeros_like(parts[0].response_mask))
         return [_pad_part(p, size, width) for p in parts + [empty] * (count - len(parts))]
@@ -413,7 +337,7 @@ class MegatronTrainer(WeightSource):
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The whole policy by HF name on global rank 0 (``{}`` elsewhere): TP shards are
         gathered within each stage, stages gathered to the first one (a collective)."""
-        ps, merged = _mpu(), {}
+        ps, merged = mpu(), {}
         tp, ep = ps.get_tensor_model_parallel_world_size(), self.mcfg.ep
         per = self.arch.experts // ep
         for name, t in self.core.state_dict().items():
@@ -470,7 +394,7 @@ class MegatronTrainer(WeightSource):
     def shutdown(self) -> None:
         """Leave megatron's groups (and the default group when this trainer created it)."""
         self.close_weight_broadcast()
-        ps = _mpu()
+        ps = mpu()
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         if self._owns_group and dist.is_initialized():

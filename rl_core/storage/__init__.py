@@ -23,9 +23,23 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, NoReturn
+from typing import Any
 
 from rl_core.secrets import RedactFilter, redact
+from rl_core.storage.errors import (
+    _DENIED,
+    _MISSING,
+    _NETWORK,
+    _NO_CREDENTIALS,
+    BucketNotFound,
+    ChecksumMismatch,
+    ManifestMissing,
+    NotFound,
+    StorageError,
+    Unreachable,
+    _code,
+    _raise,
+)
 
 __all__ = [
     "MANIFEST", "BucketNotFound", "ChecksumMismatch", "FileInfo", "ManifestMissing", "NotFound",
@@ -47,34 +61,6 @@ PROGRESS_BAR_BYTES = 256 * MIB  # a tqdm bar for transfers at least this large (
 log = logging.getLogger(__name__)
 log.addFilter(RedactFilter())
 PathOrUri = str | os.PathLike[str]  # a local path or an s3:// URI
-
-
-class StorageError(RuntimeError):
-    """A storage operation that failed; the message names the URI, the operation and the fix."""
-
-
-class NotFound(StorageError, FileNotFoundError):
-    """No object, prefix or file at the URI."""
-
-
-class BucketNotFound(NotFound):
-    """The URI's bucket does not exist."""
-
-
-class ManifestMissing(StorageError):
-    """A directory without its manifest: an interrupted upload, never to be used."""
-
-
-class ChecksumMismatch(StorageError):
-    """A downloaded file whose size or SHA-256 differs from the manifest."""
-
-
-class Unreachable(StorageError, ConnectionError):
-    """The endpoint could not be reached (network, DNS, timeout)."""
-
-
-def _raise(cls: type[StorageError], message: str) -> NoReturn:
-    raise cls(redact(message))
 
 
 def is_remote(uri: PathOrUri) -> bool:
@@ -176,24 +162,6 @@ def _transfer_config(multipart_threshold: int | None, multipart_chunksize: int |
 
 def _where(uri: str) -> str:
     return f"{uri} (endpoint {endpoint})" if (endpoint := resolve_endpoint()) else uri
-
-
-_MISSING = ("NoSuchKey", "404", "NotFound")
-_DENIED = ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-           "AllAccessDisabled")
-_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError")
-_NETWORK = ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
-            "ConnectionClosedError", "ProxyConnectionError")
-
-
-def _code(exc: BaseException) -> tuple[str, str]:
-    """``(code or HTTP status, message)`` of a botocore ``ClientError``, else ``("", str(exc))``."""
-    response = getattr(exc, "response", None)
-    if not isinstance(response, dict):
-        return "", str(exc)
-    err = response.get("Error", {}) or {}
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return str(err.get("Code", "") or status or ""), str(err.get("Message", "")) or str(exc)
 
 
 def _translate(op: str, uri: str, exc: BaseException) -> StorageError:
