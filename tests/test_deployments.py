@@ -2,11 +2,11 @@
 from deployments/prefect.yaml, ``prefect deployment run`` with parameters.
 
 Everything runs as separate processes on 127.0.0.1, as a user would start them: the server,
-the worker (polling every second), the CLI calls. The deployed demo run must complete and
-MLflow must hold its run (tagged with the flow run's id); the deployed chain (``post-train``:
-SFT -> GRPO -> registry evaluation) must complete with its GRPO version, trained from the SFT
-export, made champion of the model the nightly evaluation evaluates; the nightly evaluation's
-cron schedule must have produced scheduled runs. The worker is stopped before the server (the
+the worker (polling every second), the CLI calls. The deployed chain (``post-train``: SFT ->
+GRPO -> registry evaluation) must complete with its GRPO version, trained from the SFT
+export, made champion of the model the nightly evaluation evaluates, and MLflow must hold the
+GRPO run tagged with the flow run that trained it; the nightly evaluation's cron schedule
+must have produced scheduled runs. The soak tier also runs ``grpo-train/tiny-cpu`` alone. The worker is stopped before the server (the
 other order hangs the shutdown). Static checks of the file itself come first.
 """
 
@@ -155,44 +155,29 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float = 300) -> str:
     return done.stdout + done.stderr
 
 
-def test_deploy_run_and_schedule_on_a_real_server(
-    prefect_server, demo_model: Path, tiny_cache: Path, tmp_path: Path
-) -> None:
-    url, env = prefect_server
+def _deploy_and_start_worker(env: dict[str, str], tmp_path: Path) -> _Proc:
     out = _run([sys.executable, "-m", "grpoflow.cli", "deploy"], env)
     assert "work pool 'grpoflow-process' created" in out, out
-    worker = _Proc(
+    return _Proc(
         "worker",
         [str(BIN / "prefect"), "worker", "start", "--pool", "grpoflow-process", "--limit", "1"],
         env,
         tmp_path / "worker.log",
     )
+
+
+def test_deploy_run_and_schedule_on_a_real_server(
+    prefect_server, demo_model: Path, tiny_cache: Path, tmp_path: Path
+) -> None:
+    """The deployed chain (SFT -> GRPO -> registry evaluation) as one deployment run: MLflow
+    holds its GRPO run tagged with the flow run that trained it; its version, trained from
+    the SFT export, is champion of the model evaluate/nightly evaluates; the cron deployment
+    has scheduled runs. (The grpo-train deployment run alone: the soak tier, below.)"""
+    url, env = prefect_server
+    worker = _deploy_and_start_worker(env, tmp_path)
     runs = tmp_path / "runs"
-    overrides = [
-        f"storage.root={runs}", f"storage.cache_dir={tiny_cache}", "run_name=deployed",
-        "train.steps=1", "train.prompts_per_step=4", "rollout.n_samples=4", "eval.every=0",
-        "eval.num_examples=16", "eval.pass_k_examples=0", "train.num_threads=1",
-        "rollout.engine_threads=1", "tracking.system_metrics=false",
-    ]  # fmt: skip
     try:
-        flow_run_id = _deployment_run(env, "grpo-train/tiny-cpu", overrides=overrides)
-        state = _wait_final(url, flow_run_id, timeout_s=600, worker=worker)
-        assert state == "COMPLETED", f"flow run ended {state}:\n{worker.tail()}"
-
-        # MLflow holds the run, tagged with the flow run that produced it
-        from mlflow import MlflowClient
-
-        client = MlflowClient(f"sqlite:///{runs / 'deployed' / 'mlflow.db'}")
-        found = client.search_runs(
-            [e.experiment_id for e in client.search_experiments()],
-            filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'",
-        )
-        assert len(found) == 1 and found[0].info.status == "FINISHED"
-        assert found[0].data.params["train.steps"] == "1"
-
-        # the chain SFT -> GRPO -> registry evaluation as one deployment run (one MLflow
-        # store, runs/mlflow.db, as no tracking URI is set): the GRPO stage's version, trained
-        # from the SFT export, is champion of the model evaluate/nightly evaluates
+        # one MLflow store, runs/mlflow.db, as no tracking URI is set
         where = [f"storage.root={runs}", f"storage.cache_dir={tiny_cache}"]
         small = ["train.num_threads=1", "tracking.system_metrics=false"]
         evals = ["eval.num_examples=8", "eval.pass_k_examples=0"]
@@ -205,6 +190,8 @@ def test_deploy_run_and_schedule_on_a_real_server(
                             "rollout.n_samples=4", "rollout.engine=local", "eval.every=0"])
         state = _wait_final(url, chain_id, timeout_s=600, worker=worker)
         assert state == "COMPLETED", f"post-train ended {state}:\n{worker.tail()}"
+        from mlflow import MlflowClient
+
         chain = MlflowClient(f"sqlite:///{runs / 'mlflow.db'}")
         champion = chain.get_model_version_by_alias("grpoflow-tiny", "champion")
         assert champion.tags["grpoflow.base_model"] == str(runs / "chain-sft" / "model")
@@ -213,6 +200,10 @@ def test_deploy_run_and_schedule_on_a_real_server(
         assert sft.description.startswith("SFT run chain-sft, step 2.")
         assert "GRPO: run chain-grpo (1 step, trained)" in _artifacts(url, chain_id)[
             "post-train-chain"]
+        # MLflow's GRPO run is tagged with the flow run that trained it: a subflow of the chain
+        grpo = chain.get_run(champion.run_id)
+        assert grpo.info.status == "FINISHED" and grpo.data.params["train.steps"] == "1"
+        assert grpo.data.tags["prefect.flow_run_id"] in _subflow_runs(url, chain_id)
 
         # the cron deployment has scheduled runs waiting
         scheduled = _scheduled_runs(url, "evaluate", "nightly")
@@ -220,6 +211,49 @@ def test_deploy_run_and_schedule_on_a_real_server(
         assert all(r.expected_start_time.hour == 3 for r in scheduled)
     finally:
         worker.stop()  # before the server
+
+
+@pytest.mark.soak
+def test_the_grpo_train_deployment_runs_and_mlflow_holds_its_run(
+    prefect_server, demo_model: Path, tiny_cache: Path, tmp_path: Path
+) -> None:
+    """``prefect deployment run grpo-train/tiny-cpu`` with overrides completes, and MLflow
+    holds its run, tagged with the flow run's id (in make test: the chain above, whose GRPO
+    stage is the same flow, run by the same worker)."""
+    url, env = prefect_server
+    worker = _deploy_and_start_worker(env, tmp_path)
+    runs = tmp_path / "runs"
+    overrides = [
+        f"storage.root={runs}", f"storage.cache_dir={tiny_cache}", "run_name=deployed",
+        "train.steps=1", "train.prompts_per_step=4", "rollout.n_samples=4", "eval.every=0",
+        "eval.num_examples=16", "eval.pass_k_examples=0", "train.num_threads=1",
+        "rollout.engine_threads=1", "tracking.system_metrics=false",
+    ]  # fmt: skip
+    try:
+        flow_run_id = _deployment_run(env, "grpo-train/tiny-cpu", overrides=overrides)
+        state = _wait_final(url, flow_run_id, timeout_s=600, worker=worker)
+        assert state == "COMPLETED", f"flow run ended {state}:\n{worker.tail()}"
+        from mlflow import MlflowClient
+
+        client = MlflowClient(f"sqlite:///{runs / 'deployed' / 'mlflow.db'}")
+        found = client.search_runs(
+            [e.experiment_id for e in client.search_experiments()],
+            filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'",
+        )
+        assert len(found) == 1 and found[0].info.status == "FINISHED"
+        assert found[0].data.params["train.steps"] == "1"
+    finally:
+        worker.stop()  # before the server
+
+
+def _subflow_runs(url: str, parent_id: str) -> set[str]:
+    """The ids of the flow runs started inside flow run ``parent_id`` (its subflows)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    with _client(url) as client:
+        found = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+    return {str(r.id) for r in found}
 
 
 def _deployment_run(env: dict[str, str], name: str, **params: object) -> str:
