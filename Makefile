@@ -73,8 +73,8 @@ test: setup-dev
 	$(BIN)/python scripts/loc.py --max-file 600 --top 0
 	$(PYTEST) $(XDIST) -p no:randomly $(PYTEST_ARGS)
 
-# The same suite in a random order (pytest-randomly; its seed is printed: -p randomly
-# -p "randomly_seed=N" replays an order).
+# The same suite in a random order (pytest-randomly; its seed is printed:
+# make test-random PYTEST_ARGS=--randomly-seed=N replays an order).
 test-random: setup-dev
 	$(PYTEST) $(XDIST) $(PYTEST_ARGS)
 

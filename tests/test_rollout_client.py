@@ -526,6 +526,8 @@ def test_engine_weight_update_from_disk_sets_the_version(client, engines, tiny_d
     after = [client.generate([5, 6], seeded) for _ in range(2)]
     assert {r.meta["weight_version"] for r in after} == {"1"}
     assert after[0].completion_ids == after[1].completion_ids != before.completion_ids
+    for url in engines.urls:  # the module's engines as the other tests expect them, any order
+        client.update_weights_from_disk(str(tiny_dirs[0]), "default", url=url)
 
 
 def test_killing_an_engine_mid_batch_loses_no_request(engines, caplog):
@@ -558,3 +560,4 @@ def test_killing_an_engine_mid_batch_loses_no_request(engines, caplog):
     # the victim's requests were running when it died: the survivor served them too
     assert sum(r.meta["base_url"] == survivor for r in out) > len(out) // 2
     assert any(victim in m and "retry" in m for m in caplog.messages)
+    engines.pool.restart(0)  # back for the tests that run after this one (any order)
