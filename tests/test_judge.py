@@ -304,6 +304,7 @@ def test_truncated_output_is_a_counted_error(judge: JudgeRunner) -> None:
 
 def test_stalled_engines_time_out_retry_and_abort(judge: JudgeRunner) -> None:
     client, urls = judge.pool.client, judge.pool.engine_urls
+    restarts = judge.health()["restarts"]  # an earlier test may have killed one (any order)
     for url in urls:
         client.pause("abort", url=url)  # requests queue and never run
     try:
@@ -324,7 +325,7 @@ def test_stalled_engines_time_out_retry_and_abort(judge: JudgeRunner) -> None:
             client.resume(url=url)
     result = judge.score(["a"], ["1"], questions=["q"], step=8)
     assert result.scores == [pytest.approx(0.7)] and result.failed_streak == 0
-    assert judge.health()["restarts"] == 0  # paused on purpose: healthy, not restarted
+    assert judge.health()["restarts"] == restarts  # paused on purpose: healthy, not restarted
 
 
 def test_concurrent_callers_get_their_own_answers(judge: JudgeRunner) -> None:
