@@ -418,9 +418,10 @@ def two_nodes():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@pytest.fixture(scope="class")
+@pytest.fixture
 def joined(two_nodes):
-    """This process joined to ``two_nodes`` through ``cluster.address=auto``."""
+    """This process joined to ``two_nodes`` through ``cluster.address=auto``, for one test (a
+    test that joins by itself then finds this process unconnected, in any order)."""
     need = need_for(PlaneResources(2, 1, 0, 2, 1, 0), "disaggregated")
     cluster = RayCluster.start(SimpleNamespace(address="auto"), "/unused", need=need)
     yield cluster
