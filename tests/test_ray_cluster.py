@@ -173,11 +173,11 @@ def test_unknown_placement_is_rejected():
 def test_check_fits_names_missing_resource_and_node_shape():
     need = need_for(PlaneResources(2, 1, 1, 2, 1, 1), "disaggregated")
     with pytest.raises(ClusterError, match=r"lacks GPU \(GPU: asks 4, cluster has 0\)"):
-        rc._check_fits(need, {"CPU": 8.0}, [{"CPU": 8.0}])
+        rc.check_fits(need, {"CPU": 8.0}, [{"CPU": 8.0}])
     big = need_for(PlaneResources(1, 1, 0, 1, 1, 4), "disaggregated")
     two_nodes = [{"CPU": 4.0, "GPU": 2.0}, {"CPU": 4.0, "GPU": 2.0}]
     with pytest.raises(ClusterError, match=r"no single Ray node holds one bundle of CPU 1, GPU 4"):
-        rc._check_fits(big, {"CPU": 8.0, "GPU": 4.0}, two_nodes)
+        rc.check_fits(big, {"CPU": 8.0, "GPU": 4.0}, two_nodes)
 
 
 def test_temp_dir_in_run_dir_when_short():

@@ -109,7 +109,7 @@ def plan_bundles(resources: PlaneResources, placement: str) -> BundlePlan:
         halves(r.engines, de, r.cpus_per_engine, r.gpus_per_engine))
 
 
-def _fmt(res: Mapping[str, float]) -> str:
+def format_resources(res: Mapping[str, float]) -> str:
     return ", ".join(f"{k} {v:g}" for k, v in sorted(res.items())) or "nothing"
 
 
@@ -124,7 +124,7 @@ class ResourceNeed:
     def describe(self) -> str:
         """One line a person can check against ``ray status``."""
         r = self.resources
-        return (f"{_fmt(self.totals)} for {self.placement} planes: trainer {r.trainer_ranks} "
+        return (f"{format_resources(self.totals)} for {self.placement} planes: trainer {r.trainer_ranks} "
                 f"rank(s) x (CPU {r.cpus_per_trainer:g}, GPU {r.gpus_per_trainer:g}), rollout "
                 f"{r.engines} engine(s) x (CPU {r.cpus_per_engine:g}, GPU {r.gpus_per_engine:g})")
 
@@ -144,7 +144,7 @@ def _missing(need: Mapping[str, float], have: Mapping[str, float]) -> dict[str, 
     return {k: v for k, v in need.items() if have.get(k, 0.0) + 1e-9 < v}
 
 
-def _check_fits(need: ResourceNeed, totals: Mapping[str, float],
+def check_fits(need: ResourceNeed, totals: Mapping[str, float],
                 nodes: Sequence[Mapping[str, float]]) -> None:
     """Fail when the cluster's totals, or every single node, are short of ``need``."""
     if short := _missing(need.totals, totals):
@@ -156,10 +156,10 @@ def _check_fits(need: ResourceNeed, totals: Mapping[str, float],
             f"cluster via cluster.address) or ask for less: {_FIELDS_HINT}.")
     for bundle in {tuple(sorted(b.items())) for b in need.bundles}:
         if not any(not _missing(dict(bundle), node) for node in nodes):
-            have = "; ".join(_fmt({k: v for k, v in n.items() if k in ("CPU", "GPU")})
+            have = "; ".join(format_resources({k: v for k, v in n.items() if k in ("CPU", "GPU")})
                              for n in nodes)
             raise ClusterError(
-                f"no single Ray node holds one bundle of {_fmt(dict(bundle))} (a bundle, and "
+                f"no single Ray node holds one bundle of {format_resources(dict(bundle))} (a bundle, and "
                 f"so an actor, cannot span nodes); nodes have: {have}. The config asks for "
                 f"{need.describe()}; adjust {_FIELDS_HINT}.")
 
@@ -288,5 +288,5 @@ def _placement_timeout_message(ray: Any, need: ResourceNeed, before: Mapping[str
                else "enough in total but not in the bundle shapes the nodes can hold")
     return (f"placement {need.placement!r} could not reserve its '{group}' group within "
             f"{timeout_s:g} s: it needs {need.describe()}; when it began the cluster had "
-            f"{_fmt(available)} available of {_fmt(total)} ({lacking}). Free them (other jobs' "
+            f"{format_resources(available)} available of {format_resources(total)} ({lacking}). Free them (other jobs' "
             f"actors or placement groups), add nodes, or ask for less: {_FIELDS_HINT}.")

@@ -32,8 +32,8 @@ from rl_core.cluster.placement import (
     PlaneResources,
     ResourceNeed,
     Slot,
-    _check_fits,
-    _fmt,
+    check_fits,
+    format_resources,
     import_ray,
     need_for,
     place_planes,
@@ -299,7 +299,7 @@ class RayCluster:
         _warn_if_token_readable_by_others()
         res = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
         log.info("started a local Ray at %s in %.1f s (%s; temp dir %s)", address, took,
-                 _fmt(res), temp_dir)
+                 format_resources(res), temp_dir)
         return cluster
 
     @classmethod
@@ -333,7 +333,7 @@ class RayCluster:
         :func:`place_planes` waits for it, within its bound."""
         ray = import_ray()
         nodes = [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
-        _check_fits(need, ray.cluster_resources(), nodes)
+        check_fits(need, ray.cluster_resources(), nodes)
         log.info("Ray has what the config asks for: %s", need.describe())
 
     def shutdown(self, timeout_s: float = 60.0) -> None:

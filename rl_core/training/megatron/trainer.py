@@ -23,11 +23,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import rl_core.training.megatron.compat as compat
+import rl_core.training.megatron.moe as moe
 from rl_core.config import AlgorithmConfig, TrainConfig
 from rl_core.models import read_weights, torch_dtype
 from rl_core.models.moe import hub_layout
 from rl_core.training import torch_trainer
-from rl_core.training.megatron import compat, moe
 from rl_core.training.megatron.convert import (
     expert_name,
     hf_to_mcore,
