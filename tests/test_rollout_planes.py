@@ -90,10 +90,11 @@ def local(model_dir: Path):
 
 def _trainer(model_dir: Path, nudge: bool = True) -> TorchTrainer:
     trainer = TorchTrainer(model_dir, TrainConfig(lr=1e-2), AlgorithmConfig(), max_response_len=8)
-    if nudge:
+    if nudge:  # the same nudge every time: no test depends on which random draw it got
+        gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for p in trainer.model.parameters():
-                p.add_(0.05 * torch.randn_like(p))
+                p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
     return trainer
 
 
@@ -109,10 +110,13 @@ def test_sampling_params_travel_as_sglang_spells_them() -> None:
     }  # fmt: skip
 
 
-def test_http_samples_equal_the_in_process_plane(one, local) -> None:
+def test_http_samples_equal_the_in_process_plane(one, local, model_dir: Path) -> None:
     """Same seeds, same samples: the HTTP path changes transport, not results."""
     torch.set_num_threads(1)
-    http, _ = one
+    http, sync = one
+    base = _trainer(model_dir, nudge=False)  # both planes back to the checkpoint, version 0
+    sync_weights(base, http, sync, 0)
+    sync_weights(base, local, TensorSync(local), 0)
     for params in (PARAMS, GREEDY):
         kw = dict(n=4, params=params, step=3, seed=7)
         a = rollout_groups(http, RECORDS, PROMPTS, **kw)
@@ -229,6 +233,7 @@ def test_the_colocated_fast_path_samples_and_trains_like_the_http_plane(
 
 def test_disk_sync_from_a_trainer_is_versioned_and_verified(one, local, model_dir: Path) -> None:
     http, sync = one
+    sync_weights(_trainer(model_dir, nudge=False), http, sync, 0)  # from the checkpoint
     trainer = _trainer(model_dir)
     before = _ids(http.generate(PROMPTS, GREEDY))
     metrics = sync_weights(trainer, http, sync, 5)
