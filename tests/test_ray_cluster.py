@@ -56,6 +56,11 @@ def start_actors(slots) -> list[tuple[str, str | None]]:
     actors = [cls.options(**s.actor_options()).remote() for s in slots]
     try:
         return ray.get([a.where.remote() for a in actors], timeout=ACTOR_TIMEOUT_S)
+    except ray.exceptions.RayError as e:  # seen once in ~10 suite runs: say what Ray saw
+        nodes = [(n["NodeID"][:8], n["Alive"], n["Resources"]) for n in ray.nodes()]
+        groups = {k[:8]: v["state"] for k, v in ray.util.placement_group_table().items()}
+        raise AssertionError(f"probe actors failed: {e!r}\nnodes: {nodes}\n"
+                             f"placement groups: {groups}") from e  # fmt: skip
     finally:
         for a in actors:
             ray.kill(a)
