@@ -17,12 +17,12 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rl_core.secrets import MASK, is_secret_name, redact
 from tasks.tracking.handle import RUN_NAME_TAG, STEP_TAG, TrackingHandle, logger
-from tasks.tracking.sender import RETRY_DELAYS, _refused, bound_mlflow_http
+from tasks.tracking.outbox import RETRY_DELAYS, Outbox, bound_mlflow_http
 
 __all__ = ["choose_episodes", "close_traces", "episode_trace", "flush_traces", "log_traces"]
 
@@ -342,34 +342,25 @@ class _Item:
     started: Any = None  # the TraceInfo the store returned
 
 
-@dataclass
-class _Sender:
-    """The write queue of one run's traces and its thread (see the module docstring)."""
-    handle: TrackingHandle
-    queue: deque[_Item] = field(default_factory=deque)
-    inflight: _Item | None = None
-    failing_since: float | None = None
-    sent: int = 0
-    dropped: int = 0
-    refused: int = 0
-    warned: set[str] = field(default_factory=set)
-    steps: set[int] = field(default_factory=set)  # steps traced by this process
-    _client: Any = None
-    _thread: threading.Thread | None = None
-    _stop: bool = False
-    _retry_at: float = 0.0
-    _delay: float = 0.0
+class _Sender(Outbox[_Item]):
+    """The outbox of one run's traces (see the module docstring)."""
 
-    def __post_init__(self) -> None:
-        self._changed = threading.Condition()
-        self._log = logger()  # the run's logger reaches the Prefect UI from the thread too
+    thread_name = SENDER
+
+    def __init__(self, handle: TrackingHandle) -> None:
+        super().__init__(handle.tracking_uri)
+        self.handle, self.queue = handle, deque()
+        self.sent = self.dropped = self.refused = 0
+        self.warned: set[str] = set()
+        self.steps: set[int] = set()  # steps traced by this process
+        self._client: Any = None
 
     def say(self, msg: str, level: int = logging.WARNING, once: str | None = None) -> None:
         if once is not None:
             if once in self.warned:
                 return
             self.warned.add(once)
-        self._log.log(level, redact(msg))
+        super().say(msg, level)
 
     def put(self, items: list[_Item]) -> None:
         with self._changed:
@@ -382,51 +373,45 @@ class _Sender:
         if over:
             self.say(f"tracking: dropped the {over} oldest unsent episode traces (more than "
                      f"{MAX_QUEUED} waiting for MLflow)", once=f"dropped-{self.failing_since}")
-        self._ensure_thread()
-
-    def _ensure_thread(self) -> None:
-        logging.getLogger("urllib3.connectionpool").addFilter(_not_from_sender)
-        with self._changed:
-            if not self._stop and (self._thread is None or not self._thread.is_alive()):
-                self._thread = threading.Thread(target=self._loop, name=SENDER, daemon=True)
-                self._thread.start()
-
-    def flush(self, timeout: float) -> bool:
-        """Try now and wait, at most ``timeout`` s, until every queued trace is written."""
-        self._ensure_thread()
-        with self._changed:
-            self._retry_at = self._delay = 0.0
-            self._changed.notify_all()
-            return self._changed.wait_for(lambda: not (self.queue or self.inflight), timeout)
+        self.ensure_thread()
 
     def close(self, timeout: float) -> int:
         """:meth:`flush`, then stop the thread; the number of traces left unwritten."""
         self.flush(timeout)
+        self.stop()
         with self._changed:
-            self._stop = True
-            self._changed.notify_all()
             return len(self.queue) + (self.inflight is not None)
 
-    def _loop(self) -> None:
-        while True:
-            with self._changed:
-                while not self._stop and (wait := self._retry_at - time.monotonic()
-                                          if self.queue else 5.0) > 0:
-                    self._changed.wait(wait)
-                if self._stop:
-                    return
-                self.inflight = item = self.queue.popleft()
-            if not self._build(item):
-                continue
-            began = time.time()
-            try:
-                self._write(item)
-            except Exception as exc:  # network, server restart, locked SQLite, refusal ...
-                self._failed(item, exc, began)
-            else:
-                self._written(item)
+    # the outbox's units: one trace, or one step's old traces to delete
+    def _queued_locked(self) -> int:
+        return len(self.queue)
 
-    def _build(self, item: _Item) -> bool:
+    def _take_locked(self) -> _Item:
+        return self.queue.popleft()
+
+    def _put_back_locked(self, item: _Item) -> None:
+        self.queue.appendleft(item)
+
+    def _refuse_locked(self, item: _Item) -> None:
+        self.refused += 1
+
+    def _sent_locked(self, item: _Item) -> None:
+        self.sent += not item.replace
+
+    def _on_refused(self, item: _Item, what: str) -> None:
+        self.say(f"tracking: MLflow at {self.uri} refused an episode trace of step {item.step} "
+                 f"({what}); it is skipped (later refusals are not reported)", once="refused")
+
+    def _on_outage(self, what: str, queued: int) -> None:
+        self.say(f"tracking: episode traces cannot reach MLflow at {self.uri} ({what}); training "
+                 f"goes on, {queued} traces are kept and sent when it answers again "
+                 f"(retrying every {RETRY_DELAYS[0]:.0f}-{RETRY_DELAYS[1]:.0f}s)")
+
+    def _on_back(self, seconds: float, queued: int) -> None:
+        self.say(f"tracking: episode traces reach {self.uri} again after {seconds:.0f}s; "
+                 f"sending the {queued} kept meanwhile", logging.INFO)
+
+    def _prepare(self, item: _Item) -> bool:
         """The item's trace, built here rather than on the training step's thread (~10 ms
         each); an episode record it cannot read is skipped (warned about once)."""
         if item.replace or item.trace is not None:
@@ -442,12 +427,9 @@ class _Sender:
             self.say(f"tracking: episode {getattr(item.sample, 'uid', '?')} of step {item.step} "
                      f"not traced ({type(exc).__name__}: {exc}); training goes on (later "
                      "failures are not reported)", once="build")
-            with self._changed:
-                self.inflight = None
-                self._changed.notify_all()
             return False
 
-    def _write(self, item: _Item) -> None:
+    def _send(self, item: _Item) -> None:
         from mlflow.exceptions import MlflowException
         from mlflow.tracing.client import TracingClient
         from mlflow.tracing.constant import SpansLocation, TraceTagKey
@@ -484,47 +466,6 @@ class _Sender:
             filter_string=f"tags.`{STEP_TAG}` = '{item.step}' and tags.`{KIND_TAG}` = 'episode'")
         if old := [t.info.trace_id for t in found]:
             self._client.delete_traces(h.experiment_id, trace_ids=old)
-
-    def _failed(self, item: _Item, exc: Exception, began: float) -> None:
-        what = f"{type(exc).__name__}: {redact(str(exc))[:300]}"
-        refused, new_outage = _refused(exc), False
-        with self._changed:
-            self.inflight = None
-            if refused:  # the server answered: sending the same again would not help
-                self.refused += 1
-            else:
-                self.queue.appendleft(item)
-                self._delay = min(max(2 * self._delay, RETRY_DELAYS[0]), RETRY_DELAYS[1])
-                self._retry_at = time.monotonic() + self._delay
-                if self.failing_since is None:
-                    self.failing_since, new_outage = began, True
-            queued = len(self.queue)
-            self._changed.notify_all()
-        uri = self.handle.tracking_uri
-        if refused:
-            self.say(f"tracking: MLflow at {uri} refused an episode trace of step {item.step} "
-                     f"({what}); it is skipped (later refusals are not reported)", once="refused")
-        elif new_outage:
-            self.say(f"tracking: episode traces cannot reach MLflow at {uri} ({what}); training "
-                     f"goes on, {queued} traces are kept and sent when it answers again "
-                     f"(retrying every {RETRY_DELAYS[0]:.0f}-{RETRY_DELAYS[1]:.0f}s)")
-
-    def _written(self, item: _Item) -> None:
-        with self._changed:
-            self.inflight, self._delay, self._retry_at = None, 0.0, 0.0
-            self.sent += not item.replace
-            began, self.failing_since = self.failing_since, None
-            queued = len(self.queue)
-            self._changed.notify_all()
-        if began is not None:
-            self.say(f"tracking: episode traces reach {self.handle.tracking_uri} again after "
-                     f"{time.time() - began:.0f}s; sending the {queued} kept meanwhile",
-                     logging.INFO)
-
-
-def _not_from_sender(record: logging.LogRecord) -> bool:
-    """urllib3 warns at every retry; the sender once per outage."""
-    return record.threadName != SENDER
 
 
 _SENDERS: dict[str, _Sender] = {}
