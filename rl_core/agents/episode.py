@@ -26,11 +26,12 @@ from rl_core.agents.env import (
     Turn,
     check_messages,
 )
+from rl_core.agents.trajectory import Trajectory
 from rl_core.data.records import Record
 from rl_core.engine.sampling import SamplingParams, sample_seed
 from rl_core.interfaces import RolloutPlane
 from rl_core.secrets import RedactFilter
-from rl_core.types import Sample, pad_routed_experts
+from rl_core.types import Sample
 
 __all__ = ["EpisodeRunner", "episode_metrics"]
 
@@ -41,32 +42,23 @@ log.addFilter(RedactFilter())  # environment errors may quote what they were giv
 _ENV_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="grpoflow-env")
 
 
-@dataclass
-class _Episode:
-    """One episode in progress."""
+@dataclass(eq=False)
+class _Episode(Trajectory):
+    """One episode in progress: its chain (:class:`Trajectory`) and where it stands."""
 
     key: tuple[int, Record, int]  # (group, task, sample index)
     make_env: Callable[[], Environment]
     attempt: int = 0
     env: Environment | None = None
-    prompt_ids: list[int] = field(default_factory=list)
-    routed: tuple[str, int] | None = None  # the last model turn's routed_experts, its rows
-    ids: list[int] = field(default_factory=list)  # everything after the prompt
-    turn_ids: list[int] = field(default_factory=list)  # the last model turn
-    mask: list[int] = field(default_factory=list)
-    logps: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    turns: int = 0
     reward: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
-    trace: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
-    text: str = ""
-    finish_reason: dict[str, Any] = field(default_factory=dict)
     finish: str = ""  # done | max_turns | max_tokens | timeout | failed
     started: float = 0.0  # monotonic, for the bounds
     started_at: float = 0.0  # wall clock, for traces
-    version: int = 0
+
+    def __post_init__(self) -> None:
+        Trajectory.__init__(self)
 
 
 class EpisodeRunner:
@@ -146,16 +138,8 @@ class EpisodeRunner:
         t0 = time.monotonic()
         outs = self.plane.generate(prompts, sps)
         seconds = time.monotonic() - t0
-        for e, prompt, s in zip(episodes, prompts, outs, strict=True):
-            e.routed = (None if s.routed_experts is None
-                        else (s.routed_experts, len(prompt) + len(s.completion_ids) - 1))
-            e.turn_ids = list(s.completion_ids)
-            e.ids += s.completion_ids
-            e.mask += [1] * len(s.completion_ids)
-            e.logps += list(s.logprobs)
-            e.versions += [s.weight_version] * len(s.completion_ids)
-            e.version, e.text, e.finish_reason = s.weight_version, s.text, s.finish_reason
-            e.turns += 1
+        for e, s in zip(episodes, outs, strict=True):
+            e.model_turn(s)
             e.trace.append({"attempt": e.attempt, "role": "assistant", "text": s.text,
                             "tokens": len(s.completion_ids), "seconds": seconds,
                             "weight_version": s.weight_version,
@@ -166,7 +150,7 @@ class EpisodeRunner:
     def _env_turn(self, episodes: list[_Episode]) -> None:
         def step(e: _Episode) -> StepResult:
             assert e.env is not None
-            result = e.env.step(Turn(e.text, e.turn_ids, e.finish_reason, e.turns - 1))
+            result = e.env.step(Turn(e.text, e.last_turn, e.finish_reason, e.turns - 1))
             if not isinstance(result, StepResult):
                 raise EnvironmentFailure("malformed", f"step() returned {type(result).__name__}, "
                                          "expected rl_core.agents.StepResult")
@@ -198,10 +182,7 @@ class EpisodeRunner:
                     e.finish = "max_tokens"  # no room for the observation and another turn
                     continue
                 e.trace[-1]["tokens"] = len(obs)
-                e.ids += obs
-                e.mask += [0] * len(obs)
-                e.logps += [0.0] * len(obs)
-                e.versions += [e.version] * len(obs)
+                e.observe(obs)
 
     def _fail(self, e: _Episode, where: str, failure: EnvironmentFailure) -> None:
         message = f"attempt {e.attempt + 1}: {where}: {failure.kind}: {failure}"
@@ -209,31 +190,21 @@ class EpisodeRunner:
         log.warning("episode %s:%s %s", e.key[1].id, e.key[2], message)
         if e.attempt < self.retries:  # start over: a fresh environment and fresh seeds
             e.attempt += 1
-            e.ids, e.mask, e.logps, e.versions = [], [], [], []
+            e.restart(e.prompt_ids)
             e.turns, e.reward, e.info, e.finish = 0, 0.0, {}, "retry"
         else:
-            e.finish = "failed"
-            e.mask = [0] * len(e.ids)  # recorded, trained on nothing
+            e.finish = "failed"  # recorded, trained on nothing
 
     def _sample(self, e: _Episode, step: int) -> Sample:
-        g, rec, j = e.key
-        failed = e.finish == "failed"
+        _, rec, j = e.key
         tool_calls = sum(t.get("tool_calls", 0) for t in e.trace
                          if t["role"] == "environment" and t["attempt"] == e.attempt)
-        episode = {"status": "failed" if failed else "ok", "finish": e.finish, "turns": e.turns,
-                   "attempts": e.attempt + 1, "errors": e.errors, "env_reward": e.reward,
-                   "tool_calls": tool_calls, "info": e.info,
-                   "masked_tokens": len(e.mask) - sum(e.mask), "trace": e.trace,
-                   "seconds": time.monotonic() - e.started, "started_at": e.started_at}
-        if not e.prompt_ids:  # reset never succeeded: nothing to score but the failure
-            e.prompt_ids = self.chat.encode(self.chat.tokenizer.eos_token or " ")
-        routed = None
-        if e.routed is not None and not failed:  # the last turn's request held every token
-            routed = pad_routed_experts(*e.routed, len(e.prompt_ids) + len(e.ids) - 1)
-        return Sample(e.prompt_ids, e.ids, e.logps, e.finish_reason, e.version,
-                      e.text, loss_mask=e.mask, uid=f"{step}:{rec.id}:{j}", group=g,
-                      record_id=rec.id, answer=rec.answer, reward=0.0 if failed else e.reward,
-                      versions=e.versions, meta={"episode": episode}, routed_experts=routed)
+        return e.to_sample(
+            step=step, record_id=rec.id, answer=rec.answer, index=j, group=e.key[0],
+            failed=e.finish == "failed", env_reward=e.reward, finish=e.finish,
+            fallback_prompt=self.chat.encode(self.chat.tokenizer.eos_token or " "),
+            attempts=e.attempt + 1, errors=e.errors, tool_calls=tool_calls, info=e.info,
+            trace=e.trace, seconds=time.monotonic() - e.started, started_at=e.started_at)
 
 
 def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rl_core.agents.batcher import Batcher, Done, request_error
 from rl_core.agents.chat import ChatTokens
 from rl_core.agents.env import EpisodeLimits
+from rl_core.agents.trajectory import Trajectory
 from rl_core.data.records import Record
 from rl_core.engine.protocol import MAX_REQUEST_BYTES
 from rl_core.engine.routes_openai import (
@@ -45,7 +46,7 @@ from rl_core.engine.routes_openai import (
 from rl_core.engine.sampling import SamplingParams, sample_seed
 from rl_core.engine.server import ServerThread
 from rl_core.interfaces import RolloutPlane
-from rl_core.types import Sample, pad_routed_experts
+from rl_core.types import Sample
 
 __all__ = ["AgentGateway", "GatewaySession", "request_seed"]
 
@@ -83,7 +84,7 @@ def _keys(messages: Sequence[dict[str, Any]]) -> list[tuple[str, Any]]:
     return [(m["role"], m.get("content")) for m in messages]
 
 
-class GatewaySession:
+class GatewaySession(Trajectory):
     """One episode's endpoint and the trajectory it records (made by
     :meth:`AgentGateway.open_session`; ``base_url`` is what an ``openai`` client takes)."""
 
@@ -101,20 +102,11 @@ class GatewaySession:
         self._busy = False  # a request is in progress (touched on the server's loop only)
         # Futures of handlers waiting on a generation, set when the session closes.
         self._wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
-        # The chain: the prompt it started from and everything after it.
-        self.prompt_ids: list[int] = []
-        self.ids: list[int] = []
-        self.mask: list[int] = []
-        self.logps: list[float] = []
-        self.versions: list[int] = []
+        Trajectory.__init__(self)  # the chain: its prompt and everything after it
         self.conv: list[tuple[str, Any]] | None = None
         self.setup = ""
         self.text_so_far: str | None = None
-        self.last_turn: list[int] = []
-        self.routed: tuple[str, int] | None = None  # the last request's routed_experts, rows
-        self.chains = self.turns = self.refused = self.tool_calls = 0
-        self.trace: list[dict[str, Any]] = []
-        self.text, self.finish_reason, self.version = "", {}, 0
+        self.chains = self.refused = self.tool_calls = 0
         self.limit = ""  # the first episode limit hit: max_turns | max_tokens
 
     @property
@@ -226,32 +218,17 @@ class GatewaySession:
         s = done.sample
         if not plan.extend:
             self.chains += 1
-            self.prompt_ids, self.ids, self.mask, self.logps, self.versions = (
-                list(plan.prompt), [], [], [], [])
+            self.restart(plan.prompt)
             self.setup = plan.setup
             self.trace.append({"attempt": self.attempt, "role": "prompt", "request": number,
                                "session": self.sid, "chain": self.chains, "note": plan.note,
                                "messages": plan.messages, "tokens": len(plan.prompt)})
         elif plan.obs or plan.messages:
-            self.ids += plan.obs
-            self.mask += [0] * len(plan.obs)
-            self.logps += [0.0] * len(plan.obs)
-            self.versions += [self.version] * len(plan.obs)
+            self.observe(plan.obs)
             self.trace.append({"attempt": self.attempt, "role": "observation",
                                "request": number, "messages": plan.messages,
                                "tokens": len(plan.obs)})
-        ids = list(s.completion_ids)
-        # the request held the whole chain so far: its routing covers every token before
-        # this turn's last (the chain's routing, until the next request extends it)
-        self.routed = (None if s.routed_experts is None else
-                       (s.routed_experts, len(self.prompt_ids) + len(self.ids) + len(ids) - 1))
-        self.ids += ids
-        self.mask += [1] * len(ids)
-        self.logps += [float(x) for x in s.logprobs]
-        self.versions += [s.weight_version] * len(ids)
-        self.last_turn, self.version = ids, s.weight_version
-        self.text, self.finish_reason = text, dict(s.finish_reason)
-        self.turns += 1
+        ids = self.model_turn(s, text)
         self.tool_calls += calls
         if req.kind == "chat":
             self.conv = [*(plan.conv or []), ("assistant", text)]
@@ -277,31 +254,17 @@ class GatewaySession:
         """The recorded chain as EpisodeRunner's :class:`~rl_core.types.Sample` (``failed``:
         nothing is trained on and the reward is 0)."""
         with self.lock:
-            prompt = list(self.prompt_ids) or self.gateway.chat.encode(
-                self.gateway.chat.tokenizer.eos_token or " ")
-            mask = [0] * len(self.ids) if failed else list(self.mask)
-            episode = {
-                "status": "failed" if failed else "ok",
-                "finish": "failed" if failed else (self.limit or "done"),
-                "turns": self.turns, "attempts": self.attempt + 1 if attempts is None else attempts,
-                "errors": list(errors), "env_reward": 0.0 if failed else float(env_reward),
-                "tool_calls": self.tool_calls,
-                "info": {"history_rewrites": max(0, self.chains - 1),
-                         "refused_requests": self.refused},
-                "masked_tokens": len(mask) - sum(mask),
-                "trace": list(self.trace) if trace is None else trace,
-                "seconds": time.monotonic() - (self.opened if started is None else started),
-                "started_at": self.opened_at}
-            rec = self.task
-            routed = None
-            if self.routed is not None and not failed and self.prompt_ids:
-                routed = pad_routed_experts(*self.routed, len(prompt) + len(self.ids) - 1)
-            return Sample(prompt, list(self.ids), list(self.logps), dict(self.finish_reason),
-                          self.version, self.text, loss_mask=mask, routed_experts=routed,
-                          uid=f"{self.step}:{self.record_id}:{self.index}", group=self.group,
-                          record_id=self.record_id, answer=rec.answer if rec is not None else "",
-                          reward=0.0 if failed else float(env_reward),
-                          versions=list(self.versions), meta={"episode": episode})
+            chat, rec = self.gateway.chat, self.task
+            return self.to_sample(
+                step=self.step, record_id=self.record_id, index=self.index, group=self.group,
+                answer=rec.answer if rec is not None else "", failed=failed,
+                env_reward=0.0 if failed else env_reward, finish=self.limit or "done",
+                fallback_prompt=chat.encode(chat.tokenizer.eos_token or " "),
+                attempts=self.attempt + 1 if attempts is None else attempts, errors=errors,
+                tool_calls=self.tool_calls, trace=list(self.trace) if trace is None else trace,
+                info={"history_rewrites": max(0, self.chains - 1), "refused_requests": self.refused},
+                seconds=time.monotonic() - (self.opened if started is None else started),
+                started_at=self.opened_at)
 
 
 # ---------------------------------------------------------------------------- the gateway

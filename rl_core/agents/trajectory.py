@@ -1,0 +1,81 @@
+"""One episode's token chain, recorded the same way by :class:`EpisodeRunner` and the OpenAI
+gateway's sessions: the prompt, then model turns (trained on: ``loss_mask`` 1, their
+log-probs and weight versions) and observations (mask 0), the last turn's routed experts, and
+the trace; :meth:`Trajectory.to_sample` makes the episode's :class:`~rl_core.types.Sample`
+(``meta["episode"]``: docs/agents.md, 'What an episode is').
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rl_core.types import Sample, pad_routed_experts
+
+__all__ = ["Trajectory"]
+
+
+class Trajectory:
+    """The chain so far (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.prompt_ids: list[int] = []
+        self.ids: list[int] = []  # everything after the prompt
+        self.mask: list[int] = []
+        self.logps: list[float] = []
+        self.versions: list[int] = []
+        self.routed: tuple[str, int] | None = None  # the last turn's routed_experts, its rows
+        self.last_turn: list[int] = []
+        self.text, self.finish_reason, self.version, self.turns = "", {}, 0, 0
+        self.trace: list[dict[str, Any]] = []
+
+    def restart(self, prompt_ids: Sequence[int]) -> None:
+        """A new chain from ``prompt_ids`` (a retried episode, or a history the model did
+        not write)."""
+        self.prompt_ids = list(prompt_ids)
+        self.ids, self.mask, self.logps, self.versions = [], [], [], []
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        """Tokens the environment wrote: in the chain, never trained on."""
+        self.ids += tokens
+        self.mask += [0] * len(tokens)
+        self.logps += [0.0] * len(tokens)
+        self.versions += [self.version] * len(tokens)
+
+    def model_turn(self, s: Sample, text: str | None = None) -> list[int]:
+        """The model's turn ``s``, generated from the whole chain: its tokens, trained on."""
+        ids = list(s.completion_ids)
+        # the request held the chain: its routing covers every token before the turn's last
+        self.routed = (None if s.routed_experts is None else
+                       (s.routed_experts, len(self.prompt_ids) + len(self.ids) + len(ids) - 1))
+        self.ids += ids
+        self.mask += [1] * len(ids)
+        self.logps += [float(x) for x in s.logprobs]
+        self.versions += [s.weight_version] * len(ids)
+        self.last_turn, self.version = ids, s.weight_version
+        self.text = s.text if text is None else text
+        self.finish_reason = dict(s.finish_reason)
+        self.turns += 1
+        return ids
+
+    def to_sample(self, *, step: int, record_id: str, answer: str, index: int, group: int,
+                  failed: bool, env_reward: float, fallback_prompt: Sequence[int], finish: str,
+                  attempts: int, errors: Sequence[str], tool_calls: int, info: dict[str, Any],
+                  trace: list[dict[str, Any]], seconds: float, started_at: float) -> Sample:
+        """The episode's sample: ``failed`` trains on nothing, with reward 0;
+        ``fallback_prompt`` stands in for a prompt never set (no reset succeeded)."""
+        prompt = list(self.prompt_ids) or list(fallback_prompt)
+        mask = [0] * len(self.ids) if failed else list(self.mask)
+        episode = {"status": "failed" if failed else "ok", "finish": "failed" if failed else finish,
+                   "turns": self.turns, "attempts": attempts, "errors": list(errors),
+                   "env_reward": float(env_reward), "tool_calls": tool_calls, "info": info,
+                   "masked_tokens": len(mask) - sum(mask), "trace": trace, "seconds": seconds,
+                   "started_at": started_at}  # fmt: skip
+        routed = None
+        if self.routed is not None and not failed and self.prompt_ids:
+            routed = pad_routed_experts(*self.routed, len(prompt) + len(self.ids) - 1)
+        return Sample(prompt, list(self.ids), list(self.logps), dict(self.finish_reason),
+                      self.version, self.text, loss_mask=mask, uid=f"{step}:{record_id}:{index}",
+                      group=group, record_id=record_id, answer=answer,
+                      reward=0.0 if failed else float(env_reward), versions=list(self.versions),
+                      meta={"episode": episode}, routed_experts=routed)  # fmt: skip
