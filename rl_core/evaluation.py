@@ -13,17 +13,14 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
 from rl_core.agents.episode import episode_metrics
 from rl_core.data.records import Record
-from rl_core.engine.sampling import SamplingParams, sample_seed
+from rl_core.engine.sampling import SamplingParams
+from rl_core.grpo import EpisodeKind, SingleTurn
 from rl_core.interfaces import RolloutPlane
 from rl_core.rewards import JudgeRunner, RewardResult, RewardRunner
 from rl_core.types import Sample
-
-if TYPE_CHECKING:
-    from rl_core.agents.rollout import AgentRollout
 
 __all__ = ["EvalResult", "evaluate", "pass_at_k"]
 
@@ -59,40 +56,30 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate(plane: RolloutPlane, records: Sequence[Record], prompt_ids: Sequence[Sequence[int]],
              rewards: RewardRunner | JudgeRunner, *, max_new_tokens: int, k: int = 4, k_examples: int = 64,
              temperature: float = 1.0, seed: int = 0, keep_samples: int = 8,
-             agents: AgentRollout | None = None, pass_threshold: float = 1.0) -> EvalResult:
-    """Greedy pass@1 on every record; sampled pass@k on the first ``k_examples``. With
-    ``agents``, each attempt is a whole episode (scored as in training) instead of one
-    completion."""
+             kind: EpisodeKind | None = None, pass_threshold: float = 1.0) -> EvalResult:
+    """Greedy pass@1 on every record; sampled pass@k on the first ``k_examples``. Each
+    attempt is what ``kind`` plays (default: one completion on ``plane``; an agent run's
+    attempts are whole episodes), scored as in training."""
     started = time.perf_counter()
+    kind = kind or SingleTurn(plane)
 
     def attempts(recs: Sequence[Record], prompts: Sequence[Sequence[int]],
-                 params: list[SamplingParams], n: int) -> tuple[list[Sample], RewardResult]:
-        answers = [r.answer for r in recs for _ in range(n)]
-        if agents is None:
-            outs = plane.generate([ids for ids in prompts for _ in range(n)], params)
-            return outs, rewards.score([o.text for o in outs], answers, budget=False,
-                                       record_ids=[r.id for r in recs for _ in range(n)])
-        outs = agents.episodes(recs, n=n, params=params[0], step=-1, seed=seed)
-        result = agents.score(outs, rewards, pass_threshold=pass_threshold, budget=False)
-        return outs, result or RewardResult([s.reward for s in outs], [s.correct for s in outs])
+                 params: SamplingParams, n: int) -> tuple[list[Sample], RewardResult]:
+        outs = kind.episodes(recs, prompts, n=n, params=params, step=-1, seed=seed)
+        return outs, kind.score(outs, rewards, pass_threshold=pass_threshold, budget=False)
 
-    greedy, scored = attempts(records, prompt_ids, [SamplingParams(
-        temperature=0.0, max_new_tokens=max_new_tokens, seed=0)] * len(records), 1)
-    if agents is not None:  # the episode's reward and success, not only the last answer's
-        scored.scores, scored.correct = [s.reward for s in greedy], [s.correct for s in greedy]
+    greedy, scored = attempts(records, prompt_ids, SamplingParams(
+        temperature=0.0, max_new_tokens=max_new_tokens, seed=0), 1)
     lengths = [len(s.completion_ids) for s in greedy]
     failed = [scored.num_errors, scored.num_timeouts]
     pk = None
     subset = list(zip(records, prompt_ids, strict=True))[:k_examples]
     if k > 1 and subset:
-        params = [SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
-                                 seed=sample_seed(seed, -1, rec.id, j))
-                  for rec, _ in subset for j in range(k)]
+        params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
         outs, sampled = attempts([r for r, _ in subset], [ids for _, ids in subset], params, k)
-        passed = [s.correct for s in outs] if agents is not None else sampled.correct
         failed = [failed[0] + sampled.num_errors, failed[1] + sampled.num_timeouts]
         pk = statistics.fmean(
-            pass_at_k(k, sum(passed[i * k : (i + 1) * k]), k) for i in range(len(subset))
+            pass_at_k(k, sum(sampled.correct[i * k : (i + 1) * k]), k) for i in range(len(subset))
         )
     rows = [{"question": r.question, "completion": s.text, "answer": r.final_answer,
              "correct": str(bool(ok))}
@@ -109,5 +96,5 @@ def evaluate(plane: RolloutPlane, records: Sequence[Record], prompt_ids: Sequenc
         truncation_rate=statistics.fmean(s.truncated for s in greedy) if greedy else 0.0,
         seconds=time.perf_counter() - started,
         samples=rows,
-        episodes=episode_metrics(greedy) if agents is not None else None,
+        episodes=episode_metrics(greedy) or None,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 
@@ -22,8 +23,52 @@ from rl_core.interfaces import RolloutPlane
 from rl_core.rewards import JudgeRunner, RewardResult, RewardRunner
 from rl_core.types import Sample
 
-__all__ = ["advantages_for", "rollout_groups", "score_samples",
+__all__ = ["EpisodeKind", "SingleTurn", "advantages_for", "rollout_groups", "score_samples",
            "split_informative_groups", "summarize_samples"]
+
+
+class EpisodeKind(Protocol):
+    """What a rollout plays per task: one completion (:class:`SingleTurn`), or a multi-turn
+    episode of an environment or an agent program (``rl_core.agents.rollout.AgentRollout``).
+    The step and evaluation call only these."""
+
+    def episodes(self, records: Sequence[Record], prompt_ids: Sequence[Sequence[int]], *,
+                 n: int, params: SamplingParams, step: int, seed: int) -> list[Sample]:
+        """``n`` attempts at each record, groups contiguous and prompt-major."""
+
+    def score(self, samples: Sequence[Sample], rewards: RewardRunner | JudgeRunner, *,
+              pass_threshold: float, step: int | None = None, budget: bool = True
+              ) -> RewardResult:  # fmt: skip
+        """Set each sample's ``reward`` and ``correct``; the result holds them (``scores``,
+        ``correct``) and the reward function's failure counts."""
+
+    def check(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """The kind's own metrics of a step's samples (may raise when a budget is spent)."""
+
+    def close(self) -> None: ...
+
+
+class SingleTurn:
+    """One completion per attempt, scored by the run's reward."""
+
+    def __init__(self, plane: RolloutPlane) -> None:
+        self.plane = plane
+
+    def episodes(self, records: Sequence[Record], prompt_ids: Sequence[Sequence[int]], *,
+                 n: int, params: SamplingParams, step: int, seed: int) -> list[Sample]:
+        return rollout_groups(self.plane, records, prompt_ids, n=n, params=params, step=step,
+                              seed=seed)  # fmt: skip
+
+    def score(self, samples: Sequence[Sample], rewards: RewardRunner | JudgeRunner, *,
+              pass_threshold: float, step: int | None = None, budget: bool = True
+              ) -> RewardResult:  # fmt: skip
+        return score_samples(samples, rewards, step=step, budget=budget)
+
+    def check(self, samples: Sequence[Sample]) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
 
 
 def rollout_groups(plane: RolloutPlane, records: Sequence[Record],
@@ -41,13 +86,14 @@ def rollout_groups(plane: RolloutPlane, records: Sequence[Record],
 
 
 def score_samples(
-    samples: list[Sample], runner: RewardRunner | JudgeRunner, step: int | None = None
+    samples: Sequence[Sample], runner: RewardRunner | JudgeRunner, step: int | None = None,
+    budget: bool = True,
 ) -> RewardResult:
     """Score every sample in place; reward-function failures score 0 and are counted
     (``step``: calls of one step, e.g. dynamic sampling's rounds, count as one step towards
     ``reward.max_failed_steps``). A judge also reads each sample's question (by record id)."""
     result = runner.score([s.text for s in samples], [s.answer for s in samples], step=step,
-                          record_ids=[s.record_id for s in samples])
+                          budget=budget, record_ids=[s.record_id for s in samples])
     for s, r, ok in zip(samples, result.scores, result.correct, strict=True):
         s.reward, s.correct = float(r), bool(ok)
     return result

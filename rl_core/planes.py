@@ -38,6 +38,7 @@ from rl_core.config import (
 )
 from rl_core.data.prompts import encode_prompts
 from rl_core.data.records import Record
+from rl_core.grpo import EpisodeKind, SingleTurn
 from rl_core.interfaces import RolloutPlane, Trainer, WeightSync
 from rl_core.models import eos_token_ids
 from rl_core.rewards import JudgeRunner, RewardRunner
@@ -80,7 +81,8 @@ class Planes:
     cluster: Any = None  # a RayCluster in cluster.mode ray
     placement: Any = None  # its PlanePlacement
     time_share: bool = False  # engines release their memory while the trainer works
-    agents: Any = None  # an rl_core.agents.rollout.AgentRollout when agent.env/program is set
+    # what a rollout plays: SingleTurn, or AgentRollout when agent.env/program is set
+    kind: EpisodeKind | None = None
     teacher: Any = None  # the teacher's rollout plane (teacher.path: on-policy distillation)
 
     @property
@@ -112,7 +114,7 @@ class Planes:
 
     def close(self) -> None:
         self.reward_runner.close()
-        _close_all(self.agents, self.teacher, self.weights, self.rollout, self.trainer,
+        _close_all(self.kind, self.teacher, self.weights, self.rollout, self.trainer,
                    self.placement, self.cluster)
 
 
@@ -287,7 +289,7 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
     """
     if trainer_threads := cfg.thread_budget()[1]:
         torch.set_num_threads(trainer_threads)
-    cluster = placement = trainer = rollout = transport = agents = rewards = teacher = None
+    cluster = placement = trainer = rollout = transport = kind = rewards = teacher = None
     try:
         if cfg.cluster.mode == "ray":
             cluster, placement = _ray_cluster(cfg, work_dir, with_trainer)
@@ -312,17 +314,17 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
         if cfg.agent.enabled:
             from rl_core.agents.rollout import AgentRollout
 
-            agents = AgentRollout(cfg.agent, rollout, tokenizer)
+            kind = AgentRollout(cfg.agent, rollout, tokenizer)
         rewards = _reward_runner(cfg, work_dir, [*train_records, *eval_records])
     except BaseException:
-        _close_all(rewards, agents, teacher, transport, rollout, trainer, placement, cluster)
+        _close_all(rewards, kind, teacher, transport, rollout, trainer, placement, cluster)
         raise
     key = uuid.uuid4().hex
     _REGISTRY[key] = Planes(
         cfg, rollout, transport, trainer, tokenizer, pad_token_id, train_records, train_prompts,
         eval_records, eval_prompts, rewards,
         skipped_long_prompts=skipped + skip_eval, cluster=cluster, placement=placement,
-        time_share=_time_share(cfg), agents=agents, teacher=teacher,
+        time_share=_time_share(cfg), kind=kind or SingleTurn(rollout), teacher=teacher,
     )
     return PlanesHandle(key)
 

@@ -26,7 +26,7 @@ def evaluate_policy(planes: PlanesHandle, step: int) -> dict:
     result = evaluate(p.rollout, p.eval_records, p.eval_prompts, p.reward_runner,
                       max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens, k=e.pass_k,
                       k_examples=e.pass_k_examples, temperature=e.temperature, seed=cfg.seed,
-                      agents=p.agents, pass_threshold=cfg.reward.pass_threshold)
+                      kind=p.kind, pass_threshold=cfg.reward.pass_threshold)
     out = {"step": step, "weight_version": p.weight_version, **result.to_dict()}
     create_markdown_artifact(markdown=eval_markdown(out, f"{cfg.name}: evaluation at step {step}"),
                              key=artifact_key("eval", cfg.name),

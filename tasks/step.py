@@ -18,12 +18,11 @@ from typing import Any, TypeVar
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from rl_core.agents.episode import episode_metrics
 from rl_core.agents.rollout import EpisodeFailureError
 from rl_core.engine.sampling import SamplingParams
-from rl_core.grpo import advantages_for, rollout_groups, score_samples, summarize_samples
+from rl_core.grpo import advantages_for, summarize_samples
 from rl_core.planes import PlanesHandle, get_planes
-from rl_core.rewards import RewardFunctionError, RewardResult
+from rl_core.rewards import RewardFunctionError
 from rl_core.teacher import distill_advantages, score_with_teacher
 from rl_core.types import Batch, Sample
 
@@ -111,14 +110,9 @@ def rollout(planes: PlanesHandle, indices: list[int], step: int) -> StepSamples:
     params = sampling_params(r)
     records = [p.train_records[i] for i in indices]
     metrics: dict[str, float] = {}
-    if p.agents is not None:  # multi-turn episodes (agent.env / agent.program)
-        samples = p.agents.episodes(records, n=r.n_samples, params=params, step=step,
-                                    seed=p.config.seed)
-        metrics.update(episode_metrics(samples))
-        metrics.update(p.agents.check_failures(samples))
-    else:
-        samples = rollout_groups(p.rollout, records, [p.train_prompts[i] for i in indices],
-                                 n=r.n_samples, params=params, step=step, seed=p.config.seed)
+    samples = p.kind.episodes(records, [p.train_prompts[i] for i in indices], n=r.n_samples,
+                              params=params, step=step, seed=p.config.seed)
+    metrics.update(p.kind.check(samples))
     seconds = time.perf_counter() - started
     tokens = sum(len(s.completion_ids) for s in samples)
     return StepSamples(step, samples, {**metrics, "time/rollout": seconds,
@@ -154,11 +148,8 @@ def reward(planes: PlanesHandle, batch: StepSamples, step: int) -> StepSamples:
     """Score every sample; failures of the reward function score 0 and are counted."""
     p = get_planes(planes)
     started = time.perf_counter()
-    if p.agents is not None:  # the environment's reward (+ the final answer's, if configured)
-        result = p.agents.score(batch.samples, p.reward_runner, step=step,
-                                pass_threshold=p.config.reward.pass_threshold) or RewardResult([], [])
-    else:
-        result = score_samples(batch.samples, p.reward_runner, step=step)
+    result = p.kind.score(batch.samples, p.reward_runner, step=step,
+                          pass_threshold=p.config.reward.pass_threshold)
     metrics = {**batch.metrics, **summarize_samples(batch.samples, p.config.rollout.n_samples)}
     metrics.update({"reward_errors": float(result.num_errors),
                     "reward_timeouts": float(result.num_timeouts),

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rl_core.agents import ChatTokens, EpisodeRunner, environment_factory, limits_from_config
+from rl_core.agents.episode import episode_metrics
 from rl_core.data.records import Record
 from rl_core.engine.sampling import SamplingParams
 from rl_core.interfaces import RolloutPlane
@@ -60,9 +61,10 @@ class AgentRollout:
             self.program = getattr(importlib.import_module(module), attr)
             self.gateway = AgentGateway(plane, self.chat).start()
 
-    def episodes(self, records: Sequence[Record], *, n: int, params: SamplingParams, step: int,
-                 seed: int) -> list[Sample]:
-        """``n`` episodes of each task, groups contiguous (as single-turn rollouts)."""
+    def episodes(self, records: Sequence[Record], prompt_ids: Sequence[Sequence[int]] = (), *,
+                 n: int, params: SamplingParams, step: int, seed: int) -> list[Sample]:
+        """``n`` episodes of each task, groups contiguous (as single-turn rollouts); the
+        environment or program writes the prompt (``prompt_ids`` is not read)."""
         if self.runner is not None:
             return self.runner.run(records, n=n, params=params, step=step, seed=seed)
         from rl_core.agents.programs import run_programs
@@ -71,10 +73,11 @@ class AgentRollout:
                             seed=seed, limits=self.limits, retries=self.cfg.episode_retries)
 
     def score(self, samples: Sequence[Sample], rewards: RewardRunner | JudgeRunner, *, pass_threshold: float,
-              step: int | None = None, budget: bool = True) -> RewardResult | None:
+              step: int | None = None, budget: bool = True) -> RewardResult:
         """Set each episode's ``reward`` and ``correct``: the environment's reward, plus
         ``reward.fn``'s score of the final answer when ``agent.score_final_answer`` (a failed
-        episode scores 0). Returns the reward function's result, if it ran."""
+        episode scores 0). The result holds the episodes' rewards and the reward function's
+        failure counts, if it ran."""
         result = None
         if self.cfg.score_final_answer:
             result = rewards.score([s.text for s in samples], [s.answer for s in samples],
@@ -90,7 +93,16 @@ class AgentRollout:
             else:
                 s.reward = float(ep["env_reward"])
                 s.correct = bool(ep["info"].get("correct", s.reward >= pass_threshold))
-        return result
+        out = RewardResult([s.reward for s in samples], [s.correct for s in samples])
+        if result is not None:
+            out.num_errors, out.num_timeouts, out.errors = (result.num_errors,
+                                                            result.num_timeouts, result.errors)
+            out.failed_streak, out.last_error = result.failed_streak, result.last_error
+        return out
+
+    def check(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """The episodes' metrics (:func:`episode_metrics`) and the failure budget."""
+        return {**episode_metrics(samples), **self.check_failures(samples)}
 
     def check_failures(self, samples: Sequence[Sample]) -> dict[str, float]:
         """Count the step against ``agent.max_failed_steps``; raise when the budget is spent."""
