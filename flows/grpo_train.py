@@ -19,7 +19,7 @@ from prefect.utilities.annotations import opaque
 
 from flows._redacted import redacted_flow
 from flows.evaluate import evaluate as evaluate_model
-from flows.rollouts import Rollouts
+from flows.rollouts import Rollouts, rollouts_for
 from flows.run import Run
 from rl_core.config import load_config
 from rl_core.planes import PlanesHandle, get_planes, tear_down
@@ -143,8 +143,7 @@ def grpo_step(planes: PlanesHandle, rollouts: Rollouts, step: int) -> tuple[Step
     scored = reward(planes, opaque(samples), step)
     if p.teacher is not None:
         scored = teacher_score(planes, opaque(scored), step)
-    if p.config.algorithm.dynamic_sampling:
-        scored = rollouts.informative(scored, step)
+    scored = rollouts.informative(scored, step)  # dynamic sampling may roll out more
     metrics = {**scored.metrics, **released}
     if scored.samples:
         batch = compute_advantages(planes, scored)
@@ -168,7 +167,7 @@ def grpo_step(planes: PlanesHandle, rollouts: Rollouts, step: int) -> tuple[Step
 def _bring_up(run: Run, model_path: str, data: Any, checkpoint: Any) -> tuple:  # noqa: ANN401
     """Planes and prompt source, restored from ``checkpoint`` when given; the next step."""
     planes = bring_up(run.cfg, model_path, data, str(run.dir.path))
-    rollouts = Rollouts(planes)
+    rollouts = rollouts_for(planes)
     if checkpoint is None:
         run.dir.truncate_after(0 if run.started else -1)  # a fresh start: fresh logs
         run.started = True

@@ -24,7 +24,8 @@ from rl_core.rollout.stream import GroupStream
 from rl_core.types import Sample
 from tasks.step import StepSamples, reward, rollout, rollout_round, sampling_params
 
-__all__ = ["Rollouts", "StalenessError"]
+__all__ = ["Ahead", "DynamicSampling", "InStep", "Rollouts", "StalenessError", "Streamed",
+           "rollouts_for"]
 
 log = logging.getLogger(__name__)
 
@@ -34,32 +35,22 @@ class StalenessError(RuntimeError):
 
 
 class Rollouts:
-    """The prompt sampler, the batches drawn ahead, and the rollouts in flight."""
+    """A scheduling regime: what the flow calls (take, informative, prefetch, drain, done, and
+    the checkpoint's state and buffer). Shared: the prompt sampler and the batches drawn but
+    not trained. :func:`rollouts_for` picks the regime from the config."""
 
     def __init__(self, planes: PlanesHandle) -> None:
-        p = get_planes(planes)
-        cfg = p.config
-        self.planes = planes
-        self.sampler = PromptSampler(len(p.train_records), cfg.train.prompts_per_step, cfg.seed)
-        self.config = cfg
+        cfg = get_planes(planes).config
+        self.planes, self.config = planes, cfg
+        self.sampler = PromptSampler(len(get_planes(planes).train_records),
+                                     cfg.train.prompts_per_step, cfg.seed)  # fmt: skip
         self.max_staleness, self.steps = cfg.rollout.max_staleness, cfg.train.steps
         # Generation for later steps runs during training only where the planes' threads
         # fit side by side (cluster.placement); else before it, in turn: the same samples.
         self.overlap = cfg.overlaps_training
         self.pending: dict[int, list[int]] = {}  # step -> prompt indices drawn, not trained
         self._futures: dict[int, Any] = {}
-        self._ready: dict[int, StepSamples] = {}  # generated before a resume (the buffer)
-        self.stream: GroupStream | None = None
-        self._stop: threading.Event | None = None  # ends a round that the update aborts
-        if cfg.rollout.streaming:
-            tok = p.tokenizer
-            self.stream = GroupStream(
-                p.train_records, p.train_prompts, self.sampler, n=cfg.rollout.n_samples,
-                params=sampling_params(cfg.rollout), seed=cfg.seed,
-                per_step=cfg.train.prompts_per_step, max_staleness=self.max_staleness,
-                partial_tokens=cfg.rollout.segment_tokens,
-                decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
-            self.stream.limit = self.steps + self.max_staleness
+        self.select = DynamicSampling(self) if cfg.algorithm.dynamic_sampling else None
 
     def _indices(self, step: int) -> list[int]:
         if step not in self.pending:
@@ -67,9 +58,59 @@ class Rollouts:
         return self.pending[step]
 
     def take(self, step: int) -> StepSamples:
-        """Step ``step``'s samples: the rollout submitted ahead, or one run now."""
-        if self.stream is not None:
-            return self._take_streamed(step)
+        """Step ``step``'s samples."""
+        raise NotImplementedError
+
+    def informative(self, scored: StepSamples, step: int) -> StepSamples:
+        """The scored samples the step trains on (all, unless dynamic sampling selects)."""
+        return scored if self.select is None else self.select(scored, step)
+
+    def prefetch(self, step: int) -> None:
+        """Submit what generates while ``step`` trains (nothing by default)."""
+
+    def drain(self) -> None:
+        """Before the engines' weights change: wait for the rollouts in flight."""
+        for future in self._futures.values():
+            future.wait()
+
+    def done(self, step: int) -> dict[str, float]:
+        """Step ``step`` has trained and synced: its prompts are consumed."""
+        self.pending.pop(step, None)
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's position and the batches drawn but not trained (JSON-able)."""
+        pending = [[step, list(idx)] for step, idx in sorted(self.pending.items())]
+        return {**self.sampler.state_dict(), "pending": pending}
+
+    def load_state_dict(self, state: dict[str, Any], buffer: list[dict[str, Any]] | None = None
+                        ) -> None:  # fmt: skip
+        """The sampler's position and batches drawn ahead, and the rollouts generated for them
+        (``buffer``, :meth:`buffer`'s rows)."""
+        state = dict(state)
+        pending, stream = state.pop("pending", []), state.pop("stream", None)
+        self.sampler.load_state_dict(state)
+        self._restore(pending, stream, buffer or [])
+
+    def _restore(self, pending: list, stream: dict[str, Any] | None,
+                 buffer: list[dict[str, Any]]) -> None:  # fmt: skip
+        raise NotImplementedError
+
+    def buffer(self) -> list[dict[str, Any]]:
+        """The finished rollouts generated ahead (call after :meth:`drain`) as JSON-able
+        checkpoint rows."""
+        return []
+
+
+class InStep(Rollouts):
+    """Each step generates its own samples (``rollout.max_staleness: 0``); after a resume,
+    those a checkpoint holds for the step are taken instead."""
+
+    def __init__(self, planes: PlanesHandle) -> None:
+        super().__init__(planes)
+        self._ready: dict[int, StepSamples] = {}  # generated before a resume (the buffer)
+
+    def take(self, step: int) -> StepSamples:
         future = self._futures.pop(step, None)
         if step in self._ready:
             samples = self._ready.pop(step)
@@ -85,11 +126,70 @@ class Rollouts:
         samples.metrics.update(_ages(ages, self.max_staleness))
         return samples
 
-    def _take_streamed(self, step: int) -> StepSamples:
+    def _restore(self, pending: list, stream: dict[str, Any] | None,
+                 buffer: list[dict[str, Any]]) -> None:  # fmt: skip
+        self.pending = {int(step): list(idx) for step, idx in pending}
+        self._futures.clear()
+        self._ready = {}
+        for row in buffer:
+            step = int(row["step"])
+            if self.pending.get(step) == list(row["indices"]):  # the batch it was drawn for
+                self._ready[step] = StepSamples(step, [Sample(**x) for x in row["samples"]],
+                                                dict(row["metrics"]))
+        if self._ready:
+            log.info("took back the rollouts generated ahead for steps %s", sorted(self._ready))
+        if again := sorted(set(self.pending) - set(self._ready)):
+            log.info("regenerating the prompt batches drawn ahead for steps %s", again)
+
+    def buffer(self) -> list[dict[str, Any]]:
+        rows = []
+        for step in sorted({*self._futures, *self._ready}):
+            done = self._ready[step] if step in self._ready else self._futures[step].result()
+            rows.append({"step": step, "indices": list(self.pending[step]),
+                         "samples": [asdict(s) for s in done.samples],
+                         "metrics": dict(done.metrics)})
+        return rows
+
+
+class Ahead(InStep):
+    """``rollout.max_staleness = k > 0``: steps ``t+1 .. t+k``'s rollouts are submitted while
+    step ``t`` trains."""
+
+    def prefetch(self, step: int) -> None:
+        """Submit steps ``step+1 .. step+k``'s rollouts not in flight yet, each after the one
+        before it, so no two share the engines' batches and their tokens and log-probs are
+        bit-reproducible."""
+        for ahead in range(step + 1, min(step + self.max_staleness, self.steps) + 1):
+            if ahead not in self._futures and ahead not in self._ready:
+                before = self._futures.get(ahead - 1)
+                self._futures[ahead] = future = rollout.submit(
+                    self.planes, self._indices(ahead), ahead,
+                    wait_for=[before] if before is not None else None)
+                if not self.overlap:
+                    future.wait()
+
+
+class Streamed(Rollouts):
+    """``rollout.streaming``: groups stream across weight updates (rl_core.rollout.stream);
+    a step takes the first finished groups young enough for it."""
+
+    def __init__(self, planes: PlanesHandle) -> None:
+        super().__init__(planes)
+        p, cfg = get_planes(planes), self.config
+        tok = p.tokenizer
+        self.stream = GroupStream(
+            p.train_records, p.train_prompts, self.sampler, n=cfg.rollout.n_samples,
+            params=sampling_params(cfg.rollout), seed=cfg.seed,
+            per_step=cfg.train.prompts_per_step, max_staleness=self.max_staleness,
+            partial_tokens=cfg.rollout.segment_tokens,
+            decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
+        self.stream.limit = self.steps + self.max_staleness
+        self._stop: threading.Event | None = None  # ends a round that the update aborts
+
+    def take(self, step: int) -> StepSamples:
         """The first ``train.prompts_per_step`` finished groups young enough for ``step``;
         rounds run now (the trainer waits) only while too few are ready."""
         stream = self.stream
-        assert stream is not None
         waited: dict[str, float] = {}
         rounds = 0
         while not stream.ready(step):
@@ -130,19 +230,69 @@ class Rollouts:
                                f"({len(stream.in_flight)} in flight, {len(stale)} stale)")
         return StepSamples(step, samples, metrics, dropped=dropped)
 
-    def informative(self, scored: StepSamples, step: int) -> StepSamples:
+    def prefetch(self, step: int) -> None:
+        """Submit a round that generates while ``step`` trains."""
+        limit = self.stream.limit or 0
+        if step < self.steps and (self.stream.admitted < limit or self.stream.in_flight):
+            abort = self.overlap and not self.config.rollout.timing_free
+            self._stop = threading.Event() if abort else None
+            self._futures[step] = future = rollout_round.submit(
+                self.planes, opaque(self.stream), 0, step, self._stop)
+            if not self.overlap:  # the planes take turns on the cores
+                future.wait()
+
+    def drain(self) -> None:
+        """A round the update aborts is told to stop after this one; else it is waited for."""
+        if self._stop is not None:
+            self._stop.set()
+            return
+        super().drain()
+
+    def done(self, step: int) -> dict[str, float]:
+        """The step's round has ended too (an aborted one returns as soon as the update's
+        pause cut it); returns what it measured."""
+        super().done(step)
+        if (future := self._futures.pop(step, None)) is None:
+            return {}
+        self._stop = None
+        return {f"overlap/{k}": v for k, v in future.result().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "stream": self.stream.state_dict()}
+
+    def _restore(self, pending: list, stream: dict[str, Any] | None,
+                 buffer: list[dict[str, Any]]) -> None:  # fmt: skip
+        if stream is None:
+            raise RuntimeError("this checkpoint was written without rollout.streaming: "
+                               "resume it with rollout.streaming=false")
+        self.stream.load(stream, buffer)
+        log.info("took back the stream: %d group(s) in flight, %d finished",
+                 len(self.stream.in_flight), len(self.stream.finished))
+
+    def buffer(self) -> list[dict[str, Any]]:
+        return self.stream.rows()
+
+
+class DynamicSampling:
+    """DAPO's dynamic sampling (``algorithm.dynamic_sampling``) over a regime's prompts."""
+
+    def __init__(self, rollouts: Rollouts) -> None:
+        self.rollouts = rollouts
+
+    def __call__(self, scored: StepSamples, step: int) -> StepSamples:
         """DAPO's dynamic sampling: keep groups whose rewards differ, roll out more batches until
         ``train.prompts_per_step`` such groups exist (or the rounds run out) and train on that many;
         the rest go to the ledger as not trained."""
-        cfg = get_planes(self.planes).config
+        r = self.rollouts
+        cfg = r.config
         n, want = cfg.rollout.n_samples, cfg.train.prompts_per_step * cfg.rollout.n_samples
         generated = list(scored.samples)
         kept, dropped = split_informative_groups(scored.samples, n)
         rounds = 1
         while len(kept) < want and rounds < cfg.algorithm.dynamic_sampling_max_rounds:
-            indices = self.sampler.next_batch()
-            self.pending[step] = self._indices(step) + indices
-            more = reward(self.planes, opaque(rollout(self.planes, indices, step)), step)
+            indices = r.sampler.next_batch()
+            r.pending[step] = r._indices(step) + indices
+            more = reward(r.planes, opaque(rollout(r.planes, indices, step)), step)
             rounds += 1
             generated += more.samples
             k, d = split_informative_groups(more.samples, n)
@@ -159,95 +309,11 @@ class Rollouts:
                    "dynamic_sampling_untrained_token_frac": untrained / tokens}
         return StepSamples(step, kept, metrics, dropped=dropped + surplus)
 
-    def prefetch(self, step: int) -> None:
-        """Streaming: submit a round that generates while ``step`` trains. Otherwise submit steps
-        ``step+1 .. step+k``'s rollouts not in flight yet, each after the one before it, so no two
-        share the engines' batches and their tokens and log-probs are bit-reproducible."""
-        if self.stream is not None:
-            limit = self.stream.limit or 0
-            if step < self.steps and (self.stream.admitted < limit or self.stream.in_flight):
-                abort = self.overlap and not self.config.rollout.timing_free
-                self._stop = threading.Event() if abort else None
-                self._futures[step] = future = rollout_round.submit(
-                    self.planes, opaque(self.stream), 0, step, self._stop)
-                if not self.overlap:  # the planes take turns on the cores
-                    future.wait()
-            return
-        for ahead in range(step + 1, min(step + self.max_staleness, self.steps) + 1):
-            if ahead not in self._futures and ahead not in self._ready:
-                before = self._futures.get(ahead - 1)
-                self._futures[ahead] = future = rollout.submit(
-                    self.planes, self._indices(ahead), ahead,
-                    wait_for=[before] if before is not None else None)
-                if not self.overlap:
-                    future.wait()
 
-    def drain(self) -> None:
-        """Before the engines' weights change: wait for the rollouts in flight, or (a
-        stream whose rounds the update aborts) tell the round to stop after this one."""
-        if self._stop is not None:
-            self._stop.set()
-            return
-        for future in self._futures.values():
-            future.wait()
-
-    def done(self, step: int) -> dict[str, float]:
-        """Step ``step`` has trained and synced: its prompts are consumed; a stream's round
-        has ended (an aborted one returns as soon as the update's pause cut it). Returns what
-        the round measured."""
-        self.pending.pop(step, None)
-        if self.stream is None or (future := self._futures.pop(step, None)) is None:
-            return {}
-        self._stop = None
-        return {f"overlap/{k}": v for k, v in future.result().items()}
-
-    def state_dict(self) -> dict[str, Any]:
-        """The sampler's position and the batches drawn but not trained (JSON-able)."""
-        pending = [[step, list(idx)] for step, idx in sorted(self.pending.items())]
-        stream = {"stream": self.stream.state_dict()} if self.stream is not None else {}
-        return {**self.sampler.state_dict(), "pending": pending, **stream}
-
-    def load_state_dict(self, state: dict[str, Any], buffer: list[dict[str, Any]] | None = None
-                        ) -> None:
-        """The sampler's position and batches drawn ahead, and the rollouts generated for them
-        (``buffer``, :meth:`buffer`'s rows)."""
-        state = dict(state)
-        pending = state.pop("pending", [])
-        stream = state.pop("stream", None)
-        self.sampler.load_state_dict(state)
-        if self.stream is not None:
-            if stream is None:
-                raise RuntimeError("this checkpoint was written without rollout.streaming: "
-                                   "resume it with rollout.streaming=false")
-            self.stream.load(stream, buffer or [])
-            log.info("took back the stream: %d group(s) in flight, %d finished",
-                     len(self.stream.in_flight), len(self.stream.finished))
-            return
-        self.pending = {int(step): list(idx) for step, idx in pending}
-        self._futures.clear()
-        self._ready = {}
-        for row in buffer or []:
-            step = int(row["step"])
-            if self.pending.get(step) == list(row["indices"]):  # the batch it was drawn for
-                self._ready[step] = StepSamples(step, [Sample(**x) for x in row["samples"]],
-                                                dict(row["metrics"]))
-        if self._ready:
-            log.info("took back the rollouts generated ahead for steps %s", sorted(self._ready))
-        if again := sorted(set(self.pending) - set(self._ready)):
-            log.info("regenerating the prompt batches drawn ahead for steps %s", again)
-
-    def buffer(self) -> list[dict[str, Any]]:
-        """The finished rollouts generated ahead (call after :meth:`drain`) as JSON-able checkpoint
-        rows: step, prompt indices, samples (every field) and their metrics."""
-        if self.stream is not None:
-            return self.stream.rows()
-        rows = []
-        for step in sorted({*self._futures, *self._ready}):
-            done = self._ready[step] if step in self._ready else self._futures[step].result()
-            rows.append({"step": step, "indices": list(self.pending[step]),
-                         "samples": [asdict(s) for s in done.samples],
-                         "metrics": dict(done.metrics)})
-        return rows
+def rollouts_for(planes: PlanesHandle) -> Rollouts:
+    """The regime the config asks for: streamed, ahead (``max_staleness`` > 0) or in-step."""
+    r = get_planes(planes).config.rollout
+    return (Streamed if r.streaming else Ahead if r.max_staleness else InStep)(planes)
 
 
 def _ages(ages: list[int], max_staleness: int) -> dict[str, float]:
