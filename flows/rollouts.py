@@ -40,10 +40,10 @@ class Rollouts:
     not trained. :func:`rollouts_for` picks the regime from the config."""
 
     def __init__(self, planes: PlanesHandle) -> None:
-        cfg = get_planes(planes).config
+        p = get_planes(planes)
+        cfg = p.config
         self.planes, self.config = planes, cfg
-        self.sampler = PromptSampler(len(get_planes(planes).train_records),
-                                     cfg.train.prompts_per_step, cfg.seed)  # fmt: skip
+        self.sampler = PromptSampler(len(p.train_records), cfg.train.prompts_per_step, cfg.seed)
         self.max_staleness, self.steps = cfg.rollout.max_staleness, cfg.train.steps
         # Generation for later steps runs during training only where the planes' threads
         # fit side by side (cluster.placement); else before it, in turn: the same samples.
