@@ -26,7 +26,7 @@ from engine_helpers import save_tiny_model  # noqa: E402
 from mlflow_server import MlflowServer, start_mlflow_server  # noqa: E402
 
 from tasks import tracking  # noqa: E402
-from tasks.tracking import sender  # noqa: E402
+from tasks.tracking import outbox, sender  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "tiny-cpu.yaml")
@@ -137,6 +137,13 @@ def test_server_killed_mid_run_training_goes_on_and_nothing_is_lost(
         return real_step(planes, rollouts, step)
 
     monkeypatch.setattr(flows.grpo_train, "grpo_step", gated_step)
+    # The outage is an event here, not a duration: the sender's backoff (1 s doubling to
+    # 30 s in a run) and MLflow's own retries shortened so the restarted server is heard
+    # within seconds, not after a 30 s wait (the outcome does not depend on them).
+    monkeypatch.setattr(outbox, "RETRY_DELAYS", (0.2, 2.0))
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     queued: dict[int, float] = {}  # step -> seconds its metrics took to queue (log_step)
     real_log_metrics = sender.Tracker.log_metrics
 
