@@ -36,8 +36,8 @@ from tasks.step import (
     needs_logprobs,
     release_rollout_memory,
     reward,
+    score_advantages,
     sync_weights,
-    teacher_score,
     train,
 )
 from tasks.tracking import finish_tracking, log_checkpoint, log_evaluation, start_tracking
@@ -141,8 +141,7 @@ def grpo_step(planes: PlanesHandle, rollouts: Rollouts, step: int) -> tuple[Step
     # opaque(): Prefect resolves the argument but does not walk the thousands of token lists
     # inside it looking for futures (that walk cost ~150 ms per task call on the demo).
     scored = reward(planes, opaque(samples), step)
-    if p.teacher is not None:
-        scored = teacher_score(planes, opaque(scored), step)
+    scored = score_advantages(planes, scored, step)  # e.g. the teacher's log-probs
     scored = rollouts.informative(scored, step)  # dynamic sampling may roll out more
     metrics = {**scored.metrics, **released}
     if scored.samples:

@@ -93,26 +93,32 @@ class Run:
             tqdm.write(line)
 
     def record_step(self, step: int, metrics: dict[str, float], scored: Any, tracking: Any,
-                    tokenizer: Any) -> None:  # noqa: ANN401 - fmt: skip
-        """A finished step: metrics and ledger to the run directory, metrics, sample
-        tables and episode traces to MLflow, a line to the console, the progress bar and
-        artifact on."""
-        steps = self.cfg.train.steps
+                    tokenizer: Any, line: str | None = None) -> None:  # noqa: ANN401 - fmt: skip
+        """A finished step: metrics (and a GRPO step's ``scored`` samples: ledger, sample
+        tables, episode traces) to the run directory and MLflow, ``line`` (default: GRPO's step
+        line) to the console, the progress bar and artifact on. SFT steps come here too."""
+        steps, kind = self.cfg.train.steps, "GRPO" if scored is not None else "SFT"
         self.dir.log_metrics(step, metrics)
-        log_step(tracking, step, metrics, sample_rows(scored.samples, tokenizer))
-        log_traces(tracking, step, scored.samples, self.cfg.tracking.traces_per_step,
-                   getattr(scored, "dropped", ()))
-        self.dir.log_samples(step, scored.ledger())
-        self.say(format_step(step, steps, metrics))
+        if scored is None:
+            log_step(tracking, step, metrics)
+        else:
+            log_step(tracking, step, metrics, sample_rows(scored.samples, tokenizer))
+            log_traces(tracking, step, scored.samples, self.cfg.tracking.traces_per_step,
+                       getattr(scored, "dropped", ()))
+            self.dir.log_samples(step, scored.ledger())
+        self.say(line or format_step(step, steps, metrics))
         if self._bar is None:
-            self._bar = tqdm(desc="GRPO", unit="step", initial=step - 1, total=steps,
+            self._bar = tqdm(desc=kind, unit="step", initial=step - 1, total=steps,
                              disable=not self._show)
             self._progress = create_progress_artifact(
                 100.0 * (step - 1) / max(steps, 1), key=artifact_key("progress", self.dir.name),
-                description=f"GRPO steps done of {steps}")
+                description=f"{kind} steps done of {steps}")
         self._bar.n = step - 1
         self._bar.update(1)
-        self._bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
+        if "reward_mean" in metrics:
+            self._bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
+        else:
+            self._bar.set_postfix(loss=f"{metrics['loss']:.3f}")
         if step == steps or time.monotonic() - self._progress_at >= _PROGRESS_EVERY_S:
             update_progress_artifact(self._progress, 100.0 * step / steps)  # ~20 ms
             self._progress_at = time.monotonic()

@@ -16,16 +16,13 @@ import time
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.settings import get_current_settings
-from tqdm.auto import tqdm
 
 from flows._redacted import redacted_flow
 from flows.run import Run, yield_cpu_to_the_step
 from rl_core import storage
 from rl_core.sft import TINY_INIT, SFTConfig, load_sft_config
 from rl_core.training.sft import SFTHandle, close_session
-from tasks.evaluate import artifact_key
 from tasks.setup import fetch_model
 from tasks.sft import (
     PreparedData,
@@ -67,7 +64,6 @@ def sft_train(
                             cfg.train.num_threads)  # model first: data.teacher renders with it
     tracking = start_tracking(cfg, str(run.dir.path), resume_from=run.resume_from)
     session = start_sft(cfg, model_path, data)
-    progress = _Progress(run, cfg, show_progress)
     try:
         step = _resume(run, session, data)
         evals = run.dir.read_evals() or [_evaluate(run, session, step, tracking)]
@@ -75,7 +71,8 @@ def sft_train(
             last = _chunk_end(cfg, step)
             done = train_steps(session, step + 1, last, cfg.train.step_timeout_s)
             for n, metrics in enumerate(done, start=step + 1):
-                progress.record(n, metrics, tracking)
+                run.record_step(n, metrics, None, tracking, None,
+                                line=format_sft_step(n, cfg.train.steps, metrics))
             step = last
             if _due(cfg.checkpoint.every, step):
                 save_sft_checkpoint(session, run.ckpt_root, step, data.train_digest,
@@ -83,7 +80,7 @@ def sft_train(
                 log_checkpoint(tracking, step, run.ckpt_root)
             if _due(cfg.eval.every, step) and step != cfg.train.steps:
                 evals.append(_evaluate(run, session, step, tracking))
-        progress.close()
+        run.close_progress()
         if not _due(cfg.checkpoint.every, cfg.train.steps):
             save_sft_checkpoint(session, run.ckpt_root, cfg.train.steps, data.train_digest,
                                 tracking and tracking.run_id)
@@ -146,38 +143,6 @@ def format_sft_eval(r: Mapping[str, Any]) -> str:
         line += (f" | greedy accuracy {r['pass_at_1']:.3f} (n={r['accuracy_examples']}) | "
                  f"len {r['response_len_mean']:.1f} | trunc {r['truncation_rate']:.3f}")
     return line
-
-
-class _Progress:
-    """A step's metrics to the run directory, MLflow and the console; the progress bar and
-    the Prefect progress artifact (updated at most every 5 s: it is an API call)."""
-
-    def __init__(self, run: Run, cfg: SFTConfig, show: bool) -> None:
-        self.run, self.total, self.show = run, cfg.train.steps, show
-        self.bar: Any = None
-        self.artifact: Any = None
-        self.updated = 0.0
-
-    def record(self, step: int, metrics: dict[str, float], tracking: Any) -> None:
-        self.run.dir.log_metrics(step, metrics)
-        log_step(tracking, step, metrics)
-        self.run.say(format_sft_step(step, self.total, metrics))
-        if self.bar is None:
-            self.bar = tqdm(desc="SFT", unit="step", initial=step - 1, total=self.total,
-                            disable=not self.show)
-            self.artifact = create_progress_artifact(
-                100.0 * (step - 1) / max(self.total, 1),
-                key=artifact_key("progress", self.run.dir.name),
-                description=f"SFT steps done of {self.total}")
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-        if step == self.total or time.monotonic() - self.updated >= 5.0:
-            update_progress_artifact(self.artifact, 100.0 * step / self.total)
-            self.updated = time.monotonic()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def _finish(run: Run, cfg: SFTConfig, model_dir: str, data: PreparedData,

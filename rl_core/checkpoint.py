@@ -32,8 +32,8 @@ from rl_core.secrets import RedactFilter, redact
 
 __all__ = [
     "CheckpointError", "CheckpointState", "capture_rng", "fetch_checkpoint", "latest_checkpoint",
-    "list_checkpoints", "load_checkpoint_state", "prune", "restore_rng", "verify_checkpoint",
-    "write_checkpoint",
+    "list_checkpoints", "load_checkpoint_state", "prune", "restore_rng", "restore_training",
+    "save_training", "verify_checkpoint", "write_checkpoint",
 ]
 
 log = logging.getLogger(__name__)
@@ -293,3 +293,44 @@ def load_checkpoint_state(
         verify_checkpoint(path := Path(path))
     state = CheckpointState(**json.loads((path / "state.json").read_text()))
     return state, torch.load(path / "rng.pt", weights_only=False)
+
+
+# ------------------------------------------------------------------- a training run's own
+
+
+def save_training(root: str | Path, trainer: Any, tokenizer: Any, state: CheckpointState, *,
+                  keep_last: int, cache_dir: str | Path | None,
+                  extra: Callable[[Path], None] | None = None) -> Path | str:
+    """The one checkpoint of a training run (GRPO and SFT): the trainer's state (model or
+    adapter, optimizer, LR schedule), the tokenizer in ``model/``, whatever ``extra`` writes
+    (GRPO: the rollouts generated ahead), and ``state``; committed by its manifest."""
+    def payload(tmp: Path) -> None:
+        trainer.save_state(tmp)
+        tokenizer.save_pretrained(tmp / "model")
+        if extra is not None:
+            extra(tmp)
+
+    return write_checkpoint(root, state, payload, keep_last=keep_last, cache_dir=cache_dir)
+
+
+def restore_training(path: str | Path, trainer: Any, *, config_digest: str, train_digest: str,
+                     cache_dir: str | Path | None,
+                     after_load: Callable[[CheckpointState], None] | None = None,
+                     ) -> tuple[CheckpointState, Path]:
+    """Load a verified checkpoint into ``trainer`` (``after_load``: e.g. the engines synced to
+    it), then the RNG states; the run state and the local copy. Refuses a checkpoint written
+    for other training data (resuming would skip or repeat rows); warns on another config."""
+    local = fetch_checkpoint(path, cache_dir)  # s3://: downloaded, verified
+    state, rng = load_checkpoint_state(local)
+    if state.train_digest and state.train_digest != train_digest:
+        raise CheckpointError(redact(
+            f"{path} was written for training data {state.train_digest[:12]}, but the data "
+            f"prepared now is {train_digest[:12]}; resuming would skip or repeat rows. "
+            "Restore the original data.source, or start a new run (--no-resume)"))
+    if state.config_digest != config_digest:
+        log.warning("resuming %s with a config that differs from the one that wrote it", path)
+    trainer.load_state(local)
+    if after_load is not None:
+        after_load(state)
+    restore_rng(rng)
+    return state, local

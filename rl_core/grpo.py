@@ -21,9 +21,9 @@ from rl_core.data.records import Record
 from rl_core.engine.sampling import SamplingParams, sample_seed
 from rl_core.interfaces import RolloutPlane
 from rl_core.rewards import JudgeRunner, RewardResult, RewardRunner
-from rl_core.types import Sample
+from rl_core.types import Batch, Sample
 
-__all__ = ["EpisodeKind", "SingleTurn", "advantages_for", "rollout_groups", "score_samples",
+__all__ = ["AdvantageSource", "EpisodeKind", "GroupRelative", "SingleTurn", "advantages_for", "rollout_groups", "score_samples",
            "split_informative_groups", "summarize_samples"]
 
 
@@ -66,6 +66,41 @@ class SingleTurn:
 
     def check(self, samples: Sequence[Sample]) -> dict[str, float]:
         return {}
+
+    def close(self) -> None:
+        pass
+
+
+class AdvantageSource(Protocol):
+    """Where a step's advantages come from, once the samples are scored: GRPO's
+    group-relative ones (:class:`GroupRelative`), or on-policy distillation's per-token ones
+    (``rl_core.teacher.Distillation``). The step calls only these."""
+
+    pass_name: str | None  # the source's own pass over the scored samples (a task), or None
+
+    def score(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """The pass (e.g. the teacher's log-probs of the sampled tokens); its metrics."""
+
+    def batch(self, samples: Sequence[Sample], pad_id: int) -> Batch:
+        """``samples`` laid out as a training batch with their advantages."""
+
+    def close(self) -> None: ...
+
+
+class GroupRelative:
+    """GRPO's (``algorithm.advantage``: ``grpo`` or ``drgrpo``) per-sample advantages
+    within each prompt's group of ``n``."""
+
+    pass_name: str | None = None
+
+    def __init__(self, n: int, mode: str) -> None:
+        self.n, self.mode = n, mode
+
+    def score(self, samples: Sequence[Sample]) -> dict[str, float]:
+        return {}
+
+    def batch(self, samples: Sequence[Sample], pad_id: int) -> Batch:
+        return Batch.from_samples(samples, advantages_for(samples, self.n, self.mode), pad_id)
 
     def close(self) -> None:
         pass

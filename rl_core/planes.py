@@ -38,14 +38,14 @@ from rl_core.config import (
 )
 from rl_core.data.prompts import encode_prompts
 from rl_core.data.records import Record
-from rl_core.grpo import EpisodeKind, SingleTurn
+from rl_core.grpo import AdvantageSource, EpisodeKind, GroupRelative, SingleTurn
 from rl_core.interfaces import RolloutPlane, Trainer, WeightSync
 from rl_core.models import eos_token_ids
 from rl_core.rewards import JudgeRunner, RewardRunner
 from rl_core.rollout.launch import EngineSpec, SGLangLaunchConfig, sglang_launch
 from rl_core.rollout.pool import EnginePool
 from rl_core.sft import Example, SFTDataConfig
-from rl_core.teacher import check_tokenizers, teacher_examples
+from rl_core.teacher import Distillation, check_tokenizers, teacher_examples
 from rl_core.weight_sync import sync_weights
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,9 @@ class Planes:
     time_share: bool = False  # engines release their memory while the trainer works
     # what a rollout plays: SingleTurn, or AgentRollout when agent.env/program is set
     kind: EpisodeKind | None = None
-    teacher: Any = None  # the teacher's rollout plane (teacher.path: on-policy distillation)
+    # where the advantages come from: GroupRelative, or Distillation (teacher.path) with the
+    # teacher's rollout plane
+    advantage: AdvantageSource | None = None
 
     @property
     def weight_version(self) -> int:
@@ -114,7 +116,7 @@ class Planes:
 
     def close(self) -> None:
         self.reward_runner.close()
-        _close_all(self.kind, self.teacher, self.weights, self.rollout, self.trainer,
+        _close_all(self.kind, self.advantage, self.weights, self.rollout, self.trainer,
                    self.placement, self.cluster)
 
 
@@ -290,6 +292,7 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
     if trainer_threads := cfg.thread_budget()[1]:
         torch.set_num_threads(trainer_threads)
     cluster = placement = trainer = rollout = transport = kind = rewards = teacher = None
+    advantage: AdvantageSource = GroupRelative(cfg.rollout.n_samples, cfg.algorithm.advantage)
     try:
         if cfg.cluster.mode == "ray":
             cluster, placement = _ray_cluster(cfg, work_dir, with_trainer)
@@ -311,6 +314,7 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
         rollout, transport = start_rollout(cfg, model_path, work_dir, placement, trainer)
         if cfg.teacher.enabled and with_trainer:
             teacher = start_teacher(cfg, tokenizer, str(model_path), work_dir)
+            advantage = Distillation(teacher, cfg.teacher, advantage)
         if cfg.agent.enabled:
             from rl_core.agents.rollout import AgentRollout
 
@@ -324,7 +328,7 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
         cfg, rollout, transport, trainer, tokenizer, pad_token_id, train_records, train_prompts,
         eval_records, eval_prompts, rewards,
         skipped_long_prompts=skipped + skip_eval, cluster=cluster, placement=placement,
-        time_share=_time_share(cfg), kind=kind or SingleTurn(rollout), teacher=teacher,
+        time_share=_time_share(cfg), kind=kind or SingleTurn(rollout), advantage=advantage,
     )
     return PlanesHandle(key)
 

@@ -25,6 +25,7 @@ from rl_core.config import (
     CheckpointConfig,
     ConfigError,
     DataConfig,
+    EnginesConfig,
     ModelConfig,
     OptimizerConfig,
     Section,
@@ -54,17 +55,13 @@ MAX_LISTED = 10  # bad rows named in one error
 # ---------------------------------------------------------------------------------- config
 
 
-class SFTTeacherConfig(Section):
+class SFTTeacherConfig(EnginesConfig):
     """SFT on a teacher's samples (``path`` set): the completions of the prompt rows are
     replaced by what the teacher generates for their prompts (docs/distillation.md). The loss
     on them is then a Monte-Carlo estimate of the forward KL from the teacher to the student,
     on-policy distillation's baseline; ``keep: correct`` is rejection sampling."""
     path: str | None = Field(None, description="The teacher: HF hub id, local HF directory, "
         "s3:// or an `embedded:` model, with the student's tokenizer; None: the rows as read.")
-    engine: Literal["embedded", "local", "sglang"] = Field(
-        "embedded", description="What serves it, as GRPO's teacher.engine: `embedded` (HTTP "
-        "engine processes), `local` (in this process), `sglang` (GPUs).")
-    num_engines: int = Field(1, ge=1)
     samples_per_prompt: int = Field(1, ge=1, description="Teacher samples per prompt row.")
     temperature: float = Field(1.0, ge=0.0, description="1.0: the teacher's own distribution "
         "(the forward KL's); 0: its greedy answer.")
@@ -158,8 +155,8 @@ class SFTTrainConfig(OptimizerConfig):
     """The optimizer and the batches it sees."""
     steps: int = Field(200, ge=0, description="Optimizer steps.")
     batch_size: int = Field(32, ge=1, description="Examples per optimizer step.")
-    micro_batch_size: int = Field(32, ge=1, description="Rows per forward/backward (packed rows "
-        "with `packing`); the gradient is accumulated exactly across them.")
+    micro_batch_size: int = Field(32, ge=1, description="Examples per forward/backward (packed "
+        "into rows with `packing`); the gradient is accumulated exactly across them.")
     packing: bool = Field(False, description="Pack a step's examples into rows of pack_length "
         "tokens (block-diagonal attention, positions restart per example): less padding.")
     pack_length: int | None = Field(None, ge=8, description="Tokens per packed row; default "
@@ -180,7 +177,8 @@ class SFTTrainConfig(OptimizerConfig):
             steps=self.steps, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas,
             warmup_steps=self.warmup_steps, lr_schedule=self.lr_schedule,
             min_lr_ratio=self.min_lr_ratio, grad_clip=self.grad_clip, lora=self.lora,
-            micro_batch_size=self.micro_batch_size, num_threads=self.num_threads, seed=self.seed)
+            micro_batch_size=self.micro_batch_size, num_threads=self.num_threads, seed=self.seed,
+            pack_groups=False)  # SFT packs first-fit, with `packing` only
 
 
 class SFTEvalConfig(Section):

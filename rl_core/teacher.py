@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from rl_core.config import TeacherConfig
     from rl_core.sft import Example, SFTDataConfig
 
-__all__ = ["TEACHER_LOGPROBS", "check_tokenizers", "distill_advantages",
+__all__ = ["TEACHER_LOGPROBS", "Distillation", "check_tokenizers", "distill_advantages",
            "score_with_teacher", "teacher_examples"]
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,30 @@ def distill_advantages(batch: Batch, samples: Sequence[Sample], cfg: TeacherConf
         std = tokens.std(unbiased=False) if tokens.numel() > 1 else tokens.new_tensor(0.0)
         gap = (gap - tokens.mean()) / (std + 1e-6) * mask
     return cfg.task_weight * batch.advantages[:, None] * mask + cfg.kl_weight * gap
+
+
+class Distillation:
+    """On-policy distillation as an advantage source (``rl_core.grpo.AdvantageSource``): its
+    pass is the teacher's log-prob of every sampled token on the teacher ``plane``; the
+    advantages are :func:`distill_advantages` over ``task``'s (GRPO's group-relative ones)."""
+
+    pass_name = "teacher-score"
+
+    def __init__(self, plane: Any, cfg: TeacherConfig, task: Any) -> None:  # noqa: ANN401
+        self.plane, self.cfg, self.task = plane, cfg, task
+
+    def score(self, samples: Sequence[Sample]) -> dict[str, float]:
+        started = time.perf_counter()
+        metrics = score_with_teacher(self.plane, samples)
+        return {**metrics, "time/teacher": time.perf_counter() - started}
+
+    def batch(self, samples: Sequence[Sample], pad_id: int) -> Batch:
+        out = self.task.batch(samples, pad_id)
+        out.advantages = distill_advantages(out, samples, self.cfg)
+        return out
+
+    def close(self) -> None:
+        self.plane.close()
 
 
 # ------------------------------------------------------------ the forward KL: teacher samples

@@ -13,14 +13,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from rl_core.checkpoint import (
-    CheckpointError,
-    CheckpointState,
-    fetch_checkpoint,
-    load_checkpoint_state,
-    restore_rng,
-)
-from rl_core.checkpoint import write_checkpoint as commit_checkpoint
+from rl_core.checkpoint import CheckpointState, restore_training, save_training
 from rl_core.config import config_digest
 from rl_core.planes import PlanesHandle, get_planes
 
@@ -38,41 +31,29 @@ def save_checkpoint(planes: PlanesHandle, root: str, step: int, sampler_state: d
     p = get_planes(planes)
     started = time.perf_counter()
 
-    def payload(tmp: Path) -> None:
-        p.trainer.save_state(tmp)
-        p.tokenizer.save_pretrained(tmp / "model")
+    def ahead(tmp: Path) -> None:
         if rollout_buffer:
             (tmp / ROLLOUT_BUFFER).write_text(json.dumps(rollout_buffer, allow_nan=True))
 
     state = CheckpointState(step=step, weight_version=p.weight_version, sampler=sampler_state,
                             config_digest=config_digest(p.config), train_digest=train_digest,
                             tracking_run_id=tracking_run_id)
-    commit_checkpoint(root, state, payload, keep_last=p.config.checkpoint.keep_last,
-                      cache_dir=p.config.storage.cache_dir)
+    save_training(root, p.trainer, p.tokenizer, state, keep_last=p.config.checkpoint.keep_last,
+                  cache_dir=p.config.storage.cache_dir, extra=ahead)
     return {"time/checkpoint": time.perf_counter() - started}
 
 
 @task(name="restore-checkpoint", timeout_seconds=1800, cache_policy=NO_CACHE)
 def restore_checkpoint(planes: PlanesHandle, path: str, train_digest: str
                        ) -> tuple[CheckpointState, list[dict[str, Any]]]:
-    """Load a verified checkpoint into the planes; returns where the run stands and the
-    rollouts it had generated ahead (empty when none)."""
-    log = get_run_logger()
+    """Load a verified checkpoint into the planes (the engines synced to its weights); returns
+    where the run stands and the rollouts it had generated ahead (empty when none)."""
     p = get_planes(planes)
-    local = fetch_checkpoint(path, p.config.storage.cache_dir)  # s3://: download, verified
-    state, rng = load_checkpoint_state(local)
-    if state.train_digest and state.train_digest != train_digest:
-        raise CheckpointError(
-            f"{path} was written for training data {state.train_digest[:12]}, but the data "
-            f"prepared now is {train_digest[:12]}; resuming would skip or repeat prompts. "
-            "Restore the original data.source, or start a new run (--no-resume)"
-        )
-    if state.config_digest != config_digest(p.config):
-        log.warning("resuming %s with a config that differs from the one that wrote it", path)
-    p.trainer.load_state(local)
-    p.sync_weights(state.weight_version)
-    restore_rng(rng)
+    state, local = restore_training(
+        path, p.trainer, config_digest=config_digest(p.config), train_digest=train_digest,
+        cache_dir=p.config.storage.cache_dir,
+        after_load=lambda s: p.sync_weights(s.weight_version))
     buffer = local / ROLLOUT_BUFFER
     rows = json.loads(buffer.read_text()) if buffer.is_file() else []
-    log.info("resumed from %s at step %d", path, state.step)
+    get_run_logger().info("resumed from %s at step %d", path, state.step)
     return state, rows

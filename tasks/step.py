@@ -17,18 +17,18 @@ from typing import Any, TypeVar
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.utilities.annotations import opaque
 
 from rl_core.agents.rollout import EpisodeFailureError
 from rl_core.engine.sampling import SamplingParams
-from rl_core.grpo import advantages_for, summarize_samples
+from rl_core.grpo import summarize_samples
 from rl_core.planes import PlanesHandle, get_planes
 from rl_core.rewards import RewardFunctionError
-from rl_core.teacher import distill_advantages, score_with_teacher
 from rl_core.types import Batch, Sample
 
 __all__ = ["BUDGET_ERRORS", "StepSamples", "StepTaskError", "compute_advantages", "compute_logprobs",
            "needs_logprobs", "release_rollout_memory", "reward", "rollout", "rollout_round",
-           "sampling_params", "sync_weights", "teacher_score", "train"]
+           "sampling_params", "score_advantages", "sync_weights", "train"]
 
 # Failures a retry cannot fix: the run stops with the error (the flow does not restart planes).
 BUDGET_ERRORS = (RewardFunctionError, EpisodeFailureError)
@@ -168,26 +168,30 @@ def release_rollout_memory(planes: PlanesHandle, step: int) -> dict[str, float]:
 
 
 def compute_advantages(planes: PlanesHandle, batch: StepSamples) -> Batch:
-    """Group-relative advantages laid out as a training batch. A plain call, not a task:
-    it is milliseconds of deterministic arithmetic, and each task run costs the Prefect API
-    server CPU that the step's compute shares (docs/benchmarks.md)."""
+    """The samples as a training batch with the advantage source's advantages. A plain call,
+    not a task: it is milliseconds of deterministic arithmetic, and each task run costs the
+    Prefect API server CPU that the step's compute shares (docs/benchmarks.md)."""
     p = get_planes(planes)
-    cfg = p.config
-    adv = advantages_for(batch.samples, cfg.rollout.n_samples, cfg.algorithm.advantage)
-    out = Batch.from_samples(batch.samples, adv, p.pad_token_id)
-    if p.teacher is not None:  # on-policy distillation: per-token advantages
-        out.advantages = distill_advantages(out, batch.samples, cfg.teacher)
-    return out
+    return p.advantage.batch(batch.samples, p.pad_token_id)
 
 
-@task(name="teacher-score", task_run_name="teacher-score-step-{step}", timeout_seconds=1800,
-      **_RETRY)
-@_named("teacher-score")
-def teacher_score(planes: PlanesHandle, batch: StepSamples, step: int) -> StepSamples:
-    """On-policy distillation: the teacher's log-prob of every sampled token (prefill)."""
-    started = time.perf_counter()
-    metrics = score_with_teacher(get_planes(planes).teacher, batch.samples)
-    metrics["time/teacher"] = time.perf_counter() - started
+def score_advantages(planes: PlanesHandle, batch: StepSamples, step: int) -> StepSamples:
+    """The advantage source's own pass over the scored samples (distillation: the teacher's
+    log-prob of every sampled token), as a task named after it; none: ``batch`` as it is."""
+    name = get_planes(planes).advantage.pass_name
+    if name is None:
+        return batch
+    return _advantage_pass.with_options(name=name, task_run_name=f"{name}-step-{step}")(
+        planes, opaque(batch), step)  # opaque: see grpo_step
+
+
+@task(timeout_seconds=1800, **_RETRY)
+def _advantage_pass(planes: PlanesHandle, batch: StepSamples, step: int) -> StepSamples:
+    source = get_planes(planes).advantage
+    try:
+        metrics = source.score(batch.samples)
+    except Exception as exc:
+        raise StepTaskError(str(source.pass_name), step, exc) from exc
     return StepSamples(step, batch.samples, {**batch.metrics, **metrics}, dropped=batch.dropped)
 
 

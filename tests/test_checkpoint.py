@@ -95,3 +95,52 @@ def test_rng_round_trip() -> None:
     random.random(), np.random.rand(), torch.rand(3)
     restore_rng(saved)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == a
+
+
+class _Linear:
+    """A trainer as the checkpoint sees one: ``save_state``/``load_state`` of a real module."""
+
+    def __init__(self) -> None:
+        self.model = torch.nn.Linear(3, 2)
+
+    def save_state(self, path: Path) -> None:
+        torch.save(self.model.state_dict(), Path(path) / "model.pt")
+
+    def load_state(self, path: Path) -> None:
+        self.model.load_state_dict(torch.load(Path(path) / "model.pt"))
+
+
+class _Tokenizer:
+    def save_pretrained(self, path: Path) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "tokenizer.json").write_text("{}")
+
+
+def test_training_state_round_trip_refuses_other_data_and_warns_on_another_config(
+    tmp_path: Path, caplog
+) -> None:
+    from rl_core.checkpoint import restore_training, save_training
+
+    trainer = _Linear()
+    extra = lambda tmp: (tmp / "rollouts.json").write_text("[]")  # noqa: E731
+    torch.manual_seed(7)
+    path = save_training(tmp_path, trainer, _Tokenizer(), _state(3), keep_last=2, cache_dir=None,
+                         extra=extra)
+    assert {"model.pt", "model/tokenizer.json", "rollouts.json"} <= set(
+        json.loads((Path(path) / "MANIFEST.json").read_text())["files"])
+    expected = torch.rand(1)
+    saved = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+    with pytest.raises(CheckpointError, match="skip or repeat rows"):
+        restore_training(path, _Linear(), config_digest="abc", train_digest="other",
+                         cache_dir=None)
+    other = _Linear()
+    seen: list[float] = []
+    state, local = restore_training(
+        path, other, config_digest="changed", train_digest="def", cache_dir=None,
+        after_load=lambda s: seen.append(float(torch.rand(1))))  # before the RNG is restored
+    assert state == _state(3) and local == Path(path) and len(seen) == 1
+    for k, v in other.model.state_dict().items():
+        assert torch.equal(v, saved[k])
+    assert torch.rand(1) == expected  # the RNG stands where the checkpoint was written
+    assert "differs from the one that wrote it" in caplog.text

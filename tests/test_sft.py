@@ -152,25 +152,61 @@ def _trainer(bare: Path, **train) -> SFTTrainer:
 
 
 def test_packing_gives_the_unpacked_loss_and_gradients(bare: Path, tok) -> None:
+    from rl_core.training.packing import plan_first_fit
+    from rl_core.training.sft import demonstrations_batch
+
     examples = _examples(tok, 12)
     assert len({len(e.ids) for e in examples}) > 1  # rows of different lengths share a pack
     trainer = _trainer(bare, packing=True, pack_length=256)
+    batch = demonstrations_batch(examples, pad_id=0)
+    plan = plan_first_fit(batch.input_ids.long(), batch.attention_mask, 256)
+    # 12 examples in a few rows, positions restarting at each example
+    assert plan.input_ids.shape[0] <= 3 and int((plan.position_ids[0] == 0).sum()) > 1
+    assert plan.attention_mask.dim() == 4
     grads = {}
-    for packing in (False, True):
+    for pack_length in (None, 256):
+        trainer.pack_length = pack_length
         trainer.model.zero_grad(set_to_none=True)
-        micros = trainer.micro_batches(examples, 4, packing=packing)
-        total = sum(trainer._token_loss_sum(r) for r in micros)
+        trainer.forward_slots = 0
+        _, logp = trainer._forward(trainer.model, batch)
+        total = -logp[batch.response_mask].sum()
         total.backward()
-        grads[packing] = (float(total.detach()),
-                          [p.grad.clone() for p in trainer.model.parameters()])
-        if packing:  # 12 examples in a few rows, positions restarting at each example
-            assert len(micros) == 1 and micros[0].input_ids.shape[0] <= 3
-            assert int((micros[0].position_ids[0] == 0).sum()) > 1
-            assert micros[0].attention_mask.dim() == 4
-    (unpacked, ga), (packed, gb) = grads[False], grads[True]
+        grads[pack_length] = (float(total.detach()),
+                              [p.grad.clone() for p in trainer.model.parameters()])
+        assert trainer.forward_slots == (batch.input_ids.numel() if pack_length is None
+                                         else plan.input_ids.numel())
+    (unpacked, ga), (packed, gb) = grads[None], grads[256]
     assert packed == pytest.approx(unpacked, rel=1e-5)
     for a, b in zip(ga, gb, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    # and the step's loss is the mean of that sum over the labelled tokens
+    m = trainer.sft_step(examples, step=1)
+    assert m["loss"] == pytest.approx(packed / m["tokens"], rel=1e-5)
+    assert 0 < m["pad_fraction"] < 0.5
+
+
+def test_sfts_gradient_is_the_policy_gradient_with_advantage_one(bare: Path, tok) -> None:
+    """SFT is GRPO's step with algorithm.loss=nll: on demonstrations laid out as samples with
+    advantage 1, its gradient equals the on-policy clipped surrogate's (ratio 1)."""
+    from rl_core.config import AlgorithmConfig
+    from rl_core.training.sft import demonstrations_batch
+    from rl_core.training.torch_trainer import MiniBatch, TorchTrainer
+
+    examples = _examples(tok, 6)
+    batch = demonstrations_batch(examples, pad_id=0)
+    assert batch.advantages.tolist() == [1.0] * 6
+    sft = _trainer(bare)
+    grpo = TorchTrainer(bare, sft.train_cfg, AlgorithmConfig())
+    mini = MiniBatch(torch.arange(batch.size), float(batch.response_mask.sum()), float(batch.size))
+    grads = []
+    for trainer in (sft, grpo):
+        trainer.model.zero_grad(set_to_none=True)
+        loss, metrics = trainer._micro_loss(batch, float(batch.response_mask.shape[1]), mini)
+        loss.backward()
+        grads.append([p.grad.clone() for p in trainer.model.parameters()])
+    assert metrics["pg_loss"] == pytest.approx(-1.0)  # -A * ratio, token-mean
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_micro_batching_gives_the_same_update(bare: Path, tok) -> None:

@@ -14,11 +14,12 @@ import math
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["KL_KINDS", "LOSS_AGG_MODES", "aggregate_loss", "compute_grpo_loss",
            "entropy_from_logits", "gspo_ratio", "kl_penalty", "logprobs_from_logits", "masked_mean",
-           "masked_sum", "policy_loss", "rollout_correction", "tis_weights"]
+           "masked_sum", "nll_loss", "policy_loss", "rollout_correction", "tis_weights"]
 
 KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
 LossAggMode = Literal[
@@ -318,6 +319,20 @@ def tis_weights(
         raise ValueError(f"cap must be > 0, got {cap}")
     w, _, metrics = rollout_correction(old_logp, rollout_logp, mask, tis_cap=cap, tis_level=level)
     return w, metrics
+
+
+def nll_loss(logits: Tensor, labels: Tensor, mask: Tensor,
+             global_tokens: float | None = None) -> tuple[Tensor, dict[str, float]]:
+    """Supervised fine-tuning's loss: the mean cross-entropy (negative log-likelihood) of the
+    ``mask`` tokens, ``logits`` (B, T, V) predicting ``labels`` (B, T); ``global_tokens``: the
+    whole mini-batch's count, so micro-batches add up exactly. Its gradient is the policy
+    gradient's at ratio 1 with advantage 1 on every token: SFT is the one training step with
+    this loss (docs/sft.md). Cross-entropy's own kernel, on the masked rows only."""
+    mask = _as_mask(mask)
+    tokens = float(mask.sum()) if global_tokens is None else global_tokens
+    loss = F.cross_entropy(logits[mask].float(), labels[mask].long(), reduction="sum")
+    loss = loss / max(tokens, 1.0)
+    return loss, {"loss": loss.item()}
 
 
 def compute_grpo_loss(

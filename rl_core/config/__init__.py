@@ -44,10 +44,16 @@ from rl_core.config.loop import (
     RolloutConfig,
     TrainConfig,
 )
-from rl_core.config.signals import AgentConfig, JudgeConfig, RewardConfig, TeacherConfig
+from rl_core.config.signals import (
+    AgentConfig,
+    EnginesConfig,
+    JudgeConfig,
+    RewardConfig,
+    TeacherConfig,
+)
 
 __all__ = ["AgentConfig", "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "ConfigError",
-           "DataConfig", "EvalConfig", "ExperimentConfig", "JudgeConfig", "LoraConfig",
+           "DataConfig", "EnginesConfig", "EvalConfig", "ExperimentConfig", "JudgeConfig", "LoraConfig",
            "MegatronConfig", "ModelConfig", "MoeConfig", "OptimizerConfig", "RewardConfig",
            "RolloutConfig", "Section", "StorageConfig", "TeacherConfig", "TrackingConfig",
            "TrainConfig", "apply_overrides", "config_digest", "flatten", "load_config",
@@ -108,6 +114,11 @@ class ExperimentConfig(Section):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> ExperimentConfig:
+        if self.algorithm.loss == "nll":
+            raise ValueError(
+                "algorithm.loss=nll is supervised fine-tuning's loss: on GRPO's rollouts it "
+                "would imitate the policy's own samples. Fine-tune on demonstrations with "
+                "`grpoflow sft` (docs/sft.md), or set algorithm.loss=policy_gradient")
         if self.algorithm.advantage == "grpo" and self.rollout.n_samples < 2:
             raise ValueError(
                 "rollout.n_samples must be >= 2 for GRPO advantages (a group of one has no "

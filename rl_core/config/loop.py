@@ -295,6 +295,9 @@ class AlgorithmConfig(Section):
     the rollout engine sampling from another policy than the trainer's (TIS/MIS, IcePop,
     sequence masking: docs/training.md)."""
     advantage: Literal["grpo", "drgrpo"] = "grpo"
+    loss: Literal["policy_gradient", "nll"] = Field("policy_gradient", description="`nll`: "
+        "supervised fine-tuning's mean negative log-likelihood of the response tokens, "
+        "advantages ignored (the SFT flow's and the tiny model's warm start; docs/sft.md).")
     kl_coef: float = Field(0.0, ge=0.0)
     kl_kind: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
     clip_low: float = Field(0.2, ge=0.0, lt=1.0)

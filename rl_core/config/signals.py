@@ -9,7 +9,16 @@ from pydantic import Field, field_validator, model_validator
 from rl_core.config.base import Section
 
 
-class JudgeConfig(Section):
+class EnginesConfig(Section):
+    """The engines of a model a run serves besides the policy (a teacher, a judge): declared
+    once here, brought up as the rollout plane's are (``rl_core.planes.start_engines``)."""
+    engine: Literal["embedded", "local", "sglang"] = Field("embedded", description="As "
+        "rollout.engine: `embedded` (grpoflow's HTTP engine processes, CPU), `local` (in this "
+        "process), `sglang` (SGLang servers, GPU).")
+    num_engines: int = Field(1, ge=1, description="Engine processes (each a model copy).")
+
+
+class JudgeConfig(EnginesConfig):
     """An LLM judge or reward model on engines of its own (`reward.fn: judge`, docs/judges.md)."""
     model: str | None = Field(None, description="The judge: a local Hugging Face directory or hub "
         "id of a chat model (its tokenizer's chat template renders the prompt).")
@@ -28,9 +37,8 @@ class JudgeConfig(Section):
         "an engine error, with exponential backoff (a dead engine is restarted meanwhile).")
     retry_backoff_s: float = Field(1.0, gt=0.0, description="Wait before the first retry; doubled "
         "for each further one.")
-    num_engines: int = Field(1, ge=1, description="Judge engine processes (each a model copy).")
     engine: Literal["embedded", "sglang"] = Field("embedded", description="`embedded`: grpoflow's "
-        "engine processes (CPU); `sglang`: SGLang servers (GPU).")
+        "engine processes (CPU); `sglang`: SGLang servers (GPU).")  # the scorer runs on its own
     engine_threads: int | None = Field(None, ge=1, description="torch threads per embedded "
         "judge engine; default: cores / engines.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: "
@@ -141,14 +149,11 @@ class AgentConfig(Section):
         return self.env is not None or self.program is not None
 
 
-class TeacherConfig(Section):
+class TeacherConfig(EnginesConfig):
     """On-policy distillation (``path`` set): docs/distillation.md."""
 
     path: str | None = Field(None, description="The teacher: HF hub id, local HF directory or "
                              "an `embedded:` model; None = no distillation.")
-    engine: Literal["embedded", "sglang", "local"] = Field(
-        "embedded", description="What serves the teacher (as rollout.engine).")
-    num_engines: int = Field(1, ge=1)
     kl_weight: float = Field(1.0, ge=0.0, description="Weight of the per-token reverse-KL "
                              "advantage log p_teacher - log p_student.")
     task_weight: float = Field(0.0, ge=0.0, description="Weight of the task reward's GRPO "

@@ -1,10 +1,11 @@
-"""Prefix-shared packing: each group's prompt runs through the model once, not n times.
+"""Packed forwards: fewer, fuller rows, with logits equal to the padded rows'.
 
-One row per group, ``[prompt, completion_1, ..., completion_n]``, with a block attention mask
-and position ids that restart after the prompt: every token's logits equal its padded row's,
-the prompt gets the summed gradient of its completions, and :meth:`PackPlan.gather` maps the
-logits back to the padded layout. :func:`plan_packing` packs only where a FLOP estimate says
-it is cheaper (docs/training.md).
+:func:`plan_packing` (GRPO): one row per group, ``[prompt, completion_1, ..., completion_n]``,
+with a block attention mask and position ids that restart after the prompt, so each prompt
+runs once and gets the summed gradient of its completions; only where a FLOP estimate says it
+is cheaper (docs/training.md). :func:`plan_first_fit` (SFT's ``train.packing``): whole rows,
+first-fit into rows of a fixed length, positions restarting per row. Either way
+:meth:`PackPlan.gather` maps the logits back to the padded layout.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackPlan", "plan_packing"]
+__all__ = ["PackPlan", "plan_first_fit", "plan_packing"]
 
 # Pack only when the estimate is at least this much cheaper (the mask and the gather cost a
 # little, and the estimate is rough).
@@ -22,7 +23,7 @@ MIN_SAVING = 0.85
 
 @dataclass
 class PackPlan:
-    """A micro-batch as one packed row per group."""
+    """A micro-batch as packed rows."""
 
     input_ids: torch.Tensor  # (G, T) long
     position_ids: torch.Tensor  # (G, T) long
@@ -89,10 +90,52 @@ def plan_packing(ids: torch.Tensor, attention: torch.Tensor, prompt_lens: torch.
             where = torch.cat([torch.arange(p), torch.arange(at, at + n)])[: lengths[i] - 1]
             src[i, : where.numel()] = g * width + where
             at += n
+    return PackPlan(packed, pos, _block_mask(seg, shared=0, dtype=dtype), src)
+
+
+def _block_mask(seg: torch.Tensor, shared: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """(G, 1, T, T) additive causal mask: a token sees earlier tokens of its own segment
+    (``seg``: -1 padding) and of the ``shared`` one (a group's prompt)."""
+    width = seg.shape[1]
     q = torch.arange(width)
     causal = q[None, :] <= q[:, None]  # (T, T): key k visible from query q
-    same = (seg[:, None, :] == seg[:, :, None]) | (seg[:, None, :] == 0)
+    same = seg[:, None, :] == seg[:, :, None]
+    if shared is not None:
+        same |= seg[:, None, :] == shared
     allowed = causal & same & (seg[:, None, :] >= 0)
     allowed |= torch.eye(width, dtype=torch.bool)  # padding sees itself: no empty softmax row
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return PackPlan(packed, pos, mask[:, None], src)
+    return mask[:, None]
+
+
+def plan_first_fit(ids: torch.Tensor, attention: torch.Tensor, length: int,
+                   dtype: torch.dtype = torch.float32) -> PackPlan:
+    """Each right-padded row of ``ids`` into the first packed row of ``length`` tokens it fits
+    in, in order (deterministic); ValueError for a row longer than ``length``."""
+    lengths = attention.sum(-1).tolist()
+    rows: list[list[int]] = []
+    used: list[int] = []
+    for i, n in enumerate(lengths):
+        if n > length:
+            raise ValueError(f"row {i} has {n} tokens, more than a packed row's {length} "
+                             "(train.pack_length)")
+        g = next((g for g, u in enumerate(used) if u + n <= length), len(rows))
+        if g == len(rows):
+            rows.append([])
+            used.append(0)
+        rows[g].append(i)
+        used[g] += n
+    width = max(used)
+    packed = torch.zeros((len(rows), width), dtype=torch.long)
+    pos = torch.zeros_like(packed)
+    seg = torch.full_like(packed, -1)
+    src = torch.zeros((ids.shape[0], max(ids.shape[1] - 1, 1)), dtype=torch.long)
+    for g, members in enumerate(rows):
+        at = 0
+        for i in members:
+            n = lengths[i]
+            packed[g, at : at + n], pos[g, at : at + n], seg[g, at : at + n] = (
+                ids[i, :n], torch.arange(n), i)
+            src[i, : n - 1] = g * width + at + torch.arange(n - 1)
+            at += n
+    return PackPlan(packed, pos, _block_mask(seg, shared=None, dtype=dtype), src)

@@ -1,11 +1,11 @@
-"""The SFT trainer: next-token cross-entropy on the labelled tokens, and what a run needs.
+"""SFT on the one training step: demonstrations as a batch, ``algorithm.loss=nll``.
 
 :class:`SFTTrainer` is the GRPO ``TorchTrainer`` (loading, LoRA, AdamW and its schedule,
-state, the merged export) with the SFT step: the mean loss over the step's labelled tokens
-(``-100``: none), exactly accumulated over micro-batches, optionally on packed rows. Around it:
-held-out loss, greedy accuracy, checkpoints (resumes are bit-identical on CPU) and the export
-``grpo_train`` takes as ``model.path``. The flow holds only a small :class:`SFTHandle`
-(:func:`start_session`). docs/sft.md.
+state, the merged export, micro-batching, packing) whose step takes demonstrations as a
+:class:`~rl_core.types.Batch` with advantage 1 and the mean negative log-likelihood of the
+labelled tokens as loss. Around it: held-out loss, greedy accuracy, checkpoints (resumes are
+bit-identical on CPU) and the export ``grpo_train`` takes as ``model.path``. The flow holds only
+a small :class:`SFTHandle` (:func:`start_session`). docs/sft.md.
 """
 
 from __future__ import annotations
@@ -20,16 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from rl_core.checkpoint import (
-    CheckpointError,
-    CheckpointState,
-    fetch_checkpoint,
-    load_checkpoint_state,
-    restore_rng,
-    write_checkpoint,
-)
+from rl_core.checkpoint import CheckpointState, restore_training, save_training
 from rl_core.config import AlgorithmConfig, ConfigError, config_digest
 from rl_core.data.sampler import PromptSampler
 from rl_core.rewards import gsm8k_reward
@@ -42,156 +34,73 @@ from rl_core.sft import (
     tokenize_example,
 )
 from rl_core.training.torch_trainer import TorchTrainer
+from rl_core.types import Batch, Sample
 
-__all__ = ["Rows", "SFTHandle", "SFTSession", "SFTTrainer", "close_session",
-           "get_session", "pack", "pad_rows", "start_session"]
+__all__ = ["SFTHandle", "SFTSession", "SFTTrainer", "close_session", "demonstration_sample",
+           "demonstrations_batch", "get_session", "start_session"]
 
 log = logging.getLogger(__name__)
 IGNORE = -100
 
 
-# ------------------------------------------------------------------------------- batches
-
-
-@dataclass
-class Rows:
-    """One micro-batch as model inputs; ``targets[b, t]`` is the token position t must
-    predict (``-100``: none), so no target crosses from one packed example into the next."""
-
-    input_ids: torch.Tensor  # (B, T) long
-    targets: torch.Tensor  # (B, T) long
-    attention_mask: torch.Tensor  # (B, T) long, or (B, 1, T, T) additive float (packed)
-    position_ids: torch.Tensor | None  # (B, T) long (packed), else None
-    slots: int  # B * T: with the real tokens, how much padding there is
-
-    @property
-    def tokens(self) -> int:
-        return int((self.targets != IGNORE).sum())
-
-
-def _targets(ex: TokenizedExample) -> list[int]:
-    return [*ex.labels[1:], IGNORE]
-
-
-def pad_rows(examples: Sequence[TokenizedExample], pad_id: int) -> Rows:
-    """One example per row, right-padded to the longest."""
-    width = max(len(e.ids) for e in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    targets = torch.full_like(ids, IGNORE)
-    mask = torch.zeros_like(ids)
-    for i, e in enumerate(examples):
-        n = len(e.ids)
-        ids[i, :n], targets[i, :n], mask[i, :n] = torch.tensor(e.ids), torch.tensor(_targets(e)), 1
-    return Rows(ids, targets, mask, None, ids.numel())
-
-
-def pack(examples: Sequence[TokenizedExample], length: int) -> list[list[TokenizedExample]]:
-    """First-fit, in order: each example goes to the first row it fits in (deterministic)."""
-    rows: list[list[TokenizedExample]] = []
-    used: list[int] = []
-    for e in examples:
-        if len(e.ids) > length:
-            raise ValueError(f"example {e.id} has {len(e.ids)} tokens, more than the packed "
-                             f"row's {length} (train.pack_length)")
-        i = next((i for i, u in enumerate(used) if u + len(e.ids) <= length), len(rows))
-        if i == len(rows):
-            rows.append([])
-            used.append(0)
-        rows[i].append(e)
-        used[i] += len(e.ids)
-    return rows
-
-
-def packed_rows(rows: Sequence[Sequence[TokenizedExample]], pad_id: int,
-                dtype: torch.dtype = torch.float32) -> Rows:
-    """Packed rows as model inputs: positions restart per example, and a block-diagonal
-    causal mask keeps each example to itself (padding attends to itself only)."""
-    width = max(sum(len(e.ids) for e in row) for row in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    targets = torch.full_like(ids, IGNORE)
-    pos = torch.zeros_like(ids)
-    seg = torch.full_like(ids, -1)
-    for r, row in enumerate(rows):
-        at = 0
-        for k, e in enumerate(row):
-            n = len(e.ids)
-            ids[r, at:at + n], targets[r, at:at + n] = torch.tensor(e.ids), torch.tensor(_targets(e))
-            pos[r, at:at + n], seg[r, at:at + n] = torch.arange(n), k
-            at += n
-    q = torch.arange(width)
-    causal = q[None, :] <= q[:, None]  # (T, T): key visible from query
-    allowed = causal & (seg[:, None, :] == seg[:, :, None]) & (seg[:, None, :] >= 0)
-    allowed |= torch.eye(width, dtype=torch.bool)
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return Rows(ids, targets, mask[:, None], pos, ids.numel())
-
-
 # ------------------------------------------------------------------------------- trainer
 
 
+def demonstration_sample(e: TokenizedExample) -> Sample:
+    """A demonstration as the sample a rollout would have produced: the tokens before the
+    first labelled one are the prompt, the labels the loss mask (tool output, a user turn:
+    0, as in an agent's episode), no rollout log-probs."""
+    first = next((i for i, y in enumerate(e.labels) if y != IGNORE and i > 0), len(e.ids))
+    rest = e.labels[first:]
+    return Sample(e.ids[:first], e.ids[first:], [0.0] * len(rest),
+                  loss_mask=[int(y != IGNORE) for y in rest], uid=e.id, record_id=e.id,
+                  answer=e.reference)
+
+
+def demonstrations_batch(examples: Sequence[TokenizedExample], pad_id: int) -> Batch:
+    """Demonstrations as the one training step's batch: GRPO's layout of their samples, each
+    with advantage 1 (docs/sft.md)."""
+    return Batch.from_samples([demonstration_sample(e) for e in examples],
+                              [1.0] * len(examples), pad_id)
+
+
 class SFTTrainer(TorchTrainer):
-    """The torch trainer with the SFT step (module docstring)."""
+    """The torch trainer with ``algorithm.loss=nll`` on demonstrations (module docstring)."""
 
     def __init__(self, model_path: str | Path, train: SFTTrainConfig, *, pad_id: int,
                  pack_length: int, dtype: str = "float32", trust_remote_code: bool = False,
                  device: str = "cpu") -> None:
-        super().__init__(model_path, train.torch_config(), AlgorithmConfig(), dtype=dtype,
-                         trust_remote_code=trust_remote_code, device=device)
-        self.sft, self.pad_id, self.pack_length = train, pad_id, pack_length
-
-    def micro_batches(self, examples: Sequence[TokenizedExample], size: int,
-                      packing: bool | None = None) -> list[Rows]:
-        """``examples`` as micro-batches of ``size`` rows (packed rows with packing)."""
-        if self.sft.packing if packing is None else packing:
-            rows = pack(examples, self.pack_length)
-            return [packed_rows(rows[i:i + size], self.pad_id, self.model.dtype)
-                    for i in range(0, len(rows), size)]
-        return [pad_rows(examples[i:i + size], self.pad_id) for i in range(0, len(examples), size)]
-
-    def _token_loss_sum(self, rows: Rows) -> torch.Tensor:
-        d = self.device
-        out = self._train_module(
-            input_ids=rows.input_ids.to(d), attention_mask=rows.attention_mask.to(d),
-            position_ids=None if rows.position_ids is None else rows.position_ids.to(d))
-        keep = rows.targets.to(d) != IGNORE
-        return F.cross_entropy(out.logits[keep].float(), rows.targets.to(d)[keep],
-                               reduction="sum")
+        super().__init__(model_path, train.torch_config(), AlgorithmConfig(loss="nll"),
+                         dtype=dtype, trust_remote_code=trust_remote_code, device=device,
+                         pack_length=pack_length if train.packing else None)
+        self.sft, self.pad_id = train, pad_id
 
     def sft_step(self, examples: Sequence[TokenizedExample], step: int) -> dict[str, float]:
-        """One optimizer step on ``examples``: the token-mean loss, exactly accumulated."""
+        """One optimizer step on ``examples``: the token-mean loss, exactly accumulated over
+        micro-batches of ``train.micro_batch_size`` examples (packed with ``train.packing``)."""
         started = time.perf_counter()
-        micros = self.micro_batches(examples, self.sft.micro_batch_size)
-        tokens = sum(r.tokens for r in micros)
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
+        batch = demonstrations_batch(examples, self.pad_id)
+        self.forward_slots = 0
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(self.sft.seed * 1_000_003 + step)  # dropout: f(seed, step) only
-            for rows in micros:
-                loss = self._token_loss_sum(rows) / tokens
-                loss.backward()
-                total += float(loss.detach())
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trained(), self.sft.grad_clip))
-        self.optimizer.step()
-        self.scheduler.step()
-        self.global_step += 1
+            m = self.train_step(batch)
         seconds = time.perf_counter() - started
         real = sum(len(e.ids) for e in examples)
-        return {"loss": total, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
-                "tokens": float(tokens), "examples": float(len(examples)),
-                "pad_fraction": 1.0 - real / max(sum(r.slots for r in micros), 1),
+        return {"loss": m["loss"], "grad_norm": m["grad_norm"], "lr": m["lr"],
+                "tokens": float(batch.response_mask.sum()), "examples": float(len(examples)),
+                "pad_fraction": 1.0 - real / max(self.forward_slots, 1),
                 "tokens_per_s": real / max(seconds, 1e-9), "time/train": seconds}
 
     @torch.no_grad()
     def eval_loss(self, examples: Sequence[TokenizedExample], batch_size: int) -> float:
         """Mean next-token loss (nats) over the labelled tokens of ``examples``."""
-        was = self.model.training
-        self.model.eval()
-        micros = self.micro_batches(examples, batch_size, packing=False)
-        total = sum(float(self._token_loss_sum(r)) for r in micros)
-        self.model.train(was)
-        return total / max(sum(r.tokens for r in micros), 1)
+        total, tokens = 0.0, 0.0
+        for i in range(0, len(examples), batch_size):
+            batch = demonstrations_batch(examples[i : i + batch_size], self.pad_id)
+            total -= float(self.compute_logprobs(batch).sum())
+            tokens += float(batch.response_mask.sum())
+        return total / max(tokens, 1.0)
 
 
 def greedy_eval(trainer: SFTTrainer, tokenizer: Any, examples: Sequence[TokenizedExample],
@@ -270,33 +179,21 @@ class SFTSession:
 
     def save(self, root: str, step: int, train_digest: str, run_id: str | None) -> str:
         """A complete checkpoint of ``step`` (model or adapter, optimizer, LR schedule, the
-        sampler's position, RNG states), committed by its manifest (:mod:`rl_core.checkpoint`)."""
-        def payload(tmp: Path) -> None:
-            self.trainer.save_state(tmp)
-            self.tokenizer.save_pretrained(tmp / "model")
-
+        sampler's position, RNG states): GRPO's (:func:`rl_core.checkpoint.save_training`)."""
         state = CheckpointState(step=step, weight_version=step,
                                 sampler=self.sampler.state_dict(),
                                 config_digest=config_digest(self.config),  # type: ignore[arg-type]
                                 train_digest=train_digest, tracking_run_id=run_id)
         c = self.config
-        return str(write_checkpoint(root, state, payload, keep_last=c.checkpoint.keep_last,
-                                    cache_dir=c.storage.cache_dir))
+        return str(save_training(root, self.trainer, self.tokenizer, state,
+                                 keep_last=c.checkpoint.keep_last, cache_dir=c.storage.cache_dir))
 
     def restore(self, path: str, train_digest: str) -> int:
         """Load a verified checkpoint; the step it was written at."""
-        local = fetch_checkpoint(path, self.config.storage.cache_dir)
-        state, rng = load_checkpoint_state(local)
-        if state.train_digest and state.train_digest != train_digest:
-            raise CheckpointError(
-                f"{path} was written for training data {state.train_digest[:12]}, but the data "
-                f"prepared now is {train_digest[:12]}; resuming would skip or repeat examples. "
-                "Restore the original data.source, or start a new run (--no-resume)")
-        if state.config_digest != config_digest(self.config):  # type: ignore[arg-type]
-            log.warning("resuming %s with a config that differs from the one that wrote it", path)
-        self.trainer.load_state(local)
-        self.sampler.load_state_dict(state.sampler)
-        restore_rng(rng)
+        state, _ = restore_training(
+            path, self.trainer, config_digest=config_digest(self.config),  # type: ignore[arg-type]
+            train_digest=train_digest, cache_dir=self.config.storage.cache_dir,
+            after_load=lambda s: self.sampler.load_state_dict(s.sampler))
         return state.step
 
     def export(self, out_dir: str) -> str:

@@ -23,13 +23,18 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from rl_core.algorithms.losses import compute_grpo_loss, entropy_from_logits, logprobs_from_logits
+from rl_core.algorithms.losses import (
+    compute_grpo_loss,
+    entropy_from_logits,
+    logprobs_from_logits,
+    nll_loss,
+)
 from rl_core.config import AlgorithmConfig, TrainConfig
 from rl_core.models import read_weights, torch_dtype
 from rl_core.models.moe import prefer_fast_experts
 from rl_core.training import lora as lora_lib
 from rl_core.training.moe import MoeForward
-from rl_core.training.packing import plan_packing
+from rl_core.training.packing import plan_first_fit, plan_packing
 from rl_core.types import Batch
 from rl_core.weight_sync.source import WeightSource
 
@@ -61,9 +66,13 @@ class TorchTrainer(WeightSource):
     def __init__(
         self, model_path: str | Path, train: TrainConfig, algorithm: AlgorithmConfig, *,
         temperature: float = 1.0, max_response_len: int | None = None, dtype: str = "float32",
-        trust_remote_code: bool = False, device: str = "cpu",
+        trust_remote_code: bool = False, device: str = "cpu", pack_length: int | None = None,
     ) -> None:
         self.train_cfg, self.algo = train, algorithm
+        # Rows without a shared prompt packed first-fit into rows of this many tokens (SFT's
+        # train.packing); None: groups sharing a prompt pack (train.pack_groups), nothing else.
+        self.pack_length = pack_length
+        self.forward_slots = 0  # token slots the forwards ran (padding included)
         # Log-probs are taken at the rollout temperature, as the engine reports them.
         self.temperature = temperature if temperature > 0 else 1.0
         # Dr.GRPO's constant normaliser: the generation budget, the same every step.
@@ -122,16 +131,21 @@ class TorchTrainer(WeightSource):
 
     # ------------------------------------------------------------------ log-probs
 
-    def _forward(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits (B, L-1, V) at the rollout temperature and the tokens' log-probs (B, L-1);
-        groups sharing a prompt run packed (:mod:`rl_core.training.packing`) where cheaper."""
+    def _forward(self, model: torch.nn.Module, batch: Batch,
+                 logp: bool = True) -> tuple[torch.Tensor, Any]:
+        """Logits (B, L-1, V) at the rollout temperature and the tokens' log-probs (B, L-1;
+        None without ``logp``); groups sharing a prompt run packed
+        (:mod:`rl_core.training.packing`) where cheaper."""
         ids = batch.input_ids.long()
         plan = None
-        if self.train_cfg.pack_groups and batch.prompt_lens is not None:
+        if self.pack_length is not None:
+            plan = plan_first_fit(ids, batch.attention_mask, self.pack_length, self.model.dtype)
+        elif self.train_cfg.pack_groups and batch.prompt_lens is not None:
             cfg = self.model.config
             plan = plan_packing(ids, batch.attention_mask, batch.prompt_lens,
                                 params=self._n_params, layers=cfg.num_hidden_layers,
                                 hidden=cfg.hidden_size, dtype=self.model.dtype)
+        self.forward_slots += (ids if plan is None else plan.input_ids).numel()
         if plan is None:
             def forward() -> Any:
                 return model(input_ids=ids.to(self.device),
@@ -144,7 +158,7 @@ class TorchTrainer(WeightSource):
         out = forward() if self.moe is None else self.moe.run(model, batch, plan, forward)
         logits = out.logits[:, :-1] if plan is None else plan.gather(out.logits)
         logits = logits.float() / self.temperature
-        return logits, logprobs_from_logits(logits, ids[:, 1:].to(self.device))
+        return logits, logprobs_from_logits(logits, ids[:, 1:].to(self.device)) if logp else None
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, *, reference: bool = False) -> torch.Tensor:
@@ -217,11 +231,17 @@ class TorchTrainer(WeightSource):
     def _micro_loss(self, part: Batch, norm_const: float,
                     mini: MiniBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """One micro-batch's share of its mini-batch's GRPO loss, and its metrics."""
-        logits, logp = self._forward(self._train_module, part)
-        # Entropy is always reported; it carries gradient only when it is a bonus.
-        with torch.set_grad_enabled(self.algo.entropy_coef > 0):
-            ent = entropy_from_logits(logits)
-        loss, metrics = grpo_micro_loss(self.algo, part, logp, ent, norm_const, mini, self.device)
+        nll = self.algo.loss == "nll"
+        logits, logp = self._forward(self._train_module, part, logp=not nll)
+        if nll:  # SFT (docs/sft.md): no ratio, KL or entropy terms
+            labels = part.input_ids[:, 1:].to(self.device)
+            loss, metrics = nll_loss(logits, labels, part.response_mask.to(self.device),
+                                     mini.tokens)
+        else:  # entropy is reported; it carries gradient only when it is a bonus
+            with torch.set_grad_enabled(self.algo.entropy_coef > 0):
+                ent = entropy_from_logits(logits)
+            loss, metrics = grpo_micro_loss(self.algo, part, logp, ent, norm_const, mini,
+                                            self.device)
         if self.moe is not None and self.moe.last is not None:  # router metrics, balance loss
             aux, router = self.moe.last
             metrics.update(router)
