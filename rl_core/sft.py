@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from rl_core.config import (
     CheckpointConfig,
@@ -29,6 +29,7 @@ from rl_core.config import (
     ModelConfig,
     OptimizerConfig,
     Section,
+    SourceConfig,
     StorageConfig,
     TrackingConfig,
     TrainConfig,
@@ -36,7 +37,7 @@ from rl_core.config import (
     validate_config,
 )
 from rl_core.data.numbers import parse_number
-from rl_core.data.prompts import PLAIN_TEMPLATE, render_prompt
+from rl_core.data.prompts import render_prompt
 from rl_core.data.records import BadRow, DataValidationError, extract_final_answer
 
 __all__ = ["TINY_INIT", "Example", "SFTConfig", "SFTDataConfig", "SFTEvalConfig",
@@ -85,16 +86,13 @@ class SFTTeacherConfig(EnginesConfig):
         return self
 
 
-class SFTDataConfig(Section):
-    """Demonstrations: where they come from and how a row becomes tokens."""
+class SFTDataConfig(SourceConfig):
+    """Demonstrations: where they come from (as GRPO's ``data``) and how a row becomes tokens."""
     source: str = Field("synthetic", min_length=1, description="`synthetic` (the demo's "
         "arithmetic with worked answers), a .jsonl/.parquet file, a directory with "
         "{split}.jsonl/.parquet, a hub dataset name or s3://.")
     eval_source: str | None = Field(None, description="Held-out rows (read with eval_split); "
         "null: `synthetic`'s test split, else eval_size rows held out of `source`.")
-    subset: str | None = None
-    train_split: str = "train"
-    eval_split: str = "test"
     eval_size: int = Field(200, ge=1, description="Rows held out of `source` (a seeded choice) "
         "when there is no eval_source.")
     messages_field: str = Field("messages", min_length=1, description="Chat rows: the list of "
@@ -102,9 +100,6 @@ class SFTDataConfig(Section):
     prompt_field: str = Field("prompt", min_length=1, description="Prompt rows: the prompt.")
     completion_field: str = Field("completion", min_length=1,
                                   description="Prompt rows: the completion (the loss is on it).")
-    id_field: str | None = Field("id", description="null: ids are content hashes.")
-    max_train_examples: int | None = Field(None, ge=1)
-    max_bad_fraction: float = Field(0.0, ge=0.0, le=1.0)
     max_seq_len: int = Field(512, ge=8, description="Tokens per example; longer ones are cut "
         "(from the right), and dropped when nothing to train on is left.")
     render_prompts: bool = Field(True, description="Prompt rows: render the prompt as "
@@ -112,43 +107,14 @@ class SFTDataConfig(Section):
         "so the model learns the format GRPO samples from; false: the prompt is literal text.")
     system_prompt: str | None = Field(None, description="A system turn for rendered prompts and "
         "for chat rows that have none.")
-    use_chat_template: bool | None = None
-    plain_template: str = PLAIN_TEMPLATE
-    # The synthetic task: the same knobs (and defaults) as GRPO's data section.
-    synthetic_train_size: int = Field(3000, ge=1)
-    synthetic_test_size: int = Field(300, ge=1)
-    synthetic_digits: tuple[int, int] = (1, 1)
-    synthetic_operations: list[Literal["+", "-", "*"]] = ["+", "-"]
-    synthetic_steps: tuple[int, int] = (1, 2)
-    seed: int = 0
     teacher: SFTTeacherConfig = SFTTeacherConfig()
 
     def grpo_data(self) -> DataConfig:
         """GRPO's data section for the same synthetic task and prompt rendering (what
         ``fetch_model`` builds the embedded tiny models from)."""
-        return DataConfig(
-            synthetic_train_size=self.synthetic_train_size,
-            synthetic_test_size=self.synthetic_test_size, synthetic_digits=self.synthetic_digits,
-            synthetic_operations=self.synthetic_operations, synthetic_steps=self.synthetic_steps,
-            seed=self.seed, system_prompt=self.system_prompt,
-            use_chat_template=self.use_chat_template, plain_template=self.plain_template)
-
-    @field_validator("plain_template")
-    @classmethod
-    def _check_plain_template(cls, template: str) -> str:
-        if "{question}" not in template:
-            raise ValueError(f"must contain '{{question}}' where the prompt goes, got "
-                             f"{template!r}")
-        return template
-
-    @model_validator(mode="after")
-    def _check_synthetic(self) -> SFTDataConfig:
-        for name in ("synthetic_digits", "synthetic_steps"):
-            lo, hi = getattr(self, name)
-            if not 1 <= lo <= hi:
-                raise ValueError(f"{name} must be (low, high) with 1 <= low <= high, got "
-                                 f"{lo, hi}")
-        return self
+        shared = {"seed", "system_prompt", "use_chat_template", "plain_template",
+                  *(k for k in SourceConfig.model_fields if k.startswith("synthetic_"))}
+        return DataConfig(**self.model_dump(include=shared))
 
 
 class SFTTrainConfig(OptimizerConfig):

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,7 +24,8 @@ from rl_core.data.sources import load_records, read_parquet, write_parquet
 from rl_core.data.synthetic import generate_splits
 from rl_core.planes import PlanesHandle, bring_up_planes
 
-__all__ = ["PreparedData", "bring_up", "fetch_model", "prepare_data", "source_fingerprint"]
+__all__ = ["PreparedData", "bring_up", "cached_snapshot", "fetch_model", "prepare_data",
+           "source_fingerprint"]
 
 
 @dataclass(frozen=True)
@@ -63,41 +65,49 @@ def data_key(data: DataConfig) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-@task(name="prepare-data", timeout_seconds=1800, retries=2, retry_delay_seconds=5)
-def prepare_data(data: DataConfig, cache_dir: str) -> PreparedData:
-    """Any supported source -> validated Parquet snapshots with content digests."""
+def cached_snapshot(out: Path, build: Callable[[Path], PreparedData], what: str) -> PreparedData:
+    """The prepared data in ``out``: as cached (``meta.json`` there: the inputs are unchanged),
+    or ``build(out)``'s, with ``meta.json`` written last (a directory without it is an
+    interrupted preparation, redone next time). GRPO's and SFT's preparation both."""
     log = get_run_logger()
-    out = Path(cache_dir) / "data" / data_key(data)
     meta_path = out / "meta.json"
     if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        log.info("data: cached snapshot %s (inputs unchanged), skipping preparation", out)
-        return PreparedData(**{**meta, "cached": True})
+        log.info("data: cached %s snapshot %s (inputs unchanged), skipping preparation", what, out)
+        return PreparedData(**{**json.loads(meta_path.read_text()), "cached": True})
     started = time.perf_counter()
-    if data.source == "synthetic":
-        train, test = generate_splits(data.synthetic_train_size, data.synthetic_test_size,
-                                      data.seed, **data.synthetic_knobs())
-        train = train[: data.max_train_examples]  # the warm start still saw the whole split
-    else:
-        fields = dict(subset=data.subset, question_field=data.question_field,
-                      answer_field=data.answer_field, id_field=data.id_field,
-                      max_bad_fraction=data.max_bad_fraction, cache_dir=cache_dir)
-        train = load_records(data.source, data.train_split, limit=data.max_train_examples,
-                             **fields)
-        test = load_records(data.eval_source or data.source, data.eval_split, **fields)
     out.mkdir(parents=True, exist_ok=True)
-    prepared = PreparedData(
-        train_path=str(out / "train.parquet"), eval_path=str(out / "eval.parquet"),
-        train_digest=write_parquet(train, out / "train.parquet"),
-        eval_digest=write_parquet(test, out / "eval.parquet"),
-        num_train=len(train), num_eval=len(test), source=data.source, cached=False)
-    # meta.json last: a directory without it is an interrupted preparation, redone next time.
+    prepared = build(out)
     tmp = meta_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(prepared), indent=2))
     os.replace(tmp, meta_path)
-    log.info("data: %d train / %d eval records from %s in %.1fs -> %s", len(train), len(test),
-             data.source, time.perf_counter() - started, out)
+    log.info("data: %d train / %d held-out %s rows from %s in %.1fs -> %s", prepared.num_train,
+             prepared.num_eval, what, prepared.source, time.perf_counter() - started, out)
     return prepared
+
+
+@task(name="prepare-data", timeout_seconds=1800, retries=2, retry_delay_seconds=5)
+def prepare_data(data: DataConfig, cache_dir: str) -> PreparedData:
+    """Any supported source -> validated Parquet snapshots with content digests."""
+
+    def build(out: Path) -> PreparedData:
+        if data.source == "synthetic":
+            train, test = generate_splits(data.synthetic_train_size, data.synthetic_test_size,
+                                          data.seed, **data.synthetic_knobs())
+            train = train[: data.max_train_examples]  # the warm start still saw the whole split
+        else:
+            fields = dict(subset=data.subset, question_field=data.question_field,
+                          answer_field=data.answer_field, id_field=data.id_field,
+                          max_bad_fraction=data.max_bad_fraction, cache_dir=cache_dir)
+            train = load_records(data.source, data.train_split, limit=data.max_train_examples,
+                                 **fields)
+            test = load_records(data.eval_source or data.source, data.eval_split, **fields)
+        return PreparedData(
+            train_path=str(out / "train.parquet"), eval_path=str(out / "eval.parquet"),
+            train_digest=write_parquet(train, out / "train.parquet"),
+            eval_digest=write_parquet(test, out / "eval.parquet"),
+            num_train=len(train), num_eval=len(test), source=data.source, cached=False)
+
+    return cached_snapshot(Path(cache_dir) / "data" / data_key(data), build, "prompt")
 
 
 def _not_a_config_error(task: object, task_run: object, state: object) -> bool:

@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from rl_core.training.sft import (
     start_session,
 )
 from tasks.evaluate import artifact_key
-from tasks.setup import PreparedData, source_fingerprint
+from tasks.setup import PreparedData, cached_snapshot, source_fingerprint
 
 __all__ = ["bare_tiny_model", "evaluate_sft", "export_sft_model",
            "prepare_sft_data", "restore_sft_checkpoint", "save_sft_checkpoint", "start_sft",
@@ -90,33 +89,25 @@ def prepare_sft_data(data: SFTDataConfig, cache_dir: str, student: str | None = 
     ``data.teacher.path``, the training rows' completions are the teacher's samples for
     their prompts, rendered with ``student``'s tokenizer (``model``: its dtype; the counts go
     to ``teacher.json`` beside the snapshot); the held-out rows keep their references."""
-    log = get_run_logger()
-    out = Path(cache_dir) / "sft-data" / _data_key(data, student, model)
-    meta = out / "meta.json"
-    if meta.is_file():
-        log.info("data: cached SFT snapshot %s (inputs unchanged), skipping preparation", out)
-        return PreparedData(**{**json.loads(meta.read_text()), "cached": True})
-    started = time.perf_counter()
-    train, held = split_examples(data, cache_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if data.teacher.path is not None:
-        assert student is not None  # _data_key refused it
-        train, counts = sample_teacher_examples(train, data, student, cache_dir, out,
-                                                model=model, num_threads=num_threads)
-        (out / "teacher.json").write_text(json.dumps(counts, indent=2))
-        log.info("data: %d of %d teacher samples kept (%d cut at max_new_tokens, %d empty, "
-                 "%d correct) from %s in %.1fs", counts["kept"], counts["samples"],
-                 counts["truncated"], counts["empty"], counts["correct"], data.teacher.path,
-                 counts["seconds"])
-    prepared = PreparedData(
-        str(out / "train.jsonl"), str(out / "eval.jsonl"), _write(train, out / "train.jsonl"),
-        _write(held, out / "eval.jsonl"), len(train), len(held), data.source, cached=False)
-    tmp = meta.with_suffix(".tmp")  # meta.json last: without it, the snapshot is redone
-    tmp.write_text(json.dumps(asdict(prepared), indent=2))
-    os.replace(tmp, meta)
-    log.info("data: %d train / %d held-out SFT examples from %s in %.1fs -> %s", len(train),
-             len(held), data.source, time.perf_counter() - started, out)
-    return prepared
+
+    def build(out: Path) -> PreparedData:
+        train, held = split_examples(data, cache_dir)
+        if data.teacher.path is not None:
+            assert student is not None  # _data_key refused it
+            train, counts = sample_teacher_examples(train, data, student, cache_dir, out,
+                                                    model=model, num_threads=num_threads)
+            (out / "teacher.json").write_text(json.dumps(counts, indent=2))
+            get_run_logger().info(
+                "data: %d of %d teacher samples kept (%d cut at max_new_tokens, %d empty, "
+                "%d correct) from %s in %.1fs", counts["kept"], counts["samples"],
+                counts["truncated"], counts["empty"], counts["correct"], data.teacher.path,
+                counts["seconds"])
+        return PreparedData(
+            str(out / "train.jsonl"), str(out / "eval.jsonl"), _write(train, out / "train.jsonl"),
+            _write(held, out / "eval.jsonl"), len(train), len(held), data.source, cached=False)
+
+    return cached_snapshot(Path(cache_dir) / "sft-data" / _data_key(data, student, model), build,
+                           "SFT")
 
 
 @task(name="build-bare-model", timeout_seconds=1800, retries=1)

@@ -42,6 +42,7 @@ from rl_core.config.loop import (
     MoeConfig,
     OptimizerConfig,
     RolloutConfig,
+    SourceConfig,
     TrainConfig,
 )
 from rl_core.config.signals import (
@@ -55,7 +56,7 @@ from rl_core.config.signals import (
 __all__ = ["AgentConfig", "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "ConfigError",
            "DataConfig", "EnginesConfig", "EvalConfig", "ExperimentConfig", "JudgeConfig", "LoraConfig",
            "MegatronConfig", "ModelConfig", "MoeConfig", "OptimizerConfig", "RewardConfig",
-           "RolloutConfig", "Section", "StorageConfig", "TeacherConfig", "TrackingConfig",
+           "RolloutConfig", "Section", "SourceConfig", "StorageConfig", "TeacherConfig", "TrackingConfig",
            "TrainConfig", "apply_overrides", "config_digest", "flatten", "load_config",
            "read_config", "validate_config"]
 

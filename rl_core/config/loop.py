@@ -40,16 +40,15 @@ class ModelConfig(Section):
     seed: int = 0
 
 
-class DataConfig(Section):
-    """Where prompts come from and how they are rendered."""
+class SourceConfig(Section):
+    """What GRPO's prompts and SFT's demonstrations share: where rows come from, how a prompt
+    is rendered, and the synthetic task (``data`` of both configs builds on it)."""
     source: str = Field("synthetic", min_length=1, description="`synthetic`, an HF dataset name, a "
         "local dataset dir, .jsonl or .parquet.")
     subset: str | None = None
     train_split: str = "train"
     eval_split: str = "test"
     eval_source: str | None = Field(None, description="Defaults to `source` with `eval_split`.")
-    question_field: str = Field("question", min_length=1)
-    answer_field: str = Field("answer", min_length=1)
     id_field: str | None = Field("id", description="null: ids are content hashes.")
     max_train_examples: int | None = Field(
         None, ge=1, description="Use only the first N training records (any source).")
@@ -60,17 +59,41 @@ class DataConfig(Section):
     plain_template: str = Field("Question: {question}\nAnswer:", description="The prompt without a "
         "chat template; `{question}` is replaced by the question (nothing else is formatted, so "
         "other braces are kept).")
-    max_prompt_tokens: int = Field(256, ge=1)
     # Synthetic generator knobs.
     synthetic_train_size: int = Field(3000, ge=1)
     synthetic_test_size: int = Field(300, ge=1)
     synthetic_digits: tuple[int, int] = (1, 1)
     synthetic_operations: list[Literal["+", "-", "*"]] = ["+", "-"]
     synthetic_steps: tuple[int, int] = (1, 2)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_source(self) -> SourceConfig:
+        for name in ("synthetic_digits", "synthetic_steps"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} must be (low, high) with 1 <= low <= high, got {lo, hi}")
+        if not self.source.strip():
+            raise ValueError("source is blank; use synthetic, a file, a directory or a hub name")
+        return self
+
+    @field_validator("plain_template")
+    @classmethod
+    def _check_plain_template(cls, template: str) -> str:
+        if "{question}" not in template:
+            raise ValueError(f"must contain '{{question}}' where the question goes (e.g. "
+                             f"'Question: {{question}}\\nAnswer:'), got {template!r}")
+        return template
+
+
+class DataConfig(SourceConfig):
+    """Where prompts come from and how they are rendered."""
+    question_field: str = Field("question", min_length=1)
+    answer_field: str = Field("answer", min_length=1)
+    max_prompt_tokens: int = Field(256, ge=1)
     synthetic_long_frac: float = Field(0.0, ge=0.0, le=1.0, description="Share of problems "
         "with synthetic_long_steps steps: a long-tailed response length (benchmarks).")
     synthetic_long_steps: int = Field(12, ge=1)
-    seed: int = 0
 
     def synthetic_knobs(self) -> dict[str, Any]:
         """The generator's knobs, as :func:`rl_core.data.generate_splits` takes them."""
@@ -83,10 +106,6 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _check_fields(self) -> DataConfig:
-        for name in ("synthetic_digits", "synthetic_steps"):
-            lo, hi = getattr(self, name)
-            if not 1 <= lo <= hi:
-                raise ValueError(f"{name} must be (low, high) with 1 <= low <= high, got {lo, hi}")
         if self.question_field == self.answer_field:
             raise ValueError(
                 f"question_field and answer_field are both {self.question_field!r}; they must "
@@ -95,17 +114,7 @@ class DataConfig(Section):
             raise ValueError(
                 f"id_field {self.id_field!r} is also the question or answer column; name the id "
                 "column, or set id_field: null to use content-hash ids")
-        if not self.source.strip():
-            raise ValueError("source is blank; use synthetic, a file, a directory or a hub name")
         return self
-
-    @field_validator("plain_template")
-    @classmethod
-    def _check_plain_template(cls, template: str) -> str:
-        if "{question}" not in template:
-            raise ValueError(f"must contain '{{question}}' where the question goes (e.g. "
-                             f"'Question: {{question}}\\nAnswer:'), got {template!r}")
-        return template
 
 
 class RolloutConfig(Section):
