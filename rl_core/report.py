@@ -70,14 +70,19 @@ def format_summary(summary: Mapping) -> str:
 
 
 def eval_markdown(result: Mapping, title: str) -> str:
-    """An evaluation as a markdown report: the numbers, then a few sample generations."""
-    rows = [("step", result["step"]), ("weight version", result["weight_version"]),
-            ("greedy pass@1", f"{result['pass_at_1']:.3f}")]
-    if result.get("pass_at_k") is not None:
-        rows.append((f"pass@{result['k']} (sampled)", f"{result['pass_at_k']:.3f}"))
-    rows += [("mean response length", f"{result['response_len_mean']:.1f}"),
-             ("truncation rate", f"{result['truncation_rate']:.3f}"),
-             ("problems", result["num_examples"])]
+    """An evaluation (GRPO's, or SFT's with its held-out ``loss``) as a markdown report: the
+    numbers, then a few sample generations."""
+    rows: list[tuple[str, object]] = [("step", result["step"]),
+                                      ("weight version", result["weight_version"])]
+    if result.get("loss") is not None:
+        rows += [("held-out loss", f"{result['loss']:.4f}"), ("examples", result["num_examples"])]
+    if result.get("pass_at_1") is not None:
+        rows.append(("greedy pass@1", f"{result['pass_at_1']:.3f}"))
+        if result.get("pass_at_k") is not None:
+            rows.append((f"pass@{result['k']} (sampled)", f"{result['pass_at_k']:.3f}"))
+        rows += [("mean response length", f"{result['response_len_mean']:.1f}"),
+                 ("truncation rate", f"{result['truncation_rate']:.3f}"),
+                 ("problems", result.get("accuracy_examples", result["num_examples"]))]
     lines = [f"# {title}", "", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
     if result.get("samples"):

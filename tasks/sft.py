@@ -20,6 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from rl_core.base_model import build_bare_tiny
 from rl_core.config import ModelConfig
 from rl_core.planes import sample_teacher_examples
+from rl_core.report import eval_markdown
 from rl_core.sft import Example, SFTConfig, SFTDataConfig, examples_digest, split_examples
 from rl_core.training.sft import (
     SFTHandle,
@@ -146,29 +147,14 @@ def train_steps(handle: SFTHandle, first: int, last: int,
     return bound(handle, first, last)
 
 
-def _markdown(result: dict[str, Any], title: str) -> str:
-    lines = [f"# {title}", "", "| metric | value |", "|---|---|",
-             f"| held-out loss | {result['loss']:.4f} |", f"| examples | {result['num_examples']} |"]
-    if result.get("pass_at_1") is not None:
-        lines += [f"| greedy accuracy | {result['pass_at_1']:.3f} |",
-                  f"| answered | {result['accuracy_examples']} |"]
-    if result.get("samples"):
-        lines += ["", "| prompt | completion | answer | correct |", "|---|---|---|---|"]
-        for r in result["samples"]:
-            cells = (str(r[k]).replace("|", "\\|").replace("\n", "<br>")
-                     for k in ("question", "completion", "answer", "correct"))
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 @task(name="evaluate", task_run_name="evaluate-step-{step}", timeout_seconds=1800, retries=1,
       retry_delay_seconds=5, cache_policy=NO_CACHE)
 def evaluate_sft(handle: SFTHandle, step: int) -> dict[str, Any]:
     """Held-out loss, and greedy accuracy where the references end in a number."""
     s = get_session(handle)
     result = s.evaluate(step)
-    create_markdown_artifact(markdown=_markdown(result, f"{s.config.name}: SFT evaluation at "
-                                                f"step {step}"),
+    create_markdown_artifact(markdown=eval_markdown(result, f"{s.config.name}: SFT evaluation "
+                                                    f"at step {step}"),
                              key=artifact_key("eval", s.config.name),
                              description=f"held-out evaluation at step {step}")
     return result

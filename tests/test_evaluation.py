@@ -222,6 +222,26 @@ def test_evaluation_scores_with_the_runs_own_reward_function():
     assert [row["correct"] for row in by_gsm8k.samples] == ["True", "True", "False", "False"]
 
 
+def test_one_evaluation_report_for_grpo_and_sft():
+    from rl_core.report import eval_markdown
+
+    sample = {"question": "1+1", "completion": "2 | two", "answer": "2", "correct": "True"}
+    grpo = eval_markdown({"step": 3, "weight_version": 3, "pass_at_1": 0.5, "pass_at_k": 0.75,
+                          "k": 4, "response_len_mean": 7.0, "truncation_rate": 0.0,
+                          "num_examples": 8, "samples": [sample]}, "demo")
+    assert "| greedy pass@1 | 0.500 |" in grpo and "| pass@4 (sampled) | 0.750 |" in grpo
+    assert "| problems | 8 |" in grpo and "held-out loss" not in grpo
+    assert "| 1+1 | 2 \\| two | 2 | True |" in grpo
+    sft = eval_markdown({"step": 6, "weight_version": 6, "loss": 0.25, "num_examples": 64,
+                         "pass_at_1": 0.375, "accuracy_examples": 8, "response_len_mean": 5.0,
+                         "truncation_rate": 0.125}, "sft")
+    assert "| held-out loss | 0.2500 |" in sft and "| examples | 64 |" in sft
+    assert "| greedy pass@1 | 0.375 |" in sft and "| problems | 8 |" in sft
+    loss_only = eval_markdown({"step": 0, "weight_version": 0, "loss": 5.5, "num_examples": 64,
+                               "pass_at_1": None}, "sft")
+    assert "pass@1" not in loss_only and "| held-out loss | 5.5000 |" in loss_only
+
+
 # ----------------------------------------------------------------------- grpo helpers
 
 
