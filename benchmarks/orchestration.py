@@ -244,8 +244,8 @@ def as_before() -> None:
     (The other two optimisations are not undone: the step's metrics leave through the
     tracker's background sender, and the checksum is XXH3; see docs/benchmarks.md.)"""
     import flows.grpo_train as gt
-    import flows.rollouts as ro
     import flows.run as fr
+    import flows.schedule as ro
 
     gt.opaque = ro.opaque = lambda value: value
     fr._PROGRESS_EVERY_S = 0.0

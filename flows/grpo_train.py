@@ -6,7 +6,7 @@
     -> checkpoint -> export model -> final evaluation (a subflow) -> register the model
 
 Every verb is a Prefect task (``tasks/``) or an ``rl_core`` call; how rollouts are scheduled is
-``flows/rollouts.py``. A step whose task retries are spent rebuilds both planes from the latest
+``flows/schedule.py``. A step whose task retries are spent rebuilds both planes from the latest
 checkpoint (``train.max_plane_restarts``).
 """
 
@@ -19,8 +19,8 @@ from prefect.utilities.annotations import opaque
 
 from flows._redacted import redacted_flow
 from flows.evaluate import evaluate as evaluate_model
-from flows.rollouts import Rollouts, rollouts_for
 from flows.run import Run
+from flows.schedule import Schedule, schedule_for
 from rl_core.config import load_config
 from rl_core.planes import PlanesHandle, get_planes, tear_down
 from rl_core.preflight import preflight
@@ -62,13 +62,13 @@ def grpo_train(
     tracking = start_tracking(cfg, str(run.dir.path), data, resume_from=run.resume_from)
     model_path = fetch_model(cfg.model, cfg.data, cfg.storage.cache_dir)
     preflight(cfg, model_path=model_path, data=False)  # the model checks, on the fetched model
-    planes, rollouts, step = _bring_up(run, model_path, data, run.resume_from)
+    planes, schedule, step = _bring_up(run, model_path, data, run.resume_from)
     try:
         evals = run.dir.read_evals() or [_evaluate(run, planes, step - 1, tracking)]
         restarts = 0
         while step <= cfg.train.steps:
             try:
-                scored, metrics = grpo_step(planes, rollouts, step)
+                scored, metrics = grpo_step(planes, schedule, step)
             except StepTaskError as exc:
                 if isinstance(exc.__cause__, BUDGET_ERRORS):  # not the planes' fault
                     raise RuntimeError(f"GRPO step {exc.step}: {exc.__cause__}") from exc
@@ -81,13 +81,13 @@ def grpo_train(
                 latest = run.latest_checkpoint()
                 run.say(f"{exc}; rebuilding the planes from {latest or 'the base model'} "
                         f"(restart {restarts} of {cfg.train.max_plane_restarts})")
-                planes, rollouts, step = _bring_up(run, model_path, data, latest)
+                planes, schedule, step = _bring_up(run, model_path, data, latest)
                 evals = run.dir.read_evals()
                 continue
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                metrics.update(save_checkpoint(planes, run.ckpt_root, step, rollouts.state_dict(),
+                metrics.update(save_checkpoint(planes, run.ckpt_root, step, schedule.state_dict(),
                                                data.train_digest, tracking and tracking.run_id,
-                                               opaque(rollouts.buffer())))
+                                               opaque(schedule.buffer())))
                 log_checkpoint(tracking, step, run.ckpt_root)
             run.record_step(step, metrics, scored, tracking, get_planes(planes).tokenizer)
             if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
@@ -96,7 +96,7 @@ def grpo_train(
         run.close_progress()
 
         if not (cfg.checkpoint.every and cfg.train.steps % cfg.checkpoint.every == 0):
-            save_checkpoint(planes, run.ckpt_root, cfg.train.steps, rollouts.state_dict(),
+            save_checkpoint(planes, run.ckpt_root, cfg.train.steps, schedule.state_dict(),
                             data.train_digest, tracking and tracking.run_id)
             log_checkpoint(tracking, cfg.train.steps, run.ckpt_root)
         model_dir = export_model(planes, str(run.dir.model_dir))
@@ -130,35 +130,35 @@ def final_eval_overrides(cfg: Any, config: str | None, overrides: list[str] | No
     return [*base, *IN_PROCESS_EVAL]
 
 
-def grpo_step(planes: PlanesHandle, rollouts: Rollouts, step: int) -> tuple[StepSamples, dict]:
+def grpo_step(planes: PlanesHandle, schedule: Schedule, step: int) -> tuple[StepSamples, dict]:
     """rollout (or take the one generated ahead) -> (release the engines' memory) -> reward
     -> (dynamic sampling: more rounds) -> advantages -> log-probs -> (submit the rollouts of
     the next steps: they overlap training) -> train -> sync weights (after those rollouts)."""
     p = get_planes(planes)
     started = time.perf_counter()
-    samples = rollouts.take(step)
+    samples = schedule.take(step)
     released = release_rollout_memory(planes, step) if p.time_share else {}
     # opaque(): Prefect resolves the argument but does not walk the thousands of token lists
     # inside it looking for futures (that walk cost ~150 ms per task call on the demo).
     scored = reward(planes, opaque(samples), step)
     scored = score_advantages(planes, scored, step)  # e.g. the teacher's log-probs
-    scored = rollouts.informative(scored, step)  # dynamic sampling may roll out more
+    scored = schedule.informative(scored, step)  # dynamic sampling may roll out more
     metrics = {**scored.metrics, **released}
     if scored.samples:
         batch = compute_advantages(planes, scored)
         if needs_logprobs(planes):
             batch, logprob_metrics = compute_logprobs(planes, opaque(batch), step)
             metrics.update(logprob_metrics)
-        rollouts.prefetch(step)
+        schedule.prefetch(step)
         metrics.update(train(planes, opaque(batch), step))
     else:  # dynamic sampling found no group with a gradient: nothing to train on
-        rollouts.prefetch(step)
+        schedule.prefetch(step)
         metrics["train_skipped"] = 1.0
     t0 = time.perf_counter()
-    rollouts.drain()
+    schedule.drain()
     metrics["time/overlap_wait"] = time.perf_counter() - t0
     metrics.update(sync_weights(planes, step))
-    metrics.update(rollouts.done(step))
+    metrics.update(schedule.done(step))
     metrics["time/step"] = time.perf_counter() - started
     return scored, metrics
 
@@ -166,19 +166,19 @@ def grpo_step(planes: PlanesHandle, rollouts: Rollouts, step: int) -> tuple[Step
 def _bring_up(run: Run, model_path: str, data: Any, checkpoint: Any) -> tuple:  # noqa: ANN401
     """Planes and prompt source, restored from ``checkpoint`` when given; the next step."""
     planes = bring_up(run.cfg, model_path, data, str(run.dir.path))
-    rollouts = rollouts_for(planes)
+    schedule = schedule_for(planes)
     if checkpoint is None:
         run.dir.truncate_after(0 if run.started else -1)  # a fresh start: fresh logs
         run.started = True
-        return planes, rollouts, 1
+        return planes, schedule, 1
     state, buffer = restore_checkpoint(planes, str(checkpoint), data.train_digest)
-    rollouts.load_state_dict(state.sampler, buffer)
+    schedule.load_state_dict(state.sampler, buffer)
     run.dir.truncate_after(state.step)
     if not run.started:
         run.resumed_from_step = state.step
         run.say(f"resumed from {checkpoint}; continuing at step {state.step + 1}")
     run.started = True
-    return planes, rollouts, state.step + 1
+    return planes, schedule, state.step + 1
 
 
 def _evaluate(run: Run, planes: PlanesHandle, step: int, tracking: Any) -> dict[str, Any]:

@@ -29,7 +29,7 @@ __all__ = ["AdvantageSource", "EpisodeKind", "GroupRelative", "SingleTurn", "adv
 
 class EpisodeKind(Protocol):
     """What a rollout plays per task: one completion (:class:`SingleTurn`), or a multi-turn
-    episode of an environment or an agent program (``rl_core.agents.rollout.AgentRollout``).
+    episode of an environment or an agent program (``rl_core.agents.kind.AgentEpisodes``).
     The step and evaluation call only these."""
 
     def episodes(self, records: Sequence[Record], prompt_ids: Sequence[Sequence[int]], *,

@@ -81,7 +81,7 @@ class Planes:
     cluster: Any = None  # a RayCluster in cluster.mode ray
     placement: Any = None  # its PlanePlacement
     time_share: bool = False  # engines release their memory while the trainer works
-    # what a rollout plays: SingleTurn, or AgentRollout when agent.env/program is set
+    # what a rollout plays: SingleTurn, or AgentEpisodes when agent.env/program is set
     kind: EpisodeKind | None = None
     # where the advantages come from: GroupRelative, or Distillation (teacher.path) with the
     # teacher's rollout plane
@@ -316,9 +316,9 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
             teacher = start_teacher(cfg, tokenizer, str(model_path), work_dir)
             advantage = Distillation(teacher, cfg.teacher, advantage)
         if cfg.agent.enabled:
-            from rl_core.agents.rollout import AgentRollout
+            from rl_core.agents.kind import AgentEpisodes
 
-            kind = AgentRollout(cfg.agent, rollout, tokenizer)
+            kind = AgentEpisodes(cfg.agent, rollout, tokenizer)
         rewards = _reward_runner(cfg, work_dir, [*train_records, *eval_records])
     except BaseException:
         _close_all(rewards, kind, teacher, transport, rollout, trainer, placement, cluster)

@@ -19,7 +19,7 @@ from rl_core.planes import PlanesHandle, get_planes
 
 __all__ = ["ROLLOUT_BUFFER", "restore_checkpoint", "save_checkpoint"]
 
-ROLLOUT_BUFFER = "rollouts.json"  # the samples generated ahead (flows.rollouts.Rollouts.buffer)
+ROLLOUT_BUFFER = "rollouts.json"  # the samples generated ahead (flows.schedule.Schedule.buffer)
 
 
 @task(name="checkpoint", task_run_name="checkpoint-step-{step}", timeout_seconds=1800, retries=2,

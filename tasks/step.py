@@ -19,7 +19,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.utilities.annotations import opaque
 
-from rl_core.agents.rollout import EpisodeFailureError
+from rl_core.agents.kind import EpisodeFailureError
 from rl_core.engine.sampling import SamplingParams
 from rl_core.grpo import summarize_samples
 from rl_core.planes import PlanesHandle, get_planes

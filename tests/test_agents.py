@@ -26,7 +26,7 @@ from rl_core.agents import (
     episode_metrics,
     parse_tool_calls,
 )
-from rl_core.agents.rollout import AgentRollout, EpisodeFailureError
+from rl_core.agents.kind import AgentEpisodes, EpisodeFailureError
 from rl_core.agents.tools import CALCULATOR, PYTHON, Tool, ToolCall, calculate, run_python, run_tool
 from rl_core.config import AgentConfig
 from rl_core.data.records import Record
@@ -281,7 +281,7 @@ def test_agent_rollout_scores_and_keeps_the_failure_budget(plane, tokenizer) -> 
 
     cfg = AgentConfig(env="tests.test_agents:CountdownEnv", env_args={"fail": "raise"},
                       episode_retries=0, max_failed_steps=2)
-    agents = AgentRollout(cfg, plane, tokenizer)
+    agents = AgentEpisodes(cfg, plane, tokenizer)
     samples = agents.episodes(TASKS[:1], n=2, params=PARAMS, step=1, seed=0)
     with RewardRunner("gsm8k") as rewards:
         agents.score(samples, rewards, pass_threshold=1.0, step=1)
@@ -289,7 +289,7 @@ def test_agent_rollout_scores_and_keeps_the_failure_budget(plane, tokenizer) -> 
     assert agents.check_failures(samples) == {"episode_failed_streak": 1.0}
     with pytest.raises(EpisodeFailureError, match="agent.max_failed_steps=2.*KeyError"):
         agents.check_failures(samples)
-    ok = AgentRollout(AgentConfig(env="tests.test_agents:CountdownEnv", env_args={"turns": 1}),
+    ok = AgentEpisodes(AgentConfig(env="tests.test_agents:CountdownEnv", env_args={"turns": 1}),
                       plane, tokenizer)
     samples = ok.episodes(TASKS[:1], n=2, params=PARAMS, step=1, seed=0)
     with RewardRunner("gsm8k") as rewards:
@@ -346,7 +346,7 @@ def test_grpo_flow_stops_when_episodes_keep_failing(prefect_harness, tiny_cache:
 
 def test_agent_rollout_runs_a_black_box_program_through_the_openai_endpoint(plane,
                                                                             tokenizer) -> None:
-    agents = AgentRollout(AgentConfig(program="environments.calculator_agent:solve",
+    agents = AgentEpisodes(AgentConfig(program="environments.calculator_agent:solve",
                                       max_tokens=96), plane, tokenizer)
     try:
         samples = agents.episodes(TASKS[:2], n=2, params=PARAMS, step=1, seed=0)

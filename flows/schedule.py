@@ -24,8 +24,8 @@ from rl_core.rollout.stream import GroupStream
 from rl_core.types import Sample
 from tasks.step import StepSamples, reward, rollout, rollout_round, sampling_params
 
-__all__ = ["Ahead", "DynamicSampling", "InStep", "Rollouts", "StalenessError", "Streamed",
-           "rollouts_for"]
+__all__ = ["Ahead", "DynamicSampling", "InStep", "Schedule", "StalenessError", "Streamed",
+           "schedule_for"]
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +34,10 @@ class StalenessError(RuntimeError):
     """A sample older than ``rollout.max_staleness`` reached training (a bug guard)."""
 
 
-class Rollouts:
+class Schedule:
     """A scheduling regime: what the flow calls (take, informative, prefetch, drain, done, and
     the checkpoint's state and buffer). Shared: the prompt sampler and the batches drawn but
-    not trained. :func:`rollouts_for` picks the regime from the config."""
+    not trained. :func:`schedule_for` picks the regime from the config."""
 
     def __init__(self, planes: PlanesHandle) -> None:
         p = get_planes(planes)
@@ -102,7 +102,7 @@ class Rollouts:
         return []
 
 
-class InStep(Rollouts):
+class InStep(Schedule):
     """Each step generates its own samples (``rollout.max_staleness: 0``); after a resume,
     those a checkpoint holds for the step are taken instead."""
 
@@ -169,7 +169,7 @@ class Ahead(InStep):
                     future.wait()
 
 
-class Streamed(Rollouts):
+class Streamed(Schedule):
     """``rollout.streaming``: groups stream across weight updates (rl_core.rollout.stream);
     a step takes the first finished groups young enough for it."""
 
@@ -276,14 +276,14 @@ class Streamed(Rollouts):
 class DynamicSampling:
     """DAPO's dynamic sampling (``algorithm.dynamic_sampling``) over a regime's prompts."""
 
-    def __init__(self, rollouts: Rollouts) -> None:
-        self.rollouts = rollouts
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
 
     def __call__(self, scored: StepSamples, step: int) -> StepSamples:
         """DAPO's dynamic sampling: keep groups whose rewards differ, roll out more batches until
         ``train.prompts_per_step`` such groups exist (or the rounds run out) and train on that many;
         the rest go to the ledger as not trained."""
-        r = self.rollouts
+        r = self.schedule
         cfg = r.config
         n, want = cfg.rollout.n_samples, cfg.train.prompts_per_step * cfg.rollout.n_samples
         generated = list(scored.samples)
@@ -310,7 +310,7 @@ class DynamicSampling:
         return StepSamples(step, kept, metrics, dropped=dropped + surplus)
 
 
-def rollouts_for(planes: PlanesHandle) -> Rollouts:
+def schedule_for(planes: PlanesHandle) -> Schedule:
     """The regime the config asks for: streamed, ahead (``max_staleness`` > 0) or in-step."""
     r = get_planes(planes).config.rollout
     return (Streamed if r.streaming else Ahead if r.max_staleness else InStep)(planes)

@@ -1,6 +1,6 @@
 """The agent side of a GRPO step: episodes instead of single completions, and their scores.
 
-:class:`AgentRollout` plays ``n`` episodes per task, of an environment (``agent.env``) or a
+:class:`AgentEpisodes` plays ``n`` episodes per task, of an environment (``agent.env``) or a
 black-box program (``agent.program``), adds ``reward.fn``'s score of the final answer
 (``agent.score_final_answer``) and keeps the failure budget (``agent.max_failed_steps``:
 :class:`EpisodeFailureError`); docs/agents.md. Never imports Prefect or MLflow.
@@ -20,7 +20,7 @@ from rl_core.interfaces import RolloutPlane
 from rl_core.rewards import JudgeRunner, RewardResult, RewardRunner
 from rl_core.types import Sample
 
-__all__ = ["AgentRollout", "EpisodeFailureError"]
+__all__ = ["AgentEpisodes", "EpisodeFailureError"]
 
 
 class EpisodeFailureError(RuntimeError):
@@ -39,7 +39,7 @@ class EpisodeFailureError(RuntimeError):
         return (type(self), (self.steps, self.frac, self.last_error))
 
 
-class AgentRollout:
+class AgentEpisodes:
     """Episodes on ``plane`` as ``agent`` configures them (see the module docstring)."""
 
     def __init__(self, agent: Any, plane: RolloutPlane, tokenizer: Any) -> None:  # noqa: ANN401
