@@ -74,6 +74,19 @@ def _running_requests(p: psutil.Process) -> int:
         return 0
 
 
+def _served_version(p: psutil.Process) -> str | None:
+    """The weight version engine ``p`` serves (its ``/model_info``; None if it cannot say)."""
+    try:
+        argv = p.cmdline()
+        port = argv[argv.index("--port") + 1]
+        body = httpx.get(f"http://127.0.0.1:{port}/model_info", timeout=1.0, trust_env=False)
+        version = body.json().get("weight_version")
+        return None if version is None else str(version)
+    except (psutil.Error, ValueError, IndexError, KeyError, TypeError, AttributeError,
+            httpx.HTTPError):
+        return None
+
+
 def steps_done(metrics: Path) -> int:
     """Steps logged so far in a run's ``metrics.jsonl`` (0 before the first)."""
     try:
@@ -180,13 +193,20 @@ class EngineChaos:
         log.error("engine chaos: gave up waiting after %.0fs", timeout_s)
         return False
 
-    def _healthy_set(self) -> list[psutil.Process] | None:
-        """Every engine process running for ``settle_s``: the last fault is repaired."""
+    def _healthy_set(self, serving: bool = False) -> list[psutil.Process] | None:
+        """Every engine process running for ``settle_s`` (``serving``: and answering, all with
+        one weight version): the last fault is repaired. The random soak asks for ``serving``:
+        a restarted engine is otherwise struck again while it loads or re-syncs, and three
+        failed recoveries take it out of service for the rest of the run."""
         procs = [p for p in engine_processes() if _running(p)]
         if len(procs) < self.num_engines:
             return None
         if any(time.time() - p.create_time() < self.settle_s for p in procs):
             return None
+        if serving:
+            versions = {_served_version(p) for p in procs}
+            if None in versions or len(versions) != 1:
+                return None
         return procs
 
     def _inject(self, kind: str, *, busy: bool = False) -> None:
@@ -195,7 +215,7 @@ class EngineChaos:
 
         def ready() -> bool:
             nonlocal procs
-            procs = self._healthy_set()
+            procs = self._healthy_set(serving=not busy)
             return procs is not None
 
         if not self._wait(ready, timeout_s=300.0) or procs is None:

@@ -79,7 +79,8 @@ def _train(
             restarts=[e.restarts for e in pool.engines],
             in_service=[e.in_service for e in pool.engines],
             pool_version=pool.weight_version,
-            versions=[pool.client.weight_version(url=e.url) for e in pool.engines],
+            versions=[pool.client.weight_version(url=e.url) if e.in_service else None
+                      for e in pool.engines],  # an engine out of service cannot say
         )
         real_tear_down(handle)
 
