@@ -181,8 +181,13 @@ def score_advantages(planes: PlanesHandle, batch: StepSamples, step: int) -> Ste
     name = get_planes(planes).advantage.pass_name
     if name is None:
         return batch
-    return _advantage_pass.with_options(name=name, task_run_name=f"{name}-step-{step}")(
-        planes, opaque(batch), step)  # opaque: see grpo_step
+    return _pass_task(name)(planes, opaque(batch), step)  # opaque: see grpo_step
+
+
+@functools.cache
+def _pass_task(name: str) -> Any:  # noqa: ANN401 - a Prefect Task
+    """The pass's task, built once per name (not a copy every step)."""
+    return _advantage_pass.with_options(name=name, task_run_name=name + "-step-{step}")
 
 
 @task(timeout_seconds=1800, **_RETRY)
