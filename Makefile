@@ -16,12 +16,19 @@ TORCH  ?= torch==2.13.0
 # The CPU build of torch: PyTorch's CPU wheel index first, then the default index (a local
 # wheel cache, where pip has one, serves either).
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# A local CPU wheel of it in pip's find-links (PIP_FIND_LINKS), where the machine has one:
+# uv installs it in ~3 s (pip unpacks it in ~20 s, on one core).
+TORCH_WHEEL ?= $(firstword $(wildcard $(addsuffix /$(subst ==,-,$(TORCH))+cpu-cp311-*.whl,\
+  $(PIP_FIND_LINKS))))
 CONFIG ?= configs/tiny-cpu.yaml
 PYTEST_ARGS ?=
 # Tests run in a loopback-only network namespace where the machine allows it (Ray opens
 # ports on every interface; see scripts/loopback.sh).
 LOOPBACK ?= scripts/loopback.sh
-PYTEST := AWS_EC2_METADATA_DISABLED=true $(LOOPBACK) $(BIN)/python -m pytest
+# OMP_WAIT_POLICY=PASSIVE: the suite runs many torch processes on 2 cores; an OpenMP thread
+# that spins at a barrier (libgomp's default) burns the core another process needs
+# (docs/testing.md: ~10% of the suite's CPU).
+PYTEST := AWS_EC2_METADATA_DISABLED=true OMP_WAIT_POLICY=PASSIVE $(LOOPBACK) $(BIN)/python -m pytest
 
 .PHONY: setup setup-dev run test test-random soak lint clean screenshots
 
@@ -32,12 +39,13 @@ $(BIN)/python:
 # it (PYTHONDONTWRITEBYTECODE): every process would then compile Prefect, MLflow and
 # transformers from source at start-up (~10 s each), so both installs compile it once.
 define install
-	@echo ">> installing the CPU torch wheel first ($(TORCH)), so no CUDA build is pulled"
 	@$(BIN)/python -m pip --version >/dev/null
+	$(BIN)/python -m pip install -q --disable-pip-version-check uv
+	@echo ">> installing the CPU torch wheel first ($(TORCH)), so no CUDA build is pulled"
+	$(if $(TORCH_WHEEL),$(BIN)/uv pip install -q --python $(BIN)/python $(TORCH_WHEEL) ||) \
 	$(BIN)/python -m pip install -q --disable-pip-version-check --retries 1 --timeout 20 \
 	  --index-url $(TORCH_INDEX) $(TORCH) 2>/dev/null \
 	  || $(BIN)/python -m pip install -q --disable-pip-version-check $(TORCH)
-	$(BIN)/python -m pip install -q --disable-pip-version-check uv
 	@echo ">> installing grpoflow ($(1))"
 	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e "$(1)" \
 	  || $(BIN)/python -m pip install -q --disable-pip-version-check -e "$(1)"

@@ -186,12 +186,14 @@ def _build_demo_model(cache: Path, threads: int = 2) -> Path:
 
 
 SHARED_READY_ENV = "GRPOFLOW_TEST_SHARED_READY"
+_BUILD = ("import sys, pathlib; from conftest import _build_demo_model; "
+          "_build_demo_model(pathlib.Path(sys.argv[1]), 1)")
 SHARED_WAIT_S = 900
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Under pytest-xdist the controller builds the demo model once, in a thread on one
-    core, while the workers start on the tests that do not need it; each worker's cache
+    """Under pytest-xdist the controller builds the demo model once, in a child process on
+    one core, while the workers start on the tests that do not need it; each worker's cache
     links to it once it is built (``tiny_cache`` waits for the ready file)."""
     config = session.config
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
@@ -205,9 +207,18 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     ready.unlink(missing_ok=True)
 
     def build() -> None:
+        # In a child process: a build in this thread created loggers while pytest's logging
+        # plugin iterated them on the main thread (INTERNALERROR: dictionary changed size).
+        import subprocess
+        import sys
+
         try:
-            _build_demo_model(root, threads=1)
-            ready.write_text("ok")
+            done = subprocess.run([sys.executable, "-c", _BUILD, str(root.resolve())], capture_output=True,
+                                  text=True, timeout=SHARED_WAIT_S - 60, cwd=Path(__file__).parent,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+            ready.write_text("ok" if done.returncode == 0 else
+                             f"the demo model build failed (rc {done.returncode}):\n"
+                             f"{done.stderr[-3000:]}")
         except BaseException as e:  # noqa: BLE001 - told to every test that needs the model
             ready.write_text(f"the demo model build failed: {type(e).__name__}: {e}")
 
