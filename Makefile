@@ -25,10 +25,7 @@ PYTEST_ARGS ?=
 # Tests run in a loopback-only network namespace where the machine allows it (Ray opens
 # ports on every interface; see scripts/loopback.sh).
 LOOPBACK ?= scripts/loopback.sh
-# OMP_WAIT_POLICY=PASSIVE: the suite runs many torch processes on 2 cores; an OpenMP thread
-# that spins at a barrier (libgomp's default) burns the core another process needs
-# (docs/testing.md: ~10% of the suite's CPU).
-PYTEST := AWS_EC2_METADATA_DISABLED=true OMP_WAIT_POLICY=PASSIVE $(LOOPBACK) $(BIN)/python -m pytest
+PYTEST := AWS_EC2_METADATA_DISABLED=true $(LOOPBACK) $(BIN)/python -m pytest
 
 .PHONY: setup setup-dev run test test-random soak lint clean screenshots
 
