@@ -28,9 +28,7 @@ from tasks.checkpoint import restore_checkpoint, save_checkpoint
 from tasks.evaluate import evaluate_policy, export_model
 from tasks.setup import bring_up, fetch_model, prepare_data
 from tasks.step import (
-    BUDGET_ERRORS,
     StepSamples,
-    StepTaskError,
     compute_advantages,
     compute_logprobs,
     needs_logprobs,
@@ -40,9 +38,9 @@ from tasks.step import (
     sync_weights,
     train,
 )
-from tasks.tracking import finish_tracking, log_checkpoint, log_evaluation, start_tracking
+from tasks.tracking import finish_tracking, log_evaluation, start_tracking
 
-__all__ = ["grpo_step", "grpo_train"]
+__all__ = ["GRPOPlanes", "grpo_step", "grpo_train"]
 
 
 @redacted_flow(name="grpo-train", log_prints=False, on_failure=[Run.failed],
@@ -62,46 +60,7 @@ def grpo_train(
     tracking = start_tracking(cfg, str(run.dir.path), data, resume_from=run.resume_from)
     model_path = fetch_model(cfg.model, cfg.data, cfg.storage.cache_dir)
     preflight(cfg, model_path=model_path, data=False)  # the model checks, on the fetched model
-    planes, schedule, step = _bring_up(run, model_path, data, run.resume_from)
-    try:
-        evals = run.dir.read_evals() or [_evaluate(run, planes, step - 1, tracking)]
-        restarts = 0
-        while step <= cfg.train.steps:
-            try:
-                scored, metrics = grpo_step(planes, schedule, step)
-            except StepTaskError as exc:
-                if isinstance(exc.__cause__, BUDGET_ERRORS):  # not the planes' fault
-                    raise RuntimeError(f"GRPO step {exc.step}: {exc.__cause__}") from exc
-                restarts += 1
-                if restarts > cfg.train.max_plane_restarts:
-                    raise RuntimeError(f"GRPO step {exc.step} failed after its task retries and "
-                                       f"{restarts - 1} plane restart(s) "
-                                       f"(train.max_plane_restarts): {exc}") from exc
-                tear_down(planes)
-                latest = run.latest_checkpoint()
-                run.say(f"{exc}; rebuilding the planes from {latest or 'the base model'} "
-                        f"(restart {restarts} of {cfg.train.max_plane_restarts})")
-                planes, schedule, step = _bring_up(run, model_path, data, latest)
-                evals = run.dir.read_evals()
-                continue
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                metrics.update(save_checkpoint(planes, run.ckpt_root, step, schedule.state_dict(),
-                                               data.train_digest, tracking and tracking.run_id,
-                                               opaque(schedule.buffer())))
-                log_checkpoint(tracking, step, run.ckpt_root)
-            run.record_step(step, metrics, scored, tracking, get_planes(planes).tokenizer)
-            if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
-                evals.append(_evaluate(run, planes, step, tracking))
-            step += 1
-        run.close_progress()
-
-        if not (cfg.checkpoint.every and cfg.train.steps % cfg.checkpoint.every == 0):
-            save_checkpoint(planes, run.ckpt_root, cfg.train.steps, schedule.state_dict(),
-                            data.train_digest, tracking and tracking.run_id)
-            log_checkpoint(tracking, cfg.train.steps, run.ckpt_root)
-        model_dir = export_model(planes, str(run.dir.model_dir))
-    finally:  # a failure, Ctrl-C or SIGTERM (Prefect's TerminationSignal) included
-        tear_down(planes)
+    model_dir, evals, restarts = run.train(GRPOPlanes(run, model_path, data), tracking)
     if evals[-1]["step"] != cfg.train.steps:  # what users take away is what gets measured
         evals.append(run.log_eval(evaluate_model(
             config=config, overrides=final_eval_overrides(cfg, config, overrides), model=model_dir,
@@ -109,6 +68,47 @@ def grpo_train(
         log_evaluation(tracking, cfg.train.steps, evals[-1])
     registered = finish_tracking(tracking, model_dir=model_dir, eval_result=run.brief(evals[-1]))
     return run.finish(model_dir, data, evals, registered, restarts)
+
+
+class GRPOPlanes:
+    """GRPO as :meth:`flows.run.Run.train` drives it: both planes and the rollout schedule,
+    brought up (again) from a checkpoint; one step per call."""
+
+    kind, last_eval_here = "GRPO", False
+
+    def __init__(self, run: Run, model_path: str, data: Any) -> None:  # noqa: ANN401
+        self.run, self.model_path, self.data = run, model_path, data
+        self.planes: PlanesHandle | None = None
+
+    def start(self, checkpoint: str | None) -> int:
+        self.planes = bring_up(self.run.cfg, self.model_path, self.data, str(self.run.dir.path))
+        self.schedule = schedule_for(self.planes)
+        self.tokenizer = get_planes(self.planes).tokenizer
+        if checkpoint is None:
+            return 0
+        state, buffer = restore_checkpoint(self.planes, checkpoint, self.data.train_digest)
+        self.schedule.load_state_dict(state.sampler, buffer)
+        return state.step
+
+    def steps(self, first: int, stop: int) -> list[tuple[dict[str, float], StepSamples]]:
+        scored, metrics = grpo_step(self.planes, self.schedule, first)
+        return [(metrics, scored)]
+
+    def checkpoint(self, step: int, run_id: str | None, final: bool) -> dict[str, float]:
+        buffer = None if final else opaque(self.schedule.buffer())
+        return save_checkpoint(self.planes, self.run.ckpt_root, step, self.schedule.state_dict(),
+                               self.data.train_digest, run_id, buffer)
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        return evaluate_policy(self.planes, step)
+
+    def export(self, out_dir: str) -> str:
+        return export_model(self.planes, out_dir)
+
+    def close(self) -> None:
+        if self.planes is not None:
+            tear_down(self.planes)
+            self.planes = None
 
 
 # What the final evaluation of a run on embedded CPU engines changes: one in-process engine.
@@ -161,27 +161,3 @@ def grpo_step(planes: PlanesHandle, schedule: Schedule, step: int) -> tuple[Step
     metrics.update(schedule.done(step))
     metrics["time/step"] = time.perf_counter() - started
     return scored, metrics
-
-
-def _bring_up(run: Run, model_path: str, data: Any, checkpoint: Any) -> tuple:  # noqa: ANN401
-    """Planes and prompt source, restored from ``checkpoint`` when given; the next step."""
-    planes = bring_up(run.cfg, model_path, data, str(run.dir.path))
-    schedule = schedule_for(planes)
-    if checkpoint is None:
-        run.dir.truncate_after(0 if run.started else -1)  # a fresh start: fresh logs
-        run.started = True
-        return planes, schedule, 1
-    state, buffer = restore_checkpoint(planes, str(checkpoint), data.train_digest)
-    schedule.load_state_dict(state.sampler, buffer)
-    run.dir.truncate_after(state.step)
-    if not run.started:
-        run.resumed_from_step = state.step
-        run.say(f"resumed from {checkpoint}; continuing at step {state.step + 1}")
-    run.started = True
-    return planes, schedule, state.step + 1
-
-
-def _evaluate(run: Run, planes: PlanesHandle, step: int, tracking: Any) -> dict[str, Any]:
-    result = run.log_eval(evaluate_policy(planes, step))
-    log_evaluation(tracking, step, result)
-    return result

@@ -1,16 +1,19 @@
-"""What the training flow keeps about its run besides the planes: the config, the run
-directory, where checkpoints go and which one to resume from, the console and the progress
-shown in the terminal and the Prefect UI, and the summary written at the end.
+"""The one flow skeleton of GRPO and SFT (:meth:`Run.train`) and what a run keeps besides its
+model: the config, the run directory, where checkpoints go and which one to resume from, the
+console and the progress in the terminal and the Prefect UI, the summary written at the end.
 
-The flow calls these helpers between its tasks; none of them is a Prefect task (they are
-local bookkeeping, milliseconds each).
+A flow hands :meth:`Run.train` a :class:`Trainee` (GRPO's planes, SFT's session): resume,
+evaluate, steps with checkpoints and evaluations at their cadence, a rebuild from the latest
+checkpoint when a step's retries are spent, the last checkpoint, the export. None of these
+helpers is a Prefect task (the trainee's verbs are).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import psutil
 from prefect import get_run_logger
@@ -25,9 +28,46 @@ from rl_core.preflight import preflight
 from rl_core.report import format_eval, format_step, format_summary
 from rl_core.rundir import RunDir
 from tasks.evaluate import artifact_key
-from tasks.tracking import log_step, log_traces, sample_rows, tracking_failed
+from tasks.step import BUDGET_ERRORS, StepTaskError
+from tasks.tracking import (
+    log_checkpoint,
+    log_evaluation,
+    log_step,
+    log_traces,
+    sample_rows,
+    tracking_failed,
+)
 
-__all__ = ["Run", "yield_cpu_to_the_step"]
+__all__ = ["Run", "Trainee", "due", "yield_cpu_to_the_step"]
+
+
+def due(every: int, step: int) -> bool:
+    """A cadence (``checkpoint.every``, ``eval.every``; 0: never) falls on ``step``."""
+    return bool(every) and step % every == 0
+
+
+class Trainee(Protocol):
+    """What :meth:`Run.train` drives: GRPO's planes (``flows/grpo_train.py``) or SFT's session
+    (``flows/sft.py``). Each verb is a Prefect task (or calls them)."""
+
+    kind: str  # "GRPO" or "SFT": the console's step lines and the summary
+    tokenizer: Any  # the sample tables' decoding (GRPO)
+    last_eval_here: bool  # the last evaluation by the trainee (SFT); GRPO's is a subflow
+
+    def start(self, checkpoint: str | None) -> int:
+        """Bring up (again), restored from ``checkpoint`` when given; the last step it holds."""
+
+    def steps(self, first: int, stop: int) -> list[tuple[dict[str, float], Any]]:
+        """Steps ``first..`` (at most to ``stop``): each one's metrics and scored samples."""
+
+    def checkpoint(self, step: int, run_id: str | None, final: bool) -> dict[str, float]:
+        """A complete checkpoint of ``step``; its metrics."""
+
+    def evaluate(self, step: int) -> dict[str, Any]: ...
+
+    def export(self, out_dir: str) -> str: ...
+
+    def close(self) -> None: ...
 
 EPHEMERAL_API = "prefect.server.api.server:create_app"
 
@@ -73,10 +113,11 @@ class Run:
         self._progress_at = 0.0
 
     @classmethod
-    def open(cls, config: str | None, overrides: list[str] | None, resume: str,
-             show: bool) -> Run:
-        cfg = load_config(config, overrides or [])
-        preflight(cfg, model=False)  # deployment runs start here, not at the CLI
+    def open(cls, config: str | None, overrides: list[str] | None, resume: str, show: bool,
+             load: Callable[..., Any] = load_config) -> Run:
+        cfg = load(config, overrides or [])
+        if load is load_config:
+            preflight(cfg, model=False)  # deployment runs start here, not at the CLI
         if cfg.storage.s3_endpoint_url:  # for boto3, MLflow's artifact store and every child
             os.environ.update(storage.s3_env(cfg.storage.s3_endpoint_url))
         if get_current_settings().api.url is None:
@@ -86,6 +127,83 @@ class Run:
     def latest_checkpoint(self) -> Any:  # noqa: ANN401
         return latest_checkpoint(self.ckpt_root)
 
+    def train(self, trainee: Trainee, tracking: Any) -> tuple[str, list[dict[str, Any]], int]:
+        """The loop both flows run (module docstring); the exported model's directory, the
+        evaluations, the plane restarts. The trainee is closed on the way out, a failure,
+        Ctrl-C or SIGTERM (Prefect's TerminationSignal) included."""
+        cfg, total, restarts = self.cfg, self.cfg.train.steps, 0
+        run_id = tracking and tracking.run_id
+        try:
+            step = self._start(trainee, self.resume_from) + 1
+            evals = self.dir.read_evals() or [self.evaluate(trainee, step - 1, tracking)]
+            while step <= total:
+                try:
+                    done = trainee.steps(step, self._stop(step))
+                except StepTaskError as exc:
+                    if isinstance(exc.__cause__, BUDGET_ERRORS):  # not the planes' fault
+                        raise RuntimeError(f"{trainee.kind} step {exc.step}: {exc.__cause__}"
+                                           ) from exc
+                    restarts += 1
+                    if restarts > cfg.train.max_plane_restarts:
+                        raise RuntimeError(
+                            f"{trainee.kind} step {exc.step} failed after its task retries and "
+                            f"{restarts - 1} plane restart(s) (train.max_plane_restarts): "
+                            f"{exc}") from exc
+                    trainee.close()
+                    latest = self.latest_checkpoint()
+                    self.say(f"{exc}; rebuilding the planes from {latest or 'the base model'} "
+                             f"(restart {restarts} of {cfg.train.max_plane_restarts})")
+                    step = self._start(trainee, latest) + 1
+                    evals = self.dir.read_evals()
+                    continue
+                for n, (metrics, scored) in enumerate(done, start=step):
+                    if due(cfg.checkpoint.every, n):
+                        metrics.update(trainee.checkpoint(n, run_id, False))
+                        log_checkpoint(tracking, n, self.ckpt_root)
+                    self.record_step(n, metrics, scored, tracking, trainee)
+                    if due(cfg.eval.every, n) and n != total:
+                        evals.append(self.evaluate(trainee, n, tracking))
+                step += len(done)
+            self.close_progress()
+            if not due(cfg.checkpoint.every, total):
+                trainee.checkpoint(total, run_id, True)
+                log_checkpoint(tracking, total, self.ckpt_root)
+            model_dir = trainee.export(str(self.dir.model_dir))
+            if trainee.last_eval_here and evals[-1]["step"] != total:
+                evals.append(self.evaluate(trainee, total, tracking))
+            return model_dir, evals, restarts
+        finally:
+            trainee.close()
+
+    def _stop(self, step: int) -> int:
+        """The last step before the next checkpoint or evaluation is due (or the end)."""
+        stop = self.cfg.train.steps
+        for every in (self.cfg.eval.every, self.cfg.checkpoint.every):
+            if every:
+                stop = min(stop, (step // every + 1) * every if step % every else step)
+        return stop
+
+    def _start(self, trainee: Trainee, checkpoint: Any) -> int:  # noqa: ANN401
+        """Bring the trainee up from ``checkpoint`` (or fresh); the last step it holds."""
+        step = trainee.start(None if checkpoint is None else str(checkpoint))
+        if checkpoint is None:
+            self.dir.truncate_after(0 if self.started else -1)  # a fresh start: fresh logs
+        else:
+            self.dir.truncate_after(step)
+            if not self.started:
+                self.resumed_from_step = step
+                self.say(f"resumed from {checkpoint}; continuing at step {step + 1}")
+        self.started = True
+        return step
+
+    def evaluate(self, trainee: Trainee, step: int, tracking: Any) -> dict[str, Any]:
+        """An evaluation of the trainee's current weights, logged everywhere."""
+        result = self.log_eval(trainee.evaluate(step))
+        if result.get("loss") is not None:
+            log_step(tracking, step, {"eval/loss": result["loss"]})
+        log_evaluation(tracking, step, result)
+        return result
+
     def say(self, line: str) -> None:
         """To the Prefect run log (the UI) and, above the progress bar, to the terminal."""
         self._log.info(line)
@@ -93,20 +211,20 @@ class Run:
             tqdm.write(line)
 
     def record_step(self, step: int, metrics: dict[str, float], scored: Any, tracking: Any,
-                    tokenizer: Any, line: str | None = None) -> None:  # noqa: ANN401 - fmt: skip
+                    trainee: Trainee) -> None:  # noqa: ANN401
         """A finished step: metrics (and a GRPO step's ``scored`` samples: ledger, sample
-        tables, episode traces) to the run directory and MLflow, ``line`` (default: GRPO's step
-        line) to the console, the progress bar and artifact on. SFT steps come here too."""
-        steps, kind = self.cfg.train.steps, "GRPO" if scored is not None else "SFT"
+        tables, episode traces) to the run directory and MLflow, its line to the console, the
+        progress bar and artifact on."""
+        steps, kind = self.cfg.train.steps, trainee.kind
         self.dir.log_metrics(step, metrics)
         if scored is None:
             log_step(tracking, step, metrics)
         else:
-            log_step(tracking, step, metrics, sample_rows(scored.samples, tokenizer))
+            log_step(tracking, step, metrics, sample_rows(scored.samples, trainee.tokenizer))
             log_traces(tracking, step, scored.samples, self.cfg.tracking.traces_per_step,
                        getattr(scored, "dropped", ()))
             self.dir.log_samples(step, scored.ledger())
-        self.say(line or format_step(step, steps, metrics))
+        self.say(format_step(step, steps, metrics, kind))
         if self._bar is None:
             self._bar = tqdm(desc=kind, unit="step", initial=step - 1, total=steps,
                              disable=not self._show)
@@ -137,14 +255,17 @@ class Run:
         return {k: v for k, v in result.items() if k != "samples"}
 
     def finish(self, model_dir: str, data: Any, evals: list[dict[str, Any]],  # noqa: ANN401
-               registered: Any, restarts: int) -> dict[str, Any]:  # noqa: ANN401 - fmt: skip
+               registered: Any, restarts: int, kind: str = "GRPO") -> dict[str, Any]:  # noqa: ANN401 - fmt: skip
         """The run's summary: written to ``summary.json``, printed, returned by the flow."""
+        counts = {k: getattr(data, k) for k in ("num_train", "num_eval") if hasattr(data, k)}
         summary = {
             "run_name": self.dir.name, "run_dir": str(self.dir.path), "model_dir": model_dir,
             "metrics_path": str(self.dir.metrics_path), "checkpoint_dir": self.ckpt_root,
-            "steps": self.cfg.train.steps, "resumed_from_step": self.resumed_from_step,
+            "kind": kind, "steps": self.cfg.train.steps,
+            "resumed_from_step": self.resumed_from_step,
             "plane_restarts": restarts, "seconds": time.perf_counter() - self.started_at,
-            "data": {"train_digest": data.train_digest, "eval_digest": data.eval_digest},
+            "data": {"train_digest": data.train_digest, "eval_digest": data.eval_digest,
+                     **counts},
             "first_eval": self.brief(evals[0]), "last_eval": self.brief(evals[-1]),
             "evals": [self.brief(e) for e in evals], "tracking": registered,
         }
