@@ -38,9 +38,10 @@ def _env_defaults() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", nargs="?", help="YAML config (e.g. configs/tiny-cpu.yaml)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides: algorithm.kl_coef=0.001")
+def _config_args(p: argparse.ArgumentParser, example: str = "configs/tiny-cpu.yaml",
+                 override: str = "algorithm.kl_coef=0.001") -> None:
+    p.add_argument("config", nargs="?", help=f"YAML config (e.g. {example})")
+    p.add_argument("overrides", nargs="*", help=f"dotted overrides: {override}")
     p.add_argument("--debug", action="store_true",
                    help="on failure, show Prefect's failure logs and the full traceback")
 
@@ -123,14 +124,27 @@ def cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def stage_overrides(items: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``post-train``'s overrides, ``sft.K=V`` and ``grpo.K=V``, split by stage (unprefixed)."""
+    from rl_core.config import ConfigError
+
+    out: dict[str, list[str]] = {"sft": [], "grpo": []}
+    for item in items:
+        stage, _, key = item.partition(".")
+        if stage not in out or "=" not in key:
+            raise ConfigError(f"post-train: {item!r}: prefix each override with its stage, "
+                              f"sft.<key>=V or grpo.<key>=V (e.g. sft.train.steps=100)")
+        out[stage].append(key)
+    return out["sft"], out["grpo"]
+
+
 def cmd_post_train(args: argparse.Namespace) -> int:
-    from rl_core.config import ConfigError, load_config
+    from rl_core.config import load_config
     from rl_core.preflight import preflight
     from rl_core.sft import load_sft_config
 
-    if args.overrides:  # main() collects stray key=value arguments there
-        raise ConfigError(f"post-train: give overrides with --sft-override or --grpo-override "
-                          f"(got {' '.join(args.overrides)})")
+    sft, grpo = stage_overrides(args.overrides)
+    args.sft_override, args.grpo_override = [*args.sft_override, *sft], [*args.grpo_override, *grpo]
     load_sft_config(args.sft_config, args.sft_override)  # bad configs fail before any flow
     preflight(load_config(args.grpo_config, args.grpo_override), model=False)
     post_train = _flow("flows.pipeline:post_train", args.debug)
@@ -236,11 +250,95 @@ def cmd_tracking(argv: list[str]) -> int:
     return 0
 
 
+def cmd_validate(args: argparse.Namespace) -> int:
+    import yaml
+
+    from rl_core.config import load_config
+    from rl_core.secrets import redact_config
+    from rl_core.validate import validate
+
+    config, overrides = _split(args)
+    cfg = load_config(config, overrides)
+    findings = validate(cfg, rows=args.rows)
+    if args.json:
+        print(json.dumps([f.__dict__ for f in findings], indent=2))
+    else:
+        print("resolved config (secrets masked):")
+        print(yaml.safe_dump(redact_config(cfg.model_dump(mode="json")), sort_keys=False))
+        for f in findings:
+            print(f"{f.status:<4}  {f.what}: {f.detail}")
+    failed = [f for f in findings if f.status == "fail"]
+    if failed and not args.json:
+        print(f"grpoflow: {len(failed)} check(s) failed; fix them before `grpoflow train`",
+              file=sys.stderr)
+    return 2 if failed else 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    from rl_core.config import load_config
+    from rl_core.rundir import list_runs
+
+    if args.root:
+        root = args.root
+    else:
+        config, overrides = _split(args)
+        root = load_config(config, overrides).storage.root
+    runs = list_runs(root)
+    if args.json:
+        print(json.dumps(runs, indent=2))
+        return 0
+    if not runs:
+        print(f"no runs under {Path(root).expanduser().resolve()}")
+        return 0
+    print(format_runs(runs))
+    return 0
+
+
+def format_runs(runs: Sequence[dict[str, Any]]) -> str:
+    """``grpoflow runs`` as a table, one run per line, oldest first."""
+
+    def score(e: dict[str, Any] | None) -> str:
+        if not e:
+            return "-"
+        key = "pass@1" if "pass@1" in e else "loss"
+        return f"{key} {e[key]:.3f} @{e['step']}"
+
+    rows = [("RUN", "KIND", "STATUS", "STEPS", "LAST EVAL", "BEST EVAL", "MODEL")]
+    rows += [(r["run"], r["kind"], r["status"], f"{r['steps']}/{r['total_steps'] or '?'}",
+              score(r["last_eval"]), score(r["best_eval"]), r["model"] or "-") for r in runs]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)),
+                                row[-1]]) for row in rows)
+
+
+def _plain(text: str) -> str:
+    """A docstring line for ``--help``: ``x`` and :role:`x` as plain x."""
+    import re
+
+    return re.sub(r":\w+:`~?([^`]+)`", r"\1", text).replace("``", "")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"grpoflow {version('grpoflow')}"
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "grpoflow (not installed)"
+
+
+_REFERENCE = ("every config field, its type, default and meaning: docs/configuration.md; "
+              "shipped configs: configs/")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpoflow", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="grpoflow", description=_plain(__doc__.split("\n")[0]),
+                                     epilog=_REFERENCE)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="run GRPO training (Prefect flow grpo-train)")
+    p = sub.add_parser("train", help="run GRPO training (Prefect flow grpo-train)",
+                       epilog=_REFERENCE)
     _config_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar or step lines")
     p.add_argument("--json", action="store_true", help="print the run summary as JSON")
@@ -257,8 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("sft", help="supervised fine-tuning (Prefect flow sft-train); its "
-                       "model feeds `train` as model.path (docs/sft.md)")
-    _config_args(p)
+                       "model feeds `train` as model.path (docs/sft.md)",
+                       epilog="SFT config fields: docs/sft.md; shipped: configs/sft-*.yaml")
+    _config_args(p, "configs/sft-tiny-cpu.yaml", "train.steps=100")
     p.add_argument("--quiet", action="store_true", help="no progress bar or step lines")
     p.add_argument("--json", action="store_true", help="print the run summary as JSON")
     group = p.add_mutually_exclusive_group()
@@ -272,10 +371,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "evaluation (Prefect flow post-train; docs/deployments.md)")
     p.add_argument("sft_config", help="SFT YAML config (e.g. configs/sft-tiny-cpu.yaml)")
     p.add_argument("grpo_config", help="GRPO YAML config (e.g. configs/tiny-cpu.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="STAGE.K=V",
+                   help="dotted overrides prefixed with their stage: sft.train.steps=100 "
+                   "grpo.train.steps=20 (not grpo.model.path: the SFT export)")
     p.add_argument("--sft-override", nargs="+", action="extend", default=[], metavar="K=V",
-                   help="dotted overrides of the SFT stage: train.steps=100")
+                   help="the same as sft.K=V")
     p.add_argument("--grpo-override", nargs="+", action="extend", default=[], metavar="K=V",
-                   help="dotted overrides of the GRPO stage (not model.path: the SFT export)")
+                   help="the same as grpo.K=V")
     p.add_argument("--run-name", help="names the chain and its runs <name>-sft, <name>-grpo; "
                    "the same name again skips finished stages and resumes the others")
     p.add_argument("--no-resume", dest="resume", action="store_const", const="never",
@@ -284,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the chain's summary as JSON")
     p.add_argument("--debug", action="store_true",
                    help="on failure, show Prefect's failure logs and the full traceback")
-    p.set_defaults(func=cmd_post_train, overrides=[])
+    p.set_defaults(func=cmd_post_train)
 
     p = sub.add_parser("evaluate", help="evaluate a model on the held-out set")
     _config_args(p)
@@ -329,6 +431,21 @@ def build_parser() -> argparse.ArgumentParser:
         "(see `grpoflow tracking --help`)"
     )
 
+    p = sub.add_parser("validate", help="check a config without starting a run: pre-flight, "
+                       "model, data rows, prompts, reward, where the planes run",
+                       epilog=_REFERENCE)
+    _config_args(p)
+    p.add_argument("--rows", type=int, default=8, help="data rows to read and check")
+    p.add_argument("--json", action="store_true", help="the findings as JSON")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("runs", help="the runs under storage.root: status, steps, last and "
+                       "best evaluation, model")
+    _config_args(p)
+    p.add_argument("--root", help="the runs' directory (default: the config's storage.root)")
+    p.add_argument("--json", action="store_true", help="one JSON object per run")
+    p.set_defaults(func=cmd_runs)
+
     p = sub.add_parser("bootstrap-model", help="build the embedded tiny model")
     _config_args(p)
     p.add_argument("--out", help="output directory (default: the cache entry)")
@@ -349,6 +466,12 @@ def main(argv: list[str] | None = None) -> int:
         from rl_core.engine.server import main as serve_main
 
         return serve_main(argv[2:])
+    if argv[:1] == ["engine"]:  # the group alone, or --help: what it holds
+        print("usage: grpoflow engine serve --model PATH [--port P] [...]\n\n"
+              "  serve  the embedded SGLang-compatible engine "
+              "(grpoflow engine serve --help)",
+              file=sys.stdout if argv[1:2] in (["-h"], ["--help"]) else sys.stderr)
+        return 0 if argv[1:2] in (["-h"], ["--help"]) else 2
     if argv[:1] == ["doctor"]:
         from grpoflow.doctor import main as doctor_main
 

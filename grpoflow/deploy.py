@@ -51,7 +51,8 @@ def _ensure_pools(names: list[str], pool_type: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="grpoflow deploy", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="grpoflow deploy", description=(
+        "Register deployments/prefect.yaml with the Prefect server at PREFECT_API_URL."))
     ap.add_argument("--prefect-file", type=Path, default=DEFAULT_FILE)
     ap.add_argument("--name", action="append", default=[],
                     help="deploy only these (flow/deployment patterns); default: all")

@@ -35,6 +35,7 @@ from rl_core.config import (
     StorageConfig,
     TeacherConfig,
     TrainConfig,
+    resolve_device,
 )
 from rl_core.data.prompts import encode_prompts
 from rl_core.data.records import Record
@@ -147,6 +148,8 @@ def start_rollout(
 
         share = getattr(trainer, "model", None) if r.weight_sync == "shared" else None
         plane = InProcessPlane(model_path, dtype=cfg.model.dtype, timeout_s=r.timeout_s,
+                               device=(str(next(share.parameters()).device) if share is not None
+                                       else resolve_device(r.device, "rollout.device")),
                                max_running_requests=r.max_running_requests,
                                trust_remote_code=cfg.model.trust_remote_code, share=share,
                                routed_experts=cfg.train.moe.routing_replay)
@@ -369,6 +372,8 @@ def _start_trainer(cfg: ExperimentConfig, model_path: str | Path, placement: Any
     """One trainer in this process, or ``cluster.trainer_ranks`` rank actors on Ray."""
     kw = dict(temperature=cfg.rollout.temperature, max_response_len=cfg.rollout.max_new_tokens,
               dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    if placement is None:  # this process: train.device (auto: a GPU when torch sees one)
+        kw["device"] = resolve_device(cfg.train.device, "train.device")
     train = cfg.train
     if train.backend == "megatron":
         from rl_core.training.megatron.layout import resolve_layout

@@ -15,7 +15,7 @@ import yaml
 from rl_core.config import ExperimentConfig
 from rl_core.secrets import redact_config
 
-__all__ = ["RunDir"]
+__all__ = ["RunDir", "describe_run", "list_runs"]
 
 
 def _latest_run_name(root: Path, name: str) -> str | None:
@@ -79,3 +79,67 @@ class RunDir:
         out = self.path / "summary.json"
         out.write_text(json.dumps(summary, indent=2))
         return out
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut by a kill: the rest still counts
+    return out
+
+
+def _score(result: dict[str, Any]) -> tuple[str, float] | None:
+    """An evaluation's headline: greedy pass@1 (GRPO, SFT with accuracy) or held-out loss."""
+    if result.get("pass_at_1") is not None:
+        return "pass@1", float(result["pass_at_1"])
+    if result.get("loss") is not None:
+        return "loss", float(result["loss"])
+    return None
+
+
+def describe_run(path: Path) -> dict[str, Any] | None:
+    """What ``grpoflow runs`` shows of a run directory (None: not a run directory): kind,
+    status (finished: ``summary.json`` written; else incomplete, running or stopped), steps
+    done of the total, the last and the best evaluation, the model (registry URI, else the
+    exported directory, else the latest checkpoint)."""
+    config_file = path / "config.yaml"
+    if not config_file.is_file():
+        return None
+    config = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
+    summary = json.loads(s.read_text()) if (s := path / "summary.json").is_file() else None
+    metrics, evals = _jsonl(path / "metrics.jsonl"), _jsonl(path / "evals.jsonl")
+    kind = (summary or {}).get("kind") or ("GRPO" if "algorithm" in config else "SFT")
+    scored = [(e["step"], *sc) for e in evals if (sc := _score(e)) is not None]
+    best = None
+    if scored:
+        pick = min if scored[-1][1] == "loss" else max
+        best = pick(scored, key=lambda r: r[2])
+    tracking = (summary or {}).get("tracking") or {}
+    checkpoints = sorted(p.name for p in (path / "checkpoints").glob("step-*")
+                         if (p / "MANIFEST.json").is_file())
+    model = (tracking.get("alias_uri") or tracking.get("model_uri")
+             or (str(path / "model") if (path / "model").is_dir() else None)
+             or (str(path / "checkpoints" / checkpoints[-1]) if checkpoints else None))
+    return {
+        "run": path.name, "kind": kind, "status": "finished" if summary else "incomplete",
+        "steps": max((m.get("step", 0) for m in metrics), default=0),
+        "total_steps": (config.get("train") or {}).get("steps"),
+        "last_eval": {"step": scored[-1][0], scored[-1][1]: scored[-1][2]} if scored else None,
+        "best_eval": {"step": best[0], best[1]: best[2]} if best else None,
+        "model": model, "updated": max((p.stat().st_mtime for p in path.iterdir()),
+                                       default=path.stat().st_mtime),
+    }
+
+
+def list_runs(root: str | Path) -> list[dict[str, Any]]:
+    """Every run directory under ``root`` (``storage.root``), oldest first."""
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        return []
+    rows = [r for p in root.iterdir() if p.is_dir() and (r := describe_run(p)) is not None]
+    return sorted(rows, key=lambda r: r["updated"])

@@ -66,7 +66,8 @@ class SFTTeacherConfig(EnginesConfig):
     samples_per_prompt: int = Field(1, ge=1, description="Teacher samples per prompt row.")
     temperature: float = Field(1.0, ge=0.0, description="1.0: the teacher's own distribution "
         "(the forward KL's); 0: its greedy answer.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling of the teacher's "
+        "samples; 1.0: off.")
     max_new_tokens: int = Field(128, ge=1, description="The teacher's budget per sample; a "
         "sample that hits it has no end to imitate and is dropped (counted).")
     keep: Literal["all", "correct"] = Field("all", description="`correct`: only samples whose "
@@ -107,7 +108,8 @@ class SFTDataConfig(SourceConfig):
         "so the model learns the format GRPO samples from; false: the prompt is literal text.")
     system_prompt: str | None = Field(None, description="A system turn for rendered prompts and "
         "for chat rows that have none.")
-    teacher: SFTTeacherConfig = SFTTeacherConfig()
+    teacher: SFTTeacherConfig = Field(SFTTeacherConfig(), description="Train on a teacher's "
+        "samples for the prompt rows (`path` set; docs/distillation.md).")
 
     def grpo_data(self) -> DataConfig:
         """GRPO's data section for the same synthetic task and prompt rendering (what
@@ -127,15 +129,14 @@ class SFTTrainConfig(OptimizerConfig):
         "tokens (block-diagonal attention, positions restart per example): less padding.")
     pack_length: int | None = Field(None, ge=8, description="Tokens per packed row; default "
         "data.max_seq_len.")
-    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    lr_schedule: Literal["constant", "cosine"] = Field("cosine", description="After warmup: "
+        "`constant`, or `cosine` decay to `min_lr_ratio` x `lr` over `steps`.")
     steps_per_task: int = Field(10, ge=1, description="Optimizer steps per Prefect task run "
         "(fewer where an evaluation or a checkpoint falls).")
     step_timeout_s: float = Field(600.0, gt=0, description="Bound on one optimizer step (a "
         "train-steps task run gets this much per step).")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when "
-        "torch sees a GPU (ROCm included), else cpu.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads.")
-    seed: int = 0
+    seed: int = Field(0, description="Seed of the example order, the trainer and dropout.")
 
     def torch_config(self) -> TrainConfig:
         """The torch trainer's section for these optimizer settings (one update per step)."""
@@ -154,21 +155,28 @@ class SFTEvalConfig(Section):
     greedy_examples: int = Field(100, ge=0, description="Of those, how many the model answers "
         "greedily, scored by gsm8k_reward against the reference's final number (rows whose "
         "reference has none are skipped); 0: no accuracy.")
-    max_new_tokens: int = Field(64, ge=1)
+    max_new_tokens: int = Field(
+        64, ge=1, description="Tokens per greedy answer (`greedy_examples`) at most.")
     batch_size: int = Field(32, ge=1, description="Rows per forward of the held-out loss.")
 
 
 class SFTConfig(Section):
     """A whole SFT run."""
-    name: str = "sft"
+    name: str = Field("sft", description="The run's name: run names start with it, and it is "
+        "the MLflow experiment unless `tracking.experiment` is set.")
     run_name: str | None = Field(None, description="Defaults to `<name>-<timestamp>`.")
-    model: ModelConfig = ModelConfig()
-    data: SFTDataConfig = SFTDataConfig()
-    train: SFTTrainConfig = SFTTrainConfig()
-    eval: SFTEvalConfig = SFTEvalConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    storage: StorageConfig = StorageConfig()
-    tracking: TrackingConfig = TrackingConfig()
+    model: ModelConfig = Field(ModelConfig(), description="The model to fine-tune; `path: "
+        "embedded:tiny-init` is the tiny model before its warm start.")
+    data: SFTDataConfig = Field(SFTDataConfig(), description="The demonstrations.")
+    train: SFTTrainConfig = Field(
+        SFTTrainConfig(), description="The optimizer and the batches it sees.")
+    eval: SFTEvalConfig = Field(
+        SFTEvalConfig(), description="Held-out loss and greedy accuracy.")
+    checkpoint: CheckpointConfig = Field(
+        CheckpointConfig(), description="Where checkpoints go and how often.")
+    storage: StorageConfig = Field(
+        StorageConfig(), description="Where runs and cached data and models go.")
+    tracking: TrackingConfig = Field(TrackingConfig(), description="MLflow tracking and registry.")
 
     @property
     def pack_length(self) -> int:

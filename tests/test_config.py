@@ -393,3 +393,24 @@ def test_distributed_sync_on_colocated_gpus_is_refused_with_the_fix() -> None:
     # on CPU (gloo) and disaggregated GPUs it is fine
     load_config(CONFIGS / "tiny-cpu.yaml", bad[:2] + ["rollout.weight_sync=distributed"])
     load_config(CONFIGS / "tiny-cpu.yaml", ["cluster.placement=disaggregated", *bad[2:]])
+
+
+def test_every_field_is_described_and_the_reference_is_the_schema() -> None:
+    """docs/configuration.md's reference is generated from the schema (every field of the
+    GRPO and the SFT config: type, default, description); it must be current, and no field
+    may go undescribed."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("config_reference",
+                                                  root / "scripts" / "config_reference.py")
+    ref = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref)
+    from rl_core.config import ExperimentConfig
+    from rl_core.sft import SFTConfig
+
+    bare = [p for model in (ExperimentConfig, SFTConfig) for p, _, _, d in ref.rows(model) if not d]
+    assert not bare, f"fields without a description: {bare}"
+    doc = (root / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert doc.split(ref.START, 1)[1].split(ref.END, 1)[0] == "\n" + ref.reference(), (
+        "docs/configuration.md is out of date: run python scripts/config_reference.py")

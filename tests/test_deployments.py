@@ -235,7 +235,7 @@ def test_the_grpo_train_deployment_runs_and_mlflow_holds_its_run(
         assert state == "COMPLETED", f"flow run ended {state}:\n{worker.tail()}"
         from mlflow import MlflowClient
 
-        client = MlflowClient(f"sqlite:///{runs / 'deployed' / 'mlflow.db'}")
+        client = MlflowClient(f"sqlite:///{runs / 'mlflow.db'}")  # the project's one store
         found = client.search_runs(
             [e.experiment_id for e in client.search_experiments()],
             filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'",

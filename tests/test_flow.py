@@ -40,7 +40,7 @@ def test_grpo_flow_two_steps(prefect_harness, tiny_cache: Path, tmp_path: Path) 
         "eval.every=1",
         "eval.num_examples=24",
         "eval.pass_k_examples=4",
-        "tracking.backend=mlflow",  # the embedded default: SQLite in the run directory
+        "tracking.backend=mlflow",  # the embedded default: SQLite in storage.root
         "tracking.samples_every=1",
         # colocated planes' time-sharing (on by itself only with GPUs on Ray)
         "rollout.release_memory_while_training=true",
@@ -65,6 +65,13 @@ def test_grpo_flow_two_steps(prefect_harness, tiny_cache: Path, tmp_path: Path) 
     # the final evaluation is the `evaluate` flow, run as a subflow on the exported model
     assert evals[-1]["model"] == summary["model_dir"]
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+    # `grpoflow runs` lists it: finished, 2 of 2 steps, the registered model
+    from rl_core.rundir import list_runs
+
+    (listed,) = list_runs(tmp_path)
+    assert (listed["run"], listed["kind"], listed["status"], listed["steps"]) == (
+        "plumbing", "GRPO", "finished", 2)
+    assert listed["last_eval"]["step"] == 2 and listed["model"] == "models:/grpoflow-tiny@candidate"
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -89,7 +96,7 @@ def test_grpo_flow_two_steps(prefect_harness, tiny_cache: Path, tmp_path: Path) 
     # MLflow, the system of record: one run with per-step metrics, the model registered
     from mlflow import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")  # the project's one store
     tracked = client.get_run(summary["tracking"]["run_id"])
     assert tracked.data.params["train.steps"] == "2"
     history = client.get_metric_history(tracked.info.run_id, "reward_mean")

@@ -116,8 +116,10 @@ def test_post_train_cli_checks_both_configs_first(capsys) -> None:
 
     sft, grpo = (str(REPO_ROOT / "configs" / c) for c in ("sft-tiny-cpu.yaml", "tiny-cpu.yaml"))
     assert cli_main(["post-train", sft, grpo, "train.steps=3"]) == 2
-    assert "give overrides with --sft-override or --grpo-override" in capsys.readouterr().err
+    assert "prefix each override with its stage" in capsys.readouterr().err
     assert cli_main(["post-train", sft, grpo, "--grpo-override", "train.stepz=3"]) == 2
+    assert "train.stepz: unknown key" in capsys.readouterr().err
+    assert cli_main(["post-train", sft, grpo, "grpo.train.stepz=3"]) == 2  # the same, prefixed
     assert "train.stepz: unknown key" in capsys.readouterr().err
     assert cli_main(["post-train", grpo, grpo]) == 2  # the configs the wrong way round
     assert "is a GRPO config" in capsys.readouterr().err

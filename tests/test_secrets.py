@@ -193,7 +193,7 @@ def test_prefect_parameters_mask_env_values() -> None:
 
 
 def test_mlflow_params_mask_env_values(prefect_harness, tmp_path: Path, monkeypatch) -> None:
-    """A real MLflow store (SQLite in the run directory): the flattened config's
+    """A real MLflow store (SQLite in storage.root): the flattened config's
     ``cluster.env.MY_SERVICE_CREDS`` used to be logged as a param in clear."""
     pytest.importorskip("mlflow")
     from mlflow import MlflowClient
@@ -210,7 +210,7 @@ def test_mlflow_params_mask_env_values(prefect_harness, tmp_path: Path, monkeypa
     assert params["cluster.env.MY_SERVICE_CREDS"] == MASK
     assert params["cluster.env.OMP_NUM_THREADS"] == "1"
     assert params["rollout.sglang_extra_args"] == '["--api-key", "***"]'
-    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]  # the project's store is there
     assert any(p.name == "mlflow.db" for p in files) and any(p.name == "config.yaml" for p in files)
     for p in files:  # the store, the config artifact, the run directory's config.yaml
         assert CREDS.encode() not in p.read_bytes(), p

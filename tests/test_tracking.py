@@ -403,13 +403,23 @@ def test_resume_reattaches(prefect_harness, mlflow_server: MlflowServer, tmp_pat
 def test_embedded_default_and_buffering(
     prefect_harness, no_env_uri, tmp_path: Path, monkeypatch
 ) -> None:
-    """No URI anywhere: SQLite in the run directory. A failed log_batch keeps the metrics
-    and the sender sends them again; tracking.backend=none is a no-op everywhere."""
-    cfg = _cfg("trk-embedded")
+    """No URI anywhere: one SQLite store in storage.root for every run of the project (or
+    one in the run directory: tracking.store=run). A failed log_batch keeps the metrics and
+    the sender sends them again; tracking.backend=none is a no-op everywhere."""
+    cfg = _cfg("trk-embedded", f"storage.root={tmp_path}")
     run_dir = tmp_path / "trk-embedded-1"
     h = tracking.start_tracking(cfg, str(run_dir), _data(tmp_path))
-    assert h.tracking_uri == f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
-    assert (run_dir / "mlflow.db").is_file()
+    assert h.tracking_uri == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    assert (tmp_path / "mlflow.db").is_file() and not (run_dir / "mlflow.db").exists()
+    # a second run of the project lands in the same store: `mlflow ui` shows both
+    other = tracking.start_tracking(cfg, str(tmp_path / "trk-embedded-2"), _data(tmp_path))
+    assert other.tracking_uri == h.tracking_uri and other.run_id != h.run_id
+    tracking.finish_tracking(other)
+    both = _client(h.tracking_uri).search_runs([h.experiment_id])
+    assert {r.info.run_id for r in both} >= {h.run_id, other.run_id}
+    per_run = _cfg("trk-embedded", f"storage.root={tmp_path}", "tracking.store=run")
+    assert tracking.resolve_tracking_uri(per_run, run_dir)[0] == (
+        f"sqlite:///{run_dir.resolve() / 'mlflow.db'}")
 
     tracker = tracking.tracker_for(h)
     real = tracker.client.log_batch
@@ -434,7 +444,7 @@ def test_embedded_default_and_buffering(
     tracking.finish_tracking(h)
     run = client.get_run(h.run_id)
     assert run.info.status == "FINISHED"
-    artifacts = run_dir / "mlartifacts"
+    artifacts = tmp_path / "mlartifacts"
     assert (
         artifacts / h.run_id / "artifacts" / "checkpoints" / "step-000002" / "state.json"
     ).is_file()

@@ -58,27 +58,49 @@ __all__ = ["AgentConfig", "AlgorithmConfig", "CheckpointConfig", "ClusterConfig"
            "MegatronConfig", "ModelConfig", "MoeConfig", "OptimizerConfig", "RewardConfig",
            "RolloutConfig", "Section", "SourceConfig", "StorageConfig", "TeacherConfig", "TrackingConfig",
            "TrainConfig", "apply_overrides", "config_digest", "flatten", "load_config",
-           "read_config", "validate_config"]
+           "read_config", "resolve_device", "validate_config"]
+
+
+def resolve_device(name: str, field: str) -> str:
+    """``auto`` / ``cpu`` / ``cuda`` (the config field ``field``) as the torch device to use:
+    auto is a GPU when torch sees one (ROCm builds report theirs as cuda), else the CPU."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{field}=cuda, but torch sees no GPU here (torch "
+                          f"{torch.__version__}); use {field}=auto or cpu, or a GPU build of torch")
+    return name
 
 
 class ExperimentConfig(Section):
     """A whole GRPO experiment."""
-    name: str = "grpoflow"
+    name: str = Field("grpoflow", description="The experiment's name: run names start with it, "
+        "and it is the MLflow experiment unless `tracking.experiment` is set.")
     run_name: str | None = Field(None, description="Defaults to `<name>-<timestamp>`.")
-    seed: int = 0
-    model: ModelConfig = ModelConfig()
-    data: DataConfig = DataConfig()
-    rollout: RolloutConfig = RolloutConfig()
-    train: TrainConfig = TrainConfig()
-    algorithm: AlgorithmConfig = AlgorithmConfig()
-    reward: RewardConfig = RewardConfig()
-    agent: AgentConfig = AgentConfig()
-    teacher: TeacherConfig = TeacherConfig()
-    eval: EvalConfig = EvalConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    cluster: ClusterConfig = ClusterConfig()
-    storage: StorageConfig = StorageConfig()
-    tracking: TrackingConfig = TrackingConfig()
+    seed: int = Field(0, description="Seed of the prompt order and of the rollout and "
+        "evaluation sampling.")
+    model: ModelConfig = Field(ModelConfig(), description="The policy model to start from.")
+    data: DataConfig = Field(DataConfig(), description="The prompts and how they are rendered.")
+    rollout: RolloutConfig = Field(
+        RolloutConfig(), description="The rollout plane: engines and sampling parameters.")
+    train: TrainConfig = Field(
+        TrainConfig(), description="The training plane: backend, optimizer and batches.")
+    algorithm: AlgorithmConfig = Field(
+        AlgorithmConfig(), description="The GRPO objective, its variants and corrections.")
+    reward: RewardConfig = Field(RewardConfig(), description="How completions are scored.")
+    agent: AgentConfig = Field(AgentConfig(), description="Multi-turn episodes (docs/agents.md).")
+    teacher: TeacherConfig = Field(
+        TeacherConfig(), description="On-policy distillation (docs/distillation.md).")
+    eval: EvalConfig = Field(EvalConfig(), description="Held-out evaluation.")
+    checkpoint: CheckpointConfig = Field(
+        CheckpointConfig(), description="Where checkpoints go and how often.")
+    cluster: ClusterConfig = Field(
+        ClusterConfig(), description="Where the planes run: this process or Ray actors.")
+    storage: StorageConfig = Field(
+        StorageConfig(), description="Where runs and cached data and models go.")
+    tracking: TrackingConfig = Field(TrackingConfig(), description="MLflow tracking and registry.")
 
     def thread_budget(self) -> tuple[int, int | None]:
         """(torch threads per embedded engine, trainer threads; None: torch's default).

@@ -12,22 +12,28 @@ from rl_core.config.base import Section
 class EvalConfig(Section):
     """Held-out evaluation: greedy pass@1 and sampled pass@k."""
     every: int = Field(10, ge=0, description="Evaluate every N steps; 0 = only before/after.")
-    num_examples: int = Field(200, ge=1)
-    pass_k: int = Field(4, ge=1)
-    pass_k_examples: int = Field(64, ge=0)
-    temperature: float = Field(1.0, ge=0.0)
-    max_new_tokens: int | None = Field(None, ge=1)
+    num_examples: int = Field(
+        200, ge=1, description="Held-out problems evaluated (the first N), each greedily.")
+    pass_k: int = Field(4, ge=1, description="Samples per problem for pass@k; 1: no pass@k.")
+    pass_k_examples: int = Field(64, ge=0, description="Problems (the first N) that get the "
+        "pass@k samples; 0: no pass@k.")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature of the pass@k "
+        "samples (pass@1 is greedy).")
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="Tokens per answer at most; default: rollout.max_new_tokens.")
     promotion_metric: Literal["pass_at_1", "pass_at_k"] = Field(
         "pass_at_1", description="What the scheduled evaluation compares (candidate vs champion).")
     promotion_margin: float = Field(
         0.01, ge=0.0, description="The candidate must beat the champion by more than this.")
-    champion_alias: str = Field("champion", min_length=1)
+    champion_alias: str = Field("champion", min_length=1, description="Registry alias of the "
+        "best version; the scheduled evaluation moves it to a candidate that wins.")
 
 
 class CheckpointConfig(Section):
     """Where checkpoints go and how often."""
     every: int = Field(0, ge=0, description="Save every N steps; 0 = only at the end.")
-    keep_last: int = Field(2, ge=1)
+    keep_last: int = Field(2, ge=1, description="Complete checkpoints kept; older ones are "
+        "deleted.")
     uri: str | None = Field(None, description="Defaults to <run_dir>/checkpoints.")
 
 
@@ -41,10 +47,12 @@ class ClusterConfig(Section):
     placement: Literal["colocated", "disaggregated"] = Field("colocated", description="Planes "
         "share devices (time-sliced) or get separate device pools.")
     trainer_ranks: int = Field(1, ge=1, description="Data-parallel trainer actors (Ray).")
-    cpus_per_trainer: float = Field(1.0, ge=0)
-    gpus_per_trainer: float = Field(0.0, ge=0)
-    cpus_per_engine: float = Field(1.0, ge=0)
-    gpus_per_engine: float = Field(0.0, ge=0)
+    cpus_per_trainer: float = Field(1.0, ge=0, description="CPUs each Ray trainer actor reserves.")
+    gpus_per_trainer: float = Field(0.0, ge=0, description="GPUs each Ray trainer actor reserves "
+        "(below 1: a share of one); 0: the ranks train on the CPU.")
+    cpus_per_engine: float = Field(1.0, ge=0, description="CPUs each Ray engine actor reserves.")
+    gpus_per_engine: float = Field(0.0, ge=0, description="GPUs each Ray engine actor reserves "
+        "(a TP=4 engine: 4; below 1: a share of one).")
     num_cpus: int | None = Field(None, ge=1, description="CPUs of a local Ray (default: all).")
     timeout_s: float = Field(300.0, gt=0, description="Bound on Ray start, placement, calls.")
     env: dict[str, str | None] = Field(
@@ -63,15 +71,22 @@ class StorageConfig(Section):
 class TrackingConfig(Section):
     """MLflow, the system of record: params, per-step metrics, checkpoints, the registry."""
     backend: Literal["none", "mlflow"] = Field(
-        "mlflow", description="`mlflow`: a SQLite store in the run directory unless `uri` is set.")
+        "mlflow", description="`mlflow`: a SQLite store (`store`) unless `uri` is set.")
     uri: str | None = Field(None, description="Tracking URI; default: MLFLOW_TRACKING_URI.")
+    store: Literal["project", "run"] = Field(
+        "project", description="Without `uri` or MLFLOW_TRACKING_URI: `project`, one SQLite "
+        "store for every run under `storage.root` (`<root>/mlflow.db`: `mlflow ui "
+        "--backend-store-uri sqlite:///runs/mlflow.db` shows them all, one model registry); "
+        "`run`, a store in each run's directory.")
     experiment: str | None = Field(None, description="Default: the config's `name`.")
     samples_every: int = Field(10, ge=0, description="Sample-generation table every K steps.")
-    samples_rows: int = Field(16, ge=1)
+    samples_rows: int = Field(16, ge=1, description="Samples in each sample-generation table.")
     traces_per_step: int = Field(4, ge=0, description="Multi-turn episodes logged as MLflow "
         "traces each step (turns, tool calls, rewards, timings); 0: none.")
-    system_metrics: bool = True
-    system_metrics_interval_s: float = Field(10.0, gt=0)
+    system_metrics: bool = Field(
+        True, description="Log MLflow's system metrics of the host (needs psutil).")
+    system_metrics_interval_s: float = Field(
+        10.0, gt=0, description="Seconds between system-metric samples.")
     register_model: bool = Field(True, description="Register the final model as `model.name`.")
     alias: str = Field("candidate", description="Alias given to each new registered version.")
     checkpoint_artifacts: bool = Field(

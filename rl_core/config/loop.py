@@ -16,15 +16,21 @@ class ModelConfig(Section):
     revision: str | None = Field(
         None, description="Hub branch, tag or commit (default: main); cached by commit sha.")
     name: str = Field("grpoflow-tiny", description="Registered model name for the final export.")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    trust_remote_code: bool = False
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' "
+        "dtype in the trainer and grpoflow's engines; SGLang gets `auto` (the checkpoint's) "
+        "for `float32`.")
+    trust_remote_code: bool = Field(False, description="Let the model's own Python code run "
+        "when its config, tokenizer and weights load (Hugging Face `trust_remote_code`).")
     # Knobs of the embedded tiny model (used only when path is `embedded:tiny`).
-    tiny_hidden_size: int = Field(192, ge=16)
-    tiny_layers: int = Field(4, ge=1)
-    tiny_heads: int = Field(4, ge=1)
-    tiny_kv_heads: int = Field(2, ge=1)
-    tiny_intermediate_size: int = Field(512, ge=16)
-    tiny_vocab_size: int = Field(384, ge=64)
+    tiny_hidden_size: int = Field(192, ge=16, description="Hidden size of the tiny model.")
+    tiny_layers: int = Field(4, ge=1, description="Transformer layers of the tiny model.")
+    tiny_heads: int = Field(4, ge=1, description="Attention heads of the tiny model.")
+    tiny_kv_heads: int = Field(
+        2, ge=1, description="Key/value heads of the tiny model (grouped-query attention).")
+    tiny_intermediate_size: int = Field(
+        512, ge=16, description="MLP width of the `dense` tiny model.")
+    tiny_vocab_size: int = Field(384, ge=64, description="Vocabulary size of the tiny model's "
+        "BPE tokenizer, trained on the task's text.")
     tiny_sft_steps: int = Field(600, ge=0, description="Cap on warm-start supervised steps.")
     tiny_tool_demos: float = Field(0.0, ge=0.0, le=1.0, description="Share of warm-start examples "
         "that are calculator episodes (the agent demo); the warm start then runs tiny_sft_steps "
@@ -34,10 +40,11 @@ class ModelConfig(Section):
     tiny_arch: Literal["dense", "qwen3_moe", "qwen2_moe"] = Field("dense", description="`dense`: "
         "Qwen2; `qwen3_moe` / `qwen2_moe` (shared expert): mixture-of-experts layers of "
         "tiny_experts experts, tiny_experts_per_token per token (docs/moe.md).")
-    tiny_experts: int = Field(4, ge=2)
-    tiny_experts_per_token: int = Field(2, ge=1)
+    tiny_experts: int = Field(4, ge=2, description="Experts per MoE layer of the tiny model.")
+    tiny_experts_per_token: int = Field(
+        2, ge=1, description="Experts each token is routed to (top-k) in the tiny MoE model.")
     tiny_moe_intermediate_size: int = Field(128, ge=8, description="Each expert's MLP width.")
-    seed: int = 0
+    seed: int = Field(0, description="Seed of the tiny model's initialisation and warm start.")
 
 
 class SourceConfig(Section):
@@ -45,27 +52,36 @@ class SourceConfig(Section):
     is rendered, and the synthetic task (``data`` of both configs builds on it)."""
     source: str = Field("synthetic", min_length=1, description="`synthetic`, an HF dataset name, a "
         "local dataset dir, .jsonl or .parquet.")
-    subset: str | None = None
-    train_split: str = "train"
-    eval_split: str = "test"
+    subset: str | None = Field(None, description="A hub dataset's configuration name, or a "
+        "subdirectory of a local dataset directory; null: none.")
+    train_split: str = Field("train", description="The training split: a hub dataset's split, "
+        "or `<split>.jsonl` / `.parquet` in a local directory.")
+    eval_split: str = Field("test", description="The held-out split, read like `train_split`.")
     eval_source: str | None = Field(None, description="Defaults to `source` with `eval_split`.")
     id_field: str | None = Field("id", description="null: ids are content hashes.")
     max_train_examples: int | None = Field(
         None, ge=1, description="Use only the first N training records (any source).")
-    max_bad_fraction: float = Field(0.0, ge=0.0, le=1.0)
-    system_prompt: str | None = None
+    max_bad_fraction: float = Field(0.0, ge=0.0, le=1.0, description="Share of invalid rows "
+        "that are skipped with a warning instead of failing the load; 0: any bad row fails it.")
+    system_prompt: str | None = Field(None, description="A system turn before each question with "
+        "the chat template, or a paragraph before `plain_template`'s text; null: none.")
     use_chat_template: bool | None = Field(None, description="null: the tokenizer's chat template "
         "when it has one, else `plain_template`; true: require it; false: always `plain_template`.")
     plain_template: str = Field("Question: {question}\nAnswer:", description="The prompt without a "
         "chat template; `{question}` is replaced by the question (nothing else is formatted, so "
         "other braces are kept).")
     # Synthetic generator knobs.
-    synthetic_train_size: int = Field(3000, ge=1)
-    synthetic_test_size: int = Field(300, ge=1)
-    synthetic_digits: tuple[int, int] = (1, 1)
-    synthetic_operations: list[Literal["+", "-", "*"]] = ["+", "-"]
-    synthetic_steps: tuple[int, int] = (1, 2)
-    seed: int = 0
+    synthetic_train_size: int = Field(3000, ge=1, description="Synthetic training problems.")
+    synthetic_test_size: int = Field(
+        300, ge=1, description="Synthetic held-out problems (none of them in the training set).")
+    synthetic_digits: tuple[int, int] = Field((1, 1), description="(min, max) digits of an "
+        "operand; the right operand of `*` is always one digit (2-9).")
+    synthetic_operations: list[Literal["+", "-", "*"]] = Field(
+        ["+", "-"], description="Operations a step draws from.")
+    synthetic_steps: tuple[int, int] = Field(
+        (1, 2), description="(min, max) operations per synthetic problem.")
+    seed: int = Field(0, description="Seed of the synthetic problems (and of SFT's choice of "
+        "held-out rows).")
 
     @model_validator(mode="after")
     def _check_source(self) -> SourceConfig:
@@ -88,12 +104,15 @@ class SourceConfig(Section):
 
 class DataConfig(SourceConfig):
     """Where prompts come from and how they are rendered."""
-    question_field: str = Field("question", min_length=1)
-    answer_field: str = Field("answer", min_length=1)
-    max_prompt_tokens: int = Field(256, ge=1)
+    question_field: str = Field("question", min_length=1, description="Column of the question.")
+    answer_field: str = Field("answer", min_length=1, description="Column of the reference "
+        "answer the reward function scores against.")
+    max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this many tokens "
+        "(rendered) are skipped and counted.")
     synthetic_long_frac: float = Field(0.0, ge=0.0, le=1.0, description="Share of problems "
         "with synthetic_long_steps steps: a long-tailed response length (benchmarks).")
-    synthetic_long_steps: int = Field(12, ge=1)
+    synthetic_long_steps: int = Field(
+        12, ge=1, description="Operations of a long problem (`synthetic_long_frac`).")
 
     def synthetic_knobs(self) -> dict[str, Any]:
         """The generator's knobs, as :func:`rl_core.data.generate_splits` takes them."""
@@ -133,12 +152,17 @@ class RolloutConfig(Section):
     partial_tokens: int | None = Field(None, ge=1, description="streaming with deterministic "
         "rollouts: new tokens per sample per round (the point where a sample may change "
         "weight version). Default: ceil(max_new_tokens / (max_staleness + 1)).")
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    max_new_tokens: int = Field(32, ge=1)
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature of the rollouts "
+        "(0: greedy); the trainer takes its log-probs at it too.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: sample from the "
+        "most likely tokens that hold this much probability; 1.0: off.")
+    top_k: int = Field(-1, ge=-1, description="Sample from the `top_k` most likely tokens; -1: "
+        "off.")
+    max_new_tokens: int = Field(32, ge=1, description="Tokens a sample (an agent turn) may "
+        "generate at most; also Dr.GRPO's normaliser (`seq-mean-token-sum-norm`).")
+    stop: list[str] = Field([], description="Strings that end a sample when generated.")
+    stop_token_ids: list[int] = Field(
+        [], description="Token ids that end a sample, besides the tokenizer's EOS ids.")
     timeout_s: float = Field(600.0, gt=0, description="Bound on one step's generation.")
     # HTTP engines (embedded / sglang)
     num_engines: int = Field(1, ge=1, description="Engine processes (each a full model copy).")
@@ -146,6 +170,10 @@ class RolloutConfig(Section):
         None, description="Put sglang-router in front; default: on when num_engines > 1.")
     engine_threads: int | None = Field(
         None, ge=1, description="torch threads per embedded engine; default: cores / engines.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the `local` "
+        "engine runs when it does not share the trainer's weights: auto, a GPU (CUDA or ROCm) "
+        "when torch sees one, else the CPU. `embedded` engine processes run on the CPU, "
+        "`sglang` servers on GPUs.")
     max_running_requests: int = Field(256, ge=1, description="Per engine (embedded, local).")
     request_batch_size: int = Field(
         16, ge=1, description="Samples per /generate request; 1 = one request per sample.")
@@ -175,17 +203,22 @@ class RolloutConfig(Section):
         "/update_weights_from_distributed call, by size (bounds the engine's receive buffers).")
     weight_sync_timeout_s: float = Field(
         300.0, gt=0, description="Bound on one weight sync (and on each collective in it).")
-    startup_timeout_s: float = Field(300.0, gt=0)
-    health_interval_s: float = Field(5.0, gt=0)
+    startup_timeout_s: float = Field(300.0, gt=0, description="Bound on the engines' start until "
+        "all are healthy (and on a restarted engine's).")
+    health_interval_s: float = Field(
+        5.0, gt=0, description="Seconds between the engine monitor's health probes.")
     health_timeout_s: float = Field(
         20.0, gt=0, description="Bound on one health probe of an engine (/health_generate).")
     health_failure_threshold: int = Field(3, ge=1, description="Failed probes in a row that get an "
         "engine restarted and re-synced (a hung engine is replaced after about this many x "
         "health_timeout_s).")
     sglang_tp: int = Field(1, ge=1, description="Tensor parallelism of each SGLang server.")
-    sglang_mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
-    sglang_platform: Literal["cuda", "rocm"] = "cuda"
-    sglang_extra_args: list[str] = []
+    sglang_mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0, description="SGLang's "
+        "`--mem-fraction-static` (GPU memory share for weights and KV cache); null: its default.")
+    sglang_platform: Literal["cuda", "rocm"] = Field("cuda", description="GPU platform of the "
+        "SGLang servers (rollout and judge): their environment presets (docs/platforms.md).")
+    sglang_extra_args: list[str] = Field(
+        [], description="Arguments appended to each SGLang server's command line.")
 
     @property
     def timing_free(self) -> bool:
@@ -216,7 +249,8 @@ class MegatronConfig(Section):
     distributed_optimizer: bool = Field(False, description="ZeRO-1: shard optimizer state over dp.")
     recompute: Literal["none", "selective", "full"] = Field(
         "none", description="Activation recomputation (full: every layer, uniform).")
-    recompute_num_layers: int = Field(1, ge=1)
+    recompute_num_layers: int = Field(1, ge=1, description="`recompute: full`: layers per "
+        "recomputed chunk (megatron-core's uniform method).")
     vocab_divisible_by: int = Field(
         128, ge=1, description="Pad the vocabulary to a multiple of this * tp (masked out).")
     ep: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
@@ -231,7 +265,8 @@ class LoraConfig(Section):
     reference is the base (adapter disabled), a sync moves the adapter only."""
     rank: int = Field(0, ge=0, description="LoRA rank r; 0 = full-weight training.")
     alpha: float = Field(16.0, gt=0.0, description="Scaling alpha (scale alpha / r).")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input "
+        "while training (PEFT's `lora_dropout`).")
     target_modules: list[str] = Field(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         min_length=1, description="Linear layers (name suffixes) that get adapters.")
@@ -268,27 +303,38 @@ class MoeConfig(Section):
 
 class OptimizerConfig(Section):
     """AdamW, its LR schedule and LoRA: what every trainer (GRPO, SFT) takes."""
-    lr: float = Field(1e-4, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
+    lr: float = Field(1e-4, gt=0.0, description="AdamW's peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW's (decoupled) weight decay.")
     betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)],
-                 Annotated[float, Field(ge=0.0, lt=1.0)]] = (0.9, 0.999)
-    warmup_steps: int = Field(0, ge=0)
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
-    grad_clip: float = Field(1.0, gt=0.0)
-    lora: LoraConfig = LoraConfig()
+                 Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
+        (0.9, 0.999), description="AdamW's (beta1, beta2).")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup up to "
+        "`lr`; 0: none.")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="After warmup: "
+        "`constant`, or `cosine` decay to `min_lr_ratio` x `lr` over the run's optimizer steps.")
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="`cosine`: the final learning rate, as a share of `lr`.")
+    grad_clip: float = Field(
+        1.0, gt=0.0, description="Gradients are clipped to this global norm before each step.")
+    lora: LoraConfig = Field(LoraConfig(), description="LoRA adapters (`rank > 0`; docs/lora.md).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the trainer in "
+        "the flow's process runs (cluster.mode=local): auto, a GPU (CUDA or ROCm) when torch "
+        "sees one, else the CPU. On Ray the ranks' devices follow cluster.gpus_per_trainer.")
 
 
 class TrainConfig(OptimizerConfig):
     """The training plane and the loop around it."""
     backend: Literal["torch", "megatron"] = Field(
         "torch", description="`torch` (HF model, DDP/FSDP2) or `megatron` (megatron-core).")
-    megatron: MegatronConfig = MegatronConfig()
-    moe: MoeConfig = MoeConfig()
-    steps: int = Field(60, ge=0)
-    prompts_per_step: int = Field(32, ge=1)
+    megatron: MegatronConfig = Field(
+        MegatronConfig(), description="The megatron backend's parallel layout.")
+    moe: MoeConfig = Field(MoeConfig(), description="Mixture-of-experts training (docs/moe.md).")
+    steps: int = Field(60, ge=0, description="GRPO steps (rollout, then update) of the run.")
+    prompts_per_step: int = Field(32, ge=1, description="Prompts per GRPO step, each sampled "
+        "`rollout.n_samples` times.")
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per GRPO step.")
-    ppo_epochs: int = Field(1, ge=1)
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each step's batch (each of "
+        "`mini_batches` optimizer steps).")
     micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward.")
     pack_groups: bool = Field(True, description="torch backend: run each group's shared prompt "
         "through the forward once (one packed row per group, block attention mask) wherever "
@@ -296,26 +342,36 @@ class TrainConfig(OptimizerConfig):
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads.")
     max_plane_restarts: int = Field(
         1, ge=0, description="Rebuilds from the latest checkpoint after a step fails.")
-    seed: int = 0
+    seed: int = Field(0, description="The trainer's torch seed.")
 
 
 class AlgorithmConfig(Section):
     """The GRPO objective and its variants (Dr.GRPO, DAPO, GSPO), and the corrections for
     the rollout engine sampling from another policy than the trainer's (TIS/MIS, IcePop,
     sequence masking: docs/training.md)."""
-    advantage: Literal["grpo", "drgrpo"] = "grpo"
+    advantage: Literal["grpo", "drgrpo"] = Field("grpo", description="`grpo`: (reward - group "
+        "mean) / group std; `drgrpo` (Dr.GRPO): reward - group mean.")
     loss: Literal["policy_gradient", "nll"] = Field("policy_gradient", description="`nll`: "
         "supervised fine-tuning's mean negative log-likelihood of the response tokens, "
         "advantages ignored (the SFT flow's and the tiny model's warm start; docs/sft.md).")
-    kl_coef: float = Field(0.0, ge=0.0)
-    kl_kind: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
-    clip_low: float = Field(0.2, ge=0.0, lt=1.0)
-    clip_high: float = Field(0.2, ge=0.0)
-    dual_clip: float | None = Field(None, gt=1.0)
-    ratio_type: Literal["token", "sequence"] = "token"
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL penalty to the reference "
+        "(the starting policy) in the loss; 0: no penalty and no reference model.")
+    kl_kind: Literal["k1", "k2", "k3", "low_var_kl"] = Field("low_var_kl", description="The "
+        "per-token KL estimator; `low_var_kl`: `k3` clamped to [-10, 10], as verl.")
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO clipping below: the ratio is "
+        "clipped at `1 - clip_low`.")
+    clip_high: float = Field(0.2, ge=0.0, description="PPO clipping above: the ratio is clipped "
+        "at `1 + clip_high` (DAPO's clip-higher raises it).")
+    dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip PPO: a token with a "
+        "negative advantage loses at most `dual_clip` x |advantage|. None = off.")
+    ratio_type: Literal["token", "sequence"] = Field("token", description="`token`: per-token "
+        "ratios; `sequence`: GSPO's length-normalised sequence ratio on every token.")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                      "seq-mean-token-sum-norm"] = "token-mean"
-    entropy_coef: float = Field(0.0, ge=0.0)
+                      "seq-mean-token-sum-norm"] = Field("token-mean", description="`token-mean`: "
+        "the mean over all tokens; `seq-mean-token-mean` / `-sum`: the mean over samples of "
+        "their token means / sums; `-sum-norm`: sums / `rollout.max_new_tokens` (Dr.GRPO).")
+    entropy_coef: float = Field(
+        0.0, ge=0.0, description="Weight of the entropy bonus subtracted from the loss; 0: none.")
     tis_cap: float | None = Field(None, gt=0.0, description="Importance-sampling cap C on the "
         "trainer/rollout ratio pi_old / pi_rollout; None = off (on by default at 2.0 when "
         "rollout.max_staleness > 0).")

@@ -47,8 +47,10 @@ class JudgeConfig(EnginesConfig):
     sglang_base_gpu_id: int = Field(0, ge=0, description="First GPU of judge engine 0 (engine i "
         "starts at base + i * tp): keep the judge off the rollout engines' GPUs, or share them "
         "with a small `sglang_mem_fraction_static`.")
-    sglang_mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
-    sglang_extra_args: list[str] = []
+    sglang_mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0, description="SGLang's "
+        "`--mem-fraction-static` of each judge server; null: SGLang's default.")
+    sglang_extra_args: list[str] = Field(
+        [], description="Arguments appended to each judge SGLang server's command line.")
 
     @field_validator("template")
     @classmethod
@@ -75,7 +77,8 @@ class RewardConfig(Section):
     """How completions are scored."""
     fn: str = Field("gsm8k", description="`gsm8k`, `format`, `judge` (an LLM judge: "
         "`reward.judge`), or `package.module:function`.")
-    format_weight: float = Field(0.0, ge=0.0)
+    format_weight: float = Field(0.0, ge=0.0, description="Weight of a format bonus added to "
+        "each score: 1 when the completion ends in a `#### <number>` line, else 0.")
     timeout_s: float = Field(
         5.0, gt=0.0, description="Bound on one sample's reward call; a timeout scores 0.")
     memory_limit_mb: int | None = Field(

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from rl_core.checkpoint import CheckpointState, restore_training, save_training
-from rl_core.config import AlgorithmConfig, ConfigError, config_digest
+from rl_core.config import AlgorithmConfig, ConfigError, config_digest, resolve_device
 from rl_core.data.sampler import PromptSampler
 from rl_core.rewards import gsm8k_reward
 from rl_core.sft import (
@@ -227,15 +227,6 @@ def _tokenize_all(tokenizer: Any, examples: Sequence[Example], d: SFTDataConfig,
     return out, len(dropped)
 
 
-def _device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda, but torch sees no GPU here; use train.device=auto "
-                          "or cpu")
-    return name
-
-
 def start_session(cfg: SFTConfig, model_path: str | Path, train: Sequence[Example],
                   evals: Sequence[Example]) -> SFTHandle:
     """Load the model and tokenizer from ``model_path``, tokenize both sets, place the sampler."""
@@ -254,7 +245,7 @@ def start_session(cfg: SFTConfig, model_path: str | Path, train: Sequence[Exampl
     eval_tok, dropped_eval = _tokenize_all(tokenizer, evals, cfg.data, "held-out")
     trainer = SFTTrainer(model_path, cfg.train, pad_id=pad_id, pack_length=cfg.pack_length,
                          dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
-                         device=_device(cfg.train.device))
+                         device=resolve_device(cfg.train.device, "train.device"))
     sampler = PromptSampler(len(train_tok), cfg.train.batch_size, cfg.train.seed)
     key = uuid.uuid4().hex
     _SESSIONS[key] = SFTSession(cfg, trainer, tokenizer, train_tok, eval_tok, sampler,

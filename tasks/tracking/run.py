@@ -42,11 +42,14 @@ PARAM_BATCH = 100  # MLflow's limit of params, and of tags, per log_batch
 
 def resolve_tracking_uri(cfg: ExperimentConfig, run_dir: str | Path) -> tuple[str, str | None]:
     """``(tracking_uri, artifact_location)``: ``tracking.uri``, else ``MLFLOW_TRACKING_URI``,
-    else SQLite in the run directory, whose new experiments keep their artifacts beside it
+    else SQLite in ``storage.root`` (``tracking.store=project``; a remote root: the run
+    directory) or in the run directory, whose new experiments keep their artifacts beside it
     (not in ``./mlruns`` of the process's directory); on a server (None) the server decides."""
     if not (uri := cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")):
-        (run_dir := Path(run_dir).resolve()).mkdir(parents=True, exist_ok=True)
-        uri = f"sqlite:///{run_dir / 'mlflow.db'}"
+        project = cfg.tracking.store == "project" and "://" not in cfg.storage.root
+        home = Path(cfg.storage.root).expanduser() if project else Path(run_dir)
+        (home := home.resolve()).mkdir(parents=True, exist_ok=True)
+        uri = f"sqlite:///{home / 'mlflow.db'}"
     if uri.startswith("sqlite:///"):
         return uri, (Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri()
     return uri, None

@@ -1,0 +1,185 @@
+"""``grpoflow validate``: what a run would check before its first step, in seconds.
+
+Without Prefect, MLflow, an engine or a download: the pre-flight checks, the model (where it
+resolves), the first rows of the data through the field mapping, a few prompts rendered and
+tokenized against the limits, the reward called once on gold answers, and where each plane
+will run. Each finding is an ``ok`` / ``warn`` / ``fail`` line naming the field and the fix
+(docs/troubleshooting.md). Never imports Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rl_core.config import ConfigError, ExperimentConfig, resolve_device
+
+__all__ = ["Finding", "describe_planes", "validate"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    status: str  # ok, warn or fail
+    what: str  # the check
+    detail: str  # what was found, and the fix when it is not ok
+
+
+def describe_planes(cfg: ExperimentConfig) -> dict[str, str]:
+    """Where each plane runs: the trainer's device and ranks, the engines' kind and devices."""
+    c, r, t = cfg.cluster, cfg.rollout, cfg.train
+    if c.mode == "ray":
+        gpu = c.gpus_per_trainer > 0
+        trainer = (f"{c.trainer_ranks} {t.backend} rank(s) as Ray actors on "
+                   f"{'GPU' if gpu else 'CPU'} ({c.gpus_per_trainer:g} GPU, "
+                   f"{c.cpus_per_trainer:g} CPU each; placement {c.placement})")
+    else:
+        device = resolve_device(t.device, "train.device")
+        trainer = f"one {t.backend} trainer in the flow's process on {device} (train.device={t.device})"
+    if r.engine == "sglang":
+        engines = f"{r.num_engines} SGLang server(s) on GPUs (tp {r.sglang_tp} each)"
+    elif r.engine == "embedded":
+        engines = (f"{r.num_engines} embedded engine process(es) on the CPU, "
+                   f"{cfg.thread_budget()[0]} thread(s) each")
+    else:
+        shared = r.weight_sync in ("auto", "shared") and c.mode == "local"
+        engines = ("the engine core in the flow's process, reading the trainer's weights in "
+                   "place" if shared else
+                   f"the engine core in the flow's process on "
+                   f"{resolve_device(r.device, 'rollout.device')}")
+    if c.mode == "ray" and r.engine != "local":
+        engines += f" as Ray actors ({c.gpus_per_engine:g} GPU each)"
+    return {"cluster": c.mode, "trainer": trainer, "engines": engines,
+            "weight sync": r.weight_sync}
+
+
+def _model(cfg: ExperimentConfig) -> tuple[Path | None, Finding]:
+    from rl_core.models.hub import EMBEDDED_TINY, local_model_dir
+
+    m = cfg.model
+    d = local_model_dir(m, cfg.data, cfg.storage.cache_dir)
+    if d is not None:
+        return d, Finding("ok", "model", f"{m.path} -> {d}")
+    if m.path == EMBEDDED_TINY:
+        return None, Finding("warn", "model", f"{m.path} is not built yet: the first run builds "
+                             "it (about a minute on 2 cores; `grpoflow bootstrap-model` does it "
+                             "alone); its tokenizer checks run then")
+    return None, Finding("warn", "model", f"{m.path} is not on this machine yet: the run "
+                         "fetches it (`grpoflow download-model CONFIG` does it alone); the "
+                         "tokenizer checks run after that")
+
+
+def _rows(cfg: ExperimentConfig, n: int) -> tuple[list[Any], Finding]:
+    from rl_core.data.sources import load_records
+    from rl_core.data.synthetic import generate_splits
+
+    d = cfg.data
+    if d.source == "synthetic":
+        train, _ = generate_splits(n, 1, d.seed, **d.synthetic_knobs())
+        return train[:n], Finding("ok", "data", f"synthetic: {len(train[:n])} rows generated")
+    records = load_records(d.source, d.train_split, subset=d.subset, limit=n,
+                           question_field=d.question_field, answer_field=d.answer_field,
+                           id_field=d.id_field, max_bad_fraction=d.max_bad_fraction,
+                           cache_dir=cfg.storage.cache_dir)
+    return records, Finding("ok", "data", f"{d.source} (split {d.train_split}): the first "
+                            f"{len(records)} rows read and valid (data.question_field="
+                            f"{d.question_field}, data.answer_field={d.answer_field})")
+
+
+def _prompts(cfg: ExperimentConfig, model_dir: Path, records: list[Any]) -> list[Finding]:
+    from transformers import AutoTokenizer
+
+    from rl_core.data.prompts import encode_prompts
+    from rl_core.preflight import context_length
+
+    d = cfg.data
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    ids = encode_prompts(tok, [r.question for r in records], system_prompt=d.system_prompt,
+                         use_chat_template=d.use_chat_template, plain_template=d.plain_template)
+    lengths = [len(x) for x in ids]
+    out = [Finding("ok", "prompt", "row 1 renders as " + repr(tok.decode(ids[0])[:300]))]
+    new = cfg.rollout.max_new_tokens
+    context = (found[0] if (found := context_length(model_dir)) else None)
+    too_long = [(i + 1, n) for i, n in enumerate(lengths) if n > d.max_prompt_tokens]
+    summary = (f"{min(lengths)}-{max(lengths)} tokens (mean {sum(lengths) / len(lengths):.1f}) "
+               f"of data.max_prompt_tokens={d.max_prompt_tokens}; + rollout.max_new_tokens={new}"
+               + (f" within the model's context of {context}" if context else ""))
+    if context is not None and max(lengths) + new > context:
+        row, n = max(enumerate(lengths, start=1), key=lambda x: x[1])
+        out.append(Finding("fail", "prompt length", f"row {row}: {n} prompt tokens + "
+                           f"rollout.max_new_tokens={new} exceed the model's context of "
+                           f"{context}; shorten the prompts, lower rollout.max_new_tokens, or "
+                           "use a model with a longer context"))
+    elif too_long:
+        out.append(Finding("warn", "prompt length", f"{len(too_long)} of {len(lengths)} rows "
+                           f"(row {too_long[0][0]}: {too_long[0][1]} tokens) exceed "
+                           f"data.max_prompt_tokens={d.max_prompt_tokens}: the run skips and "
+                           "counts them; raise it to keep them"))
+    else:
+        out.append(Finding("ok", "prompt length", summary))
+    return out
+
+
+def _reward(cfg: ExperimentConfig, records: list[Any]) -> Finding:
+    from rl_core.rewards.runner import load_reward_fn
+
+    spec = cfg.reward.fn
+    if spec == "judge":
+        return Finding("ok", "reward", "reward.fn=judge: an LLM judge on engines of its own, "
+                       "checked when they start (docs/judges.md)")
+    try:
+        fn = load_reward_fn(spec)
+    except ValueError as exc:
+        return Finding("fail", "reward", f"reward.fn: {exc}")
+    scores = []
+    for i, r in enumerate(records[:3], start=1):
+        try:
+            scores.append(float(fn(r.answer, r.answer)))
+        except Exception as exc:  # noqa: BLE001 - a user's reward: whatever it raises is shown
+            return Finding("fail", "reward", f"reward.fn={spec} raised {type(exc).__name__}: "
+                           f"{exc} on row {i}'s gold answer {r.answer!r} (called as "
+                           "fn(completion, answer)); fix the function or reward.fn")
+    if not any(s > 0 for s in scores):
+        return Finding("warn", "reward", f"reward.fn={spec} gives the gold answers {scores}: "
+                       "nothing scores, so no group would have a gradient; check "
+                       "data.answer_field and reward.fn")
+    return Finding("ok", "reward", f"reward.fn={spec} on {len(scores)} gold answers: {scores}")
+
+
+def validate(cfg: ExperimentConfig, rows: int = 8) -> list[Finding]:
+    """Every check, cheapest first; a failure stops only the checks that depend on it."""
+    from rl_core.preflight import preflight
+
+    started, out = time.perf_counter(), []
+    try:
+        preflight(cfg)
+        out.append(Finding("ok", "pre-flight", "data paths, storage, engine settings, the "
+                           "model's context and files, the prompt template"))
+    except (ConfigError, ValueError, OSError) as exc:
+        out.append(Finding("fail", "pre-flight", str(exc)))
+    try:
+        model_dir, found = _model(cfg)
+    except (ValueError, OSError) as exc:
+        model_dir, found = None, Finding("fail", "model", str(exc))
+    out.append(found)
+    try:
+        records, found = _rows(cfg, rows)
+        out.append(found)
+    except Exception as exc:  # noqa: BLE001 - a bad mapping, file, row or bucket: shown as is
+        records = []
+        out.append(Finding("fail", "data", f"{type(exc).__name__}: {exc}"))
+    if records and model_dir is not None:
+        try:
+            out += _prompts(cfg, model_dir, records)
+        except (ValueError, OSError) as exc:
+            out.append(Finding("fail", "prompt", str(exc)))
+    if records:
+        out.append(_reward(cfg, records))
+    try:
+        planes = describe_planes(cfg)
+        out.append(Finding("ok", "planes", "; ".join(f"{k}: {v}" for k, v in planes.items())))
+    except ConfigError as exc:
+        out.append(Finding("fail", "planes", str(exc)))
+    out.append(Finding("ok", "time", f"{time.perf_counter() - started:.1f}s"))
+    return out

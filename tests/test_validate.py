@@ -1,0 +1,94 @@
+"""``grpoflow validate``: a config checked without starting a run (no Prefect, MLflow or
+engine), each problem a ``fail`` line naming the field and the fix, in seconds; and where
+each plane runs: every shipped GPU config puts its trainer on the GPU when one is reported."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from grpoflow.cli import main
+from rl_core.config import load_config
+from rl_core.validate import describe_planes, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = str(ROOT / "configs" / "tiny-cpu.yaml")
+
+
+def _by_check(findings) -> dict[str, object]:  # noqa: ANN001
+    return {f.what: f for f in findings}
+
+
+def _jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_the_demo_config_passes(tiny_cache: Path, demo_model: Path, capsys) -> None:
+    assert main(["validate", DEMO, f"storage.cache_dir={tiny_cache}"]) == 0
+    out = capsys.readouterr().out
+    assert "resolved config (secrets masked):" in out and "kl_coef" in out
+    for check in ("pre-flight", "model", "data", "prompt", "prompt length", "reward", "planes"):
+        assert f"ok    {check}: " in out, check
+    assert "trainer: one torch trainer in the flow's process on cpu" in out
+
+
+def test_a_bad_field_mapping_names_the_field(tmp_path: Path, tiny_cache: Path,
+                                             demo_model: Path) -> None:
+    data = _jsonl(tmp_path / "qa.jsonl", [{"prompt": "What is 1 + 1?", "solution": "2"}] * 4)
+    cfg = load_config(DEMO, [f"storage.cache_dir={tiny_cache}", f"data.source={data}",
+                             "data.answer_field=solution"])
+    found = _by_check(validate(cfg))["data"]
+    assert found.status == "fail" and "question" in found.detail and "prompt" in found.detail
+
+
+def test_a_prompt_longer_than_the_context_fails(tmp_path: Path, tiny_cache: Path,
+                                                demo_model: Path) -> None:
+    long = "What is " + " + ".join(["1"] * 300) + "?"  # ~600 tokens, the context is 512
+    data = _jsonl(tmp_path / "long.jsonl", [{"question": long, "answer": "300"},
+                                            {"question": "What is 1 + 1?", "answer": "2"}])
+    cfg = load_config(DEMO, [f"storage.cache_dir={tiny_cache}", f"data.source={data}",
+                             "data.max_prompt_tokens=1024"])
+    found = _by_check(validate(cfg))["prompt length"]
+    assert found.status == "fail", found
+    assert "row 1" in found.detail and "context of 512" in found.detail
+    assert "rollout.max_new_tokens" in found.detail
+
+
+def test_a_reward_that_raises_on_a_gold_answer_fails(tiny_cache: Path, demo_model: Path,
+                                                     capsys) -> None:
+    argv = ["validate", DEMO, f"storage.cache_dir={tiny_cache}",
+            "reward.fn=reward_plugins:raising_reward"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    line = next(x for x in captured.out.splitlines() if x.startswith("fail  reward"))
+    assert "raised" in line and "gold answer" in line and "reward.fn" in line
+    assert "1 check(s) failed" in captured.err
+    assert main([*argv[:-1], "reward.fn=reward_plugins:no_such_fn", "--json"]) == 2
+    (reward,) = [f for f in json.loads(capsys.readouterr().out) if f["what"] == "reward"]
+    assert reward["status"] == "fail" and "no_such_fn" in reward["detail"]
+
+
+GPU_CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml")
+                     if "cpu" not in p.name and not p.name.startswith("agent-"))
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=[p.stem for p in GPU_CONFIGS])
+def test_every_shipped_gpu_config_trains_on_the_gpu(path: Path, monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    planes = describe_planes(load_config(path))
+    assert " on cuda " in planes["trainer"] or "on GPU" in planes["trainer"], planes
+    assert "CPU" not in planes["engines"], planes
+
+
+def test_the_cpu_demo_trains_on_the_cpu_and_cuda_is_refused_without_a_gpu() -> None:
+    from rl_core.config import ConfigError
+
+    planes = describe_planes(load_config(DEMO))
+    assert "on cpu" in planes["trainer"]
+    with pytest.raises(ConfigError, match="train.device=cuda, but torch sees no GPU"):
+        describe_planes(load_config(DEMO, ["train.device=cuda"]))
