@@ -39,7 +39,7 @@ define install
 	@$(BIN)/python -m pip --version >/dev/null
 	$(BIN)/python -m pip install -q --disable-pip-version-check uv
 	@echo ">> installing the CPU torch wheel first ($(TORCH)), so no CUDA build is pulled"
-	$(if $(TORCH_WHEEL),$(BIN)/uv pip install -q --python $(BIN)/python $(TORCH_WHEEL) ||) \
+	$(if $(TORCH_WHEEL),$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python $(TORCH_WHEEL) ||) \
 	$(BIN)/python -m pip install -q --disable-pip-version-check --retries 1 --timeout 20 \
 	  --index-url $(TORCH_INDEX) $(TORCH) 2>/dev/null \
 	  || $(BIN)/python -m pip install -q --disable-pip-version-check $(TORCH)

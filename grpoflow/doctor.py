@@ -437,6 +437,28 @@ def check_threads(cfg: Any, info: Any) -> list[Check]:
     return [Check("cpu threads", "ok", f"train.num_threads={threads} of {cpus} CPUs{omp_note}")]
 
 
+VALIDATE_TIMEOUT_S = 180.0
+
+
+def check_config(config: str | None, overrides: list[str]) -> list[Check]:
+    """``grpoflow validate``'s checks (data rows, prompts, reward, planes), in a bounded child
+    process (they import torch and transformers): one row each, a failure a needed miss."""
+    cmd = [sys.executable, "-m", "rl_core.validate", *([config] if config else []), *overrides]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=VALIDATE_TIMEOUT_S)
+        findings = json.loads(done.stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        return [Check("config", "warn", f"grpoflow validate did not finish within "
+                      f"{VALIDATE_TIMEOUT_S:.0f}s", "run `grpoflow validate CONFIG` alone")]
+    except (ValueError, IndexError):
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return [Check("config", "missing", f"grpoflow validate failed: {tail}",
+                       "run `grpoflow validate CONFIG` for the whole message")]
+    status = {"ok": "ok", "warn": "warn", "fail": "missing"}
+    return [Check(f"config: {f['what']}", status[f["status"]], f["detail"])  # type: ignore[arg-type]
+            for f in findings if f["what"] != "time"]
+
+
 def run_checks(cfg: Any) -> tuple[list[Check], list[Probe], Any]:
     """Every check for ``cfg``: (rows, network probes, the detected platform)."""
     from rl_core.cluster.platform import detect_platform
@@ -517,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     log.setLevel(logging.INFO)
     try:
         rows, probes, info = run_checks(cfg)
+        if config:  # the config's own checks, as `grpoflow validate` makes them
+            rows += check_config(config, overrides)
     finally:
         log.removeHandler(handler)
     ready = not failed(rows)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_core.config import ConfigError, ExperimentConfig, resolve_device
+from rl_core.secrets import redact
 
 __all__ = ["Finding", "describe_planes", "validate"]
 
@@ -182,4 +183,23 @@ def validate(cfg: ExperimentConfig, rows: int = 8) -> list[Finding]:
     except ConfigError as exc:
         out.append(Finding("fail", "planes", str(exc)))
     out.append(Finding("ok", "time", f"{time.perf_counter() - started:.1f}s"))
-    return out
+    return [Finding(f.status, f.what, redact(f.detail)) for f in out]  # a URL's token, a key
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m rl_core.validate CONFIG [overrides]``: the findings as JSON (``grpoflow
+    doctor CONFIG`` runs this in a bounded child process); exit 2 when one fails."""
+    import json
+    import sys
+
+    from rl_core.config import load_config
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    config = args.pop(0) if args and "=" not in args[0] else None
+    findings = validate(load_config(config, args))
+    print(json.dumps([f.__dict__ for f in findings]))
+    return 2 if any(f.status == "fail" for f in findings) else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -295,7 +296,7 @@ def test_sbatch_is_shellcheck_clean():
 def test_three_node_bring_up_runs_the_flow_on_the_head(tmp_path):
     run = run_sbatch(
         tmp_path,
-        "configs/qwen2.5-0.5b-gsm8k.yaml",
+        "configs/qwen2.5-0.5b-gsm8k-1gpu.yaml",
         "rollout.n_samples=4",
         env={"OVERRIDES": "train.steps=5 algorithm.kl_coef=0.001"},
     )
@@ -326,7 +327,7 @@ def test_three_node_bring_up_runs_the_flow_on_the_head(tmp_path):
     (flow,) = run.of("grpoflow")
     assert flow["node"] == "gpu-01"
     assert flow["argv"] == [
-        "train", "configs/qwen2.5-0.5b-gsm8k.yaml", "cluster.mode=ray", "cluster.address=auto",
+        "train", "configs/qwen2.5-0.5b-gsm8k-1gpu.yaml", "cluster.mode=ray", "cluster.address=auto",
         "train.steps=5", "algorithm.kl_coef=0.001", "rollout.n_samples=4",
     ]  # fmt: skip
     assert flow["env"]["RAY_ADDRESS"] == HEAD
@@ -557,7 +558,34 @@ def test_rayjob_runs_grpoflow_on_the_raycluster_spec():
     assert words[:2] == ["grpoflow", "train"]
     assert "cluster.mode=ray" in words and "cluster.address=auto" in words
     assert (ROOT / words[2]).is_file(), f"the entrypoint's config {words[2]} does not exist"
+    _puts_every_plane_on_gpus(words[2], [w for w in words[3:] if "=" in w])
     assert spec["activeDeadlineSeconds"] > 0  # every wait has a bound
     assert spec["shutdownAfterJobFinishes"] is True
     # One cluster definition: the job's copy must not drift from raycluster.yaml.
     assert spec["rayClusterSpec"] == _load("raycluster.yaml")["spec"]
+
+
+def _puts_every_plane_on_gpus(config: str, overrides: list[str]) -> None:
+    """The config a template names, with its overrides, trains and samples on GPUs (torch
+    told a GPU is there)."""
+    import torch
+
+    from rl_core.config import load_config
+    from rl_core.validate import describe_planes
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: True)
+        planes = describe_planes(load_config(str(ROOT / config), overrides))
+    assert "on GPU" in planes["trainer"] or " on cuda " in planes["trainer"], (config, planes)
+    assert "GPU" in planes["engines"], (config, planes)
+
+
+def test_the_sbatch_and_the_images_name_configs_that_put_every_plane_on_gpus() -> None:
+    text = SBATCH.read_text()
+    default = re.search(r'CONFIG="\$\{1:-\$\{CONFIG:-([^}]+)\}\}"', text).group(1)
+    _puts_every_plane_on_gpus(default, ["cluster.mode=ray", "cluster.address=auto"])
+    for dockerfile in ("Dockerfile.cuda", "Dockerfile.rocm"):
+        named = re.findall(r"grpoflow train (configs/\S+\.yaml)", (ROOT / "docker" / dockerfile).read_text())
+        assert named, dockerfile
+        for config in named:
+            _puts_every_plane_on_gpus(config, [])

@@ -30,11 +30,15 @@ _ENV = (
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch, tmp_path):
+def _clean_env(monkeypatch, tmp_path, request):
     for name in _ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
     monkeypatch.chdir(ROOT)
+    if not request.node.get_closest_marker("config_checks"):
+        # `grpoflow validate`'s checks start a child process (~5 s of CPU): only the tests
+        # marked config_checks run them; the others are about the machine's rows
+        monkeypatch.setattr(doctor, "check_config", lambda config, overrides: [])
 
 
 def _closed_port() -> int:
@@ -169,6 +173,21 @@ def test_reachable_mlflow_is_ok_and_env_uri_wins(capsys, monkeypatch, http_serve
     assert not _row(report, "mlflow")["needed"]
 
 
+@pytest.mark.config_checks
+def test_doctor_config_runs_the_validate_checks(capsys, monkeypatch):
+    """``doctor CONFIG`` adds ``grpoflow validate``'s rows; a reward that raises on a gold
+    answer makes the config not ready, named with its fix."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))  # the child imports reward_plugins
+    rc, report, _ = _run_json(capsys, TINY)
+    assert rc == 0
+    for name in ("pre-flight", "model", "data", "reward", "planes"):
+        assert _row(report, f"config: {name}")["status"] in ("ok", "warn"), name
+    rc, report, _ = _run_json(capsys, TINY, "reward.fn=reward_plugins:raising_reward")
+    reward = _row(report, "config: reward")
+    assert rc == 1 and reward["status"] == "missing" and "gold answer" in reward["detail"]
+
+
+@pytest.mark.config_checks
 def test_secrets_never_reach_the_output(capsys, monkeypatch):
     secrets = {
         "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI-K7MDENG-bPxRfiCYSECRET",
@@ -260,3 +279,16 @@ def doctor_cfg(*overrides: str):
     from rl_core.config import load_config
 
     return load_config(TINY, list(overrides))
+
+
+def test_the_installed_packages_carry_bytecode():
+    """`make` installs with compiled bytecode (docs/testing.md): with PYTHONDONTWRITEBYTECODE
+    (this machine's) a package without it is compiled from source by every process that
+    imports it; torch alone cost the suite minutes when its install skipped it."""
+    import importlib.util
+
+    for name in ("torch", "transformers", "prefect", "mlflow"):
+        init = importlib.util.find_spec(name).origin
+        cached = importlib.util.cache_from_source(init)
+        assert Path(cached).is_file(), f"{name} has no bytecode ({cached}): reinstall with uv " \
+            "pip install --compile-bytecode"

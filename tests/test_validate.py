@@ -69,6 +69,10 @@ def test_a_reward_that_raises_on_a_gold_answer_fails(tiny_cache: Path, demo_mode
     assert main([*argv[:-1], "reward.fn=reward_plugins:no_such_fn", "--json"]) == 2
     (reward,) = [f for f in json.loads(capsys.readouterr().out) if f["what"] == "reward"]
     assert reward["status"] == "fail" and "no_such_fn" in reward["detail"]
+    # a signature the run cannot call: named, with the form it needs
+    assert main([*argv[:-1], "reward.fn=reward_plugins:one_arg", "--json"]) == 2
+    (reward,) = [f for f in json.loads(capsys.readouterr().out) if f["what"] == "reward"]
+    assert "cannot be called as fn(completion, answer)" in reward["detail"]
 
 
 GPU_CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml")
