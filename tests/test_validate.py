@@ -96,3 +96,18 @@ def test_the_cpu_demo_trains_on_the_cpu_and_cuda_is_refused_without_a_gpu() -> N
     assert "on cpu" in planes["trainer"]
     with pytest.raises(ConfigError, match="train.device=cuda, but torch sees no GPU"):
         describe_planes(load_config(DEMO, ["train.device=cuda"]))
+
+
+def test_findings_never_show_a_secret(tmp_path: Path, tiny_cache: Path,
+                                      demo_model: Path) -> None:
+    """A credential in what a finding quotes (here a gold answer, in the reward's error) is
+    masked (doctor prints the findings too)."""
+    token = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"
+    data = _jsonl(tmp_path / "qa.jsonl", [{"question": f"What is 1 + {i}?",
+                                           "answer": f"see {token}\n#### {1 + i}"}
+                                          for i in range(2)])
+    cfg = load_config(DEMO, [f"storage.cache_dir={tiny_cache}", f"data.source={data}",
+                             "reward.fn=reward_plugins:raising_reward"])
+    findings = _by_check(validate(cfg))
+    assert findings["reward"].status == "fail" and "boom on" in findings["reward"].detail
+    assert token not in json.dumps([f.__dict__ for f in findings.values()])
