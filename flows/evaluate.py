@@ -73,15 +73,16 @@ def registry_evaluation_key(cfg: ExperimentConfig, eval_digest: str) -> str:
 def _tracking_uri(cfg: ExperimentConfig) -> str:
     """The store the training runs register into: ``tracking.uri``, ``MLFLOW_TRACKING_URI``,
     else the project's (``tracking.store=project``: ``<storage.root>/mlflow.db``)."""
+    from tasks.tracking import project_store
+
     uri = cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
-    project = Path(cfg.storage.root).expanduser().resolve() / "mlflow.db"
-    local = "://" not in cfg.storage.root
-    if not uri and cfg.tracking.store == "project" and local and project.is_file():
+    project = project_store(cfg)
+    if not uri and project is not None and project.is_file():
         return f"sqlite:///{project}"
     if not uri:
         raise ValueError(
             "evaluating registered models needs the tracking store the training runs register "
-            f"into: no run has tracked into the project's store {project} yet; or set "
+            f"into: {f'no run has tracked into the project store {project} yet' if project else 'tracking.store=run names no single store'}; or set "
             "tracking.uri (e.g. tracking.uri=http://127.0.0.1:5000 or "
             "sqlite:///runs/<run>/mlflow.db for tracking.store=run) or MLFLOW_TRACKING_URI"
         )

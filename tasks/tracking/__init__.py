@@ -9,6 +9,7 @@ from tasks.tracking.artifacts import log_checkpoint, log_evaluation, log_step, s
 from tasks.tracking.handle import TrackingHandle, eval_metrics, metric_name
 from tasks.tracking.run import (
     finish_tracking,
+    project_store,
     resolve_tracking_uri,
     start_tracking,
     tracking_failed,
@@ -19,6 +20,6 @@ from tasks.tracking.traces import choose_episodes, close_traces, flush_traces, l
 __all__ = [
     "TrackingHandle", "Tracker", "bound_mlflow_http", "choose_episodes", "close_traces",
     "eval_metrics", "finish_tracking", "flush_traces", "log_checkpoint", "log_evaluation",
-    "log_step", "log_traces", "metric_name", "replay_unsent", "resolve_tracking_uri",
+    "log_step", "log_traces", "metric_name", "project_store", "replay_unsent", "resolve_tracking_uri",
     "sample_rows", "start_tracking", "tracker_for", "tracking_failed",
 ]

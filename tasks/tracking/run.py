@@ -40,16 +40,23 @@ __all__ = ["finish_tracking", "resolve_tracking_uri", "start_tracking", "trackin
 PARAM_BATCH = 100  # MLflow's limit of params, and of tags, per log_batch
 
 
+def project_store(cfg: ExperimentConfig) -> Path | None:
+    """The project's SQLite store, ``<storage.root>/mlflow.db`` (``tracking.store=project``
+    with a local root), whether it exists yet or not; else None."""
+    if cfg.tracking.store != "project" or "://" in cfg.storage.root:
+        return None
+    return Path(cfg.storage.root).expanduser().resolve() / "mlflow.db"
+
+
 def resolve_tracking_uri(cfg: ExperimentConfig, run_dir: str | Path) -> tuple[str, str | None]:
     """``(tracking_uri, artifact_location)``: ``tracking.uri``, else ``MLFLOW_TRACKING_URI``,
     else SQLite in ``storage.root`` (``tracking.store=project``; a remote root: the run
     directory) or in the run directory, whose new experiments keep their artifacts beside it
     (not in ``./mlruns`` of the process's directory); on a server (None) the server decides."""
     if not (uri := cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")):
-        project = cfg.tracking.store == "project" and "://" not in cfg.storage.root
-        home = Path(cfg.storage.root).expanduser() if project else Path(run_dir)
-        (home := home.resolve()).mkdir(parents=True, exist_ok=True)
-        uri = f"sqlite:///{home / 'mlflow.db'}"
+        db = project_store(cfg) or Path(run_dir).resolve() / "mlflow.db"
+        db.parent.mkdir(parents=True, exist_ok=True)
+        uri = f"sqlite:///{db}"
     if uri.startswith("sqlite:///"):
         return uri, (Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri()
     return uri, None
