@@ -25,7 +25,11 @@ PYTEST_ARGS ?=
 # Tests run in a loopback-only network namespace where the machine allows it (Ray opens
 # ports on every interface; see scripts/loopback.sh).
 LOOPBACK ?= scripts/loopback.sh
-PYTEST := AWS_EC2_METADATA_DISABLED=true $(LOOPBACK) $(BIN)/python -m pytest
+# The tests write bytecode for the project's own modules and pytest's rewritten test modules
+# even where the environment says not to (PYTHONDONTWRITEBYTECODE): otherwise each of the
+# suite's ~3 workers and hundreds of child processes compiles them again (__pycache__/ is
+# git-ignored).
+PYTEST := AWS_EC2_METADATA_DISABLED=true PYTHONDONTWRITEBYTECODE= $(LOOPBACK) $(BIN)/python -m pytest
 
 .PHONY: setup setup-dev run test test-random soak lint clean screenshots
 

@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from openenv.core.env_server import Action, Environment, Observation, State
 from transformers import AutoTokenizer
 
-from environments.arithmetic import final_number, score
+from environments.arithmetic import score
 from rl_core.agents import (
     ChatTokens,
     EnvironmentFailure,
@@ -201,58 +200,14 @@ def test_openenv_env_in_process_and_over_its_http_app(oe_http) -> None:
     _play_calculator(remote)
 
 
-class GuessAction(Action):
-    guess: int
-    reason: str
-
-
-class GuessObservation(Observation):
-    text: str = ""
-
-
-class GuessEnv(Environment[GuessAction, GuessObservation, State]):
-    """Guess the task's answer in as many tries as needed; a structured (two-field) action and
-    a text observation. ``fail`` makes its reset raise, or its step raise or hang."""
-
-    SUPPORTS_CONCURRENT_SESSIONS = True
-
-    def __init__(self, fail: str = "") -> None:
-        super().__init__()
-        self.fail, self._state, self.target = fail, State(), 0
-
-    def reset(self, seed: int | None = None, episode_id: str | None = None,
-              answer: str = "") -> GuessObservation:
-        if self.fail == "reset":
-            raise ConnectionError("the game server is down")
-        self.target = int(final_number(answer) or 0)
-        self._state = State(episode_id=episode_id)
-        return GuessObservation(text="Guess the number.")
-
-    def step(self, action: GuessAction, timeout_s: float | None = None,
-             **kwargs: Any) -> GuessObservation:  # noqa: ANN401
-        if self.fail == "raise":
-            raise RuntimeError("the game engine crashed")
-        if self.fail == "hang":
-            time.sleep(3)
-        self._state.step_count += 1
-        right = action.guess == self.target
-        return GuessObservation(text="higher" if action.guess < self.target else "lower",
-                                done=right, reward=1.0 if right else 0.0)
-
-    @property
-    def state(self) -> State:
-        return self._state
-
-
-class SoloGuessEnv(GuessEnv):
-    SUPPORTS_CONCURRENT_SESSIONS = False
+GUESS = "openenv_guess:GuessEnv"  # tests/openenv_guess.py (OpenEnv is imported only when used)
 
 
 def test_openenv_structured_actions_text_observations_and_invalid_actions() -> None:
     # grpoflow plays a step's episodes at once: a class must declare that it can.
     with pytest.raises(ValueError, match="SoloGuessEnv does not declare SUPPORTS_CONCURRENT"):
-        openenv_factory(f"{__name__}:SoloGuessEnv")
-    factory = openenv_factory(f"{__name__}:GuessEnv", system_prompt="Answer in JSON.")
+        openenv_factory("openenv_guess:SoloGuessEnv")
+    factory = openenv_factory(GUESS, system_prompt="Answer in JSON.")
     assert factory.action_field is None  # two required fields: the turn is a JSON object
     env = factory()
     assert env.reset(TASK) == [{"role": "system", "content": "Answer in JSON."},
@@ -271,7 +226,7 @@ def test_openenv_structured_actions_text_observations_and_invalid_actions() -> N
 
 @pytest.mark.parametrize("transport", ["inprocess", "http"])
 def test_openenv_env_failures_name_the_env_and_are_bounded(transport: str) -> None:
-    spec = f"{__name__}:GuessEnv"
+    spec = GUESS
     raising = openenv_factory(spec, transport=transport, env_kwargs={"fail": "raise"})
     try:
         env = raising()
@@ -364,7 +319,7 @@ def test_a_failing_hub_env_costs_its_episodes_not_the_step(plane, chat: ChatToke
         needle = f"verifiers env {VF_ENV!r}"
     else:
         # (The tiny model's turns are no JSON actions, so this one fails at reset.)
-        factory = openenv_factory(f"{__name__}:GuessEnv", transport="http",
+        factory = openenv_factory(GUESS, transport="http",
                                   env_kwargs={"fail": "reset"})
         needle = "OpenEnv env"
     try:
