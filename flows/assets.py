@@ -14,6 +14,7 @@ from typing import Any
 
 from flows._redacted import redacted_flow
 from rl_core.config import load_config
+from rl_core.rewards import answer_kind
 from tasks.setup import fetch_model, prepare_data
 
 __all__ = ["download_model", "prepare_data_flow"]
@@ -25,7 +26,7 @@ def prepare_data_flow(
 ) -> dict[str, Any]:
     """Validate and snapshot the config's train and eval data."""
     cfg = load_config(config, overrides or [])
-    return asdict(prepare_data(cfg.data, cfg.storage.cache_dir))
+    return asdict(prepare_data(cfg.data, cfg.storage.cache_dir, answer_kind(cfg.reward)))
 
 
 @redacted_flow(name="download-model")

@@ -22,6 +22,7 @@ from rl_core.config import ExperimentConfig, load_config
 from rl_core.planes import tear_down
 from rl_core.preflight import preflight
 from rl_core.report import format_eval
+from rl_core.rewards import answer_kind
 from tasks.evaluate import artifact_key, evaluate_policy
 from tasks.setup import bring_up, fetch_model, prepare_data
 
@@ -42,7 +43,7 @@ def evaluate(config: str | None = None, overrides: list[str] | None = None,
     extra = [f"model.path={model}"] if model else []
     cfg = load_config(config, [*(overrides or []), *extra])
     preflight(cfg, model=False)
-    data = prepare_data(cfg.data, cfg.storage.cache_dir)
+    data = prepare_data(cfg.data, cfg.storage.cache_dir, answer_kind(cfg.reward))
     model_path = fetch_model(cfg.model, cfg.data, cfg.storage.cache_dir)
     preflight(cfg, model_path=model_path, data=False)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -132,7 +133,7 @@ def _evaluate_registry(
                  champ_alias)
         summary["reason"] = "nothing registered"
         return summary
-    data = prepare_data(cfg.data, cfg.storage.cache_dir)
+    data = prepare_data(cfg.data, cfg.storage.cache_dir, answer_kind(cfg.reward))
     e = cfg.eval
     key = registry_evaluation_key(cfg, data.eval_digest)
     stamp = time.strftime("%Y%m%d-%H%M%S")

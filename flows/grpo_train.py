@@ -24,6 +24,7 @@ from flows.schedule import Schedule, schedule_for
 from rl_core.config import load_config
 from rl_core.planes import PlanesHandle, get_planes, tear_down
 from rl_core.preflight import preflight
+from rl_core.rewards import answer_kind
 from tasks.checkpoint import restore_checkpoint, save_checkpoint
 from tasks.evaluate import evaluate_policy, export_model
 from tasks.setup import bring_up, fetch_model, prepare_data
@@ -56,7 +57,7 @@ def grpo_train(
     (without ``run_name``: the config's newest run); ``never`` starts over."""
     run = Run.open(config, overrides, resume, show_progress)
     cfg = run.cfg
-    data = prepare_data(cfg.data, cfg.storage.cache_dir)
+    data = prepare_data(cfg.data, cfg.storage.cache_dir, answer_kind(cfg.reward))
     tracking = start_tracking(cfg, str(run.dir.path), data, resume_from=run.resume_from)
     model_path = fetch_model(cfg.model, cfg.data, cfg.storage.cache_dir)
     preflight(cfg, model_path=model_path, data=False)  # the model checks, on the fetched model

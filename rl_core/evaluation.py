@@ -15,11 +15,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from rl_core.agents.episode import episode_metrics
-from rl_core.data.records import Record
+from rl_core.data.records import Record, cell_texts
 from rl_core.engine.sampling import SamplingParams
 from rl_core.grpo import EpisodeKind, SingleTurn
 from rl_core.interfaces import RolloutPlane
-from rl_core.rewards import JudgeRunner, RewardResult, RewardRunner
+from rl_core.rewards import RewardResult, Scorer
 from rl_core.types import Sample
 
 __all__ = ["EvalResult", "evaluate", "pass_at_k"]
@@ -37,8 +37,9 @@ class EvalResult:
     response_len_mean: float
     truncation_rate: float
     seconds: float
-    samples: list[dict[str, str]]  # a few (question, completion, answer, correct) rows
+    samples: list[dict[str, str]]  # a few (question, completion, answer, correct, columns) rows
     episodes: dict[str, float] | None = None  # agent runs: tool use, turns, failures (greedy)
+    rewards: dict[str, float] | None = None  # several reward functions: each one's mean (greedy)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -54,7 +55,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def evaluate(plane: RolloutPlane, records: Sequence[Record], prompt_ids: Sequence[Sequence[int]],
-             rewards: RewardRunner | JudgeRunner, *, max_new_tokens: int, k: int = 4, k_examples: int = 64,
+             rewards: Scorer, *, max_new_tokens: int, k: int = 4, k_examples: int = 64,
              temperature: float = 1.0, seed: int = 0, keep_samples: int = 8,
              kind: EpisodeKind | None = None, pass_threshold: float = 1.0) -> EvalResult:
     """Greedy pass@1 on every record; sampled pass@k on the first ``k_examples``. Each
@@ -81,8 +82,8 @@ def evaluate(plane: RolloutPlane, records: Sequence[Record], prompt_ids: Sequenc
         pk = statistics.fmean(
             pass_at_k(k, sum(sampled.correct[i * k : (i + 1) * k]), k) for i in range(len(subset))
         )
-    rows = [{"question": r.question, "completion": s.text, "answer": r.final_answer,
-             "correct": str(bool(ok))}
+    rows = [{"question": r.text, "completion": s.text, "answer": r.final_answer,
+             "correct": str(bool(ok)), **cell_texts(r.columns, skip=("completion", "correct"))}
             for r, s, ok in list(zip(records, greedy, scored.correct, strict=True))[:keep_samples]]
     return EvalResult(
         pass_at_1=statistics.fmean(scored.correct) if greedy else 0.0,
@@ -97,4 +98,7 @@ def evaluate(plane: RolloutPlane, records: Sequence[Record], prompt_ids: Sequenc
         seconds=time.perf_counter() - started,
         samples=rows,
         episodes=episode_metrics(greedy) or None,
+        rewards={k.removeprefix("reward/"): v for k, v in scored.component_means().items()}
+        if len(scored.components) > 1 else None,
     )
+

@@ -20,7 +20,7 @@ from rl_core.algorithms.advantages import group_advantages
 from rl_core.data.records import Record
 from rl_core.engine.sampling import SamplingParams, sample_seed
 from rl_core.interfaces import RolloutPlane
-from rl_core.rewards import JudgeRunner, RewardResult, RewardRunner
+from rl_core.rewards import RewardResult, Scorer
 from rl_core.types import Batch, Sample
 
 __all__ = ["AdvantageSource", "EpisodeKind", "GroupRelative", "SingleTurn", "advantages_for", "rollout_groups", "score_samples",
@@ -36,7 +36,7 @@ class EpisodeKind(Protocol):
                  n: int, params: SamplingParams, step: int, seed: int) -> list[Sample]:
         """``n`` attempts at each record, groups contiguous and prompt-major."""
 
-    def score(self, samples: Sequence[Sample], rewards: RewardRunner | JudgeRunner, *,
+    def score(self, samples: Sequence[Sample], rewards: Scorer, *,
               pass_threshold: float, step: int | None = None, budget: bool = True
               ) -> RewardResult:  # fmt: skip
         """Set each sample's ``reward`` and ``correct``; the result holds them (``scores``,
@@ -59,7 +59,7 @@ class SingleTurn:
         return rollout_groups(self.plane, records, prompt_ids, n=n, params=params, step=step,
                               seed=seed)  # fmt: skip
 
-    def score(self, samples: Sequence[Sample], rewards: RewardRunner | JudgeRunner, *,
+    def score(self, samples: Sequence[Sample], rewards: Scorer, *,
               pass_threshold: float, step: int | None = None, budget: bool = True
               ) -> RewardResult:  # fmt: skip
         return score_samples(samples, rewards, step=step, budget=budget)
@@ -117,18 +117,21 @@ def rollout_groups(plane: RolloutPlane, records: Sequence[Record],
     )
     for (g, rec, j), s in zip(keys, samples, strict=True):
         s.uid, s.group, s.record_id, s.answer = f"{step}:{rec.id}:{j}", g, rec.id, rec.answer
+        s.prompt, s.columns = rec.question, dict(rec.columns)
     return samples
 
 
 def score_samples(
-    samples: Sequence[Sample], runner: RewardRunner | JudgeRunner, step: int | None = None,
+    samples: Sequence[Sample], runner: Scorer, step: int | None = None,
     budget: bool = True,
 ) -> RewardResult:
     """Score every sample in place; reward-function failures score 0 and are counted
     (``step``: calls of one step, e.g. dynamic sampling's rounds, count as one step towards
     ``reward.max_failed_steps``). A judge also reads each sample's question (by record id)."""
     result = runner.score([s.text for s in samples], [s.answer for s in samples], step=step,
-                          budget=budget, record_ids=[s.record_id for s in samples])
+                          budget=budget, record_ids=[s.record_id for s in samples],
+                          prompts=[s.prompt for s in samples],
+                          columns=[s.columns for s in samples])
     for s, r, ok in zip(samples, result.scores, result.correct, strict=True):
         s.reward, s.correct = float(r), bool(ok)
     return result

@@ -42,7 +42,7 @@ from rl_core.data.records import Record
 from rl_core.grpo import AdvantageSource, EpisodeKind, GroupRelative, SingleTurn
 from rl_core.interfaces import RolloutPlane, Trainer, WeightSync
 from rl_core.models import eos_token_ids
-from rl_core.rewards import JudgeRunner, RewardRunner
+from rl_core.rewards import JudgeRunner, RewardSet
 from rl_core.rollout.launch import EngineSpec, SGLangLaunchConfig, sglang_launch
 from rl_core.rollout.pool import EnginePool
 from rl_core.sft import Example, SFTDataConfig
@@ -77,7 +77,7 @@ class Planes:
     train_prompts: list[list[int]]
     eval_records: list[Record]
     eval_prompts: list[list[int]]
-    reward_runner: RewardRunner | JudgeRunner  # a JudgeRunner with reward.fn: judge
+    reward_runner: RewardSet | JudgeRunner  # a JudgeRunner with reward.fn: judge
     skipped_long_prompts: int = 0
     cluster: Any = None  # a RayCluster in cluster.mode ray
     placement: Any = None  # its PlanePlacement
@@ -356,15 +356,15 @@ def start_teacher(cfg: ExperimentConfig, tokenizer: Any, student: str,
 
 
 def _reward_runner(cfg: ExperimentConfig, work_dir: str | Path,
-                   records: list[Record]) -> RewardRunner | JudgeRunner:
+                   records: list[Record]) -> RewardSet | JudgeRunner:
     """``reward.fn``'s runner. ``judge`` starts the judge's engines; the judge finds a sample's
     question by its record id (an id two splits give different questions is left out: such a
     sample's caller must pass the question)."""
     if cfg.reward.fn.strip() != "judge":
-        return RewardRunner.from_config(cfg.reward)
+        return RewardSet.from_config(cfg.reward)
     questions: dict[str, str | None] = {}
     for r in records:
-        questions[r.id] = r.question if questions.get(r.id, r.question) == r.question else None
+        questions[r.id] = r.text if questions.get(r.id, r.text) == r.text else None
     return start_judge(cfg, work_dir, questions)
 
 

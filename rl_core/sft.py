@@ -336,10 +336,7 @@ def read_examples(source: str, split: str, d: SFTDataConfig,
     readers: local files and directories, hub datasets, ``s3://`` (cached in ``cache_dir``)."""
     from rl_core.data.sources import SourceRequest, dispatch_source
 
-    fields = (d.messages_field, d.prompt_field, d.completion_field,
-              *([d.id_field] if d.id_field else []))
-    request = SourceRequest(split, d.subset, tuple(dict.fromkeys(fields)), (),
-                       Path(cache_dir) if cache_dir else None)
+    request = SourceRequest(split, d.subset, (), Path(cache_dir) if cache_dir else None)
     read = dispatch_source(source, request)
     return validate_rows(read.rows, read.name, d, read.row_label)
 

@@ -61,7 +61,11 @@ class Sample:
     uid: str = ""  # ``step:record:index``: the ledger's key
     group: int = 0  # samples of one prompt share a group
     record_id: str = ""
-    answer: str = ""
+    answer: Any = ""  # the record's reference answer (any type)
+    # The record's prompt (text or chat messages) and every column of its row, for the reward
+    # (a batched function's ``prompts`` and ``**columns``) and the sample tables.
+    prompt: Any = field(default=None, repr=False)
+    columns: dict[str, Any] = field(default_factory=dict, repr=False)
     reward: float = 0.0
     correct: bool = False
     meta: dict[str, Any] = field(default_factory=dict, repr=False)  # the engine's meta_info

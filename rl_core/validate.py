@@ -74,6 +74,7 @@ def _model(cfg: ExperimentConfig) -> tuple[Path | None, Finding]:
 def _rows(cfg: ExperimentConfig, n: int) -> tuple[list[Any], Finding]:
     from rl_core.data.sources import load_records
     from rl_core.data.synthetic import generate_splits
+    from rl_core.rewards import answer_check
 
     d = cfg.data
     if d.source == "synthetic":
@@ -82,7 +83,7 @@ def _rows(cfg: ExperimentConfig, n: int) -> tuple[list[Any], Finding]:
     records = load_records(d.source, d.train_split, subset=d.subset, limit=n,
                            question_field=d.question_field, answer_field=d.answer_field,
                            id_field=d.id_field, max_bad_fraction=d.max_bad_fraction,
-                           cache_dir=cfg.storage.cache_dir)
+                           cache_dir=cfg.storage.cache_dir, answer_check=answer_check(cfg.reward))
     return records, Finding("ok", "data", f"{d.source} (split {d.train_split}): the first "
                             f"{len(records)} rows read and valid (data.question_field="
                             f"{d.question_field}, data.answer_field={d.answer_field})")
@@ -122,30 +123,65 @@ def _prompts(cfg: ExperimentConfig, model_dir: Path, records: list[Any]) -> list
     return out
 
 
-def _reward(cfg: ExperimentConfig, records: list[Any]) -> Finding:
-    from rl_core.rewards.runner import load_reward_fn
+def _reward(cfg: ExperimentConfig, records: list[Any]) -> list[Finding]:
+    """Each reward function (``reward.fn``, then ``reward.extra``) loaded in its form and
+    called once on three rows' gold answers (the answer as the completion)."""
+    import asyncio
+    import inspect
 
-    spec = cfg.reward.fn
-    if spec == "judge":
-        return Finding("ok", "reward", "reward.fn=judge: an LLM judge on engines of its own, "
-                       "checked when they start (docs/judges.md)")
-    try:
-        fn = load_reward_fn(spec)
-    except ValueError as exc:
-        return Finding("fail", "reward", f"reward.fn: {exc}")
-    scores = []
-    for i, r in enumerate(records[:3], start=1):
+    from rl_core.data.records import cell_texts
+    from rl_core.rewards.runner import load_reward_fn, reward_form
+    from rl_core.rewards.terms import term_name
+
+    r = cfg.reward
+    if r.fn.strip() == "judge":
+        return [Finding("ok", "reward", "reward.fn=judge: an LLM judge on engines of its own, "
+                        "checked when they start (docs/judges.md)")]
+    terms = [("reward.fn", r.fn, r.args, None)] + [
+        (f"reward.extra[{i}]", e.fn, e.args, e.name) for i, e in enumerate(r.extra)]
+    out = []
+    rows = records[:3]
+    golds = [cell_texts({"a": rec.answer})["a"] for rec in rows]
+    for field, spec, args, label in terms:
+        name = f"{field}={spec}"
         try:
-            scores.append(float(fn(r.answer, r.answer)))
+            fn = load_reward_fn(spec, args)
+            form, is_async = reward_form(fn, spec)
+        except ValueError as exc:
+            out.append(Finding("fail", "reward", f"{field}: {exc}"))
+            continue
+        try:
+            if form == "batched":
+                cols = {k: [rec.columns.get(k) for rec in rows] for rec in rows for k in rec.columns}
+                value = fn(prompts=[rec.question for rec in rows], completions=golds, **cols)
+                value = asyncio.run(_awaited(value)) if inspect.isawaitable(value) else value
+                scores = list(value)
+            else:
+                scores = []
+                for gold, rec in zip(golds, rows, strict=True):
+                    value = fn(gold, rec.answer)
+                    scores.append(asyncio.run(_awaited(value)) if is_async else value)
+            scores = [None if v is None else float(v) for v in scores]
         except Exception as exc:  # noqa: BLE001 - a user's reward: whatever it raises is shown
-            return Finding("fail", "reward", f"reward.fn={spec} raised {type(exc).__name__}: "
-                           f"{exc} on row {i}'s gold answer {r.answer!r} (called as "
-                           "fn(completion, answer)); fix the function or reward.fn")
-    if not any(s > 0 for s in scores):
-        return Finding("warn", "reward", f"reward.fn={spec} gives the gold answers {scores}: "
-                       "nothing scores, so no group would have a gradient; check "
-                       "data.answer_field and reward.fn")
-    return Finding("ok", "reward", f"reward.fn={spec} on {len(scores)} gold answers: {scores}")
+            called = ("fn(prompts, completions, **columns)" if form == "batched"
+                      else "fn(completion, answer)")
+            out.append(Finding("fail", "reward", f"{name} raised {type(exc).__name__}: {exc} on "
+                               f"the gold answers of rows 1-{len(rows)} ({golds[0][:60]!r}, ...; "
+                               f"called as {called}); fix the function or {field}"))
+            continue
+        what = f"{name} ({form}{', async' if is_async else ''}, logged as " \
+               f"reward/{term_name(spec, label)})"
+        if field == "reward.fn" and not any(v for v in scores if v is not None):
+            out.append(Finding("warn", "reward", f"{what} gives the gold answers {scores}: "
+                               "nothing scores, so no group would have a gradient; check "
+                               "data.answer_field and reward.fn"))
+        else:
+            out.append(Finding("ok", "reward", f"{what} on {len(scores)} gold answers: {scores}"))
+    return out
+
+
+async def _awaited(value: Any) -> Any:  # noqa: ANN401
+    return await value
 
 
 def validate(cfg: ExperimentConfig, rows: int = 8) -> list[Finding]:
@@ -176,7 +212,7 @@ def validate(cfg: ExperimentConfig, rows: int = 8) -> list[Finding]:
         except (ValueError, OSError) as exc:
             out.append(Finding("fail", "prompt", str(exc)))
     if records:
-        out.append(_reward(cfg, records))
+        out += _reward(cfg, records)
     try:
         planes = describe_planes(cfg)
         out.append(Finding("ok", "planes", "; ".join(f"{k}: {v}" for k, v in planes.items())))

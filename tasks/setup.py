@@ -23,6 +23,7 @@ from rl_core.config import ConfigError, DataConfig, ExperimentConfig, ModelConfi
 from rl_core.data.sources import load_records, read_parquet, write_parquet
 from rl_core.data.synthetic import generate_splits
 from rl_core.planes import PlanesHandle, bring_up_planes
+from rl_core.rewards import answer_check
 
 __all__ = ["PreparedData", "bring_up", "cached_snapshot", "fetch_model", "prepare_data",
            "source_fingerprint"]
@@ -56,11 +57,13 @@ def source_fingerprint(source: str) -> str:
     return source
 
 
-def data_key(data: DataConfig) -> str:
-    """The digest of everything that determines the prepared data."""
+def data_key(data: DataConfig, answers: str = "number") -> str:
+    """The digest of everything that determines the prepared data (``answers``: what the
+    reward needs of an answer, ``rl_core.rewards.answer_kind``)."""
     blob = json.dumps({"config": data.model_dump(mode="json"),
                        "source": source_fingerprint(data.source),
-                       "eval_source": source_fingerprint(data.eval_source or data.source)},
+                       "eval_source": source_fingerprint(data.eval_source or data.source),
+                       "snapshot": 2, "answers": answers},  # 2: every column kept
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -86,8 +89,10 @@ def cached_snapshot(out: Path, build: Callable[[Path], PreparedData], what: str)
 
 
 @task(name="prepare-data", timeout_seconds=1800, retries=2, retry_delay_seconds=5)
-def prepare_data(data: DataConfig, cache_dir: str) -> PreparedData:
-    """Any supported source -> validated Parquet snapshots with content digests."""
+def prepare_data(data: DataConfig, cache_dir: str, answers: str = "number") -> PreparedData:
+    """Any supported source -> validated Parquet snapshots with content digests. ``answers``:
+    ``number`` refuses a row without a numeric final answer (``reward.fn: gsm8k``), ``any``
+    takes any non-null answer (``rl_core.rewards.answer_kind`` of the run's reward)."""
 
     def build(out: Path) -> PreparedData:
         if data.source == "synthetic":
@@ -97,7 +102,8 @@ def prepare_data(data: DataConfig, cache_dir: str) -> PreparedData:
         else:
             fields = dict(subset=data.subset, question_field=data.question_field,
                           answer_field=data.answer_field, id_field=data.id_field,
-                          max_bad_fraction=data.max_bad_fraction, cache_dir=cache_dir)
+                          max_bad_fraction=data.max_bad_fraction, cache_dir=cache_dir,
+                          answer_check=answer_check(answers))
             train = load_records(data.source, data.train_split, limit=data.max_train_examples,
                                  **fields)
             test = load_records(data.eval_source or data.source, data.eval_split, **fields)
@@ -107,7 +113,7 @@ def prepare_data(data: DataConfig, cache_dir: str) -> PreparedData:
             eval_digest=write_parquet(test, out / "eval.parquet"),
             num_train=len(train), num_eval=len(test), source=data.source, cached=False)
 
-    return cached_snapshot(Path(cache_dir) / "data" / data_key(data), build, "prompt")
+    return cached_snapshot(Path(cache_dir) / "data" / data_key(data, answers), build, "prompt")
 
 
 def _not_a_config_error(task: object, task_run: object, state: object) -> bool:

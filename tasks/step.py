@@ -151,6 +151,8 @@ def reward(planes: PlanesHandle, batch: StepSamples, step: int) -> StepSamples:
     result = p.kind.score(batch.samples, p.reward_runner, step=step,
                           pass_threshold=p.config.reward.pass_threshold)
     metrics = {**batch.metrics, **summarize_samples(batch.samples, p.config.rollout.n_samples)}
+    if len(result.components) > 1:  # several reward functions: each one's mean
+        metrics.update(result.component_means())
     metrics.update({"reward_errors": float(result.num_errors),
                     "reward_timeouts": float(result.num_timeouts),
                     "reward_failed_streak": float(result.failed_streak),

@@ -141,3 +141,43 @@ class Scorer:
     @staticmethod
     def score(completion: str, answer: str) -> float:
         return 0.5
+
+
+# --- the batched (TRL) form and async functions (tests/test_data_and_rewards.py)
+
+def batched_label(prompts: list, completions: list[str], label: list, **columns) -> list:  # noqa: ANN003
+    """1.0 when the completion ends with the row's label; None for a row without a label."""
+    return [None if lab is None else float(c.strip().endswith(str(lab)))
+            for c, lab in zip(completions, label, strict=True)]
+
+
+def batched_sees_everything(prompts: list, completions: list[str], **columns) -> list[float]:  # noqa: ANN003
+    """Scores 1.0 when it got a prompt and the columns, to show what travels to a worker."""
+    return [float(p is not None and "label" in columns and "extra" in columns) for p in prompts]
+
+
+def batched_wrong_length(prompts: list, completions: list[str], **columns) -> list[float]:  # noqa: ANN003
+    return [1.0]
+
+
+def batched_hang(prompts: list, completions: list[str], **columns) -> list[float]:  # noqa: ANN003
+    time.sleep(60)
+    return [0.0] * len(completions)
+
+
+async def async_single(completion: str, answer: str) -> float:
+    import asyncio
+
+    await asyncio.sleep(0.01)
+    return float(completion.strip() == str(answer))
+
+
+async def async_batched(prompts: list, completions: list[str], **columns) -> list[float]:  # noqa: ANN003
+    import asyncio
+
+    await asyncio.sleep(0.01)
+    return [float(len(c)) for c in completions]
+
+
+def three_args(completion: str, answer: str, extra: str) -> float:
+    return 0.0

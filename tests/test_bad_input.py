@@ -24,7 +24,7 @@ import pytest
 from engine_helpers import char_tokenizer, save_tiny_model
 
 from rl_core.config import ConfigError, load_config
-from rl_core.data.records import DataValidationError, Record
+from rl_core.data.records import DataValidationError, Record, numeric_answer
 from rl_core.data.sources import load_records, read_parquet
 from rl_core.models.hub import ModelError, download_model, verify_model_dir
 
@@ -45,7 +45,7 @@ def _config_error(overrides: list[str], path: Path = TINY) -> str:
 CONFIG_CASES = [
     # unknown keys: the path and the keys that exist
     (["rollout.n_sample=4"], "rollout.n_sample: unknown key; allowed keys:"),
-    (["reward.timeout=3"], "reward.timeout: unknown key; allowed keys: fn, format_weight"),
+    (["reward.timeout=3"], "reward.timeout: unknown key; allowed keys: args, extra, fn"),
     # wrong types
     (["train.steps=[1]"], "train.steps: Input should be a valid integer (got [1])"),
     (["rollout.stop=5"], "rollout.stop: Input should be a valid list (got 5)"),
@@ -206,7 +206,7 @@ BAD = [  # (row, the reason a user is shown)
         "field 'answer' has no parsable final number",
     ),  # fmt: skip
     ({"id": "g1", "question": "again?", "answer": "#### 9"}, "duplicate id 'g1' (first seen"),
-    ({"id": "b5", "question": 12, "answer": "#### 1"}, "field 'question' must be a string"),
+    ({"id": "b5", "question": 12, "answer": "#### 1"}, "field 'question' must be text or a list of chat messages"),
 ]
 
 
@@ -227,7 +227,7 @@ def test_bad_jsonl_rows_are_named_by_line_with_their_reason(tmp_path: Path) -> N
     ]
     path = _jsonl(tmp_path / "train.jsonl", GOOD + [row for row, _ in BAD], extra)
     with pytest.raises(DataValidationError) as info:
-        load_records(path)
+        load_records(path, answer_check=numeric_answer)  # (b3) gsm8k's reward needs a number
     message = str(info.value)
     assert str(path) in message and "8 of 11 rows are invalid" in message
     for line, (_, reason) in enumerate(BAD, start=len(GOOD) + 1):
@@ -256,9 +256,9 @@ def test_bad_parquet_rows_are_named_by_row(tmp_path: Path) -> None:
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
     with pytest.raises(DataValidationError) as info:
-        load_records(path)
+        load_records(path, answer_check=numeric_answer)
     reasons = [reason for _, reason in BAD[:4]]
-    reasons[0] = "field 'question' is null; every row needs a question"  # a column has nulls
+    reasons[0] = "field 'question' is null; every row needs a prompt"  # a column has nulls
     for row, reason in enumerate(reasons, start=len(GOOD) + 1):
         assert f"row {row}: {reason}" in str(info.value)
 
@@ -303,7 +303,8 @@ def test_truncated_parquet_names_the_file(tmp_path: Path) -> None:
         ("train.json", b'[{"question": "caf\xe9", "answer": "1"}]', "not a valid UTF-8 JSON array"),
         ("train.json", b"[" * 50_000 + b"]" * 50_000, "not a valid UTF-8 JSON array"),
         ("train.json", b'{"not": "an array"} trailing', "invalid JSON"),
-        ("train.csv", b"question,answer\nq,1\n", "unsupported file type '.csv'"),
+        ("train.txt", b"question,answer\nq,1\n", "unsupported file type '.txt'"),
+        ("train.csv", b"question,answer\nq,1,extra\n", "1 more cells than the header's 2"),
     ],
 )
 def test_empty_and_malformed_files(
@@ -324,7 +325,8 @@ def test_empty_parquet_and_all_bad_rows_are_an_empty_dataset(tmp_path: Path) -> 
         load_records(empty, id_field=None)
     all_bad = _jsonl(tmp_path / "bad.jsonl", [row for row, _ in BAD[:3]])
     with pytest.raises(DataValidationError, match="empty dataset: all 3 rows are invalid"):
-        load_records(all_bad, max_bad_fraction=1.0)  # even a full budget keeps no rows
+        # even a full budget keeps no rows
+        load_records(all_bad, max_bad_fraction=1.0, answer_check=numeric_answer)
 
 
 def test_missing_columns_name_the_mapping_to_set(tmp_path: Path) -> None:
@@ -335,7 +337,7 @@ def test_missing_columns_name_the_mapping_to_set(tmp_path: Path) -> None:
     message = str(info.value)
     assert "missing column(s) 'question', 'answer'" in message
     assert "the columns are: problem, solution" in message
-    assert "question_field=<column>, answer_field=<column>" in message
+    assert "data.question_field=<column>, data.answer_field=<column>" in message
     assert load_records(path, question_field="problem", answer_field="solution", id_field=None)
 
 

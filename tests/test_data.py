@@ -25,6 +25,7 @@ from rl_core.data.records import (
     MAX_LISTED_PROBLEMS,
     DataValidationError,
     Record,
+    numeric_answer,
     records_digest,
     validate_records,
 )
@@ -63,14 +64,20 @@ def test_final_answer_and_number_parsing() -> None:
         assert parse_number(text) is None, text
 
 
+def _triples(records: list[Record]) -> list[tuple]:
+    return [(r.id, r.question, r.answer) for r in records]
+
+
 def test_validate_records_accepts_good_rows() -> None:
     good, problems = validate_records(ROWS, "mem")
     assert problems == []
     assert [r.id for r in good] == ["a", "b", "c"]
-    assert good[0] == Record("a", "What is 1 + 1?", "1 + 1 = 2\n#### 2")
+    assert good[0] == Record("a", "What is 1 + 1?", "1 + 1 = 2\n#### 2",
+                             {"id": "a", "answer": "1 + 1 = 2\n#### 2"})  # every column
     # integer ids become strings; a bare-number answer is accepted
-    good, _ = validate_records([{"id": 7, "question": "q?", "answer": "-3/4"}], "mem")
-    assert good == [Record("7", "q?", "-3/4")]
+    good, _ = validate_records([{"id": 7, "question": "q?", "answer": "-3/4"}], "mem",
+                               answer_check=numeric_answer)
+    assert _triples(good) == [("7", "q?", "-3/4")]
 
 
 def test_generated_ids_are_content_hashes_stable_under_reordering() -> None:
@@ -89,18 +96,23 @@ def test_validation_problems_name_rows_and_fields() -> None:
         {"id": "e", "question": "   ", "answer": "#### 1"},  # 3: empty question
         {"id": "u", "question": "q?", "answer": "the answer is five"},  # 4: unparsable
         {"id": "a", "question": "again?", "answer": "#### 3"},  # 5: duplicate id
-        {"id": "n", "question": "q?", "answer": 5},  # 6: not a string
+        {"id": "n", "question": "q?", "answer": [5]},  # 6: no number (for a numeric reward)
+        {"id": "i", "question": "q?", "answer": 5},  # 7: a number is a numeric answer
         ROWS[1],
     ]
-    good, problems = validate_records(rows, "mem", max_bad_fraction=1.0)
-    assert [r.id for r in good] == ["a", "b"]
+    good, problems = validate_records(rows, "mem", max_bad_fraction=1.0,
+                                      answer_check=numeric_answer)
+    assert [r.id for r in good] == ["a", "i", "b"]
     by_row = dict(problems)
     assert sorted(by_row) == [2, 3, 4, 5, 6]
     assert "missing field 'question'" in by_row[2] and "question_field=" in by_row[2]
     assert "'question' is empty" in by_row[3]
     assert "no parsable final number" in by_row[4] and "####" in by_row[4]
     assert "duplicate id 'a'" in by_row[5] and "row 1" in by_row[5]
-    assert "must be a string" in by_row[6]
+    assert "must be text or a number for a numeric reward, got list" in by_row[6]
+    # without a numeric reward, any non-null answer will do
+    good, problems = validate_records(rows, "mem", max_bad_fraction=1.0)
+    assert [r.id for r in good] == ["a", "u", "n", "i", "b"] and sorted(dict(problems)) == [2, 3, 5]
 
 
 def test_duplicate_generated_ids_are_reported_as_duplicate_rows() -> None:
@@ -129,7 +141,7 @@ def test_max_bad_fraction_and_error_message() -> None:
 def test_error_lists_only_first_problems() -> None:
     rows = [ROWS[0]] + [{"id": str(i), "question": "q", "answer": "x"} for i in range(15)]
     with pytest.raises(DataValidationError) as info:
-        validate_records(rows, "big.jsonl")
+        validate_records(rows, "big.jsonl", answer_check=numeric_answer)
     assert len(info.value.problems) == 15
     assert str(info.value).count("no parsable final number") == MAX_LISTED_PROBLEMS
     assert "... and 5 more" in str(info.value)
@@ -236,10 +248,11 @@ def test_load_directory_of_parquet_shards_numbers_rows_across_files(tmp_path: Pa
     bad = {"id": "d", "question": "q?", "answer": "no number"}
     _write_parquet_rows(shard_dir / "train-00001-of-00002.parquet", [ROWS[2], bad])
     with pytest.raises(DataValidationError) as info:
-        load_records(tmp_path, subset="main")
+        load_records(tmp_path, subset="main", answer_check=numeric_answer)
     assert info.value.problems[0][0] == 4
     assert "train-00001-of-00002.parquet: rows 3-4" in str(info.value)
-    records = load_records(tmp_path, subset="main", max_bad_fraction=0.25)
+    records = load_records(tmp_path, subset="main", max_bad_fraction=0.25,
+                           answer_check=numeric_answer)
     assert [r.id for r in records] == ["a", "b", "c"]
 
 
@@ -292,7 +305,7 @@ def test_write_and_read_parquet_round_trip(tmp_path: Path) -> None:
     digest = write_parquet(records, path)
     assert digest == records_digest(records)
     assert read_parquet(path) == records
-    assert load_records(path) == records
+    assert _triples(load_records(path)) == _triples(records)
     meta = pq.read_schema(path).metadata
     assert meta[b"grpoflow.records_digest"].decode() == digest
     assert sorted(p.name for p in path.parent.iterdir()) == ["snap.parquet"]  # no temp files

@@ -332,7 +332,7 @@ def test_load_dotted_path() -> None:
         ("reward_plugins:missing", "has no attribute"),
         ("reward_plugins:Scorer.nope", "has no attribute"),
         ("reward_plugins:NOT_CALLABLE", "not callable"),
-        ("reward_plugins:one_arg", "cannot be called as fn(completion, answer)"),
+        ("reward_plugins:one_arg", "matches neither reward form"),
     ],
 )
 def test_load_reward_fn_errors(spec: str, fragment: str) -> None:
@@ -345,7 +345,7 @@ def test_load_reward_fn_errors(spec: str, fragment: str) -> None:
 
 
 def test_load_reward_fn_missing_attribute_lists_callables() -> None:
-    with pytest.raises(ValueError, match="length_reward"):
+    with pytest.raises(ValueError, match="bool_reward, die_on_marker"):
         load_reward_fn("reward_plugins:missing")
 
 
@@ -386,7 +386,7 @@ def test_runner_builtin_inline_with_format_weight() -> None:
 
 def test_runner_builtin_guards_bad_inputs() -> None:
     runner = RewardRunner("gsm8k")
-    result = runner.score(["#### 5", "#### 6"], [5, "6"])  # type: ignore[list-item]
+    result = runner.score([None, "#### 6"], ["5", "6"])  # type: ignore[list-item]
     assert result.scores == [0.0, 1.0]
     assert result.correct == [False, True]
     assert result.num_errors == 1
@@ -727,11 +727,12 @@ def test_worker_serve_loop_in_process() -> None:
     child = Connection(child_sock.detach())
     thread = threading.Thread(target=runner_mod._serve, args=(child, gsm8k_reward))
     thread.start()
-    parent.send([(0, "#### 1", "1"), (5, "#### 2", "3"), (9, "x", 7)])
+    parent.send([(0, "#### 1", "1"), (5, "#### 2", "3"), (9, "#### 7", 7), (11, None, "1")])
     assert parent.recv() == (0, "ok", 1.0)
     assert parent.recv() == (5, "ok", 0.0)
+    assert parent.recv() == (9, "ok", 1.0)  # a numeric answer
     index, kind, message = parent.recv()
-    assert (index, kind) == (9, "error") and "AttributeError" in message
+    assert (index, kind) == (11, "error") and "AttributeError" in message
     parent.send(None)
     thread.join(5)
     assert not thread.is_alive()
@@ -770,7 +771,7 @@ def test_worker_main_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     limits: list[int] = []
     monkeypatch.setattr(runner_mod, "_watch_parent", lambda parent_pid: None)
     monkeypatch.setattr(runner_mod, "apply_memory_limit", limits.append)
-    for spec, expected in [("gsm8k", ("ready", None)), ("reward_plugins:missing", None)]:
+    for spec, expected in [("gsm8k", ("ready", ("single", False))), ("reward_plugins:missing", None)]:
         parent_sock, child_sock = socket.socketpair()
         parent = Connection(parent_sock.detach())
         cfg = {
@@ -836,7 +837,7 @@ def test_dispatch_to_dead_worker_charges_first_sample() -> None:
         slot.proc.wait(5)
         slot.queue.extend([0, 1])
         outcomes: list = [None, None]
-        runner._dispatch(slot, ["a", "b"], ["", ""], outcomes)
+        runner._dispatch(slot, [(0, "a", "", None, {}), (1, "b", "", None, {})], outcomes)
         assert outcomes[0][0] == "error" and "worker process died" in outcomes[0][1]
         assert list(slot.queue) == [1] and slot.state == "starting"
         slot.queue.clear()

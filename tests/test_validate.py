@@ -72,7 +72,8 @@ def test_a_reward_that_raises_on_a_gold_answer_fails(tiny_cache: Path, demo_mode
     # a signature the run cannot call: named, with the form it needs
     assert main([*argv[:-1], "reward.fn=reward_plugins:one_arg", "--json"]) == 2
     (reward,) = [f for f in json.loads(capsys.readouterr().out) if f["what"] == "reward"]
-    assert "cannot be called as fn(completion, answer)" in reward["detail"]
+    assert "matches neither reward form" in reward["detail"]
+    assert "fn(prompts, completions, **columns)" in reward["detail"]
 
 
 GPU_CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml")

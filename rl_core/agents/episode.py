@@ -199,12 +199,14 @@ class EpisodeRunner:
         _, rec, j = e.key
         tool_calls = sum(t.get("tool_calls", 0) for t in e.trace
                          if t["role"] == "environment" and t["attempt"] == e.attempt)
-        return e.to_sample(
+        sample = e.to_sample(
             step=step, record_id=rec.id, answer=rec.answer, index=j, group=e.key[0],
             failed=e.finish == "failed", env_reward=e.reward, finish=e.finish,
             fallback_prompt=self.chat.encode(self.chat.tokenizer.eos_token or " "),
             attempts=e.attempt + 1, errors=e.errors, tool_calls=tool_calls, info=e.info,
             trace=e.trace, seconds=time.monotonic() - e.started, started_at=e.started_at)
+        sample.prompt, sample.columns = rec.question, dict(rec.columns)
+        return sample
 
 
 def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:

@@ -255,7 +255,7 @@ class GatewaySession(Trajectory):
         nothing is trained on and the reward is 0)."""
         with self.lock:
             chat, rec = self.gateway.chat, self.task
-            return self.to_sample(
+            sample = self.to_sample(
                 step=self.step, record_id=self.record_id, index=self.index, group=self.group,
                 answer=rec.answer if rec is not None else "", failed=failed,
                 env_reward=0.0 if failed else env_reward, finish=self.limit or "done",
@@ -265,6 +265,9 @@ class GatewaySession(Trajectory):
                 info={"history_rewrites": max(0, self.chains - 1), "refused_requests": self.refused},
                 seconds=time.monotonic() - (self.opened if started is None else started),
                 started_at=self.opened_at)
+            if rec is not None:
+                sample.prompt, sample.columns = rec.question, dict(rec.columns)
+            return sample
 
 
 # ---------------------------------------------------------------------------- the gateway

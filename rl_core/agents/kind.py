@@ -17,7 +17,7 @@ from rl_core.agents.episode import episode_metrics
 from rl_core.data.records import Record
 from rl_core.engine.sampling import SamplingParams
 from rl_core.interfaces import RolloutPlane
-from rl_core.rewards import JudgeRunner, RewardResult, RewardRunner
+from rl_core.rewards import RewardResult, Scorer
 from rl_core.types import Sample
 
 __all__ = ["AgentEpisodes", "EpisodeFailureError"]
@@ -72,7 +72,7 @@ class AgentEpisodes:
         return run_programs(self.gateway, self.program, records, n=n, params=params, step=step,
                             seed=seed, limits=self.limits, retries=self.cfg.episode_retries)
 
-    def score(self, samples: Sequence[Sample], rewards: RewardRunner | JudgeRunner, *, pass_threshold: float,
+    def score(self, samples: Sequence[Sample], rewards: Scorer, *, pass_threshold: float,
               step: int | None = None, budget: bool = True) -> RewardResult:
         """Set each episode's ``reward`` and ``correct``: the environment's reward, plus
         ``reward.fn``'s score of the final answer when ``agent.score_final_answer`` (a failed
@@ -82,7 +82,9 @@ class AgentEpisodes:
         if self.cfg.score_final_answer:
             result = rewards.score([s.text for s in samples], [s.answer for s in samples],
                                    step=step, budget=budget,
-                                   record_ids=[s.record_id for s in samples])
+                                   record_ids=[s.record_id for s in samples],
+                                   prompts=[s.prompt for s in samples],
+                                   columns=[s.columns for s in samples])
         for i, s in enumerate(samples):
             ep = s.meta["episode"]
             if ep["status"] == "failed":
@@ -98,6 +100,7 @@ class AgentEpisodes:
             out.num_errors, out.num_timeouts, out.errors = (result.num_errors,
                                                             result.num_timeouts, result.errors)
             out.failed_streak, out.last_error = result.failed_streak, result.last_error
+            out.components = result.components
         return out
 
     def check(self, samples: Sequence[Sample]) -> dict[str, float]:

@@ -11,20 +11,15 @@ from __future__ import annotations
 
 import ast
 import concurrent.futures
-import contextlib
 import json
 import math
 import operator
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rl_core.engine.tool_parser import ToolCall, parse_tool_calls
-from rl_core.rewards.runner import apply_memory_limit
+from rl_core.rewards.sandbox import run_code
 
 __all__ = ["CALCULATOR", "PYTHON", "Tool", "ToolCall", "hermes_system_prompt", "parse_tool_calls",
            "resolve_tools", "run_tool"]
@@ -113,22 +108,14 @@ CALCULATOR = Tool(
 # ---------------------------------------------------------------------------- python
 
 def run_python(code: str, *, timeout_s: float = 10.0, memory_limit_mb: int = 1024) -> str:
-    """Run ``code`` in a fresh, isolated interpreter; its stdout (and stderr on failure)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-I", "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True, cwd="/tmp",
-        env={"PATH": os.environ.get("PATH", ""), "PYTHONHASHSEED": "0"},
-        preexec_fn=(lambda: apply_memory_limit(memory_limit_mb)) if memory_limit_mb else None)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the interpreter and whatever it started
-        proc.communicate()
-        raise TimeoutError(f"the code ran longer than {timeout_s:g}s") from None
-    text = out.decode(errors="replace")
-    if proc.returncode != 0:
-        text += err.decode(errors="replace")[-_MAX_OUTPUT_CHARS:]
+    """Run ``code`` in a fresh, isolated interpreter (:func:`rl_core.rewards.sandbox.run_code`);
+    its stdout (and stderr on failure)."""
+    ran = run_code(code, timeout_s=timeout_s, memory_limit_mb=memory_limit_mb)
+    if ran.returncode is None:
+        raise TimeoutError(f"the code ran longer than {timeout_s:g}s")
+    text = ran.stdout
+    if ran.returncode != 0:
+        text += ran.stderr[-_MAX_OUTPUT_CHARS:]
     return text[:_MAX_OUTPUT_CHARS].strip() or "(no output)"
 
 

@@ -73,14 +73,58 @@ class JudgeConfig(EnginesConfig):
         return template
 
 
+# The builtin rewards (rl_core.rewards.runner.BUILTIN_REWARDS; a test keeps them equal).
+BUILTIN_REWARD_NAMES = ("gsm8k", "format", "exact_match", "normalized_match", "multiple_choice",
+                        "regex", "code_tests")
+
+
+def _check_reward_spec(fn: str, *, judge: bool = True) -> str:
+    spec = fn.strip()
+    if spec in BUILTIN_REWARD_NAMES or (judge and spec == "judge"):
+        return fn
+    module, sep, attr = spec.partition(":")
+    names = [*module.split("."), *attr.split(".")]
+    if not sep or ":" in attr or not all(n.isidentifier() for n in names):
+        raise ValueError(f"{fn!r} is neither a builtin ({', '.join(BUILTIN_REWARD_NAMES)}"
+                         f"{', judge' if judge else ''}) nor a dotted path "
+                         "'package.module:function' (e.g. my_rewards.math:score)")
+    return fn
+
+
+class RewardTermConfig(Section):
+    """One more reward function (`reward.extra`), added to `reward.fn`'s score with a weight."""
+    fn: str = Field(description="A builtin (as `reward.fn`, but not `judge`) or "
+        "`package.module:function`, in either form: `fn(completion, answer)` or TRL's batched "
+        "`fn(prompts, completions, **columns)`.")
+    weight: float = Field(1.0, description="Its score is multiplied by this and added.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments bound "
+        "to the function (e.g. `{pattern: '^#### '}` for `regex`).")
+    name: str | None = Field(None, description="Its metric name (`reward/<name>`); default: "
+        "the function's name.")
+
+    @field_validator("fn")
+    @classmethod
+    def _check_fn(cls, fn: str) -> str:
+        return _check_reward_spec(fn, judge=False)
+
+
 class RewardConfig(Section):
-    """How completions are scored."""
-    fn: str = Field("gsm8k", description="`gsm8k`, `format`, `judge` (an LLM judge: "
-        "`reward.judge`), or `package.module:function`.")
+    """How completions are scored (docs/data-and-rewards.md)."""
+    fn: str = Field("gsm8k", description="The task reward (its score decides `correct`): "
+        "`gsm8k`, `exact_match`, `normalized_match`, `multiple_choice`, `regex`, `code_tests`, "
+        "`format`, `judge` (an LLM judge: `reward.judge`), or `package.module:function` in "
+        "either form: `fn(completion, answer)` or TRL's batched `fn(prompts, completions, "
+        "**columns)`, sync or async.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments bound to "
+        "`reward.fn` (e.g. `{letters: ABCD}` for `multiple_choice`).")
+    extra: list[RewardTermConfig] = Field(default_factory=list, description="More reward "
+        "functions, each `{fn, weight, args, name}`: the score is `reward.fn`'s plus each "
+        "weight times its score; each is logged as `reward/<name>`.")
     format_weight: float = Field(0.0, ge=0.0, description="Weight of a format bonus added to "
         "each score: 1 when the completion ends in a `#### <number>` line, else 0.")
     timeout_s: float = Field(
-        5.0, gt=0.0, description="Bound on one sample's reward call; a timeout scores 0.")
+        5.0, gt=0.0, description="Bound on one sample's reward call (a batched or async "
+        "function: on the batch, times its samples); a timeout scores 0.")
     memory_limit_mb: int | None = Field(
         4096, ge=64, description="Address-space limit (RLIMIT_AS) of each worker process running "
         "a custom reward function; an allocation past it scores that sample 0. null: no limit.")
@@ -95,21 +139,16 @@ class RewardConfig(Section):
     @field_validator("fn")
     @classmethod
     def _check_fn(cls, fn: str) -> str:
-        spec = fn.strip()
-        if spec in ("gsm8k", "format", "judge"):
-            return fn
-        module, sep, attr = spec.partition(":")
-        names = [*module.split("."), *attr.split(".")]
-        if not sep or ":" in attr or not all(n.isidentifier() for n in names):
-            raise ValueError(f"{fn!r} is neither a builtin ('gsm8k', 'format', 'judge') nor a "
-                             "dotted path 'package.module:function' (e.g. my_rewards.math:score)")
-        return fn
+        return _check_reward_spec(fn)
 
     @model_validator(mode="after")
     def _judge_has_model(self) -> RewardConfig:
         if self.fn.strip() == "judge" and not self.judge.model:
             raise ValueError("reward.fn is 'judge' but reward.judge.model is not set: name the "
                              "judge model (a local Hugging Face directory or hub id)")
+        if self.fn.strip() == "judge" and (self.extra or self.args):
+            raise ValueError("reward.fn is 'judge': reward.extra and reward.args do not combine "
+                             "with the judge yet; score the format in the judge's template")
         return self
 
 

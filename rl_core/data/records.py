@@ -1,8 +1,11 @@
-"""GSM8K-format records: the one in-memory shape every data source is turned into.
+"""Records: the one in-memory shape every data source is turned into.
 
-A :class:`Record` is ``(id, question, answer)``, the answer ending in ``#### <number>`` (or a
-bare number). :func:`validate_records` reports every bad row by number; :func:`records_digest`
-fingerprints a record list for lineage and resume checks (docs/configuration.md, 'Data').
+A :class:`Record` is ``(id, question, answer, columns)``: the prompt as text or as chat
+messages, the reference answer of any type (GSM8K's ends in ``#### <number>``), and every
+other column of the row, which travels with its samples to the reward, evaluation and the
+sample tables (docs/data-and-rewards.md). :func:`validate_records` reports every bad row by
+number, refusing an answer only for what the reward needs (``answer_check``);
+:func:`records_digest` fingerprints a record list for lineage and resume checks.
 Pure data handling: never does I/O, touches the network, or imports prefect or mlflow.
 """
 
@@ -10,16 +13,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from rl_core.data.numbers import parse_number
 
-__all__ = ["BadRow", "DataValidationError", "Record", "extract_final_answer", "records_digest",
-           "validate_numbered_rows", "validate_records"]
+__all__ = ["AnswerCheck", "BadRow", "cell_texts", "DataValidationError", "Record", "extract_final_answer",
+           "numeric_answer", "prompt_text", "records_digest", "validate_numbered_rows",
+           "validate_records"]
 
 ANSWER_MARKER = "####"
 MAX_LISTED_PROBLEMS = 10
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+# A reward's requirement on a reference answer: None when the answer will do, else why not.
+AnswerCheck = Callable[[Any], str | None]
 
 
 def extract_final_answer(answer: str) -> str:
@@ -28,18 +36,52 @@ def extract_final_answer(answer: str) -> str:
     return (tail if marker else head + tail).strip()
 
 
+def prompt_text(question: str | Sequence[Mapping[str, Any]]) -> str:
+    """A prompt as one text: itself, or a chat prompt's last user message (what a judge or an
+    environment is told the task is)."""
+    if isinstance(question, str):
+        return question
+    users = [str(m.get("content", "")) for m in question if m.get("role") == "user"]
+    return users[-1] if users else ""
+
+
 @dataclass(frozen=True)
 class Record:
-    """One problem: ``answer`` is reasoning text ending in ``#### <number>`` (or a bare number)."""
+    """One task: ``question`` is the prompt (text, or chat messages ``[{role, content}]``),
+    ``answer`` the reference answer (GSM8K's: reasoning ending in ``#### <number>``; any JSON
+    type), ``columns`` every column of the source row but the prompt (the answer and id
+    included, under their column names)."""
 
     id: str
-    question: str
-    answer: str
+    question: Any  # str | list[dict[str, str]]
+    answer: Any
+    columns: Mapping[str, Any] = field(default_factory=dict, compare=True)
 
     @property
     def final_answer(self) -> str:
         """Text after the last ``####``, stripped (the whole answer if there is no marker)."""
-        return extract_final_answer(self.answer)
+        return extract_final_answer(self.answer if isinstance(self.answer, str)
+                                    else json.dumps(self.answer, default=str))
+
+    @property
+    def text(self) -> str:
+        """The prompt as one text (:func:`prompt_text`)."""
+        return prompt_text(self.question)
+
+    __hash__ = None  # type: ignore[assignment]  # columns is a dict
+
+
+def numeric_answer(answer: Any) -> str | None:  # noqa: ANN401
+    """GSM8K's requirement (the ``gsm8k`` reward): a final number after ``####``, or a bare one."""
+    if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+        return f"must be text or a number for a numeric reward, got {type(answer).__name__}"
+    final = extract_final_answer(str(answer))
+    if parse_number(final) is None:
+        shown = final if len(final) <= 40 else final[:37] + "..."
+        return (f"has no parsable final number: expected a last line '{ANSWER_MARKER} <number>' "
+                f"or a bare number, got {shown!r} (reward.fn=gsm8k needs one; another reward "
+                "takes any answer)")
+    return None
 
 
 @dataclass(frozen=True)
@@ -68,12 +110,35 @@ def _format_problems(problems: list[tuple[int, str]], row_label: str) -> str:
     return "\n".join(lines)
 
 
-def _content_id(question: str, answer: str) -> str:
+def _content_id(question: Any, answer: Any) -> str:  # noqa: ANN401
+    if not (isinstance(question, str) and isinstance(answer, str)):
+        question, answer = (json.dumps(v, sort_keys=True, default=str) for v in (question, answer))
     return hashlib.sha1(f"{question}\x1f{answer}".encode()).hexdigest()[:12]
 
 
+def _prompt_problem(name: str, value: Any) -> str | None:  # noqa: ANN401
+    """Why ``value`` is no prompt (text, or chat messages with a user turn), or None."""
+    if value is None:
+        return f"field {name!r} is null; every row needs a prompt"
+    if isinstance(value, str):
+        return None if value.strip() else f"field {name!r} is empty"
+    if not isinstance(value, list | tuple) or not value:
+        return (f"field {name!r} must be text or a list of chat messages "
+                f"[{{role, content}}], got {type(value).__name__}")
+    for i, m in enumerate(value):
+        if not isinstance(m, Mapping) or not isinstance(m.get("content"), str):
+            return f"field {name!r}: message {i} is not {{'role': ..., 'content': <text>}}"
+        if m.get("role") not in CHAT_ROLES:
+            return (f"field {name!r}: message {i} has role {m.get('role')!r}; roles are "
+                    f"{', '.join(CHAT_ROLES)}")
+    if not any(m["role"] == "user" for m in value):
+        return f"field {name!r}: the chat messages have no user message"
+    return None
+
+
 def _check_row(
-    row: object, *, question_field: str, answer_field: str, id_field: str | None
+    row: object, *, question_field: str, answer_field: str, id_field: str | None,
+    answer_check: AnswerCheck | None = None,
 ) -> tuple[Record | None, bool, list[str]]:
     """(record or None, whether its id was generated, reasons it is bad)."""
     if isinstance(row, BadRow):
@@ -82,47 +147,42 @@ def _check_row(
         return None, False, [f"expected an object with fields, got {type(row).__name__}"]
 
     reasons: list[str] = []
-    texts: dict[str, str] = {}
     for name, arg in ((question_field, "question_field"), (answer_field, "answer_field")):
         if name not in row:
             present = ", ".join(sorted(map(str, row.keys()))[:8]) or "none"
             reasons.append(f"missing field {name!r} (row has: {present}); "
-                           f"if the column is named differently pass {arg}=<name>")
-            continue
-        value = row[name]
-        if value is None:  # a null cell (Parquet, datasets) or a JSON null
-            reasons.append(f"field {name!r} is null; every row needs a {arg.split('_')[0]}")
-        elif not isinstance(value, str):
-            reasons.append(f"field {name!r} must be a string, got {type(value).__name__}")
-        elif not value.strip():
-            reasons.append(f"field {name!r} is empty")
-        else:
-            texts[name] = value
-
-    if answer_field in texts:
-        final = extract_final_answer(texts[answer_field])
-        if parse_number(final) is None:
-            shown = final if len(final) <= 40 else final[:37] + "..."
-            reasons.append(f"field {answer_field!r} has no parsable final number: expected a "
-                           f"last line '{ANSWER_MARKER} <number>' or a bare number, got {shown!r}")
+                           f"if the column is named differently set data.{arg}=<name>")
+    question, answer = row.get(question_field), row.get(answer_field)
+    if question_field in row and (why := _prompt_problem(question_field, question)):
+        reasons.append(why)
+    if answer_field in row:
+        if answer is None:  # a null cell (Parquet, datasets) or a JSON null
+            reasons.append(f"field {answer_field!r} is null; every row needs an answer")
+        elif isinstance(answer, str) and not answer.strip():
+            reasons.append(f"field {answer_field!r} is empty")
+        elif answer_check is not None and (why := answer_check(answer)):
+            reasons.append(f"field {answer_field!r} {why}")
     raw_id = row.get(id_field) if id_field is not None else None
     if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, (str, int))):
         reasons.append(
             f"field {id_field!r} must be a string or integer, got {type(raw_id).__name__}; "
-            "pass id_field=None to use content-hash ids")
+            "set data.id_field: null to use content-hash ids")
     elif raw_id is not None and not str(raw_id).strip():
-        reasons.append(f"field {id_field!r} is empty; pass id_field=None to use content-hash ids")
+        reasons.append(f"field {id_field!r} is empty; set data.id_field: null to use "
+                       "content-hash ids")
     if reasons:
         return None, False, reasons
-    question, answer = texts[question_field], texts[answer_field]
+    if not isinstance(question, str):
+        question = [{"role": m["role"], "content": m["content"]} for m in question]
     record_id = _content_id(question, answer) if raw_id is None else str(raw_id)
-    return Record(id=record_id, question=question, answer=answer), raw_id is None, []
+    columns = {str(k): v for k, v in row.items() if k != question_field}
+    return Record(record_id, question, answer, columns), raw_id is None, []
 
 
 def validate_numbered_rows(
     rows: Iterable[tuple[int, Mapping | BadRow]], source: str, *, question_field: str = "question",
     answer_field: str = "answer", id_field: str | None = "id", max_bad_fraction: float = 0.0,
-    row_label: str = "row", note: str | None = None,
+    row_label: str = "row", note: str | None = None, answer_check: AnswerCheck | None = None,
 ) -> tuple[list[Record], list[tuple[int, str]]]:
     """Like :func:`validate_records` for rows that carry their own numbers (JSONL lines); a
     :class:`BadRow` counts as bad with its reason. ``row_label`` names the unit in messages;
@@ -136,7 +196,8 @@ def validate_numbered_rows(
     for number, row in rows:
         total += 1
         record, generated, reasons = _check_row(
-            row, question_field=question_field, answer_field=answer_field, id_field=id_field)
+            row, question_field=question_field, answer_field=answer_field, id_field=id_field,
+            answer_check=answer_check)
         if record is not None and record.id in seen:
             first = seen[record.id]
             reasons = [f"duplicate row: same question and answer as {row_label} {first}"
@@ -169,20 +230,34 @@ def validate_numbered_rows(
 def validate_records(
     rows: Iterable[Mapping], source: str, question_field: str = "question",
     answer_field: str = "answer", id_field: str | None = "id", max_bad_fraction: float = 0.0,
+    answer_check: AnswerCheck | None = None,
 ) -> tuple[list[Record], list[tuple[int, str]]]:
     """Build records from raw rows; return (good records, [(1-based row number, reason)]). Ids
     missing (or ``id_field`` None): sha1 of question and answer, so identical rows are duplicates
-    (the bad-row rules: docs/configuration.md, 'Data'). Raises :class:`DataValidationError` above
-    ``max_bad_fraction`` bad rows or when no row is good."""
+    (the bad-row rules: docs/configuration.md, 'Data'). ``answer_check``: what the reward needs
+    of an answer (:func:`numeric_answer` for ``gsm8k``; None: any non-null answer). Raises
+    :class:`DataValidationError` above ``max_bad_fraction`` bad rows or when no row is good."""
     return validate_numbered_rows(
         enumerate(rows, start=1), source, question_field=question_field,
-        answer_field=answer_field, id_field=id_field, max_bad_fraction=max_bad_fraction)
+        answer_field=answer_field, id_field=id_field, max_bad_fraction=max_bad_fraction,
+        answer_check=answer_check)
 
 
 def records_digest(records: Sequence[Record]) -> str:
-    """sha256 hex over a canonical serialisation of (id, question, answer); order-sensitive."""
+    """sha256 hex over a canonical serialisation of (id, question, answer, and the columns
+    where a record has any); order-sensitive."""
     digest = hashlib.sha256(b"grpoflow.records.v1\n")
     for r in records:
-        line = json.dumps([r.id, r.question, r.answer], ensure_ascii=False, separators=(",", ":"))
+        fields = [r.id, r.question, r.answer]
+        if r.columns:
+            fields.append(r.columns)
+        line = json.dumps(fields, ensure_ascii=False, separators=(",", ":"), sort_keys=True,
+                          default=str)
         digest.update(line.encode("utf-8") + b"\n")
     return digest.hexdigest()
+
+
+def cell_texts(columns: Mapping[str, Any], skip: Sequence[str] = ()) -> dict[str, str]:
+    """A row's columns as table cells: text as is, anything else as JSON (the sample tables)."""
+    return {str(k): v if isinstance(v, str) else json.dumps(v, default=str)
+            for k, v in columns.items() if k not in skip}

@@ -1,8 +1,9 @@
-"""Load GSM8K-format records from wherever they live, and write/read our own Parquet snapshots.
+"""Load records from wherever they live, and write/read our own Parquet snapshots.
 
-:func:`load_records` reads JSONL/JSON, Parquet, a local dataset directory, a hub dataset name
-or, through ``_SCHEME_READERS``, ``s3://`` objects and prefixes (downloaded once into
-``<cache_dir>/s3-data/``; docs/configuration.md, 'Data'). Never imports prefect or mlflow;
+:func:`load_records` reads JSONL/JSON, CSV, Parquet, Arrow, a ``datasets.save_to_disk``
+directory, a hub dataset name or, through ``_SCHEME_READERS``, ``s3://`` objects and prefixes
+(downloaded once into ``<cache_dir>/s3-data/``; docs/data-and-rewards.md). Every column of a
+row is kept (it travels with the samples to the reward). Never imports prefect or mlflow;
 never downloads what was not named explicitly; never crashes on a bad row: bad rows are
 reported by number (:class:`~rl_core.data.records.DataValidationError`).
 """
@@ -24,7 +25,13 @@ import pyarrow.parquet as pq
 
 from rl_core import storage
 from rl_core.data import records as _records
-from rl_core.data.records import BadRow, DataValidationError, Record, validate_numbered_rows
+from rl_core.data.records import (
+    AnswerCheck,
+    BadRow,
+    DataValidationError,
+    Record,
+    validate_numbered_rows,
+)
 from rl_core.secrets import redact
 
 __all__ = ["SourceRequest", "dispatch_source", "load_records", "read_parquet", "write_parquet"]
@@ -54,12 +61,11 @@ class RowSource:
 class SourceRequest:
     split: str
     subset: str | None
-    columns: tuple[str, ...]  # fields we need, id last if any
     required: tuple[str, ...]  # question and answer fields
     cache_dir: Path | None = None  # where remote sources are downloaded
 
 
-_S3_DATA_FILES = (*_JSON_SUFFIXES, ".parquet", ".arrow")
+_S3_DATA_FILES = (*_JSON_SUFFIXES, ".parquet", ".arrow", ".csv")
 
 
 def _read_s3(uri: str, request: SourceRequest) -> RowSource:
@@ -144,13 +150,17 @@ def _read_local_or_hub(source: str, request: SourceRequest) -> RowSource:
 
 def _unsupported(name: object, suffix: str) -> ValueError:
     return ValueError(f"{name}: unsupported file type {suffix or '(no suffix)'!r}; "
-                      "use .jsonl (one JSON object per line) or .parquet")
+                      "use .jsonl (one JSON object per line), .json, .csv, .parquet or .arrow")
 
 
 def _read_file(path: Path, request: SourceRequest) -> RowSource:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         return _parquet_source([path], str(path), request)
+    if suffix == ".csv":
+        return _csv_source(path, request)
+    if suffix == ".arrow":
+        return _arrow_source(path, request)
     if suffix in _JSON_SUFFIXES:
         if suffix == ".json" and _first_non_space_byte(path) == b"[":
             return _json_array_source(path)
@@ -167,7 +177,8 @@ def _read_dir(path: Path, request: SourceRequest) -> RowSource:
     for folder in (path, path / "data"):
         if not folder.is_dir():
             continue
-        for name in (f"{split}.jsonl", f"{split}.json", f"{split}.parquet", f"{split}-*.parquet"):
+        for name in (f"{split}.jsonl", f"{split}.json", f"{split}.csv", f"{split}.parquet",
+                     f"{split}-*.parquet"):
             searched.append(str(folder / name))
             if "*" not in name and (folder / name).is_file():
                 return _read_file(folder / name, request)
@@ -217,11 +228,10 @@ def _read_hub(name: str, request: SourceRequest) -> RowSource:
 
 
 def _dataset_rows(dataset: Any, name: str, request: SourceRequest) -> Iterator[tuple[int, Row]]:
-    """Rows of a ``datasets`` Dataset (or any iterable of mappings), only the fields we use."""
+    """Rows of a ``datasets`` Dataset (or any iterable of mappings), every column."""
     column_names = getattr(dataset, "column_names", None)
     if isinstance(column_names, list):
         _check_columns(name, column_names, request)
-        dataset = dataset.select_columns([c for c in request.columns if c in column_names])
     return enumerate(dataset, start=1)
 
 
@@ -229,7 +239,7 @@ def _check_columns(name: str, columns: Sequence[str], request: SourceRequest) ->
     if not (missing := [c for c in request.required if c not in columns]):
         return
     args = {request.required[0]: "question_field", request.required[1]: "answer_field"}
-    fixes = ", ".join(f"{args[c]}=<column>" for c in missing)
+    fixes = ", ".join(f"data.{args[c]}=<column>" for c in missing)
     raise DataValidationError(
         name, [], f"{name}: missing column(s) {', '.join(map(repr, missing))}; the columns are: "
         f"{', '.join(columns) or '(none)'}. Pass {fixes} to map them.")
@@ -297,6 +307,39 @@ def _open_parquet(path: Path) -> pq.ParquetFile:
             "DataFrame.to_parquet) or use .jsonl") from exc
 
 
+def _csv_source(path: Path, request: SourceRequest) -> RowSource:
+    """A CSV file with a header row; cells stay text (rows numbered from 1 after the header)."""
+    import csv
+
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            reader = csv.DictReader(f)
+            header, rows = reader.fieldnames or [], list(reader)
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise ValueError(f"{path}: not a readable UTF-8 CSV file ({exc}); re-save it as UTF-8 "
+                         "with a header row, or use .jsonl") from exc
+    _check_columns(str(path), header, request)
+    numbered = ((n, BadRow(f"{len(row[None])} more cells than the header's {len(header)}")
+                 if None in row else row) for n, row in enumerate(rows, start=1))
+    return RowSource(name=str(path), rows=numbered)
+
+
+def _arrow_source(path: Path, request: SourceRequest) -> RowSource:
+    """An Arrow IPC file or stream (``datasets`` caches its splits as the latter)."""
+    try:
+        with pa.memory_map(str(path)) as source:
+            try:
+                table = pa.ipc.open_file(source).read_all()
+            except pa.ArrowInvalid:
+                source.seek(0)
+                table = pa.ipc.open_stream(source).read_all()
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(f"{path}: not a readable Arrow file ({_first_line(exc)}); write it "
+                         "again (pyarrow.ipc) or use .parquet") from exc
+    _check_columns(str(path), table.column_names, request)
+    return RowSource(name=str(path), rows=enumerate(table.to_pylist(), start=1))
+
+
 def _parquet_source(paths: Sequence[Path], name: str, request: SourceRequest) -> RowSource:
     files, ranges, start = [_open_parquet(p) for p in paths], [], 1
     for p, f in zip(paths, files, strict=True):
@@ -308,8 +351,7 @@ def _parquet_source(paths: Sequence[Path], name: str, request: SourceRequest) ->
     def rows() -> Iterator[tuple[int, Row]]:
         number = 0
         for p, f in zip(paths, files, strict=True):
-            keep = [c for c in request.columns if c in f.schema_arrow.names]
-            batches = f.iter_batches(columns=keep)
+            batches = f.iter_batches()
             while True:
                 try:
                     batch = next(batches, None)
@@ -331,20 +373,21 @@ def load_records(
     source: str | os.PathLike[str], split: str = "train", *, subset: str | None = None,
     question_field: str = "question", answer_field: str = "answer", id_field: str | None = "id",
     limit: int | None = None, max_bad_fraction: float = 0.0,
-    cache_dir: str | os.PathLike[str] | None = None) -> list[Record]:
+    cache_dir: str | os.PathLike[str] | None = None, answer_check: AnswerCheck | None = None,
+) -> list[Record]:
     """Load and validate records from a file, directory, ``s3://`` URI or hub dataset name
-    (``subset``: the hub configuration or local sub-folder; ``limit``: the first N good records).
-    Raises FileNotFoundError (missing path or object), DataValidationError (a ValueError: bad rows)
-    or :class:`rl_core.storage.StorageError` (S3 unreadable)."""
+    (``subset``: the hub configuration or local sub-folder; ``limit``: the first N good records;
+    ``answer_check``: what the reward needs of an answer, :func:`~rl_core.data.records.
+    validate_records`). Raises FileNotFoundError (missing path or object), DataValidationError
+    (a ValueError: bad rows) or :class:`rl_core.storage.StorageError` (S3 unreadable)."""
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
-    columns = [question_field, answer_field] + ([id_field] if id_field is not None else [])
-    request = SourceRequest(split, subset, tuple(dict.fromkeys(columns)), (question_field, answer_field),
-                       Path(cache_dir) if cache_dir is not None else None)
+    request = SourceRequest(split, subset, (question_field, answer_field),
+                            Path(cache_dir) if cache_dir is not None else None)
     read = dispatch_source(os.fspath(source), request)
     records, problems = validate_numbered_rows(read.rows, read.name, question_field=question_field,
         answer_field=answer_field, id_field=id_field, max_bad_fraction=max_bad_fraction,
-        row_label=read.row_label, note=read.note)
+        row_label=read.row_label, note=read.note, answer_check=answer_check)
     if problems:  # a counted skip, within max_bad_fraction: say how many and which
         shown = "; ".join(f"{read.row_label} {n}: {why}" for n, why in problems[:3])
         more = f"; ... and {len(problems) - 3} more" if len(problems) > 3 else ""
@@ -353,16 +396,32 @@ def load_records(
     return records if limit is None else records[:limit]
 
 
+_SNAPSHOT_COLUMNS = ("id", "question", "answer")
+
+
+def _text(value: Any) -> tuple[str, bool]:  # noqa: ANN401
+    """(text, whether it is JSON): a string as itself, anything else JSON-encoded."""
+    return (value, False) if isinstance(value, str) else (json.dumps(value, default=str), True)
+
+
 def write_parquet(records: Sequence[Record], path: str | os.PathLike[str]) -> str:
-    """Write records as Parquet (columns id, question, answer), atomically (temp file +
-    rename); return their digest, also stored in the schema metadata under
-    ``grpoflow.records_digest``."""
+    """Write records as Parquet (columns id, question, answer; ``encoded`` names which of the
+    last two are JSON for a row whose prompt is chat messages or whose answer is no string;
+    ``columns``: the row's columns as JSON), atomically (temp file + rename); return their
+    digest, also stored in the schema metadata under ``grpoflow.records_digest``."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    digest, cols = _records.records_digest(records), ("id", "question", "answer")
-    schema = pa.schema([(c, pa.string()) for c in cols],
+    digest = _records.records_digest(records)
+    data: dict[str, list[str]] = {c: [] for c in (*_SNAPSHOT_COLUMNS, "encoded", "columns")}
+    for r in records:
+        (q, qj), (a, aj) = _text(r.question), _text(r.answer)
+        for name, value in (("id", r.id), ("question", q), ("answer", a),
+                            ("encoded", "q" * qj + "a" * aj),
+                            ("columns", json.dumps(r.columns, default=str) if r.columns else "")):
+            data[name].append(value)
+    schema = pa.schema([(c, pa.string()) for c in data],
                        metadata={DIGEST_METADATA_KEY: digest.encode()})
-    table = pa.table({c: [getattr(r, c) for r in records] for c in cols}, schema=schema)
+    table = pa.table(data, schema=schema)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         pq.write_table(table, tmp)
@@ -373,7 +432,8 @@ def write_parquet(records: Sequence[Record], path: str | os.PathLike[str]) -> st
 
 
 def read_parquet(path: str | os.PathLike[str]) -> list[Record]:
-    """Read records written by :func:`write_parquet` (columns id, question, answer), in order."""
+    """Read records written by :func:`write_parquet` (also the older snapshots with only id,
+    question and answer), in order."""
     target = Path(path)
     if not target.is_file():
         raise FileNotFoundError(f"records file not found: {target.absolute()}")
@@ -383,14 +443,20 @@ def read_parquet(path: str | os.PathLike[str]) -> list[Record]:
         raise ValueError(
             f"{target}: the records snapshot does not read ({_first_line(exc)}); it is "
             "corrupt or truncated: delete it (and its meta.json) so it is prepared again") from exc
-    if missing := [c for c in ("id", "question", "answer") if c not in table.column_names]:
+    if missing := [c for c in _SNAPSHOT_COLUMNS if c not in table.column_names]:
         raise ValueError(
             f"{target}: missing column(s) {', '.join(missing)} (has: "
             f"{', '.join(table.column_names)}); use load_records() for arbitrary Parquet files")
     records: list[Record] = []
-    for number, row in enumerate(table.select(["id", "question", "answer"]).to_pylist(), 1):
-        values = (row["id"], row["question"], row["answer"])
+    for number, row in enumerate(table.to_pylist(), 1):
+        values = [row[c] for c in _SNAPSHOT_COLUMNS]
         if not all(isinstance(v, str) for v in values):
             raise ValueError(f"{target}: row {number} has a null or non-string field: {row!r}")
-        records.append(Record(*values))
+        encoded = row.get("encoded") or ""
+        if "q" in encoded:
+            values[1] = json.loads(values[1])
+        if "a" in encoded:
+            values[2] = json.loads(values[2])
+        columns = json.loads(row["columns"]) if row.get("columns") else {}
+        records.append(Record(*values, columns=columns))
     return records

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rl_core.data.records import prompt_text
 from rl_core.errors import RolloutError, RolloutRequestError
 from rl_core.rewards.results import FailedStepStreak, RewardFunctionError, RewardResult, ScoreBook
 
@@ -214,13 +215,17 @@ class JudgeRunner(ScoreBook):
     def score(self, completions: Sequence[str], answers: Sequence[str], *,
               step: int | None = None, budget: bool = True,
               questions: Sequence[str] | None = None,
-              record_ids: Sequence[str] | None = None) -> RewardResult:
-        """Judge each completion against its answer and question (``questions``, or
-        ``record_ids`` looked up) with `RewardRunner.score`'s contract, `JudgeError` for a
-        spent budget (environments pass ``budget=False``). Safe from several threads at once."""
+              record_ids: Sequence[str] | None = None, prompts: Sequence[Any] | None = None,
+              columns: Sequence[Any] | None = None) -> RewardResult:
+        """Judge each completion against its answer and question (``questions``, the samples'
+        ``prompts`` as text, or ``record_ids`` looked up) with `RewardRunner.score`'s contract,
+        `JudgeError` for a spent budget (environments pass ``budget=False``). Safe from several
+        threads at once. ``columns`` is not read."""
         if len(completions) != len(answers):
             raise ValueError(f"got {len(completions)} completions but {len(answers)} answers; "
                              "they must be aligned one to one")
+        if questions is None and prompts is not None and all(p is not None for p in prompts):
+            questions = [prompt_text(p) for p in prompts]
         qs = self._questions_for(len(completions), questions, record_ids)
         with self._lock:
             if self._closed:

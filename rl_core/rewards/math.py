@@ -106,10 +106,11 @@ def answers_equal(pred: str | None, ref: str) -> bool:
     return a == b or bool(tolerant and abs(a - b) <= _TOLERANCE)
 
 
-def gsm8k_reward(completion: str, answer: str) -> float:
+def gsm8k_reward(completion: str, answer: str | int | float) -> float:
     """1.0 if the answer extracted from ``completion`` equals the reference's, else 0.0
-    (``answer``: a full GSM8K solution or a bare number; one with no number scores 0.0)."""
-    ref = extract_answer(answer)
+    (``answer``: a full GSM8K solution, a bare number, or a number; one with no number scores
+    0.0)."""
+    ref = extract_answer(answer if isinstance(answer, str) else str(answer))
     return 1.0 if ref is not None and answers_equal(extract_answer(completion), ref) else 0.0
 
 

@@ -16,7 +16,8 @@ from rl_core.rewards.math import format_reward
 __all__ = ["FailedStepStreak", "Outcome", "RewardFunctionError", "RewardResult", "ScoreBook",
            "short"]
 
-# Outcome of one call: ("ok", score) | ("error", message) | ("timeout", message or None).
+# Outcome of one call: ("ok", score) | ("error", message) | ("timeout", message or None) |
+# ("skip", None): a batched function's None, no score for this sample (it counts 0, no error).
 Outcome = tuple[str, Any]
 MAX_ERROR_MESSAGES, MAX_MESSAGE_CHARS = 5, 200
 
@@ -57,11 +58,23 @@ class RewardResult:
     errors: list[str] = field(default_factory=list)
     failed_streak: int = 0
     last_error: str | None = None
+    components: dict[str, list[float | None]] = field(default_factory=dict)
+    raw: list[float | None] = field(default_factory=list)  # the function's own score per sample
+    failed: list[bool] = field(default_factory=list)  # per sample: an error or a timeout
 
     @property
     def all_failed(self) -> bool:
         """The batch is not empty and the function scored no sample (errors and timeouts)."""
         return bool(self.scores) and self.num_errors + self.num_timeouts == len(self.scores)
+
+    def component_means(self) -> dict[str, float]:
+        """``reward/<name>``: each function's mean score over the samples it scored."""
+        out = {}
+        for name, values in self.components.items():
+            scored = [v for v in values if v is not None]
+            if scored:
+                out[f"reward/{name}"] = sum(scored) / len(scored)
+        return out
 
 
 class FailedStepStreak:
@@ -118,12 +131,17 @@ class ScoreBook:
         result = RewardResult(scores=[], correct=[])
         for i, (completion, (kind, value)) in enumerate(zip(completions, outcomes, strict=True)):
             result.correct.append(kind == "ok" and value >= self.pass_threshold)
+            result.raw.append(value if kind == "ok" else None)
+            result.failed.append(kind in ("error", "timeout"))
+            if kind == "skip":
+                kind, value = "ok", 0.0
             if kind == "ok":
                 total = value + self.format_weight * self._format_score(completion)
                 if math.isfinite(total):
                     result.scores.append(total)
                     continue
                 kind, value = "error", f"score {value} + format bonus is not finite"
+                result.failed[-1] = True
             result.scores.append(0.0)
             if kind == "timeout":
                 result.num_timeouts += 1

@@ -1,8 +1,8 @@
 """Bounded execution of reward functions over (completion, reference answer) pairs.
 
-`load_reward_fn` resolves a spec (a builtin or ``package.module:function``); `RewardRunner`
-scores batches with it, custom functions in sandboxed worker processes, so a broken, slow or
-hanging function costs one sample's reward, never the step; failing every sample of
+`RewardRunner` scores batches with a reward function (`rl_core.rewards.forms`: a builtin or
+``package.module:function``, per sample or batched, sync or async), custom functions in
+sandboxed worker processes, so a broken, slow or hanging function costs one sample's reward, never the step; failing every sample of
 ``max_failed_steps`` steps raises `RewardFunctionError` (docs/agents.md, 'Reward functions';
 docs/reliability.md). Never imports prefect, mlflow or torch; never raises for a bad sample;
 never leaves a stuck process behind; never blocks much longer than ``timeout_s`` per sample.
@@ -12,8 +12,6 @@ never leaves a stuck process behind; never blocks much longer than ``timeout_s``
 from __future__ import annotations
 
 import contextlib
-import importlib
-import inspect
 import json
 import math
 import os
@@ -25,127 +23,42 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_connections
 from typing import TYPE_CHECKING, Any, Literal
 
-from rl_core.rewards.math import format_reward, gsm8k_reward
+from rl_core.rewards.forms import (
+    BUILTIN_REWARDS,
+    Item,
+    RewardFn,
+    call_one,
+    call_whole,
+    describe,
+    load_reward_fn,
+    reward_form,
+    split_spec,
+)
 from rl_core.rewards.results import (
     FailedStepStreak,
     Outcome,
     RewardFunctionError,
     RewardResult,
     ScoreBook,
-    short,
 )
+from rl_core.rewards.sandbox import apply_memory_limit
 
 if TYPE_CHECKING:  # the config module imports no rewards code; only the type is needed
     from rl_core.config import RewardConfig
 
 __all__ = ["BUILTIN_REWARDS", "DEFAULT_MAX_FAILED_STEPS", "DEFAULT_MEMORY_LIMIT_MB", "FailedStepStreak", "RewardFn",
-           "RewardFunctionError", "RewardResult", "RewardRunner", "load_reward_fn"]
-
-RewardFn = Callable[[str, str], float]
-BUILTIN_REWARDS: dict[str, RewardFn] = {
-    "gsm8k": gsm8k_reward, "format": lambda completion, answer: format_reward(completion)}
+           "RewardFunctionError", "RewardResult", "RewardRunner", "load_reward_fn", "reward_form"]
 
 _KILL_WAIT_S, _ORPHAN_POLL_S = 5.0, 1.0
 
 # Defaults shared with rl_core.config.RewardConfig (a test keeps them equal).
 DEFAULT_MEMORY_LIMIT_MB, DEFAULT_MAX_FAILED_STEPS = 4096, 3
-
-
-def _builtin_names() -> str:
-    return ", ".join(repr(name) for name in BUILTIN_REWARDS)
-
-
-def _split_spec(spec: object) -> tuple[str, str]:
-    """Validate the shape of a non-builtin spec; return (module, attribute path)."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"reward spec {spec!r} is empty or not a string. Fix: use a builtin "
-                         f"({_builtin_names()}) or a 'package.module:function' path.")
-    module_name, sep, attr_path = spec.strip().partition(":")
-    if not sep or not module_name or not attr_path or ":" in attr_path:
-        raise ValueError(
-            f"unknown reward spec {spec!r}: it is not a builtin ({_builtin_names()}) and not of "
-            "the form 'package.module:function'. Fix: use a builtin name, or point at a "
-            "function, e.g. 'my_rewards.math:score'.")
-    return module_name, attr_path
-
-
-def load_reward_fn(spec: str) -> RewardFn:
-    """Resolve ``spec`` (a builtin name or ``package.module:function``, the function may be
-    dotted) to ``fn(completion, answer) -> float``, imported in *this* process (a worker's, for
-    custom specs). Raises ValueError naming the spec, what is wrong and the fix."""
-    if isinstance(spec, str) and spec.strip() in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec.strip()]
-    module_name, attr_path = _split_spec(spec)
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise ValueError(
-                f"reward spec {spec!r}: module {module_name!r} not found ({e}). Fix: check the "
-                "spelling, install the package, or put its directory on PYTHONPATH.") from e
-        raise ValueError(
-            f"reward spec {spec!r}: module {module_name!r} was found but importing it failed "
-            f"because a module it needs is missing ({e}). Fix: install that dependency.") from e
-    except Exception as e:
-        raise ValueError(
-            f"reward spec {spec!r}: importing module {module_name!r} raised "
-            f"{type(e).__name__}: {e}. Fix: debug with python -c 'import {module_name}'.") from e
-    obj: Any = module
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            public = sorted(name for name, value in vars(module).items()
-                            if callable(value) and not name.startswith("_"))
-            raise ValueError(
-                f"reward spec {spec!r}: module {module_name!r} has no attribute {attr_path!r}. "
-                f"Fix: check the name after ':'; public callables there: "
-                f"{', '.join(public[:10]) or 'none'}.") from None
-    if not callable(obj):
-        raise ValueError(
-            f"reward spec {spec!r}: {attr_path!r} is a {type(obj).__name__}, not callable. "
-            "Fix: point at a function fn(completion: str, answer: str) -> float.")
-    try:
-        signature = inspect.signature(obj)
-    except (TypeError, ValueError):  # some C callables carry no signature; the call will tell
-        return obj
-    try:
-        signature.bind("", "")
-    except TypeError as e:
-        raise ValueError(
-            f"reward spec {spec!r}: {attr_path}{signature} cannot be called as "
-            f"fn(completion, answer) ({e}). Fix: accept two positional arguments.") from None
-    return obj
-
-
-def _describe(exc: BaseException) -> str:
-    return short(f"{type(exc).__name__}: {exc}")
-
-
-def _as_score(value: object) -> Outcome:
-    if value is None or isinstance(value, str | bytes):
-        return "error", short(f"returned {type(value).__name__} {value!r}, expected a float")
-    try:
-        score = float(value)  # type: ignore[arg-type]
-    except Exception as e:
-        return "error", short(f"returned {type(value).__name__}, expected a float ({e})")
-    if not math.isfinite(score):
-        return "error", f"returned non-finite score {score}"
-    return "ok", score
-
-
-def _call_one(fn: RewardFn, completion: str, answer: str) -> Outcome:
-    try:
-        value = fn(completion, answer)
-    except (Exception, SystemExit) as e:  # sys.exit() in a user function is a bad sample
-        return "error", _describe(e)
-    return _as_score(value)
 
 
 # Runs in the fresh interpreter. sys.path must be in place before rl_core can be imported.
@@ -163,14 +76,6 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
-def apply_memory_limit(limit_mb: int) -> None:
-    import resource
-
-    limit, (_, hard) = limit_mb * 1024 * 1024, resource.getrlimit(resource.RLIMIT_AS)
-    limit = limit if hard == resource.RLIM_INFINITY else min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-
-
 def _worker_main(cfg: dict[str, Any]) -> None:
     conn = Connection(cfg["fd"])
     threading.Thread(target=_watch_parent, args=(cfg["parent_pid"],), daemon=True,
@@ -178,22 +83,29 @@ def _worker_main(cfg: dict[str, Any]) -> None:
     try:
         if cfg.get("memory_limit_mb"):
             apply_memory_limit(int(cfg["memory_limit_mb"]))
-        fn = load_reward_fn(cfg["spec"])
+        fn = load_reward_fn(cfg["spec"], cfg.get("args"))
+        form = reward_form(fn)
     except BaseException as e:  # whatever the import did (sys.exit too), the parent must know
-        conn.send(("load_error", str(e) if isinstance(e, ValueError) else _describe(e)))
+        conn.send(("load_error", str(e) if isinstance(e, ValueError) else describe(e)))
         return
-    conn.send(("ready", None))
-    _serve(conn, fn)
+    conn.send(("ready", form))
+    _serve(conn, fn, form, float(cfg.get("timeout_s", 5.0)))
 
 
-def _serve(conn: Connection, fn: RewardFn) -> None:
-    """Score batches of (index, completion, answer) until EOF or a None batch, one result
-    message per sample as soon as it is ready: the parent times each sample from the previous
-    result, which is what bounds a hang per sample."""
+def _serve(conn: Connection, fn: RewardFn, form: tuple[str, bool] = ("single", False),
+           timeout_s: float = 5.0) -> None:
+    """Score batches of items (:data:`Item`) until EOF or a None batch. A sync single-sample
+    function sends one result message per sample as soon as it is ready: the parent times
+    each sample from the previous result, which is what bounds a hang per sample. A batched or
+    async one scores the batch at once (:func:`call_whole`) and sends every result then."""
     with contextlib.suppress(EOFError, OSError):  # parent gone or gave up on us: nothing to do
         while (batch := conn.recv()) is not None:
-            for index, completion, answer in batch:
-                conn.send((index, *_call_one(fn, completion, answer)))
+            if form == ("single", False):
+                for index, completion, answer, *_ in batch:
+                    conn.send((index, *call_one(fn, completion, answer)))
+                continue
+            for item, outcome in zip(batch, call_whole(fn, form, batch, timeout_s), strict=True):
+                conn.send((item[0], *outcome))
 
 
 @dataclass(eq=False)
@@ -204,6 +116,7 @@ class _Slot:
     state: str = "dead"  # dead -> starting -> ready <-> busy; any -> dead on kill
     queue: deque[int] = field(default_factory=deque)
     deadline: float = 0.0
+    form: tuple[str, bool] = ("single", False)  # the function's (reward_form), once ready
 
 
 def _kill_slot(slot: _Slot) -> int | None:
@@ -250,7 +163,7 @@ class RewardRunner(ScoreBook):
                  max_workers: int = 1, isolate: bool | None = None,
                  memory_limit_mb: int | None | Literal["auto"] = "auto",
                  start_timeout_s: float = 60.0, max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS,
-                 pass_threshold: float = 1.0) -> None:
+                 pass_threshold: float = 1.0, args: Mapping[str, Any] | None = None) -> None:
         if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         if not (isinstance(format_weight, int | float) and math.isfinite(format_weight)):
@@ -274,6 +187,7 @@ class RewardRunner(ScoreBook):
                 "it cannot be combined with in-process scoring (isolate=False or a builtin spec "
                 "with isolate=None). Fix: pass isolate=True or drop memory_limit_mb.")
         self.spec, self.max_workers, self.isolated = spec, max_workers, isolated
+        self.args = dict(args or {})
         self.timeout_s, self.format_weight = float(timeout_s), float(format_weight)
         self.memory_limit_mb, self.start_timeout_s = memory_limit_mb, float(start_timeout_s)
         self.max_failed_steps, self.pass_threshold = max_failed_steps, float(pass_threshold)
@@ -284,14 +198,15 @@ class RewardRunner(ScoreBook):
         self._builtin, self._closed, self._lock = builtin, False, threading.Lock()
         self._stats = dict.fromkeys(("calls", "samples", "errors", "timeouts", "worker_restarts",
                                      "leaked_threads", "all_failed_calls"), 0)
-        self._fn = None if isolated else load_reward_fn(spec)
+        self._fn = None if isolated else load_reward_fn(spec, self.args)
+        self.form = ("single", False) if isolated else reward_form(self._fn)
         slots = self._slots = [_Slot() for _ in range(max_workers if isolated else 0)]
         # The callback must not hold self, or the runner would never be collected.
         self._finalizer = weakref.finalize(self, lambda: [_kill_slot(slot) for slot in slots])
         if not isolated:
             return
         if not builtin:
-            _split_spec(spec)  # a malformed spec should not cost a process start
+            split_spec(spec)  # a malformed spec should not cost a process start
         try:
             self._start_all()
         except BaseException:
@@ -307,23 +222,31 @@ class RewardRunner(ScoreBook):
                    memory_limit_mb=None if builtin else reward.memory_limit_mb,
                    max_failed_steps=reward.max_failed_steps, pass_threshold=reward.pass_threshold)
 
-    def score(self, completions: Sequence[str], answers: Sequence[str], *,
+    def score(self, completions: Sequence[str], answers: Sequence[Any], *,
               step: int | None = None, budget: bool = True,
-              record_ids: Sequence[str] | None = None) -> RewardResult:
+              record_ids: Sequence[str] | None = None, prompts: Sequence[Any] | None = None,
+              columns: Sequence[Mapping[str, Any]] | None = None) -> RewardResult:
         """Score each completion against its reference answer; never raises for a bad sample.
         ``step``/``budget``: the fault budget; ``record_ids``: for scorers that read the
-        question (a judge). Raises ValueError for misaligned lists, RuntimeError after
+        question (a judge); ``prompts``/``columns``: each sample's prompt and dataset row, for
+        a batched function. Raises ValueError for misaligned lists, RuntimeError after
         `close()`, `RewardFunctionError` once the budget is spent (and on every later call)."""
-        if len(completions) != len(answers):
-            raise ValueError(f"got {len(completions)} completions but {len(answers)} answers; "
-                             "they must be aligned one to one")
+        n = len(completions)
+        if len(answers) != n or (prompts is not None and len(prompts) != n) or (
+                columns is not None and len(columns) != n):
+            raise ValueError(f"got {len(completions)} completions but {len(answers)} answers "
+                             f"(prompts, columns: {'-' if prompts is None else len(prompts)}, "
+                             f"{'-' if columns is None else len(columns)}); they must be "
+                             "aligned one to one")
+        items: list[Item] = [(i, completions[i], answers[i], None if prompts is None
+                              else prompts[i], {} if columns is None else columns[i])
+                             for i in range(n)]
         with self._lock:
             if self._closed:
                 raise RuntimeError("RewardRunner.score called after close()")
             if self._fatal is not None:
                 raise self._fatal
-            outcomes = (self._run_isolated(completions, answers) if self.isolated else
-                        [self._run_inline(c, a) for c, a in zip(completions, answers, strict=True)])
+            outcomes = self._run_isolated(items) if self.isolated else self._run_inline(items)
             result = self._assemble(completions, outcomes)
             for key, n in (("calls", 1), ("samples", len(completions)),
                            ("errors", result.num_errors), ("timeouts", result.num_timeouts)):
@@ -363,19 +286,28 @@ class RewardRunner(ScoreBook):
     def _timeout_note(self) -> str:
         return f"timed out after {self.timeout_s:g} s"
 
-    def _run_inline(self, completion: str, answer: str) -> Outcome:
+    def _run_inline(self, items: Sequence[Item]) -> list[Outcome]:
+        fn, form, whole = self._fn, self.form, self.form != ("single", False)
         if self._builtin:
-            return _call_one(self._fn, completion, answer)
-        box: list[Outcome] = []
-        fn = self._fn
-        thread = threading.Thread(target=lambda: box.append(_call_one(fn, completion, answer)),
-                                  daemon=True, name="reward-fn-inline")
+            return (call_whole(fn, form, items, self.timeout_s) if whole
+                    else [call_one(fn, it[1], it[2]) for it in items])
+        if whole:
+            return self._in_thread(lambda: call_whole(fn, form, items, self.timeout_s),
+                                   self.timeout_s * max(len(items), 1), len(items))
+        return [self._in_thread(lambda it=it: [call_one(fn, it[1], it[2])], self.timeout_s, 1)[0]
+                for it in items]
+
+    def _in_thread(self, call: Callable[[], list[Outcome]], timeout_s: float,
+                   n: int) -> list[Outcome]:
+        box: list[list[Outcome]] = []
+        thread = threading.Thread(target=lambda: box.append(call()), daemon=True,
+                                  name="reward-fn-inline")
         thread.start()
-        thread.join(self.timeout_s)
+        thread.join(timeout_s)
         if thread.is_alive():
             self._stats["leaked_threads"] += 1
-            return "timeout", None
-        return box[0] if box else ("error", "reward thread ended without a result")
+            return [("timeout", None)] * n
+        return box[0] if box else [("error", "reward thread ended without a result")] * n
 
     def _spawn(self, slot: _Slot) -> None:
         if self._closed:
@@ -384,7 +316,8 @@ class RewardRunner(ScoreBook):
             raise OSError("sys.executable is unknown; cannot start a Python worker")
         parent_sock, child_sock = socket.socketpair()
         try:
-            cfg = {"fd": child_sock.fileno(), "spec": self.spec,
+            cfg = {"fd": child_sock.fileno(), "spec": self.spec, "args": self.args,
+                   "timeout_s": self.timeout_s,
                    "sys_path": [p for p in sys.path if isinstance(p, str)],
                    "memory_limit_mb": self.memory_limit_mb, "parent_pid": os.getpid()}
             proc = subprocess.Popen([sys.executable, "-c", _WORKER_BOOT, json.dumps(cfg)],
@@ -422,7 +355,8 @@ class RewardRunner(ScoreBook):
                                    f"(exit code {code}){hint}") from None
             if kind == "load_error":
                 raise ValueError(payload)
-            slot.state = "ready"
+            slot.state, slot.form = "ready", tuple(payload)
+            self.form = slot.form
 
     def _fail_queue(self, slot: _Slot, outcomes: list[Outcome | None], message: str) -> None:
         """Kill the worker (if any) and fail every sample it still owed with ``message``."""
@@ -439,15 +373,17 @@ class RewardRunner(ScoreBook):
         except OSError as e:
             self._fail_queue(slot, outcomes, f"could not start worker process: {e}")
 
-    def _dispatch(self, slot: _Slot, completions: Sequence[str], answers: Sequence[str],
+    def _dispatch(self, slot: _Slot, items: Sequence[Item],
                   outcomes: list[Outcome | None]) -> None:
         slot.state = "busy"
         try:
-            slot.conn.send([(i, completions[i], answers[i]) for i in slot.queue])
+            slot.conn.send([items[i] for i in slot.queue])
         except (OSError, ValueError):  # died just now: charge the first sample like any death
             self._on_death(slot, outcomes)
             return
-        slot.deadline = time.monotonic() + self.timeout_s
+        # a batched or async function answers for the whole batch at once
+        whole = slot.form != ("single", False)
+        slot.deadline = time.monotonic() + self.timeout_s * (len(slot.queue) if whole else 1)
 
     def _on_death(self, slot: _Slot, outcomes: list[Outcome | None],
                   timed_out: bool = False) -> None:
@@ -462,13 +398,15 @@ class RewardRunner(ScoreBook):
             return
         hint = (f" (out of memory? memory_limit_mb={self.memory_limit_mb})"
                 if self.memory_limit_mb else "")
-        if slot.queue:
+        whole = slot.form != ("single", False)  # the batch was one call: it all failed
+        while slot.queue:
             outcomes[slot.queue.popleft()] = ("timeout", None) if timed_out else (
                 "error", f"worker process died (exit code {code}){hint} while scoring this sample")
+            if not whole:
+                break
         self._restart(slot, outcomes)
 
-    def _drain(self, slot: _Slot, completions: Sequence[str], answers: Sequence[str],
-               outcomes: list[Outcome | None]) -> None:
+    def _drain(self, slot: _Slot, items: Sequence[Item], outcomes: list[Outcome | None]) -> None:
         while (conn := slot.conn) is not None:
             try:
                 if not conn.poll(0):
@@ -480,9 +418,9 @@ class RewardRunner(ScoreBook):
             if slot.state == "starting":
                 kind, payload = message
                 if kind == "ready":
-                    slot.state = "ready"
+                    slot.state, slot.form = "ready", tuple(payload)
                     if slot.queue:
-                        self._dispatch(slot, completions, answers, outcomes)
+                        self._dispatch(slot, items, outcomes)
                 else:
                     self._fail_queue(slot, outcomes, f"worker could not load reward: {payload}")
             elif slot.state == "busy":
@@ -494,10 +432,10 @@ class RewardRunner(ScoreBook):
                     if not slot.queue:
                         slot.state = "ready"
 
-    def _run_isolated(self, completions: Sequence[str], answers: Sequence[str]) -> list[Outcome]:
-        outcomes: list[Outcome | None] = [None] * len(completions)
+    def _run_isolated(self, items: Sequence[Item]) -> list[Outcome]:
+        outcomes: list[Outcome | None] = [None] * len(items)
         working: list[_Slot] = []
-        n, k = len(completions), len(self._slots)
+        n, k = len(items), len(self._slots)
         for i, slot in enumerate(self._slots):  # slot i scores a contiguous chunk
             if not (chunk := range(i * n // k, (i + 1) * n // k)):
                 continue
@@ -511,13 +449,13 @@ class RewardRunner(ScoreBook):
             elif slot.state == "dead":
                 self._restart(slot, outcomes, count=False)
             if slot.state == "ready":
-                self._dispatch(slot, completions, answers, outcomes)
+                self._dispatch(slot, items, outcomes)
         while pending := [slot for slot in working if slot.queue]:
             timeout = max(0.0, min(slot.deadline for slot in pending) - time.monotonic())
             ready = wait_for_connections([slot.conn for slot in pending], timeout)
             for slot in pending:
                 if slot.conn in ready:
-                    self._drain(slot, completions, answers, outcomes)
+                    self._drain(slot, items, outcomes)
             now = time.monotonic()
             for slot in pending:
                 # Only expire a slot with nothing unread: a result that arrived while we

@@ -93,7 +93,9 @@ class GroupStream:
                 seeds = [sample_seed(self.seed, self.admitted, rec.id, j) for j in range(self.n)]
                 samples = [Sample(list(self.prompts[record]), [], [], weight_version=version,
                                   uid=f"{self.admitted}:{rec.id}:{j}", record_id=rec.id,
-                                  answer=rec.answer, versions=[]) for j in range(self.n)]
+                                  answer=rec.answer, prompt=rec.question,
+                                  columns=dict(rec.columns), versions=[])
+                           for j in range(self.n)]
                 self.groups.append(Group(self.drawn, self.admitted, record, samples, seeds))
                 self.drawn += 1
                 added += 1

@@ -54,14 +54,21 @@ def columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
 def sample_rows(samples: Sequence[Any], tokenizer: Any = None,
                 limit: int = 16) -> list[dict[str, Any]]:
     """Samples-table rows of the first ``limit`` ``rl_core.types.Sample`` objects (whole groups:
-    they are contiguous), prompts decoded by ``tokenizer`` when given."""
-    return [{"uid": s.uid,
-             "prompt": tokenizer.decode(s.prompt_ids, skip_special_tokens=False)
-             if tokenizer else s.record_id,
-             "completion": s.text, "answer": s.answer, "reward": float(s.reward),
-             "correct": bool(s.correct), "truncated": bool(s.truncated),
-             "tokens": len(s.completion_ids), "weight_version": int(s.weight_version)}
-            for s in list(samples)[:limit]]
+    they are contiguous), prompts decoded by ``tokenizer`` when given, then the sample's
+    dataset columns (non-text ones as JSON)."""
+    from rl_core.data.records import cell_texts
+
+    rows = []
+    for s in list(samples)[:limit]:
+        row = {"uid": s.uid,
+               "prompt": tokenizer.decode(s.prompt_ids, skip_special_tokens=False)
+               if tokenizer else s.record_id,
+               "completion": s.text, "answer": cell_texts({"a": s.answer})["a"],
+               "reward": float(s.reward), "correct": bool(s.correct),
+               "truncated": bool(s.truncated), "tokens": len(s.completion_ids),
+               "weight_version": int(s.weight_version)}
+        rows.append({**row, **cell_texts(getattr(s, "columns", None) or {}, skip=tuple(row))})
+    return rows
 
 
 @task(name="log-evaluation", task_run_name="log-evaluation-step-{step}", timeout_seconds=300,

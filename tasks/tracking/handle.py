@@ -43,6 +43,7 @@ def eval_metrics(result: Mapping[str, Any], prefix: str = "eval/") -> dict[str, 
     if result.get("pass_at_k") is not None:
         out[f"{prefix}pass_at_{result.get('k')}"] = result["pass_at_k"]
     out.update({f"{prefix}{k}": v for k, v in (result.get("episodes") or {}).items()})
+    out.update({f"{prefix}reward/{k}": v for k, v in (result.get("rewards") or {}).items()})
     return {k: float(v) for k, v in out.items() if isinstance(v, numbers.Real)}
 
 
