@@ -202,9 +202,21 @@ def rollout_engine_spec(cfg: ExperimentConfig, model_path: str | Path) -> Engine
     if r.engine == "sglang":
         return EngineSpec("sglang", str(model_path), r.num_engines,
                           sglang=sglang_launch(cfg, model_path), env=cfg.cluster.env)
+    if cfg.cluster.mode == "ray":  # an engine actor sees the GPU Ray gave it, if any
+        device, gpus = ("cuda" if cfg.cluster.gpus_per_engine > 0 else "cpu"), 0
+    else:  # rollout.device (auto: the GPUs torch sees, one engine each in turn)
+        device = resolve_device(r.device, "rollout.device")
+        gpus = _gpu_count() if device == "cuda" else 0
     return EngineSpec("embedded", str(model_path), r.num_engines, threads=cfg.thread_budget()[0],
                       dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
-                      max_running_requests=r.max_running_requests, env=cfg.cluster.env)
+                      max_running_requests=r.max_running_requests, env=cfg.cluster.env,
+                      device=device, gpus=gpus)
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def judge_engine_spec(j: JudgeConfig, env: Mapping[str, str | None] | None, platform: str,

@@ -41,7 +41,9 @@ def describe_planes(cfg: ExperimentConfig) -> dict[str, str]:
     if r.engine == "sglang":
         engines = f"{r.num_engines} SGLang server(s) on GPUs (tp {r.sglang_tp} each)"
     elif r.engine == "embedded":
-        engines = (f"{r.num_engines} embedded engine process(es) on the CPU, "
+        where = ("GPU" if c.gpus_per_engine > 0 else "CPU") if c.mode == "ray" else \
+            resolve_device(r.device, "rollout.device")
+        engines = (f"{r.num_engines} embedded engine process(es) on {where}, "
                    f"{cfg.thread_budget()[0]} thread(s) each")
     else:
         shared = r.weight_sync in ("auto", "shared") and c.mode == "local"

@@ -112,3 +112,25 @@ def test_findings_never_show_a_secret(tmp_path: Path, tiny_cache: Path,
     findings = _by_check(validate(cfg))
     assert findings["reward"].status == "fail" and "boom on" in findings["reward"].detail
     assert token not in json.dumps([f.__dict__ for f in findings.values()])
+
+
+def test_embedded_engine_processes_take_the_gpus_in_turn(monkeypatch) -> None:
+    """`rollout.engine: embedded` in local mode follows rollout.device: with two GPUs seen,
+    engine i serves on cuda:(i mod 2); on the CPU no device flag; on Ray an engine actor with
+    a GPU uses the one it is given."""
+    import torch
+
+    from rl_core.planes import rollout_engine_spec
+
+    over = ["rollout.engine=embedded", "rollout.num_engines=3"]
+    command, _ = rollout_engine_spec(load_config(DEMO, over), "m").command()
+    assert "--device" not in command(0, 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    command, _ = rollout_engine_spec(load_config(DEMO, over), "m").command()
+    assert [command(i, 1)[command(i, 1).index("--device") + 1] for i in range(3)] == [
+        "cuda:0", "cuda:1", "cuda:0"]
+    assert "engine process(es) on cuda" in describe_planes(load_config(DEMO, over))["engines"]
+    ray = [*over, "cluster.mode=ray", "cluster.gpus_per_engine=1"]
+    command, _ = rollout_engine_spec(load_config(DEMO, ray), "m").command()
+    assert command(2, 1)[command(2, 1).index("--device") + 1] == "cuda"

@@ -171,9 +171,10 @@ class RolloutConfig(Section):
     engine_threads: int | None = Field(
         None, ge=1, description="torch threads per embedded engine; default: cores / engines.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the `local` "
-        "engine runs when it does not share the trainer's weights: auto, a GPU (CUDA or ROCm) "
-        "when torch sees one, else the CPU. `embedded` engine processes run on the CPU, "
-        "`sglang` servers on GPUs.")
+        "engine (when it does not share the trainer's weights) and the `embedded` engine "
+        "processes run in local mode: auto, a GPU (CUDA or ROCm) when torch sees one (engine i "
+        "on GPU i mod the count), else the CPU. On Ray an engine actor uses the GPU it is given "
+        "(`cluster.gpus_per_engine`); `sglang` servers run on GPUs.")
     max_running_requests: int = Field(256, ge=1, description="Per engine (embedded, local).")
     request_batch_size: int = Field(
         16, ge=1, description="Samples per /generate request; 1 = one request per sample.")

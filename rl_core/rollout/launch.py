@@ -150,6 +150,8 @@ class EngineSpec:
     max_running_requests: int = 256
     sglang: SGLangLaunchConfig | None = None  # kind sglang: the server's settings
     env: Mapping[str, str | None] | None = None  # cluster.env (None removes a variable)
+    device: str = "cpu"  # the embedded engine's: cpu, or cuda (engine i on GPU i mod count)
+    gpus: int = 0  # GPUs this process sees, for cuda (0: each engine takes its device 0)
 
     def command(self) -> tuple[EngineCommand, dict[str, str]]:
         """``(command(index, port), environment)`` of this spec's engines."""
@@ -160,7 +162,7 @@ class EngineSpec:
         command = embedded_engine_command(
             self.model_path, dtype=self.dtype, num_threads=self.threads,
             max_running_requests=self.max_running_requests,
-            trust_remote_code=self.trust_remote_code)
+            trust_remote_code=self.trust_remote_code, device=self.device, gpus=self.gpus)
         return command, {"OMP_NUM_THREADS": str(self.threads), **platform_env("cpu", self.env)}
 
 
@@ -168,9 +170,12 @@ def embedded_engine_command(
     model_path: str | Path, *, dtype: str = "float32", num_threads: int | None = None,
     max_running_requests: int = 256, max_total_tokens: int | None = None,
     trust_remote_code: bool = False, weight_sync_timeout_s: float | None = None,
+    device: str = "cpu", gpus: int = 0,
 ) -> EngineCommand:
     """``command(index, port)`` for the embedded engine, tied to this process's life
-    (``--parent-pid``); ``weight_sync_timeout_s``: its bound on each weight-update collective."""
+    (``--parent-pid``); ``weight_sync_timeout_s``: its bound on each weight-update collective;
+    ``device`` ``cuda``: engine ``index`` on GPU ``index % gpus`` (``gpus`` 0: its device 0,
+    e.g. a Ray actor that sees only its own)."""
     if trust_remote_code:
         raise ValueError("the embedded engine does not run remote code; use rollout.engine=local")
 
@@ -179,6 +184,8 @@ def embedded_engine_command(
                "--port", str(port), "--dtype", dtype,
                "--max-running-requests", str(max_running_requests), "--log-level", "warning",
                "--parent-pid", str(os.getpid())]
+        if device != "cpu":
+            cmd += ["--device", f"{device}:{index % gpus}" if device == "cuda" and gpus else device]
         for flag, value in (("--num-threads", num_threads),
                             ("--max-total-tokens", max_total_tokens),
                             ("--weight-sync-timeout-s", weight_sync_timeout_s)):
