@@ -25,30 +25,31 @@ PYTEST_ARGS ?=
 # Tests run in a loopback-only network namespace where the machine allows it (Ray opens
 # ports on every interface; see scripts/loopback.sh).
 LOOPBACK ?= scripts/loopback.sh
-# The tests write bytecode for the project's own modules and pytest's rewritten test modules
-# even where the environment says not to (PYTHONDONTWRITEBYTECODE): otherwise each of the
-# suite's ~3 workers and hundreds of child processes compiles them again (__pycache__/ is
-# git-ignored).
-PYTEST := AWS_EC2_METADATA_DISABLED=true PYTHONDONTWRITEBYTECODE= $(LOOPBACK) $(BIN)/python -m pytest
+# The demo and the tests let Python write bytecode even where the environment says not to
+# (PYTHONDONTWRITEBYTECODE, as on this machine): the installs do not compile it (uv's
+# --compile-bytecode compiled all of torch and every dependency, 30-100 s of a clean setup), so
+# the first process to import a module writes its bytecode and the next ones read it; without
+# it every worker and child process compiled Prefect, MLflow, transformers and torch again
+# (~10 s each). __pycache__/ is git-ignored.
+WRITE_BYTECODE := PYTHONDONTWRITEBYTECODE=
+PYTEST := AWS_EC2_METADATA_DISABLED=true $(WRITE_BYTECODE) $(LOOPBACK) $(BIN)/python -m pytest
 
 .PHONY: setup setup-dev run test test-random soak lint clean screenshots
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# uv installs without bytecode by default and this machine's environment may forbid writing
-# it (PYTHONDONTWRITEBYTECODE): every process would then compile Prefect, MLflow and
-# transformers from source at start-up (~10 s each), so both installs compile it once.
+# Installs without compiling bytecode (see WRITE_BYTECODE above).
 define install
 	@$(BIN)/python -m pip --version >/dev/null
 	$(BIN)/python -m pip install -q --disable-pip-version-check uv
 	@echo ">> installing the CPU torch wheel first ($(TORCH)), so no CUDA build is pulled"
-	$(if $(TORCH_WHEEL),$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python $(TORCH_WHEEL) ||) \
+	$(if $(TORCH_WHEEL),$(BIN)/uv pip install -q --python $(BIN)/python $(TORCH_WHEEL) ||) \
 	$(BIN)/python -m pip install -q --disable-pip-version-check --retries 1 --timeout 20 \
 	  --index-url $(TORCH_INDEX) $(TORCH) 2>/dev/null \
 	  || $(BIN)/python -m pip install -q --disable-pip-version-check $(TORCH)
 	@echo ">> installing grpoflow ($(1))"
-	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e "$(1)" \
+	$(BIN)/uv pip install -q --python $(BIN)/python -e "$(1)" \
 	  || $(BIN)/python -m pip install -q --disable-pip-version-check -e "$(1)"
 endef
 
@@ -67,7 +68,7 @@ setup: $(CORE)
 setup-dev: $(DEV)
 
 run: setup
-	$(BIN)/grpoflow train $(CONFIG)
+	$(WRITE_BYTECODE) $(BIN)/grpoflow train $(CONFIG)
 
 # The suite CI runs (.ci/run): lint, the layer contracts (.importlinter), the 600-line bound
 # per file (scripts/loc.py), then every test but the soak tier.

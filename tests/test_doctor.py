@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.server
 import json
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -278,14 +279,21 @@ def doctor_cfg(*overrides: str):
     return load_config(TINY, list(overrides))
 
 
-def test_the_installed_packages_carry_bytecode():
-    """`make` installs with compiled bytecode (docs/testing.md): with PYTHONDONTWRITEBYTECODE
-    (this machine's) a package without it is compiled from source by every process that
-    imports it; torch alone cost the suite minutes when its install skipped it."""
+def test_the_demo_and_the_tests_write_bytecode():
+    """`make run` and `make test` let Python write bytecode (docs/testing.md): the installs do
+    not compile it, and with PYTHONDONTWRITEBYTECODE (this machine's) a package without it is
+    compiled from source by every process that imports it; torch alone once cost the suite
+    minutes that way. What the suite imported has bytecode now."""
     import importlib.util
+    import re
 
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^WRITE_BYTECODE := PYTHONDONTWRITEBYTECODE=$", makefile, re.M)
+    assert re.search(r"^PYTEST := .*\$\(WRITE_BYTECODE\)", makefile, re.M)
+    assert "\t$(WRITE_BYTECODE) $(BIN)/grpoflow train $(CONFIG)" in makefile
+    if sys.flags.dont_write_bytecode:
+        pytest.skip("run outside make with PYTHONDONTWRITEBYTECODE set: nothing is written")
     for name in ("torch", "transformers", "prefect", "mlflow"):
         init = importlib.util.find_spec(name).origin
         cached = importlib.util.cache_from_source(init)
-        assert Path(cached).is_file(), f"{name} has no bytecode ({cached}): reinstall with uv " \
-            "pip install --compile-bytecode"
+        assert Path(cached).is_file(), f"{name} has no bytecode ({cached})"
