@@ -157,11 +157,16 @@ def restore_ray_auth_mode():
 
 @pytest.fixture(scope="session")
 def prefect_harness():
-    """A real Prefect API on a temporary SQLite database, started once per session (~12 s)."""
+    """A real Prefect API on a temporary SQLite database, started once per session (~12 s).
+    Its event persister and automation triggers are off: no test reads stored events or uses
+    automations, and storing every task-run event cost the API servers CPU that the flows
+    share (task runs are still recorded from their events: the task-run recorder stays on)."""
     import os
 
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+    os.environ.setdefault("PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED", "false")
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=120):

@@ -433,3 +433,26 @@ def _alive(pid: int) -> bool:
         return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text(errors="replace")
     except FileNotFoundError:
         return False
+
+
+def test_an_engine_whose_port_was_taken_starts_again_on_another(model_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """A port is free when chosen but another process may take it before the engine binds
+    (a restart reuses its predecessor's): the pool starts the engine again on a new port."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        pool = EnginePool(embedded_engine_command(model_dir, num_threads=1), 1,
+                          log_dir=tmp_path / "engines", ports=[taken], monitor=False,
+                          startup_timeout_s=120)
+        try:
+            pool.start()
+            (engine,) = pool.engines
+            assert engine.port != taken and engine.in_service
+            assert "address already in use" in engine.log_path.read_text()
+            assert pool.client.server_info(url=engine.url)["internal_states"]
+        finally:
+            pool.stop()

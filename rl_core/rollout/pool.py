@@ -146,7 +146,7 @@ class EnginePool:
                 e.proc, e.host, e.port = self.launcher.spawn(e.index, e.port, e.log_path)
             for e in self.engines:
                 remaining = max(1.0, self.startup_timeout_s - (time.monotonic() - t0))
-                launch.wait_healthy(e.url, timeout_s=remaining, proc=e.proc, log_path=e.log_path)
+                self._wait_healthy(e, remaining)
                 e.in_service = True
             if self.use_router:
                 self.router = RouterProcess(self.engine_urls, log_dir=self.log_dir,
@@ -266,6 +266,24 @@ class EnginePool:
         finally:
             self._sync_lock.release()
 
+    def _wait_healthy(self, e: EngineHandle, timeout_s: float, retries: int = 2) -> None:
+        """Wait (bounded) until ``e`` answers its health check. Its port was free when chosen
+        but another process may take it before the engine binds (a restart reuses the port
+        its predecessor held): then the engine is started again on a new port, at most
+        ``retries`` times."""
+        for attempt in range(retries + 1):
+            try:
+                launch.wait_healthy(e.url, timeout_s=timeout_s, proc=e.proc, log_path=e.log_path)
+                return
+            except RuntimeError as err:
+                if "address already in use" not in str(err) or attempt == retries:
+                    raise
+                taken = e.port
+                self.launcher.stop(e.proc, self.stop_timeout_s)
+                e.proc, e.host, e.port = self.launcher.spawn(e.index, free_port(), e.log_path)
+                log.warning("engine %d: port %d was taken before it could bind; started it "
+                            "again on port %d", e.index, taken, e.port)
+
     def _take_out(self, e: EngineHandle) -> None:
         e.in_service = False
         if self.router is not None:
@@ -293,8 +311,7 @@ class EnginePool:
             if self._stop.is_set():
                 return False
             e.proc, e.host, e.port = self.launcher.spawn(e.index, e.port, e.log_path)
-            launch.wait_healthy(e.url, timeout_s=self.startup_timeout_s, proc=e.proc,
-                                log_path=e.log_path)
+            self._wait_healthy(e, self.startup_timeout_s)
             # Not back in service before it serves the current weights.
             if not self._resync(e):
                 e.failures, e.failed_recoveries, e.awaiting_weights = 0, 0, True
