@@ -76,7 +76,7 @@ def _model(cfg: ExperimentConfig) -> tuple[Path | None, Finding]:
 def _rows(cfg: ExperimentConfig, n: int) -> tuple[list[Any], Finding]:
     from rl_core.data.sources import load_records
     from rl_core.data.synthetic import generate_splits
-    from rl_core.rewards import answer_check
+    from rl_core.rewards import answer_check, answer_kind
 
     d = cfg.data
     if d.source == "synthetic":
@@ -85,7 +85,8 @@ def _rows(cfg: ExperimentConfig, n: int) -> tuple[list[Any], Finding]:
     records = load_records(d.source, d.train_split, subset=d.subset, limit=n,
                            question_field=d.question_field, answer_field=d.answer_field,
                            id_field=d.id_field, max_bad_fraction=d.max_bad_fraction,
-                           cache_dir=cfg.storage.cache_dir, answer_check=answer_check(cfg.reward))
+                           cache_dir=cfg.storage.cache_dir,
+                           answer_check=answer_check(answer_kind(cfg.reward)))
     return records, Finding("ok", "data", f"{d.source} (split {d.train_split}): the first "
                             f"{len(records)} rows read and valid (data.question_field="
                             f"{d.question_field}, data.answer_field={d.answer_field})")
@@ -127,12 +128,10 @@ def _prompts(cfg: ExperimentConfig, model_dir: Path, records: list[Any]) -> list
 
 def _reward(cfg: ExperimentConfig, records: list[Any]) -> list[Finding]:
     """Each reward function (``reward.fn``, then ``reward.extra``) loaded in its form and
-    called once on three rows' gold answers (the answer as the completion)."""
-    import asyncio
-    import inspect
-
-    from rl_core.data.records import cell_texts
-    from rl_core.rewards.runner import load_reward_fn, reward_form
+    called once on three rows' gold answers (the answer as the completion), the way a run's
+    workers call it (`rl_core.rewards.forms`)."""
+    from rl_core.data.records import cell_text
+    from rl_core.rewards.forms import call_one, call_whole, load_reward_fn, reward_form
     from rl_core.rewards.terms import term_name
 
     r = cfg.reward
@@ -142,36 +141,27 @@ def _reward(cfg: ExperimentConfig, records: list[Any]) -> list[Finding]:
     terms = [("reward.fn", r.fn, r.args, None)] + [
         (f"reward.extra[{i}]", e.fn, e.args, e.name) for i, e in enumerate(r.extra)]
     out = []
-    rows = records[:3]
-    golds = [cell_texts({"a": rec.answer})["a"] for rec in rows]
+    items = [(i, cell_text(rec.answer), rec.answer, rec.question, rec.columns)
+             for i, rec in enumerate(records[:3])]
     for field, spec, args, label in terms:
         name = f"{field}={spec}"
         try:
             fn = load_reward_fn(spec, args)
-            form, is_async = reward_form(fn, spec)
+            form = reward_form(fn, spec)
         except ValueError as exc:
             out.append(Finding("fail", "reward", f"{field}: {exc}"))
             continue
-        try:
-            if form == "batched":
-                cols = {k: [rec.columns.get(k) for rec in rows] for rec in rows for k in rec.columns}
-                value = fn(prompts=[rec.question for rec in rows], completions=golds, **cols)
-                value = asyncio.run(_awaited(value)) if inspect.isawaitable(value) else value
-                scores = list(value)
-            else:
-                scores = []
-                for gold, rec in zip(golds, rows, strict=True):
-                    value = fn(gold, rec.answer)
-                    scores.append(asyncio.run(_awaited(value)) if is_async else value)
-            scores = [None if v is None else float(v) for v in scores]
-        except Exception as exc:  # noqa: BLE001 - a user's reward: whatever it raises is shown
-            called = ("fn(prompts, completions, **columns)" if form == "batched"
+        outcomes = (call_whole(fn, form, items, r.timeout_s) if form != ("single", False)
+                    else [call_one(fn, it[1], it[2]) for it in items])
+        if failed := [value for kind, value in outcomes if kind in ("error", "timeout")]:
+            called = ("fn(prompts, completions, **columns)" if form[0] == "batched"
                       else "fn(completion, answer)")
-            out.append(Finding("fail", "reward", f"{name} raised {type(exc).__name__}: {exc} on "
-                               f"the gold answers of rows 1-{len(rows)} ({golds[0][:60]!r}, ...; "
-                               f"called as {called}); fix the function or {field}"))
+            out.append(Finding("fail", "reward", f"{name} raised {failed[0] or 'a timeout'} on "
+                               f"the gold answers of rows 1-{len(items)} ({items[0][1][:60]!r}, "
+                               f"...; called as {called}); fix the function or {field}"))
             continue
-        what = f"{name} ({form}{', async' if is_async else ''}, logged as " \
+        scores = [value for _, value in outcomes]  # None: the function gave no score
+        what = f"{name} ({form[0]}{', async' if form[1] else ''}, logged as " \
                f"reward/{term_name(spec, label)})"
         if field == "reward.fn" and not any(v for v in scores if v is not None):
             out.append(Finding("warn", "reward", f"{what} gives the gold answers {scores}: "
@@ -180,10 +170,6 @@ def _reward(cfg: ExperimentConfig, records: list[Any]) -> list[Finding]:
         else:
             out.append(Finding("ok", "reward", f"{what} on {len(scores)} gold answers: {scores}"))
     return out
-
-
-async def _awaited(value: Any) -> Any:  # noqa: ANN401
-    return await value
 
 
 def validate(cfg: ExperimentConfig, rows: int = 8) -> list[Finding]:

@@ -19,7 +19,7 @@ from typing import Any
 
 from rl_core.data.numbers import parse_number
 
-__all__ = ["AnswerCheck", "BadRow", "cell_texts", "DataValidationError", "Record", "extract_final_answer",
+__all__ = ["AnswerCheck", "BadRow", "cell_text", "cell_texts", "DataValidationError", "Record", "extract_final_answer",
            "numeric_answer", "prompt_text", "records_digest", "validate_numbered_rows",
            "validate_records"]
 
@@ -60,8 +60,7 @@ class Record:
     @property
     def final_answer(self) -> str:
         """Text after the last ``####``, stripped (the whole answer if there is no marker)."""
-        return extract_final_answer(self.answer if isinstance(self.answer, str)
-                                    else json.dumps(self.answer, default=str))
+        return extract_final_answer(cell_text(self.answer))
 
     @property
     def text(self) -> str:
@@ -257,7 +256,11 @@ def records_digest(records: Sequence[Record]) -> str:
     return digest.hexdigest()
 
 
+def cell_text(value: Any) -> str:  # noqa: ANN401
+    """A value as text: text as is, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
 def cell_texts(columns: Mapping[str, Any], skip: Sequence[str] = ()) -> dict[str, str]:
-    """A row's columns as table cells: text as is, anything else as JSON (the sample tables)."""
-    return {str(k): v if isinstance(v, str) else json.dumps(v, default=str)
-            for k, v in columns.items() if k not in skip}
+    """A row's columns as table cells (:func:`cell_text`; the sample tables)."""
+    return {str(k): cell_text(v) for k, v in columns.items() if k not in skip}

@@ -23,23 +23,16 @@ if TYPE_CHECKING:
 
 __all__ = ["RewardSet", "RewardTerm", "answer_check", "answer_kind", "term_name"]
 
-# What a builtin needs of a reference answer (rl_core.data.records.validate_records): only
-# gsm8k's number; every other reward takes any non-null answer.
-_ANSWER_CHECKS: dict[str, AnswerCheck] = {"gsm8k": numeric_answer}
-
-
-def answer_check(reward: RewardConfig | str) -> AnswerCheck | None:
-    """What ``reward.fn`` needs of each row's answer (None: any non-null answer); also by
-    :func:`answer_kind`'s name."""
-    if isinstance(reward, str):
-        return numeric_answer if reward == "number" else None
-    return _ANSWER_CHECKS.get(reward.fn.strip())
-
-
 def answer_kind(reward: RewardConfig) -> str:
-    """``number`` when ``reward.fn`` needs a numeric answer (``gsm8k``), else ``any``: what
-    data preparation refuses a row for (``tasks.setup.prepare_data``)."""
-    return "number" if answer_check(reward) is numeric_answer else "any"
+    """``number`` when ``reward.fn`` needs a numeric answer (``gsm8k``), else ``any`` (every
+    other reward takes any non-null answer): what data preparation refuses a row for
+    (``tasks.setup.prepare_data``, :func:`answer_check`)."""
+    return "number" if reward.fn.strip() == "gsm8k" else "any"
+
+
+def answer_check(kind: str) -> AnswerCheck | None:
+    """The row check of an :func:`answer_kind` (None: any non-null answer)."""
+    return numeric_answer if kind == "number" else None
 
 
 def term_name(fn: str, name: str | None = None) -> str:
@@ -94,11 +87,6 @@ class RewardSet:
                 t.runner.close()
             raise
 
-    @property
-    def spec(self) -> str:
-        return " + ".join(f"{t.weight:g}*{t.runner.spec}" if i else str(t.runner.spec)
-                          for i, t in enumerate(self.terms))
-
     def score(self, completions: Sequence[str], answers: Sequence[Any], *,
               step: int | None = None, budget: bool = True,
               record_ids: Sequence[str] | None = None, prompts: Sequence[Any] | None = None,
@@ -129,22 +117,6 @@ class RewardSet:
         out.raw = list(first.raw)
         out.components = {t.name: list(r.raw) for t, r in zip(self.terms, results, strict=True)}
         return out
-
-    def stats(self) -> dict[str, int]:
-        """Counters summed over the functions (`RewardRunner.stats`)."""
-        total: dict[str, int] = {}
-        for t in self.terms:
-            for k, v in t.runner.stats().items():
-                total[k] = total.get(k, 0) + v
-        return total
-
-    @property
-    def failed_streak(self) -> int:
-        return max(t.runner.failed_streak for t in self.terms)
-
-    @property
-    def worker_pids(self) -> list[int]:
-        return [pid for t in self.terms for pid in t.runner.worker_pids]
 
     def close(self) -> None:
         for t in self.terms:

@@ -56,14 +56,14 @@ def sample_rows(samples: Sequence[Any], tokenizer: Any = None,
     """Samples-table rows of the first ``limit`` ``rl_core.types.Sample`` objects (whole groups:
     they are contiguous), prompts decoded by ``tokenizer`` when given, then the sample's
     dataset columns (non-text ones as JSON)."""
-    from rl_core.data.records import cell_texts
+    from rl_core.data.records import cell_text, cell_texts
 
     rows = []
     for s in list(samples)[:limit]:
         row = {"uid": s.uid,
                "prompt": tokenizer.decode(s.prompt_ids, skip_special_tokens=False)
                if tokenizer else s.record_id,
-               "completion": s.text, "answer": cell_texts({"a": s.answer})["a"],
+               "completion": s.text, "answer": cell_text(s.answer),
                "reward": float(s.reward), "correct": bool(s.correct),
                "truncated": bool(s.truncated), "tokens": len(s.completion_ids),
                "weight_version": int(s.weight_version)}
