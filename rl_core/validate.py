@@ -131,7 +131,13 @@ def _reward(cfg: ExperimentConfig, records: list[Any]) -> list[Finding]:
     called once on three rows' gold answers (the answer as the completion), the way a run's
     workers call it (`rl_core.rewards.forms`)."""
     from rl_core.data.records import cell_text
-    from rl_core.rewards.forms import call_one, call_whole, load_reward_fn, reward_form
+    from rl_core.rewards.forms import (
+        PER_SAMPLE,
+        call_one,
+        call_whole,
+        load_reward_fn,
+        reward_form,
+    )
     from rl_core.rewards.terms import term_name
 
     r = cfg.reward
@@ -151,7 +157,7 @@ def _reward(cfg: ExperimentConfig, records: list[Any]) -> list[Finding]:
         except ValueError as exc:
             out.append(Finding("fail", "reward", f"{field}: {exc}"))
             continue
-        outcomes = (call_whole(fn, form, items, r.timeout_s) if form != ("single", False)
+        outcomes = (call_whole(fn, form, items, r.timeout_s) if form != PER_SAMPLE
                     else [call_one(fn, it[1], it[2]) for it in items])
         if failed := [value for kind, value in outcomes if kind in ("error", "timeout")]:
             called = ("fn(prompts, completions, **columns)" if form[0] == "batched"

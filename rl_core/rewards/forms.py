@@ -27,7 +27,7 @@ from rl_core.rewards.builtins import (
 from rl_core.rewards.math import format_reward, gsm8k_reward
 from rl_core.rewards.results import Outcome, short
 
-__all__ = ["BUILTIN_REWARDS", "Item", "RewardFn", "as_score", "call_one", "call_whole", "describe",
+__all__ = ["BUILTIN_REWARDS", "PER_SAMPLE", "Item", "RewardFn", "as_score", "call_one", "call_whole", "describe",
            "load_reward_fn", "reward_form", "split_spec"]
 
 RewardFn = Callable[..., Any]  # fn(completion, answer) or fn(prompts, completions, **columns)
@@ -37,6 +37,9 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "multiple_choice": multiple_choice, "regex": regex_match, "code_tests": code_tests}
 # A scoring item: (index, completion, answer, prompt, columns).
 Item = tuple[int, str, Any, Any, Mapping[str, Any]]
+# `reward_form` of a sync per-sample function: the one form scored a sample at a time (every
+# other form answers for a whole batch at once: `call_whole`).
+PER_SAMPLE = ("single", False)
 
 
 def _builtin_names() -> str:

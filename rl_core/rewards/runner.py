@@ -2,7 +2,8 @@
 
 `RewardRunner` scores batches with a reward function (`rl_core.rewards.forms`: a builtin or
 ``package.module:function``, per sample or batched, sync or async), custom functions in
-sandboxed worker processes, so a broken, slow or hanging function costs one sample's reward, never the step; failing every sample of
+sandboxed worker processes, so a broken, slow or hanging function costs one sample's reward
+(a batched one's: its batch), never the step; failing every sample of
 ``max_failed_steps`` steps raises `RewardFunctionError` (docs/agents.md, 'Reward functions';
 docs/reliability.md). Never imports prefect, mlflow or torch; never raises for a bad sample;
 never leaves a stuck process behind; never blocks much longer than ``timeout_s`` per sample.
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from rl_core.rewards.forms import (
     BUILTIN_REWARDS,
+    PER_SAMPLE,
     Item,
     RewardFn,
     call_one,
@@ -92,7 +94,7 @@ def _worker_main(cfg: dict[str, Any]) -> None:
     _serve(conn, fn, form, float(cfg.get("timeout_s", 5.0)))
 
 
-def _serve(conn: Connection, fn: RewardFn, form: tuple[str, bool] = ("single", False),
+def _serve(conn: Connection, fn: RewardFn, form: tuple[str, bool] = PER_SAMPLE,
            timeout_s: float = 5.0) -> None:
     """Score batches of items (:data:`Item`) until EOF or a None batch. A sync single-sample
     function sends one result message per sample as soon as it is ready: the parent times
@@ -100,7 +102,7 @@ def _serve(conn: Connection, fn: RewardFn, form: tuple[str, bool] = ("single", F
     async one scores the batch at once (:func:`call_whole`) and sends every result then."""
     with contextlib.suppress(EOFError, OSError):  # parent gone or gave up on us: nothing to do
         while (batch := conn.recv()) is not None:
-            if form == ("single", False):
+            if form == PER_SAMPLE:
                 for index, completion, answer, *_ in batch:
                     conn.send((index, *call_one(fn, completion, answer)))
                 continue
@@ -116,7 +118,7 @@ class _Slot:
     state: str = "dead"  # dead -> starting -> ready <-> busy; any -> dead on kill
     queue: deque[int] = field(default_factory=deque)
     deadline: float = 0.0
-    form: tuple[str, bool] = ("single", False)  # the function's (reward_form), once ready
+    form: tuple[str, bool] = PER_SAMPLE  # the function's (reward_form), once ready
 
 
 def _kill_slot(slot: _Slot) -> int | None:
@@ -199,7 +201,7 @@ class RewardRunner(ScoreBook):
         self._stats = dict.fromkeys(("calls", "samples", "errors", "timeouts", "worker_restarts",
                                      "leaked_threads", "all_failed_calls"), 0)
         self._fn = None if isolated else load_reward_fn(spec, self.args)
-        self.form = ("single", False) if isolated else reward_form(self._fn)
+        self.form = PER_SAMPLE if isolated else reward_form(self._fn)
         slots = self._slots = [_Slot() for _ in range(max_workers if isolated else 0)]
         # The callback must not hold self, or the runner would never be collected.
         self._finalizer = weakref.finalize(self, lambda: [_kill_slot(slot) for slot in slots])
@@ -287,7 +289,7 @@ class RewardRunner(ScoreBook):
         return f"timed out after {self.timeout_s:g} s"
 
     def _run_inline(self, items: Sequence[Item]) -> list[Outcome]:
-        fn, form, whole = self._fn, self.form, self.form != ("single", False)
+        fn, form, whole = self._fn, self.form, self.form != PER_SAMPLE
         if self._builtin:
             return (call_whole(fn, form, items, self.timeout_s) if whole
                     else [call_one(fn, it[1], it[2]) for it in items])
@@ -382,7 +384,7 @@ class RewardRunner(ScoreBook):
             self._on_death(slot, outcomes)
             return
         # a batched or async function answers for the whole batch at once
-        whole = slot.form != ("single", False)
+        whole = slot.form != PER_SAMPLE
         slot.deadline = time.monotonic() + self.timeout_s * (len(slot.queue) if whole else 1)
 
     def _on_death(self, slot: _Slot, outcomes: list[Outcome | None],
@@ -398,7 +400,7 @@ class RewardRunner(ScoreBook):
             return
         hint = (f" (out of memory? memory_limit_mb={self.memory_limit_mb})"
                 if self.memory_limit_mb else "")
-        whole = slot.form != ("single", False)  # the batch was one call: it all failed
+        whole = slot.form != PER_SAMPLE  # the batch was one call: it all failed
         while slot.queue:
             outcomes[slot.queue.popleft()] = ("timeout", None) if timed_out else (
                 "error", f"worker process died (exit code {code}){hint} while scoring this sample")
