@@ -77,7 +77,7 @@ class Planes:
     train_prompts: list[list[int]]
     eval_records: list[Record]
     eval_prompts: list[list[int]]
-    reward_runner: RewardSet | JudgeRunner  # a JudgeRunner with reward.fn: judge
+    reward_runner: RewardSet | JudgeRunner  # a JudgeRunner with reward.fn: judge alone
     skipped_long_prompts: int = 0
     cluster: Any = None  # a RayCluster in cluster.mode ray
     placement: Any = None  # its PlanePlacement
@@ -369,15 +369,17 @@ def start_teacher(cfg: ExperimentConfig, tokenizer: Any, student: str,
 
 def _reward_runner(cfg: ExperimentConfig, work_dir: str | Path,
                    records: list[Record]) -> RewardSet | JudgeRunner:
-    """``reward.fn``'s runner. ``judge`` starts the judge's engines; the judge finds a sample's
-    question by its record id (an id two splits give different questions is left out: such a
-    sample's caller must pass the question)."""
+    """``reward.fn``'s runner. ``judge`` starts the judge's engines (with ``reward.extra``,
+    the judge is the task reward of a `RewardSet`); the judge finds a sample's question by its
+    record id (an id two splits give different questions is left out: such a sample's caller
+    must pass the question)."""
     if cfg.reward.fn.strip() != "judge":
         return RewardSet.from_config(cfg.reward)
     questions: dict[str, str | None] = {}
     for r in records:
         questions[r.id] = r.text if questions.get(r.id, r.text) == r.text else None
-    return start_judge(cfg, work_dir, questions)
+    judge = start_judge(cfg, work_dir, questions)
+    return RewardSet.from_config(cfg.reward, judge) if cfg.reward.extra else judge
 
 
 def _start_trainer(cfg: ExperimentConfig, model_path: str | Path, placement: Any) -> Trainer:

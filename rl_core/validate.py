@@ -141,12 +141,11 @@ def _reward(cfg: ExperimentConfig, records: list[Any]) -> list[Finding]:
     from rl_core.rewards.terms import term_name
 
     r = cfg.reward
-    if r.fn.strip() == "judge":
-        return [Finding("ok", "reward", "reward.fn=judge: an LLM judge on engines of its own, "
-                        "checked when they start (docs/judges.md)")]
-    terms = [("reward.fn", r.fn, r.args, None)] + [
-        (f"reward.extra[{i}]", e.fn, e.args, e.name) for i, e in enumerate(r.extra)]
-    out = []
+    judge = r.fn.strip() == "judge"
+    terms = [] if judge else [("reward.fn", r.fn, r.args, None)]
+    terms += [(f"reward.extra[{i}]", e.fn, e.args, e.name) for i, e in enumerate(r.extra)]
+    out = [Finding("ok", "reward", "reward.fn=judge: an LLM judge on engines of its own, "
+                   "checked when they start (docs/judges.md)")] if judge else []
     items = [(i, cell_text(rec.answer), rec.answer, rec.question, rec.columns)
              for i, rec in enumerate(records[:3])]
     for field, spec, args, label in terms:

@@ -40,6 +40,7 @@ from rl_core.rewards import (
     JudgeError,
     JudgeRunner,
     RewardFunctionError,
+    RewardSet,
     active_judge,
     parse_judgement,
 )
@@ -199,6 +200,8 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
         (["reward.judge.mode=stars"], "reward.judge.mode: got 'stars'"),
         (["reward.judge.timeout_s=0"], "reward.judge.timeout_s"),
         (["reward.judge.engine=vllm"], "reward.judge.engine"),
+        (["reward.fn=judge", f"reward.judge.model={tmp_path}", "reward.args={letters: AB}"],
+         "reward.args does not apply"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, overrides)
@@ -411,35 +414,43 @@ def test_judge_as_reward_fn_through_the_planes(judge_model: Path, tmp_path: Path
         "rollout.engine=embedded", "rollout.engine_threads=1", "rollout.startup_timeout_s=120",
         "rollout.health_interval_s=0.5", "reward.fn=judge", f"reward.judge.model={judge_model}",
         "reward.judge.mode=verdict", "reward.judge.timeout_s=3", "reward.judge.retries=0",
-        "reward.judge.engine_threads=1", "reward.max_failed_steps=2"])
+        "reward.judge.engine_threads=1", "reward.max_failed_steps=2",
+        # a second, weighted reward beside the judge: 0.5 for a completion with a digit
+        "reward.extra=[{fn: regex, name: digit, weight: 0.5, args: {pattern: '[0-9]'}}]"])
     records = [Record(id=f"r{i}", question=f"What is {i}+{i}?", answer=str(2 * i))
                for i in range(3)]
     handle = bring_up_planes(cfg, judge_model, records, records[:1], tmp_path, with_trainer=False)
     planes = get_planes(handle)
-    judge = planes.reward_runner
+    rewards = planes.reward_runner
     try:
+        assert isinstance(rewards, RewardSet) and [t.name for t in rewards.terms] == ["judge", "digit"]
+        judge = rewards.terms[0].runner
         assert isinstance(judge, JudgeRunner) and active_judge() is judge
         assert (tmp_path / "judge" / "engine-0.log").is_file()
         params = SamplingParams(temperature=0.0, max_new_tokens=12)
         samples = rollout_groups(planes.rollout, planes.train_records, planes.train_prompts, n=2,
                                  params=params, step=1, seed=0)
-        result = score_samples(samples, judge, step=1)
-        assert [s.reward for s in samples] == [1.0] * 6 and all(s.correct for s in samples)
+        result = score_samples(samples, rewards, step=1)
+        digit = [float(any(c.isdigit() for c in s.text)) for s in samples]
+        assert [s.reward for s in samples] == [1.0 + 0.5 * d for d in digit]
+        assert all(s.correct for s in samples)  # the judge alone decides `correct`
+        assert result.components == {"judge": [1.0] * 6, "digit": digit}
         assert result.num_errors == result.num_timeouts == 0
         by_id = {r.id: r.question for r in records}
         for s, j in zip(samples, judge.recent()[-6:], strict=True):  # each sample's question
             assert (j.question, j.response, j.answer) == (by_id[s.record_id], s.text, s.answer)
 
-        # The failure budget: a stalled judge fails every sample of two steps -> the run stops.
+        # The failure budget: a stalled judge fails every sample of two steps -> the run stops
+        # (its samples score 0, whatever the other term says).
         judge.pool.client.pause("abort", url=judge.pool.engine_urls[0])
-        result = score_samples(samples, judge, step=2)
+        result = score_samples(samples, rewards, step=2)
         assert result.num_timeouts == 6 and result.failed_streak == 1
         assert [s.reward for s in samples] == [0.0] * 6
         with pytest.raises(RewardFunctionError, match=r"reward.max_failed_steps=2") as err:
-            score_samples(samples, judge, step=3)
+            score_samples(samples, rewards, step=3)
         assert isinstance(err.value, JudgeError) and "reward.judge.timeout_s" in str(err.value)
         with pytest.raises(JudgeError):  # and on every later call
-            score_samples(samples, judge, step=4)
+            score_samples(samples, rewards, step=4)
         pids = [e.proc.pid for e in judge.pool.engines + planes.rollout.pool.engines]
     finally:
         tear_down(handle)

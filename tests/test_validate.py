@@ -74,6 +74,12 @@ def test_a_reward_that_raises_on_a_gold_answer_fails(tiny_cache: Path, demo_mode
     (reward,) = [f for f in json.loads(capsys.readouterr().out) if f["what"] == "reward"]
     assert "matches neither reward form" in reward["detail"]
     assert "fn(prompts, completions, **columns)" in reward["detail"]
+    # beside a judge (started by the run, not here), each reward.extra entry is still called
+    assert main([*argv[:-1], "reward.fn=judge", f"reward.judge.model={demo_model}",
+                 "reward.extra=[{fn: 'reward_plugins:raising_reward'}]", "--json"]) == 2
+    judge, extra = [f for f in json.loads(capsys.readouterr().out) if f["what"] == "reward"]
+    assert judge["status"] == "ok" and "reward.fn=judge" in judge["detail"]
+    assert extra["status"] == "fail" and "reward.extra[0]" in extra["detail"]
 
 
 GPU_CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml")

@@ -146,9 +146,9 @@ class RewardConfig(Section):
         if self.fn.strip() == "judge" and not self.judge.model:
             raise ValueError("reward.fn is 'judge' but reward.judge.model is not set: name the "
                              "judge model (a local Hugging Face directory or hub id)")
-        if self.fn.strip() == "judge" and (self.extra or self.args):
-            raise ValueError("reward.fn is 'judge': reward.extra and reward.args do not combine "
-                             "with the judge yet; score the format in the judge's template")
+        if self.fn.strip() == "judge" and self.args:
+            raise ValueError("reward.fn is 'judge': reward.args does not apply (the judge's "
+                             "settings are reward.judge.*); remove reward.args")
         return self
 
 

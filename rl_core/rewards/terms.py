@@ -20,6 +20,7 @@ from rl_core.rewards.runner import BUILTIN_REWARDS, RewardRunner
 
 if TYPE_CHECKING:
     from rl_core.config import RewardConfig
+    from rl_core.rewards.judge import JudgeRunner
 
 __all__ = ["RewardSet", "RewardTerm", "answer_check", "answer_kind", "term_name"]
 
@@ -44,7 +45,7 @@ def term_name(fn: str, name: str | None = None) -> str:
 class RewardTerm:
     name: str
     weight: float
-    runner: RewardRunner
+    runner: RewardRunner | JudgeRunner
 
 
 class RewardSet:
@@ -63,9 +64,11 @@ class RewardSet:
         self.pass_threshold = terms[0].runner.pass_threshold
 
     @classmethod
-    def from_config(cls, reward: RewardConfig) -> RewardSet:
+    def from_config(cls, reward: RewardConfig, judge: JudgeRunner | None = None) -> RewardSet:
         """``reward.fn`` (with ``reward.args``), the format bonus when ``format_weight`` is
-        set, and each ``reward.extra`` entry; every knob from the section."""
+        set, and each ``reward.extra`` entry; every knob from the section. With ``reward.fn:
+        judge`` the caller starts the judge and passes it: it is the task reward and adds the
+        format bonus itself."""
         def runner(fn: str, args: Mapping[str, Any], threshold: float) -> RewardRunner:
             builtin = fn.strip() in BUILTIN_REWARDS
             return RewardRunner(fn, timeout_s=reward.timeout_s, args=args,
@@ -73,11 +76,12 @@ class RewardSet:
                                 max_failed_steps=reward.max_failed_steps,
                                 pass_threshold=threshold)
 
-        specs = [(term_name(reward.fn), 1.0, reward.fn, reward.args, reward.pass_threshold)]
-        if reward.format_weight:
+        specs = [] if judge else [(term_name(reward.fn), 1.0, reward.fn, reward.args,
+                                   reward.pass_threshold)]
+        if reward.format_weight and not judge:
             specs.append(("format", reward.format_weight, "format", {}, 1.0))
         specs += [(term_name(e.fn, e.name), e.weight, e.fn, e.args, 1.0) for e in reward.extra]
-        terms: list[RewardTerm] = []
+        terms: list[RewardTerm] = [RewardTerm("judge", 1.0, judge)] if judge else []
         try:
             for name, weight, fn, args, threshold in specs:
                 terms.append(RewardTerm(name, weight, runner(fn, args, threshold)))
