@@ -44,18 +44,12 @@ class Fault:
     at: float  # seconds since the injector started
 
 
-def argv_of(p: psutil.Process) -> list[str]:
-    """``p``'s command line, also where it is a process title (an engine forked by the engine
-    fork server: ``rl_core.rollout.forkserver``)."""
-    return " ".join(p.cmdline()).split()
-
-
 def engine_processes(parent: int | None = None) -> list[psutil.Process]:
     """The embedded engine processes started (directly or not) by ``parent`` (default: us)."""
     out = []
     for p in psutil.Process(parent or os.getpid()).children(recursive=True):
         try:
-            if ENGINE_MODULE in argv_of(p):
+            if ENGINE_MODULE in p.cmdline():
                 out.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
@@ -72,7 +66,7 @@ def _running(p: psutil.Process) -> bool:
 def _running_requests(p: psutil.Process) -> int:
     """Requests the engine ``p`` is decoding now (its ``/v1/loads``; 0 if it cannot say)."""
     try:
-        argv = argv_of(p)
+        argv = p.cmdline()
         port = argv[argv.index("--port") + 1]
         body = httpx.get(f"http://127.0.0.1:{port}/v1/loads", timeout=1.0, trust_env=False).json()
         return int(sum(x.get("num_running_reqs", 0) for x in body["loads"]))
@@ -83,7 +77,7 @@ def _running_requests(p: psutil.Process) -> int:
 def _served_version(p: psutil.Process) -> str | None:
     """The weight version engine ``p`` serves (its ``/model_info``; None if it cannot say)."""
     try:
-        argv = argv_of(p)
+        argv = p.cmdline()
         port = argv[argv.index("--port") + 1]
         body = httpx.get(f"http://127.0.0.1:{port}/model_info", timeout=1.0, trust_env=False)
         version = body.json().get("weight_version")

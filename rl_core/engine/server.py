@@ -24,8 +24,7 @@ from rl_core.engine import routes_admin, routes_generate, routes_openai, routes_
 from rl_core.engine.core import EmbeddedEngine
 from rl_core.engine.protocol import EXCEPTION_HANDLERS, MAX_REQUEST_BYTES, MAX_REQUEST_SAMPLES
 
-__all__ = ["ServerThread", "build_server", "create_app", "main", "serve", "serve_forked",
-           "serve_in_thread"]
+__all__ = ["ServerThread", "build_server", "create_app", "main", "serve", "serve_in_thread"]
 
 log = logging.getLogger(__name__)
 
@@ -133,31 +132,17 @@ def serve(model_path: str | Path, host: str = "127.0.0.1", port: int = 30000, *,
 def _exit_with_parent(pid: int, interval_s: float = 1.0) -> None:
     """Exit (at once, no cleanup) within ``interval_s`` of process ``pid`` going away: an
     engine a training flow started must not outlive it (a flow killed with SIGKILL cannot stop
-    its children, and an orphaned engine would hold its port and memory). ``pid`` is the
-    parent, or the grandparent of an engine forked by its fork server; its start time tells
-    it from a later process given the same pid."""
-    import psutil
-
-    try:
-        born = psutil.Process(pid).create_time()
-    except psutil.Error:
-        log.warning("--parent-pid %d is gone; exiting", pid)
-        os._exit(3)
-
-    def gone() -> bool:
-        try:
-            p = psutil.Process(pid)
-            return p.create_time() != born or p.status() == psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return True
+    its children, and an orphaned engine would hold its port and memory)."""
 
     def watch() -> None:
         while True:
             time.sleep(interval_s)
-            if gone():
+            if os.getppid() != pid:
                 log.warning("parent process %d is gone; exiting", pid)
                 os._exit(3)
 
+    if os.getppid() != pid:
+        log.warning("--parent-pid %d is not this process's parent", pid)
     threading.Thread(target=watch, name="grpoflow-parent-watch", daemon=True).start()
 
 
@@ -195,34 +180,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                  if k not in ("model", "host", "port", "log_level", "max_request_mb", "parent_pid")}
     return serve(args.model, args.host, args.port, log_level=args.log_level,
                  max_request_bytes=max(1, int(args.max_request_mb * 2**20)), **engine_kw)
-
-
-def serve_forked(cmd: list[str], log_path: str, env: dict[str, str]) -> None:
-    """The body of an engine forked by :mod:`rl_core.rollout.forkserver`: become ``cmd``
-    (``python -m rl_core.engine.server ARGS``: own session, output appended to ``log_path``,
-    ``env`` as its environment, ``cmd`` as its process title), then :func:`main`."""
-    import signal
-    import sys
-
-    os.setsid()
-    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    try:  # before the environment changes: it finds the title's space from it
-        import setproctitle
-
-        setproctitle.setproctitle(" ".join(cmd))
-    except ImportError:
-        pass
-    os.environ.clear()
-    os.environ.update(env)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    # No progress bar: its multiprocessing lock would be the fork server's caller's to clean up.
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    sys.exit(main(cmd[3:]))
 
 
 if __name__ == "__main__":  # ``python -m rl_core.engine.server``: what EnginePool starts

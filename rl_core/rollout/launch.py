@@ -200,30 +200,17 @@ def embedded_engine_command(
 
 
 def start_process(cmd: Sequence[str], log_path: str | Path, *,
-                  env: Mapping[str, str] | None = None, fork: bool = False) -> Any:  # noqa: ANN401
-    """Start ``cmd`` in its own session, stdout and stderr appended to ``log_path``; a
-    ``subprocess.Popen``, or with ``fork`` and an embedded CPU engine's command, the same
-    process forked from the engine fork server (:mod:`rl_core.rollout.forkserver`)."""
-    from rl_core.rollout import forkserver
-
+                  env: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """Start ``cmd`` in its own session, stdout and stderr appended to ``log_path``."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
         out.write(f"$ {' '.join(cmd)}\n".encode())
         out.flush()
-        proc = None
-        if fork and forkserver.forkable(cmd):
-            try:
-                proc = forkserver.start_forked(cmd, log_path, env)
-            except (OSError, AssertionError, ValueError) as e:  # e.g. a daemonic caller
-                log.warning("could not fork the engine (%s: %s); starting a fresh process",
-                            type(e).__name__, e)
-        if proc is None:
-            proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=None if env is None else dict(env))
-    log.info("started pid %d%s: %s (log %s)", proc.pid, "" if isinstance(proc, subprocess.Popen)
-             else " (forked)", " ".join(cmd[:4]), log_path)
+        proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, env=None if env is None else dict(env),
+                                start_new_session=True)
+    log.info("started pid %d: %s (log %s)", proc.pid, " ".join(cmd[:4]), log_path)
     _register(proc.pid)
     return proc
 

@@ -43,7 +43,7 @@ class ProcessLauncher:
         self.env = None if env is None else {**os.environ, **env}
 
     def spawn(self, index: int, port: int, log_path: Path) -> tuple[Any, str, int]:
-        proc = launch.start_process(self.command(index, port), log_path, env=self.env, fork=True)
+        proc = launch.start_process(self.command(index, port), log_path, env=self.env)
         return proc, "127.0.0.1", port
 
     def stop(self, proc: Any, timeout_s: float) -> None:
