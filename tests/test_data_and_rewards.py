@@ -142,10 +142,12 @@ def test_code_runs_against_unit_tests_in_the_sandbox() -> None:
     good = "Here:\n```python\ndef add(a, b):\n    return a + b\n```"
     half = "```python\ndef add(a, b):\n    return a * b\n```"
     tests = ["assert add(2, 2) == 4", "assert add(1, 2) == 3"]
-    scores = code_tests([None] * 5, [good, half, "def add(:", "while True: pass", good],
-                        tests=[tests, tests, tests, tests, ""], tests_column="tests",
-                        timeout_s=2.0)
-    assert scores == [1.0, 0.5, 0.0, 0.0, None]  # a syntax error, a hang, no tests
+    # snippets that finish get a bound no busy machine reaches; the hang its own short one
+    scores = code_tests([None] * 4, [good, half, "def add(:", good],
+                        tests=[tests, tests, tests, ""], tests_column="tests", timeout_s=60.0)
+    assert scores == [1.0, 0.5, 0.0, None]  # a syntax error, no tests
+    assert code_tests([None], ["while True: pass"], tests=[tests], tests_column="tests",
+                      timeout_s=1.0) == [0.0]  # a hang
     # a script's top-level statements are its tests
     assert code_tests([None], [good], answer=["assert add(1, 1) == 2\nassert add(0, 0) == 1"]) \
         == [0.5]
