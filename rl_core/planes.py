@@ -48,6 +48,7 @@ from rl_core.rollout.pool import EnginePool
 from rl_core.sft import Example, SFTDataConfig
 from rl_core.teacher import Distillation, check_tokenizers, teacher_examples
 from rl_core.weight_sync import sync_weights
+from rl_core.weight_sync.probe import TOLERANCE, ProbeBatch, WeightProbe
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ class Planes:
     # where the advantages come from: GroupRelative, or Distillation (teacher.path) with the
     # teacher's rollout plane
     advantage: AdvantageSource | None = None
+    # the sync's behavioural check (rollout.weight_sync_probe); None: off
+    probe: WeightProbe | None = None
 
     @property
     def weight_version(self) -> int:
@@ -97,13 +100,16 @@ class Planes:
         if self.trainer is None:
             raise RuntimeError("these planes were brought up without a trainer")
         if not self.rollout.memory_released:
-            return sync_weights(self.trainer, self.rollout, self.weights, version)
-        # Time-shared devices: weights back first (the update writes into them), KV cache after.
+            return sync_weights(self.trainer, self.rollout, self.weights, version, self.probe)
+        # Time-shared devices: weights back first (the update writes into them), KV cache after;
+        # the probe needs the KV cache, so it runs last (a failure: the task's retry reloads).
         t0 = time.perf_counter()
         self.rollout.resume_memory(["weights"])
         metrics = sync_weights(self.trainer, self.rollout, self.weights, version)
         self.rollout.resume_memory(["kv_cache"])
         resumed = time.perf_counter() - t0 - metrics["sync_seconds"]
+        if self.probe is not None:
+            metrics.update(self.probe.check(self.trainer, self.rollout, version))
         return {**metrics, "resume_memory_seconds": resumed}
 
     def release_rollout_memory(self) -> dict[str, float]:
@@ -344,8 +350,26 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
         eval_records, eval_prompts, rewards,
         skipped_long_prompts=skipped + skip_eval, cluster=cluster, placement=placement,
         time_share=_time_share(cfg), kind=kind or SingleTurn(rollout), advantage=advantage,
+        probe=_probe(cfg, train_prompts, pad_token_id) if trainer is not None else None,
     )
     return PlanesHandle(key)
+
+
+def _probe(cfg: ExperimentConfig, prompts: list[list[int]], pad_token_id: int,
+           ) -> WeightProbe | None:
+    """``rollout.weight_sync_probe``: the sync's probe on the first training prompts."""
+    r, why = cfg.rollout, None
+    if cfg.train.lora.enabled and cfg.train.lora.quantize:
+        why = "the trainer scores with a 4-bit base (QLoRA) that the engines do not serve"
+    elif r.temperature not in (0.0, 1.0) and (cfg.cluster.mode == "ray"
+                                              or cfg.train.backend == "megatron"):
+        why = "this trainer scores at the rollout temperature, the engines' prefill without it"
+    if not r.weight_sync_probe or why:
+        if why and r.weight_sync_probe:
+            log.info("rollout.weight_sync_probe: off (%s); syncs are checked by checksum", why)
+        return None
+    tolerance = r.weight_sync_probe_tolerance or TOLERANCE[cfg.model.dtype]
+    return WeightProbe(ProbeBatch.from_prompts(prompts), tolerance, pad_token_id)
 
 
 def start_teacher(cfg: ExperimentConfig, tokenizer: Any, student: str,

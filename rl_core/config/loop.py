@@ -204,6 +204,13 @@ class RolloutConfig(Section):
         "/update_weights_from_distributed call, by size (bounds the engine's receive buffers).")
     weight_sync_timeout_s: float = Field(
         300.0, gt=0, description="Bound on one weight sync (and on each collective in it).")
+    weight_sync_probe: bool = Field(
+        True, description="After every weight sync each engine scores a fixed probe batch by "
+        "prefill and is compared with the trainer's log-probs of it: an engine that loaded the "
+        "right bytes into the wrong place fails the sync (docs/weight-sync.md).")
+    weight_sync_probe_tolerance: float | None = Field(
+        None, gt=0, description="Largest |log p| difference the probe accepts; None: by "
+        "model.dtype (float32 1e-3, float16 0.1, bfloat16 0.5; docs/weight-sync.md).")
     startup_timeout_s: float = Field(300.0, gt=0, description="Bound on the engines' start until "
         "all are healthy (and on a restarted engine's).")
     health_interval_s: float = Field(

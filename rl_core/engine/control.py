@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from rl_core.engine import faults
 from rl_core.engine.lora import parse_adapter, read_adapter
 from rl_core.models import read_weights
 from rl_core.weight_sync import process_group as pgroup
@@ -40,6 +41,7 @@ class EngineControl:
                     return False
             self._reset_batch(free=True)
             self._empty_device_cache()
+            self._stale_version = None  # a test's stale_cache fault ends with its load
             return True
 
         return self._call(do, "flush_cache")
@@ -119,7 +121,15 @@ class EngineControl:
         if abort_all_requests:
             self.abort(abort_all=True)
         version = str(new_version)
-        self._call(lambda: setattr(self, "weight_version", version), "update_weight_version")
+
+        def apply() -> None:
+            if faults.claim(version, ("lora_off",)):  # a test's fault: adapters applied no more
+                self._lora.activate(None)
+                for adapter in self._lora.loaded.values():
+                    adapter.deltas = {}
+            self.weight_version = version
+
+        self._call(apply, "update_weight_version")
         return version
 
     def weights_changed_in_place(self, new_version: str | int) -> None:
@@ -129,14 +139,16 @@ class EngineControl:
 
         def apply() -> None:
             self._weights.invalidate()
-            self._weights_changed(new_version)
+            stale = faults.claim(new_version, ("stale_cache",)) is not None  # a test's fault
+            self._weights_changed(new_version, keep_derived=stale)
 
         self._call(apply, "weights_changed_in_place")
 
-    def _weights_changed(self, version: str | int | None) -> None:
+    def _weights_changed(self, version: str | int | None, *, keep_derived: bool = False) -> None:
         """At a safe point, after the weights changed: drop the KV layout's packed copy of
-        them and serve ``version`` (if given)."""
-        self._kv.weights_changed()
+        them (``keep_derived``: a test's ``stale_cache`` fault) and serve ``version``."""
+        if not keep_derived:
+            self._kv.weights_changed()
         if version is not None:
             self.weight_version = str(version)
 
@@ -217,7 +229,14 @@ class EngineControl:
         def apply() -> str:
             self._lora.activate(None)  # the base weights change; adapters re-merge on them
             self._weights.copy_in(named)
-            self._weights_changed(version)
+            fault = faults.claim(version, (*faults.CORRUPTING, "stale_cache"), lambda k: (
+                k == "stale_cache" or faults.touches(k, self.model, named)))
+            if fault == "stale_cache":  # kept for every bucket of this version
+                self._stale_version = str(version)
+            stale = getattr(self, "_stale_version", None) == str(version)
+            self._weights_changed(version, keep_derived=stale)
+            if fault in faults.CORRUPTING:  # a test's fault: applied at resume, after the
+                self._pending_fault = fault  # load and the checksum (core.resume)
             return self._weights.checksum
 
         return self._call(apply, f"update weights from {source}")

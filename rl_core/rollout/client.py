@@ -264,17 +264,21 @@ class SGLangClient:
                 f"{type(body).__name__} of length {len(body) if isinstance(body, list) else 1}")
         return [_sample(p, b, base, r) for p, b, r in zip(input_ids, body, rids, strict=True)]
 
-    async def score(self, input_ids: Sequence[Sequence[int]], start: int) -> list[list[float]]:
+    async def score(self, input_ids: Sequence[Sequence[int]], start: int, *,
+                    url: str | None = None, lora_path: str | None = None) -> list[list[float]]:
         """Prefill scoring (no generation), as miles does it: one batched ``/generate`` with
         ``max_new_tokens: 0`` and ``logprob_start_len: start``; per sequence the log-probs
         of its tokens ``start + 1`` onwards (SGLang's ``input_token_logprobs``, first entry
-        null, dropped), unscaled ``log_softmax(logits)``."""
+        null, dropped), unscaled ``log_softmax(logits)``. ``url``: that engine only."""
         if not input_ids or any(len(p) <= start + 1 for p in input_ids):
             raise ValueError(f"score: empty batch, or a sequence with nothing after {start}")
+        n = len(input_ids)
         payload = {"input_ids": [[int(t) for t in p] for p in input_ids],
                    "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
-                   "logprob_start_len": int(start)}
-        resp, base = await self._request("POST", "/generate", json=payload, limited=True)
+                   "logprob_start_len": int(start),
+                   **({"lora_path": [lora_path] * n} if lora_path else {})}
+        resp, base = await self._request("POST", "/generate", json=payload, url=url,
+                                         limited=True)
         body = resp.json()
         if not isinstance(body, list) or len(body) != len(input_ids):
             raise RolloutError(f"{base}/generate: expected {len(input_ids)} scored sequences")

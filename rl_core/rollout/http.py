@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -65,6 +66,8 @@ class HttpPlane:
         self.lora_name: str | None = None  # set by a LoRA weight sync: requests carry it
         self._version = 0  # the base model, until the first sync
         self._warned_no_checksum = False
+        self._update = threading.Condition()  # updating(): "ok", "updating" or "failed"
+        self._update_state = "ok"
 
     @property
     def weight_version(self) -> int:
@@ -133,6 +136,14 @@ class HttpPlane:
             log.warning("engines had released %s: taking it back before sampling",
                         sorted(self.pool.released))
             self.pool.resume_memory()
+        with self._update:
+            if not self._update.wait_for(lambda: self._update_state != "updating",
+                                         self.weight_sync_timeout_s):
+                raise RolloutError(f"a weight update held generation for "
+                                   f"{self.weight_sync_timeout_s:.0f}s (rollout.weight_sync_timeout_s)")
+            if self._update_state == "failed":
+                raise WeightSyncError("the last weight update was not verified; nothing is "
+                                      "sampled from its weights until an update succeeds")
         if self.before_generate is not None and self.pool.awaiting_urls():
             self.before_generate()
         client = self.client
@@ -184,6 +195,45 @@ class HttpPlane:
         s.weight_version = self._version
 
     # ------------------------------------------------------------------ weights
+
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
+        """Hold new generation for a weight update; it goes on when the update succeeded (a
+        failed one keeps it held until one succeeds: never sample unverified weights)."""
+        with self._update:
+            self._update_state = "updating"
+        state = "failed"
+        try:
+            yield
+            state = "ok"
+        finally:
+            with self._update:
+                self._update_state = state
+                self._update.notify_all()
+
+    def probe(self, prompt: Sequence[int], completions: Sequence[Sequence[int]],
+              ) -> dict[str, list[list[float]]]:
+        """Each engine to update scores ``completions`` after ``prompt`` (prefill, served
+        adapter included): engine -> per-token log-probs (the sync's behavioural check)."""
+        client, start = self.client, len(prompt) - 1
+        seqs = [[*prompt, *c] for c in completions]
+        urls = self.pool.update_targets()
+        names = {e.url: f"engine {e.index} ({e.url})" for e in self.pool.engines}
+
+        async def each() -> list[list[list[float]]]:
+            return list(await asyncio.gather(*(
+                client.aio.score(seqs, start, url=u, lora_path=self.lora_name) for u in urls)))
+
+        scored = client.run(each(), timeout_s=self.weight_sync_timeout_s)
+        return {names.get(u, u): logps for u, logps in zip(urls, scored, strict=True)}
+
+    def rebuild(self, engines: Sequence[str]) -> None:
+        """Restart the named engines (:meth:`probe`'s names) and load the current weights."""
+        for e in self.pool.engines:
+            if f"engine {e.index} ({e.url})" in engines:
+                log.warning("engine %d (%s): rebuilt after failing the weight probe twice",
+                            e.index, e.url)
+                self.pool.restart(e.index, timeout_s=self.weight_sync_timeout_s)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[list[str]]:

@@ -53,6 +53,7 @@ class InProcessPlane:
         self.timeout_s, self.routed_experts = timeout_s, routed_experts
         self.weight_version = 0
         self.lora_name: str | None = None  # set by a LoRA weight sync: requests carry it
+        self._verified = True  # False from the start of an update until it succeeds
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -65,6 +66,9 @@ class InProcessPlane:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        if not self._verified:  # one thread: an update in progress here has failed
+            raise WeightSyncError("the last weight update was not verified; no sampling from "
+                                  "its weights until an update succeeds")
         batch = uuid.uuid4().hex[:12]
         reqs = [GenerateRequest(f"{batch}-{i}", list(p), sp, return_logprob=True,
                                 lora=self.lora_name, return_routed_experts=self.routed_experts)
@@ -81,14 +85,32 @@ class InProcessPlane:
                        routed_experts=o.routed_experts)
                 for p, o in zip(prompts, outs, strict=True)]
 
-    def score(self, prompt: Sequence[int], completions: Sequence[Sequence[int]]) -> list[list[float]]:
+    def score(self, prompt: Sequence[int], completions: Sequence[Sequence[int]], *,
+              lora: str | None = None) -> list[list[float]]:
         """Each completion's per-token log-probs after ``prompt`` (prefill only)."""
         start, batch = len(prompt) - 1, uuid.uuid4().hex[:12]
         reqs = [GenerateRequest(f"{batch}-s{i}", [*prompt, *c], SamplingParams(max_new_tokens=0),
-                                return_logprob=True, logprob_start_len=start)
+                                return_logprob=True, logprob_start_len=start, lora=lora)
                 for i, c in enumerate(completions)]
         outs = self.engine.generate_sync(reqs, timeout=self.timeout_s)
         return [[float(x) for x in o.input_logprobs[1:]] for o in outs]
+
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
+        """No sampling from an update's weights until it succeeded (see :class:`HttpPlane`)."""
+        self._verified = False
+        yield
+        self._verified = True  # not on a failure: until an update succeeds
+
+    def probe(self, prompt: Sequence[int], completions: Sequence[Sequence[int]],
+              ) -> dict[str, list[list[float]]]:
+        """The engine's scores of the probe batch (served adapter included)."""
+        return {"the in-process engine": self.score(prompt, completions, lora=self.lora_name)}
+
+    def rebuild(self, engines: Sequence[str]) -> None:
+        raise WeightSyncError("the in-process engine failed the weight probe after a reload and "
+                              "cannot be rebuilt alone: the step fails and the planes are "
+                              "rebuilt from the latest checkpoint")
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[list[EmbeddedEngine]]:
