@@ -130,16 +130,19 @@ def test_flow_on_ray_matches_one_process(
     stale weights. The colocated run loses trainer rank 1's process (SIGKILL) during step 2:
     the step fails naming the rank, the planes are rebuilt from the step-1 checkpoint (the
     engines serve its weights, checked by checksum), and the run still ends where the
-    one-process run ends, every step once in the ledger."""
+    one-process run ends, every step once in the ledger. The colocated run's object-store
+    sync of version 1 also loads one weight into the wrong place in an engine actor (after
+    the checksum, tests/test_sync_probe.py): the probe catches it and the reload fixes it."""
     from flows.grpo_train import grpo_train
 
     killed: dict = {}
-    killer, extra = None, ()
+    killer, extra, faults = None, (), tmp_path / "faults.json"
     if placement == "disaggregated":
         killer = _kill_engine_after_first_step(tmp_path / "ray", killed)
     elif not backend:
         killer = _kill_trainer_rank_after_first_step(tmp_path / "ray", killed)
-        extra = ("checkpoint.every=1",)
+        faults.write_text(json.dumps([{"kind": "permute", "version": 1, "times": 1}]))
+        extra = ("checkpoint.every=1", f"cluster.env={{GRPOFLOW_SYNC_FAULTS: '{faults}'}}")
     from test_security import ListenWatch
 
     with ListenWatch() as watch:  # nothing of the run listens beyond loopback (test_security)
@@ -181,6 +184,11 @@ def test_flow_on_ray_matches_one_process(
         assert {r["weight_version"] for r in rows} == {step - 1}
     steps = [m["step"] for m in got]
     assert steps == list(range(1, STEPS + 1)), f"a step lost or logged twice: {steps}"
+    if faults.exists():  # caught by the probe on the object store, then reloaded
+        claims = [json.loads(line) for line in Path(f"{faults}.claims").read_text().splitlines()]
+        assert [(c["kind"], c["version"]) for c in claims] == [("permute", "1")]
+        assert got[0]["sync/probe_reloads"] == 1.0, got[0]
+        assert got[0]["sync/probe_max_abs_logp_diff"] < 1e-3
     if killer is not None:
         killer.join(5)
     if "engine" in killed:
