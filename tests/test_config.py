@@ -236,6 +236,11 @@ def test_out_of_range_values_name_the_field(override, path):
     assert "(got " in msg  # the offending value is echoed
 
 
+def test_top_k_zero_is_refused_at_load_not_at_the_first_request():
+    msg = _error(["rollout.top_k=0"])
+    assert "rollout.top_k:" in msg and "use -1 (off) or >= 1" in msg
+
+
 def test_clip_low_above_clip_high():
     msg = _error(["algorithm.clip_low=0.3", "algorithm.clip_high=0.2"])
     assert "algorithm.clip_low (0.3) must not exceed algorithm.clip_high (0.2)" in msg

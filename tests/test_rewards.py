@@ -746,9 +746,10 @@ def test_worker_serve_loop_in_process() -> None:
 
 
 def test_worker_serve_stops_when_parent_disappears_mid_batch() -> None:
-    release = threading.Event()
+    release, taken = threading.Event(), threading.Event()
 
     def slow(completion: str, answer: str) -> float:
+        taken.set()  # the worker took the batch and is scoring it
         release.wait(5)
         return 1.0
 
@@ -758,8 +759,8 @@ def test_worker_serve_stops_when_parent_disappears_mid_batch() -> None:
     thread = threading.Thread(target=runner_mod._serve, args=(child, slow))
     thread.start()
     parent.send([(0, "a", "b"), (1, "c", "d")])
-    time.sleep(0.05)  # let the worker take the batch before the parent goes away
-    parent.close()
+    assert taken.wait(5), "the worker never took the batch"
+    parent.close()  # the parent goes away mid-batch
     release.set()
     thread.join(5)
     assert not thread.is_alive()

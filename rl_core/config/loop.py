@@ -158,6 +158,13 @@ class RolloutConfig(Section):
         "most likely tokens that hold this much probability; 1.0: off.")
     top_k: int = Field(-1, ge=-1, description="Sample from the `top_k` most likely tokens; -1: "
         "off.")
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, top_k: int) -> int:
+        if top_k == 0:  # what SGLang and the embedded engine refuse at the first request
+            raise ValueError("rollout.top_k=0 samples from no token: use -1 (off) or >= 1")
+        return top_k
     max_new_tokens: int = Field(32, ge=1, description="Tokens a sample (an agent turn) may "
         "generate at most; also Dr.GRPO's normaliser (`seq-mean-token-sum-norm`).")
     stop: list[str] = Field([], description="Strings that end a sample when generated.")
