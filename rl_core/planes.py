@@ -196,8 +196,12 @@ def start_rollout(
         if r.weight_sync == "object_store":
             transport = ObjectStoreSync(plane, work_dir / "weight_sync", r.weight_sync_timeout_s)
         else:  # LoRA: the adapter, swapped by name (train.lora)
+            from rl_core.weight_sync.delta import DeltaEncoder
+
             transport = DiskSync(plane, work_dir / "weight_sync", r.weight_sync_timeout_s,
-                                 cfg.train.lora.name if cfg.train.lora.enabled else None)
+                                 cfg.train.lora.name if cfg.train.lora.enabled else None,
+                                 DeltaEncoder(r.weight_sync_delta_full_every)
+                                 if r.weight_sync_delta else None)
     pool.resync = transport.resync  # a restarted engine serves the current weights first
     return plane.start(), transport
 

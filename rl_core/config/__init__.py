@@ -179,6 +179,8 @@ class ExperimentConfig(Section):
             self._check_megatron()
         if self.train.lora.enabled:
             self._check_lora()
+        if r.weight_sync_delta:
+            self._check_delta()
         if self.train.moe.routing_replay and self.model.path == "embedded:tiny" and (
                 self.model.tiny_arch == "dense"):
             raise ValueError("train.moe.routing_replay=true replays mixture-of-experts routing, "
@@ -228,6 +230,19 @@ class ExperimentConfig(Section):
         if (sync := self.rollout.weight_sync) != "disk":
             raise ValueError(f"train.lora.rank > 0 with rollout.weight_sync={sync!r}: adapters "
                              "travel as PEFT files (SGLang's /load_lora_adapter); use disk")
+
+    def _check_delta(self) -> None:
+        r, why = self.rollout, []
+        if r.weight_sync != "disk":
+            why.append(f"rollout.weight_sync is {r.weight_sync!r} (deltas travel as files: disk)")
+        if r.engine != "embedded":
+            why.append(f"rollout.engine is {r.engine!r} (only the embedded engine reads deltas)")
+        if self.cluster.mode != "local":
+            why.append("cluster.mode is ray (the encoder needs the weights in this process)")
+        if self.train.lora.enabled:
+            why.append("train.lora is on (an adapter is small already)")
+        if why:
+            raise ValueError("rollout.weight_sync_delta=true: " + "; ".join(why))
 
     def _check_shared(self) -> None:
         if why := self._shared_blockers():

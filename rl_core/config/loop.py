@@ -211,6 +211,14 @@ class RolloutConfig(Section):
         "/update_weights_from_distributed call, by size (bounds the engine's receive buffers).")
     weight_sync_timeout_s: float = Field(
         300.0, gt=0, description="Bound on one weight sync (and on each collective in it).")
+    weight_sync_delta: bool = Field(
+        False, description="weight_sync=disk to embedded engines, trainer in this process: "
+        "write only what changed since the version the engines hold (per tensor: skipped, "
+        "sparse index/value pairs or the compressed XOR of the bit patterns, whichever is "
+        "smallest; exact), with a full sync every weight_sync_delta_full_every versions and "
+        "after any failed one (docs/weight-sync.md, \"Delta sync\").")
+    weight_sync_delta_full_every: int = Field(
+        10, ge=1, description="weight_sync_delta: every this many versions a full sync.")
     weight_sync_probe: bool = Field(
         True, description="After every weight sync each engine scores a fixed probe batch by "
         "prefill and is compared with the trainer's log-probs of it: an engine that loaded the "

@@ -15,6 +15,7 @@ from rl_core.engine import faults
 from rl_core.engine.lora import parse_adapter, read_adapter
 from rl_core.models import read_weights
 from rl_core.weight_sync import process_group as pgroup
+from rl_core.weight_sync.delta import apply_delta, is_delta
 
 __all__ = ["MEMORY_TAGS", "EngineControl", "EngineRequestError", "EngineStateError"]
 
@@ -100,7 +101,14 @@ class EngineControl:
             abort_all_requests: bool = False) -> str:
         """Load every weight from a Hugging Face safetensors directory; returns the checksum.
         Names are the model's state_dict names (tied aliases may be absent); nothing changes
-        if any name is unknown, missing or of the wrong shape."""
+        if any name is unknown, missing or of the wrong shape. A grpoflow delta directory
+        (``rollout.weight_sync_delta``) changes what changed since the served weights."""
+        if is_delta(model_path):
+            try:
+                named = apply_delta(model_path, self._weights.named(), self._weights.checksum)
+            except ValueError as e:
+                raise EngineRequestError(str(e)) from None
+            return self._update(named, weight_version, abort_all_requests, f"delta {model_path}")
         try:
             named = read_weights(model_path)
         except FileNotFoundError as e:

@@ -11,12 +11,16 @@ keeps what it last delivered, so :meth:`resync` brings a restarted engine back; 
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rl_core.weight_sync.checksum import WeightSyncError, weights_checksum
+from rl_core.weight_sync.delta import DeltaEncoder, is_delta
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DiskSync", "ObjectStoreSync", "SharedSync", "Staged", "TensorSync"]
 
@@ -28,31 +32,68 @@ class Staged:
     payload: Any
     checksum: str | None
     nbytes: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)  # the transport's own
 
 
 class DiskSync:
-    """``disk``: a safetensors directory per version; only the newest is kept."""
+    """``disk``: a safetensors directory per version; only the newest is kept. With a
+    ``delta`` encoder (``rollout.weight_sync_delta``) a version is written as the changes
+    since the one the engines hold (:mod:`rl_core.weight_sync.delta`)."""
 
     def __init__(self, plane: Any, staging_dir: str | Path, timeout_s: float,
-                 lora_name: str | None = None) -> None:
+                 lora_name: str | None = None, delta: DeltaEncoder | None = None) -> None:
         self.plane, self.staging_dir, self.timeout_s = plane, Path(staging_dir), timeout_s
-        self.lora_name = lora_name
+        self.lora_name, self.delta = lora_name, delta
         self.current: tuple[Path, int] | None = None
 
     def stage(self, trainer: Any, version: int) -> Staged:
         target = self.staging_dir / f"v{version:06d}"
         tmp = target.with_name(target.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        checksum = trainer.write_weights(tmp)
+        metrics: dict[str, float] = {}
+        if self.delta is None:
+            checksum = trainer.write_weights(tmp)
+        else:
+            self.delta.confirm(self.plane.weight_version)
+            checksum, metrics = self.delta.write(trainer.export_weights(), version, tmp)
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
-        return Staged(target, checksum, sum(f.stat().st_size for f in target.glob("*.safetensors")))
+        nbytes = sum(f.stat().st_size for f in target.glob("*.safetensors"))
+        return Staged(target, checksum, nbytes, metrics)
+
+    def _whole(self, path: Path, version: int) -> Path:
+        """``path`` if it holds a whole model, else the whole of ``version`` written beside it
+        (a delta cannot load onto an engine that does not hold its base)."""
+        if self.delta is None or not is_delta(path):
+            return path
+        weights = self.delta.weights_of(version)
+        if weights is None:
+            raise WeightSyncError(f"weight_version {version} was sent as a delta and its whole "
+                                  "weights are no longer held; the next sync is a full one")
+        from safetensors.torch import save_file
+
+        whole = self.staging_dir / f"v{version:06d}-whole"
+        if not (whole / "model.safetensors").is_file():
+            whole.mkdir(parents=True, exist_ok=True)
+            save_file(weights, str(whole / "model.safetensors"))
+        return whole
 
     def load(self, staged: Staged, urls: list[str], version: int) -> None:
         if self.lora_name is None:
-            self.plane.pool.each(urls, "update_weights_from_disk", lambda aio, u: (
-                aio.update_weights_from_disk(str(staged.payload), version, url=u,
-                                             timeout_s=self.timeout_s)), self.timeout_s + 10.0)
+            def each(path: Path) -> None:
+                self.plane.pool.each(urls, "update_weights_from_disk", lambda aio, u: (
+                    aio.update_weights_from_disk(str(path), version, url=u,
+                                                 timeout_s=self.timeout_s)), self.timeout_s + 10.0)
+
+            try:
+                each(staged.payload)
+            except WeightSyncError as e:
+                if self.delta is None or not is_delta(staged.payload):
+                    raise
+                # an engine that no longer holds the base (a reload after a failed probe)
+                log.warning("delta weight update refused (%s); loading version %d whole", e,
+                            version)
+                each(self._whole(staged.payload, version))
         else:
             self.plane.pool.each(urls, "load_lora_adapter", lambda aio, u: self._swap(
                 aio, u, staged.payload, version), self.timeout_s + 10.0)
@@ -73,8 +114,8 @@ class DiskSync:
         if self.current is not None:
             path, version = self.current
             client = self.plane.pool.client
-            if self.lora_name is None:
-                client.update_weights_from_disk(str(path), version, url=url)
+            if self.lora_name is None:  # a restarted engine holds the base model: whole
+                client.update_weights_from_disk(str(self._whole(path, version)), version, url=url)
             else:
                 client.run(self._swap(client.aio, url, path, version), timeout_s=self.timeout_s)
         return True
