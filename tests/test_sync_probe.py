@@ -19,17 +19,14 @@ import pytest
 import torch
 from engine_helpers import save_tiny_model
 from test_moe import save_moe
+from test_rollout_planes import _http
 
 from rl_core.config import AlgorithmConfig, LoraConfig, TrainConfig
 from rl_core.engine.faults import FAULTS_ENV
 from rl_core.engine.sampling import SamplingParams
-from rl_core.rollout.http import HttpPlane
 from rl_core.rollout.inprocess import InProcessPlane
-from rl_core.rollout.launch import embedded_engine_command
-from rl_core.rollout.pool import EnginePool
 from rl_core.training.torch_trainer import TorchTrainer
 from rl_core.weight_sync import WeightSyncError, sync_weights
-from rl_core.weight_sync.broadcast import BroadcastSync
 from rl_core.weight_sync.probe import ProbeBatch, WeightProbe, compare
 from rl_core.weight_sync.transports import DiskSync, SharedSync, TensorSync
 
@@ -84,6 +81,12 @@ def caught(caplog, version: int, engine: str) -> str:
     assert found, f"no probe failure logged for version {version}"
     assert engine in found[0] and "max |log p| difference" in found[0], found[0]
     return found[0]
+
+
+def recovered(metrics: dict, faults: Path, kind: str, caplog, engine: str) -> None:  # noqa: ANN001
+    """Version 1's sync took fault ``kind``: caught (naming ``engine``) and reloaded."""
+    assert metrics["sync/probe_reloads"] == 1.0 and claims(faults) == [(kind, "1")]
+    caught(caplog, 1, engine)
 
 
 def behaves_as_trainer(trainer: TorchTrainer, plane) -> None:  # noqa: ANN001
@@ -144,8 +147,7 @@ def test_shared_parameters_catch_a_cache_not_flushed(model_dir, plan, caplog) ->
         plane.generate(PROMPTS, GREEDY)  # the engine derives its packed weights from v0
         nudge(trainer, 1)  # in place: the engine reads these parameters
         metrics = sync_weights(trainer, plane, SharedSync(trainer), 1, probe())
-        assert metrics["sync/probe_reloads"] == 1.0 and claims(faults) == [("stale_cache", "1")]
-        caught(caplog, 1, "the in-process engine")
+        recovered(metrics, faults, "stale_cache", caplog, "the in-process engine")
         behaves_as_trainer(trainer, plane)
     finally:
         plane.close()
@@ -159,8 +161,7 @@ def test_a_lora_adapter_not_applied_is_caught(model_dir, plan, caplog) -> None:
     plane = InProcessPlane(model_dir, num_threads=1)
     try:
         metrics = sync_weights(trainer, plane, TensorSync(plane, "policy"), 1, probe())
-        assert metrics["sync/probe_reloads"] == 1.0 and claims(faults) == [("lora_off", "1")]
-        caught(caplog, 1, "the in-process engine")
+        recovered(metrics, faults, "lora_off", caplog, "the in-process engine")
         behaves_as_trainer(trainer, plane)
     finally:
         plane.close()
@@ -174,8 +175,7 @@ def test_two_experts_swapped_are_caught(tmp_path, plan, caplog) -> None:
     try:
         nudge(trainer, 1, scale=0.01)
         metrics = sync_weights(trainer, plane, TensorSync(plane), 1, probe())
-        assert metrics["sync/probe_reloads"] == 1.0 and claims(faults) == [("swap_experts", "1")]
-        caught(caplog, 1, "the in-process engine")
+        recovered(metrics, faults, "swap_experts", caplog, "the in-process engine")
         behaves_as_trainer(trainer, plane)
     finally:
         plane.close()
@@ -184,25 +184,11 @@ def test_two_experts_swapped_are_caught(tmp_path, plan, caplog) -> None:
 # ------------------------------------------------------------------ engine processes
 
 
-def _http(model: Path, tmp: Path, transport: str) -> tuple[HttpPlane, object]:
-    pool = EnginePool(embedded_engine_command(model, num_threads=1), 1, log_dir=tmp / "engines",
-                      router=False, health_interval_s=0.5, health_timeout_s=10,
-                      failure_threshold=2, startup_timeout_s=120,
-                      client_kwargs={"backoff_base_s": 0.05, "backoff_max_s": 0.5})
-    plane = HttpPlane(pool, request_batch_size=4, weight_sync_timeout_s=60)
-    sync = (DiskSync(plane, tmp / "staging", 60) if transport == "disk"
-            else BroadcastSync(plane, "gloo", 60, 10_000))  # fmt: skip
-    pool.resync = sync.resync
-    if transport != "disk":
-        plane.before_generate = sync.rejoin
-    return plane.start(), sync
-
-
 def test_disk_catches_faults_reloads_then_rebuilds_the_engine(model_dir, plan, caplog,
                                                               tmp_path) -> None:
     faults = plan(("permute", 1, 1), ("stale_cache", 2, 1), ("transpose", 3, 2))
     trainer = TorchTrainer(model_dir, TrainConfig(lr=1e-2), AlgorithmConfig(), max_response_len=8)
-    plane, sync = _http(model_dir, tmp_path, "disk")
+    plane, sync = _http(model_dir, tmp_path)
     try:
         engine = f"engine 0 ({plane.pool.engines[0].url})"
         plane.generate(PROMPTS, GREEDY)  # packed weights derived from v0
@@ -231,13 +217,12 @@ def test_disk_lora_adapter_not_applied_is_caught(model_dir, plan, caplog, tmp_pa
     trainer = TorchTrainer(model_dir, TrainConfig(lr=1e-2, lora=LoraConfig(rank=4, alpha=8.0)),
                            AlgorithmConfig(), max_response_len=8)
     nudge(trainer, 1, scale=0.3)
-    plane, _ = _http(model_dir, tmp_path, "disk")
+    plane, _ = _http(model_dir, tmp_path)
     sync = DiskSync(plane, tmp_path / "lora-staging", 60, "policy")
     plane.pool.resync = sync.resync
     try:
         metrics = sync_weights(trainer, plane, sync, 1, probe())
-        assert metrics["sync/probe_reloads"] == 1.0 and claims(faults) == [("lora_off", "1")]
-        caught(caplog, 1, f"engine 0 ({plane.pool.engines[0].url})")
+        recovered(metrics, faults, "lora_off", caplog, f"engine 0 ({plane.pool.engines[0].url})")
         behaves_as_trainer(trainer, plane)
     finally:
         plane.close()
@@ -246,12 +231,11 @@ def test_disk_lora_adapter_not_applied_is_caught(model_dir, plan, caplog, tmp_pa
 def test_broadcast_catches_a_permuted_tensor(model_dir, plan, caplog, tmp_path) -> None:
     faults = plan(("permute", 1, 1))
     trainer = TorchTrainer(model_dir, TrainConfig(lr=1e-2), AlgorithmConfig(), max_response_len=8)
-    plane, sync = _http(model_dir, tmp_path, "distributed")
+    plane, sync = _http(model_dir, tmp_path, transport="distributed")
     try:
         nudge(trainer, 1)
         metrics = sync_weights(trainer, plane, sync, 1, probe())
-        assert metrics["sync/probe_reloads"] == 1.0 and claims(faults) == [("permute", "1")]
-        caught(caplog, 1, f"engine 0 ({plane.pool.engines[0].url})")
+        recovered(metrics, faults, "permute", caplog, f"engine 0 ({plane.pool.engines[0].url})")
         behaves_as_trainer(trainer, plane)
     finally:
         sync.close()
