@@ -218,7 +218,7 @@ class HttpPlane:
         client, start = self.client, len(prompt) - 1
         seqs = [[*prompt, *c] for c in completions]
         urls = self.pool.update_targets()
-        names = {e.url: f"engine {e.index} ({e.url})" for e in self.pool.engines}
+        names = {e.url: _name(e) for e in self.pool.engines}
 
         async def each() -> list[list[list[float]]]:
             return list(await asyncio.gather(*(
@@ -230,7 +230,7 @@ class HttpPlane:
     def rebuild(self, engines: Sequence[str]) -> None:
         """Restart the named engines (:meth:`probe`'s names) and load the current weights."""
         for e in self.pool.engines:
-            if f"engine {e.index} ({e.url})" in engines:
+            if _name(e) in engines:
                 log.warning("engine %d (%s): rebuilt after failing the weight probe twice",
                             e.index, e.url)
                 self.pool.restart(e.index, timeout_s=self.weight_sync_timeout_s)
@@ -266,6 +266,11 @@ class HttpPlane:
                     f"weight sync to version {version}: {url} serves checksum {got[:21]} but the "
                     f"trainer wrote {checksum[:21]}; refusing to sample from weights that are "
                     "not the trainer's")
+
+
+def _name(engine: Any) -> str:  # noqa: ANN401 - an EngineHandle
+    """How the probe's errors and metrics name an engine (and :meth:`HttpPlane.rebuild` finds it)."""
+    return f"engine {engine.index} ({engine.url})"
 
 
 def _algorithm(checksum: str) -> str:

@@ -150,10 +150,9 @@ class DeltaEncoder:
     def weights_of(self, version: int) -> dict[str, torch.Tensor] | None:
         """The whole weights of ``version`` if this encoder holds them (a restarted engine, or a
         reload onto an engine that no longer holds the base, needs them in full)."""
-        for v, w in ((self._pending or (None, None, None))[:2], (self.base_version, self.base)):
-            if v == version and w is not None:
-                return w
-        return None
+        if self._pending is not None and self._pending[0] == version:
+            return self._pending[1]
+        return self.base if self.base_version == version else None
 
     def write(self, weights: Mapping[str, torch.Tensor], version: int,
               path: str | Path) -> tuple[str, dict[str, float]]:
