@@ -42,6 +42,7 @@ def test_grpo_flow_two_steps(prefect_harness, tiny_cache: Path, tmp_path: Path) 
         "eval.pass_k_examples=4",
         "tracking.backend=mlflow",  # the embedded default: SQLite in storage.root
         "tracking.samples_every=1",
+        "algorithm.kl_coef=0.001",  # the demo has none: the reference log-probs task runs
         # colocated planes' time-sharing (on by itself only with GPUs on Ray)
         "rollout.release_memory_while_training=true",
     )
@@ -148,13 +149,15 @@ def test_cli_rejects_bad_config_with_field_path(capsys) -> None:
 
 
 def test_demo_learns(prefect_harness, tiny_cache: Path, tmp_path: Path) -> None:
-    """The demo's first 10 steps, seeded: held-out greedy accuracy (300 problems) rises by
-    at least 5 points (measured: 0.297 -> 0.407 at step 10, as at step 20, on this machine
-    kind, bit-identical from run to run on CPU). The whole demo, +25 points in 100 steps, is the soak test below."""
+    """The demo shortened to 40 steps (its cosine schedule over 40), seeded: held-out greedy
+    accuracy (300 problems) rises by at least 5 points. Measured on an AMD EPYC (AVX2):
+    0.333 -> 0.413; bit-identical from run to run on one CPU, but the CPU's kernels change the
+    numbers (docs/testing.md). The first 10-20 steps dip on that CPU (0.333 -> 0.28 at step
+    10), so fewer steps measure noise. The whole demo, +25 points, is the soak test below."""
     summary = grpo_train(
         config=DEMO,
         overrides=_overrides(
-            tmp_path, tiny_cache, "run_name=learns-short", "train.steps=10", "eval.every=0",
+            tmp_path, tiny_cache, "run_name=learns-short", "train.steps=40", "eval.every=0",
             "eval.pass_k_examples=0", "checkpoint.every=0",
         ),
         show_progress=False,
@@ -166,8 +169,8 @@ def test_demo_learns(prefect_harness, tiny_cache: Path, tmp_path: Path) -> None:
 @pytest.mark.soak
 def test_the_whole_demo_learns_25_points(prefect_harness, tiny_cache: Path,
                                          tmp_path: Path) -> None:
-    """`make run` as it is (100 steps, MLflow on), seeded: held-out greedy accuracy rises by
-    at least 25 points (measured: 0.297 -> 0.593)."""
+    """`make run` as it is (150 steps, MLflow on), seeded: held-out greedy accuracy rises by
+    at least 25 points (measured on an AMD EPYC: 0.333 -> 0.593)."""
     summary = grpo_train(
         config=DEMO, overrides=[f"storage.root={tmp_path}", f"storage.cache_dir={tiny_cache}",
                                 "run_name=learns"], show_progress=False)

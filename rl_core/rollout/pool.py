@@ -99,6 +99,9 @@ class EnginePool:
             raise ValueError("EnginePool: pass exactly one of command or launcher=")
         self.launcher = launcher if launcher is not None else ProcessLauncher(command, env)
         self.log_dir = logs = Path(log_dir)
+        # Chosen ports are re-chosen on every restart (another process may hold the old one
+        # by then); ports the caller pinned are kept.
+        self.pinned_ports = bool(ports)
         ports = list(ports) if ports else [free_port() for _ in range(num_engines)]
         self.engines = [EngineHandle(i, p, logs / f"engine-{i}.log") for i, p in enumerate(ports)]
         self.router_kwargs, self.use_router = dict(router_kwargs or {}), router
@@ -268,9 +271,8 @@ class EnginePool:
 
     def _wait_healthy(self, e: EngineHandle, timeout_s: float, retries: int = 2) -> None:
         """Wait (bounded) until ``e`` answers its health check. Its port was free when chosen
-        but another process may take it before the engine binds (a restart reuses the port
-        its predecessor held): then the engine is started again on a new port, at most
-        ``retries`` times."""
+        but another process may take it before the engine binds: then the engine is started
+        again on a new port, at most ``retries`` times."""
         for attempt in range(retries + 1):
             try:
                 launch.wait_healthy(e.url, timeout_s=timeout_s, proc=e.proc, log_path=e.log_path)
@@ -310,7 +312,8 @@ class EnginePool:
                 self.launcher.stop(e.proc, self.stop_timeout_s)
             if self._stop.is_set():
                 return False
-            e.proc, e.host, e.port = self.launcher.spawn(e.index, e.port, e.log_path)
+            port = e.port if self.pinned_ports else free_port()
+            e.proc, e.host, e.port = self.launcher.spawn(e.index, port, e.log_path)
             self._wait_healthy(e, self.startup_timeout_s)
             # Not back in service before it serves the current weights.
             if not self._resync(e):
