@@ -331,6 +331,7 @@ class EnginePool:
                       "; left out of service until restart() is called" if gave_up else "", err)
             if e.proc is not None:  # never leave a half-synced engine answering
                 self.launcher.stop(e.proc, self.stop_timeout_s)
+            self._publish_members()  # its new address, for when none is in service
             return False
         e.failures, e.failed_recoveries, e.in_service = 0, 0, True
         self._publish_members()
