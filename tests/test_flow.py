@@ -167,6 +167,7 @@ def test_demo_learns(prefect_harness, tiny_cache: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(2700)  # ~6 min alone; 15 min reached step 54 beside the MoE soak
 def test_the_whole_demo_learns_25_points(prefect_harness, tiny_cache: Path,
                                          tmp_path: Path) -> None:
     """`make run` as it is (150 steps, MLflow on), seeded: held-out greedy accuracy rises by

@@ -28,13 +28,14 @@ def _gain(summary: dict) -> tuple[float, float]:
 
 
 def test_lora_demo_learns(prefect_harness, tiny_cache: Path, tmp_path: Path) -> None:
-    """docs/lora.md's run: rank-8 adapters on the demo, adapter-only sync over HTTP, 20 steps
-    (measured 0.315 -> 0.365)."""
+    """docs/lora.md's run: rank-8 adapters on the demo, adapter-only sync over HTTP, 40 steps
+    (measured 0.315 -> 0.365 in 20 steps on the earlier machines; on an AMD EPYC 0.333 -> 0.330
+    at step 20, the early dip every run shows there: docs/benchmarks.md)."""
     from flows.grpo_train import grpo_train
 
     out = grpo_train(config=str(CONFIGS / "tiny-cpu.yaml"), show_progress=False, overrides=[
         *_where(tmp_path, tiny_cache, "lora"), "rollout.engine=embedded", "train.lora.rank=8",
-        "train.lr=1e-3", "algorithm.kl_coef=0.01", "train.steps=20", "eval.every=0",
+        "train.lr=1e-3", "algorithm.kl_coef=0.01", "train.steps=40", "eval.every=0",
         "eval.pass_k_examples=0"])  # fmt: skip
     first, last = _gain(out)
     assert last - first >= 0.02, f"greedy pass@1 {first:.3f} -> {last:.3f}"
