@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                 held = checksum
                 sent = sum(f.stat().st_size for f in path.glob("*.safetensors"))
                 rows.append({"version": version, "delta": bool(m["sync_delta"]), "bytes": sent,
-                             "fraction": m["sync_delta_fraction"], "write_s": write_s,
+                             "fraction": sent / m["sync_full_bytes"], "write_s": write_s,
                              "read_s": read_s})
                 for f in path.glob("*"):
                     f.unlink()

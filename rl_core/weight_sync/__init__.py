@@ -56,7 +56,7 @@ def sync_weights(trainer: Any, plane: Any, transport: Any, version: int,
     done = time.perf_counter()
     return {"sync_seconds": done - t0, "sync_stage_seconds": t1 - t0,
             "sync_paused_seconds": done - t1, "sync_bytes": float(staged.nbytes),
-            **getattr(staged, "metrics", {}), **metrics}
+            **staged.metrics, **metrics}
 
 
 def served_version(label: object) -> int:

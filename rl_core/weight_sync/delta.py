@@ -157,7 +157,8 @@ class DeltaEncoder:
     def write(self, weights: Mapping[str, torch.Tensor], version: int,
               path: str | Path) -> tuple[str, dict[str, float]]:
         """Write ``version`` to ``path``: a delta against the base when there is one and no
-        full sync is due, else the whole model; its checksum and the sync's byte metrics."""
+        full sync is due, else the whole model; its checksum and the sync's byte metrics (the
+        caller adds ``sync_delta_fraction`` from the bytes it finds written)."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -176,7 +177,5 @@ class DeltaEncoder:
         else:
             save_file(new, str(path / "model.safetensors"))
             self._deltas = 0
-        sent = float(sum(f.stat().st_size for f in path.glob("*.safetensors")))
         self._pending = (version, new, checksum)
-        return checksum, {"sync_full_bytes": full_bytes, "sync_delta": float(delta),
-                          "sync_delta_fraction": sent / full_bytes if full_bytes else 0.0}
+        return checksum, {"sync_full_bytes": full_bytes, "sync_delta": float(delta)}

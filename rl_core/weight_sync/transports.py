@@ -59,6 +59,8 @@ class DiskSync:
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
         nbytes = sum(f.stat().st_size for f in target.glob("*.safetensors"))
+        if metrics:
+            metrics["sync_delta_fraction"] = nbytes / max(metrics["sync_full_bytes"], 1.0)
         return Staged(target, checksum, nbytes, metrics)
 
     def _whole(self, path: Path, version: int) -> Path:
