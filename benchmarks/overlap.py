@@ -9,7 +9,12 @@ per variant, each in a fresh ``grpoflow train`` process with the same seed and s
 - ``dynamic``: ``algorithm.dynamic_sampling=true`` (DAPO: zero-variance groups are not
   trained on; more rollout rounds fill the batch);
 - ``overlap_split`` (``--variants``): ``overlap`` with the cores split between the planes
-  (one engine thread, one trainer thread) instead of each taking them all.
+  (one engine thread, one trainer thread) instead of each taking them all;
+- ``stream_abort`` / ``stream_retract`` / ``stream_in_place`` (``--variants``): a stream whose
+  rounds run across weight updates (``rollout.deterministic=false``, as with SGLang), each
+  ``rollout.pause_mode``: the step time, the tokens the engines computed again
+  (``reprefill_tokens_per_step``: a continuation's prompt + tokens so far, a retraction's KV)
+  and how many versions a sample's tokens span (``token_version_spread_mean``).
 
 For each it reads the run's ``metrics.jsonl`` and ``summary.json``: the mean step wall time
 over steps 2..N (step 1 has nothing to overlap with and pays warm-up), the phases, the
@@ -54,6 +59,10 @@ VARIANTS: dict[str, list[str]] = {
                       "train.num_threads=1"],
     # fully asynchronous (rollout.streaming): partial rollouts, a stream of groups
     "stream": ["rollout.max_staleness=2", "rollout.streaming=true"],
+    # rounds across updates (SGLang's timing), each pause mode (rollout.pause_mode)
+    **{f"stream_{mode}": ["rollout.max_staleness=2", "rollout.streaming=true",
+                          "rollout.deterministic=false", f"rollout.pause_mode={mode}"]
+       for mode in ("abort", "retract", "in_place")},
     # the planes on separate cores (as on separate GPUs): 1 engine thread + 1 trainer thread
     **{f"{name}_disagg": [*extra, "cluster.placement=disaggregated", "train.num_threads=1"]
        for name, extra in (("sync", []), ("overlap", ["rollout.max_staleness=1"]),
@@ -106,6 +115,13 @@ def run_variant(
         "response_len_mean": mean("response_len_mean"),
         "response_len_max_mean": mean("response_len_max"),
         "stale_groups": sum(m.get("stream_stale_groups", 0.0) for m in metrics),
+        "reprefill_tokens_per_step": statistics.fmean(
+            m.get("stream_reprefill_tokens", 0.0) + m.get("overlap/stream_reprefill_tokens", 0.0)
+            for m in later),
+        "response_tokens_per_step": mean("response_tokens"),
+        "token_version_spread_mean": mean("token_version_spread_mean"),
+        "partial_sample_frac_mean": mean("partial_sample_frac"),
+        "token_age_mean": mean("token_age_mean"),
         "reward_mean_last5": statistics.fmean(m["reward_mean"] for m in metrics[-5:]),
         "pass_at_1_first": summary["first_eval"]["pass_at_1"],
         "pass_at_1_last": summary["last_eval"]["pass_at_1"],
@@ -195,6 +211,15 @@ def main(argv: list[str] | None = None) -> int:
         for name, rs in runs.items():
             accs = ", ".join(f"{r['pass_at_1_last']:.3f}" for r in rs)
             print(f"{name:<14} final pass@1 per round: {accs}")
+    if modes := [name for name in results if name.startswith("stream_")]:
+        print(f"{'pause mode':<16} {'step s':>7} {'re-prefill tok/step':>20} {'of generated':>13} "
+              f"{'version spread':>15} {'token age':>10}")
+        for name in modes:
+            r = results[name]
+            frac = r["reprefill_tokens_per_step"] / max(r["response_tokens_per_step"], 1e-9)
+            print(f"{name:<16} {r['step_s_mean']:>7.2f} {r['reprefill_tokens_per_step']:>20.0f} "
+                  f"{frac:>13.1%} {r['token_version_spread_mean']:>15.3f} "
+                  f"{r['token_age_mean']:>10.3f}")
     if "dynamic" in results:
         d = results["dynamic"]
         print(f"dynamic sampling: {d['untrained_token_frac_mean']:.1%} of generated tokens kept "

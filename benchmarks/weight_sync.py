@@ -19,6 +19,10 @@ Modes, each timed from the sender's tensors to tensors the receiver owns:
   stays in the page cache: what ``rollout.weight_sync=disk`` does on one node), the loaded
   (memory-mapped) tensors copied into the receiver's preallocated ones, as an engine's
   ``load_state_dict`` does;
+- ``shm``: :class:`~rl_core.weight_sync.shm.SegmentWriter` writes the tensors into a shared
+  segment (one ``memcpy`` each, hashed meanwhile: the trainer's half of
+  ``rollout.weight_sync=shm``), then a private mapping of it and a view per tensor (the
+  engine's half: its parameters are those views, no copy);
 - ``object_store``: ``ray.put`` of the numpy arrays (:func:`rl_core.weight_sync.source.
   to_arrays`, what ``WeightSource.put_weights`` puts) in this process, ``ray.get`` in an
   actor (another process, zero-copy out of shared memory) and
@@ -35,7 +39,8 @@ With ``--product`` (25m only) it also times the product's whole sync,
 :func:`rl_core.weight_sync.sync_weights` (stage, pause, load, checksum verification,
 resume) from a :class:`~rl_core.training.torch_trainer.TorchTrainer` to one embedded engine
 process, through the transport :func:`rl_core.planes.start_rollout` picks for
-``rollout.weight_sync=disk`` (:class:`~rl_core.weight_sync.transports.DiskSync`) and
+``rollout.weight_sync=disk`` (:class:`~rl_core.weight_sync.transports.DiskSync`), ``shm``
+(:class:`~rl_core.weight_sync.transports.ShmSync`) and
 ``distributed`` (:class:`~rl_core.weight_sync.broadcast.BroadcastSync`, the group opened in
 the warm-up sync). ``object_store`` has no product mode: its transport needs engines that
 are Ray actors (``cluster.mode: ray``).
@@ -74,9 +79,10 @@ from benchmarks import RESULTS, ROOT, format_table, load1, run_meta, write_json
 
 DEFAULT_OUT = RESULTS / "weight_sync.json"
 MODES = (
-    "memcpy", "memcpy_alloc", "memcpy_2threads", "disk", "object_store", "object_store_product", "distributed",
+    "memcpy", "memcpy_alloc", "memcpy_2threads", "disk", "shm", "object_store",
+    "object_store_product", "distributed",
 )  # fmt: skip
-PRODUCT_MODES = ("product_disk", "product_distributed")
+PRODUCT_MODES = ("product_disk", "product_shm", "product_distributed")
 # A Qwen2 of about 200M parameters: (vocab, hidden, layers, heads, kv_heads, intermediate).
 SHAPES_200M = (32768, 1024, 11, 16, 8, 4096)
 
@@ -195,6 +201,29 @@ def bench_disk(w: dict[str, torch.Tensor], repeats: int, work: Path) -> list[dic
         return {"write_s": t1 - t0, "read_s": t2 - t1}
 
     return repeat(run, repeats)
+
+
+def bench_shm(w: dict[str, torch.Tensor], repeats: int, work: Path) -> list[dict[str, float]]:
+    """``rollout.weight_sync=shm``'s two halves: the trainer's write into the segment (one
+    ``memcpy`` per tensor, hashed meanwhile), the engine's attach (a private mapping and a
+    view per tensor: its parameters, no copy)."""
+    from rl_core.weight_sync.shm import SegmentWriter, map_segment, views
+
+    writer, version = SegmentWriter(work), iter(range(1 << 20))
+
+    def run() -> dict[str, float]:
+        t0 = time.perf_counter()
+        path, _ = writer.write(w, next(version))
+        t1 = time.perf_counter()
+        served = views(map_segment(path, writer.size, private=True), writer.layout or [])
+        t2 = time.perf_counter()
+        assert len(served) == len(w)
+        return {"write_and_hash_s": t1 - t0, "attach_s": t2 - t1}
+
+    try:
+        return repeat(run, repeats)
+    finally:
+        writer.close()
 
 
 class _Receiver:
@@ -325,6 +354,7 @@ def bench_product(mode: str, repeats: int, work: Path) -> list[dict[str, float]]
     sync = mode.removeprefix("product_")
     cfg = load_config(str(ROOT / "configs" / "tiny-cpu.yaml"),
                       [f"model.path={model_dir}", f"rollout.weight_sync={sync}",
+                       "rollout.engine=embedded",
                        "algorithm.kl_coef=0"])  # fmt: skip
     trainer = TorchTrainer(model_dir, cfg.train, cfg.algorithm)
     weights = trainer.export_weights()
@@ -373,6 +403,8 @@ def worker_main(args: argparse.Namespace) -> None:
                 record["runs"] = bench_memcpy(w, args.repeats, args.worker)
             elif args.worker == "disk":
                 record["runs"] = bench_disk(w, args.repeats, work)
+            elif args.worker == "shm":
+                record["runs"] = bench_shm(w, args.repeats, work)
             elif args.worker.startswith("object_store"):
                 record["runs"] = bench_object_store(w, args.repeats, args.threads,
                                                     args.worker == "object_store_product", work)  # fmt: skip
@@ -396,7 +428,7 @@ def _worker(kind: str, size: str, args: argparse.Namespace, work: Path) -> dict[
     rec["bytes_per_s"] = rec["bytes"] / rec["seconds"]
     rec["bytes_per_s_min"] = rec["bytes"] / max(secs)
     rec["bytes_per_s_max"] = rec["bytes"] / min(secs)
-    for part in ("write_s", "read_s", "put_s", "get_s"):
+    for part in ("write_s", "read_s", "put_s", "get_s", "write_and_hash_s", "attach_s"):
         if part in rec["runs"][0]:
             rec[part] = statistics.median(r[part] for r in rec["runs"])
     return rec
@@ -407,7 +439,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", nargs="+", choices=["25m", "200m"], default=["25m", "200m"])
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--product", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time the product's sync_weights (25m; disk and distributed)")
+                   help="also time the product's sync_weights (25m; disk, shm, distributed)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="smoke run: 25m, 2 repeats, no product")

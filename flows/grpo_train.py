@@ -12,6 +12,7 @@ checkpoint (``train.max_plane_restarts``).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Literal
 
@@ -25,6 +26,7 @@ from rl_core.config import load_config
 from rl_core.planes import PlanesHandle, get_planes, tear_down
 from rl_core.preflight import preflight
 from rl_core.rewards import answer_kind
+from rl_core.rundir import read_control
 from tasks.checkpoint import restore_checkpoint, save_checkpoint
 from tasks.evaluate import evaluate_policy, export_model
 from tasks.setup import bring_up, fetch_model, prepare_data
@@ -40,6 +42,8 @@ from tasks.step import (
     train,
 )
 from tasks.tracking import finish_tracking, log_evaluation, start_tracking
+
+log = logging.getLogger(__name__)
 
 __all__ = ["GRPOPlanes", "grpo_step", "grpo_train"]
 
@@ -92,8 +96,22 @@ class GRPOPlanes:
         return state.step
 
     def steps(self, first: int, stop: int) -> list[tuple[dict[str, float], StepSamples]]:
+        engines = self.apply_control()
         scored, metrics = grpo_step(self.planes, self.schedule, first)
-        return [(metrics, scored)]
+        return [({**metrics, **engines}, scored)]
+
+    def apply_control(self) -> dict[str, float]:
+        """The run's control file (``grpoflow scale``): a new ``rollout.num_engines`` starts
+        engines joining, or the newest draining, in the background; the engines in service."""
+        plane = get_planes(self.planes).rollout
+        if not hasattr(plane, "scale_to"):
+            return {}
+        want = read_control(self.run.dir.path).get("rollout.num_engines")
+        if want is not None and want != plane.scale_target:
+            log.warning("control file: rollout.num_engines %d -> %d", plane.scale_target, want)
+            plane.scale_to(want)
+        return {"rollout_engines": float(len(plane.pool.in_service_urls())),
+                "rollout_scale_errors": float(plane.scale_errors)}
 
     def checkpoint(self, step: int, run_id: str | None, final: bool) -> dict[str, float]:
         buffer = None if final else opaque(self.schedule.buffer())

@@ -215,6 +215,11 @@ class Streamed(Schedule):
                    "partial_sample_frac": sum(len(set(s.versions or [])) > 1 for s in samples)
                    / max(len(samples), 1),
                    "token_age_mean": sum(tokens) / max(len(tokens), 1),
+                   # versions a sample's tokens span (0: one version); rounds the trainer waited
+                   # for re-sent this many tokens (an update's pause mode decides it)
+                   "token_version_spread_mean": sum(max(s.versions or [0]) - min(s.versions or [0])
+                                                    for s in samples) / max(len(samples), 1),
+                   "stream_reprefill_tokens": waited.get("stream_reprefill_tokens", 0.0),
                    **_ages(ages, self.max_staleness)}
         if step == self.steps:  # the run ends: what it drew and never trained, to the ledger
             for s in (s for g in stream.groups for s in g.samples):

@@ -276,7 +276,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_runs(args: argparse.Namespace) -> int:
     from rl_core.config import load_config
-    from rl_core.rundir import list_runs
+    from rl_core.rundir import format_runs, list_runs
 
     if args.root:
         root = args.root
@@ -294,21 +294,16 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_runs(runs: Sequence[dict[str, Any]]) -> str:
-    """``grpoflow runs`` as a table, one run per line, oldest first."""
+def cmd_scale(args: argparse.Namespace) -> int:
+    from rl_core.config import load_config
+    from rl_core.rundir import write_control
 
-    def score(e: dict[str, Any] | None) -> str:
-        if not e:
-            return "-"
-        key = "pass@1" if "pass@1" in e else "loss"
-        return f"{key} {e[key]:.3f} @{e['step']}"
-
-    rows = [("RUN", "KIND", "STATUS", "STEPS", "LAST EVAL", "BEST EVAL", "MODEL")]
-    rows += [(r["run"], r["kind"], r["status"], f"{r['steps']}/{r['total_steps'] or '?'}",
-              score(r["last_eval"]), score(r["best_eval"]), r["model"] or "-") for r in runs]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)),
-                                row[-1]]) for row in rows)
+    run = Path(args.run)
+    if not run.is_dir():
+        run = Path(args.root or load_config(args.config).storage.root).expanduser() / args.run
+    path = write_control(run, rollout__num_engines=args.engines)
+    print(f"{path}: rollout.num_engines={args.engines} (the run applies it at its next step)")
+    return 0
 
 
 def _plain(text: str) -> str:
@@ -445,6 +440,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", help="the runs' directory (default: the config's storage.root)")
     p.add_argument("--json", action="store_true", help="one JSON object per run")
     p.set_defaults(func=cmd_runs)
+
+    p = sub.add_parser("scale", help="change a running job's rollout engines (joined from the "
+                       "staged weights, probed; drained before they leave)")
+    p.add_argument("run", help="the run's directory, or its name under --root")
+    p.add_argument("--engines", type=int, required=True, help="rollout.num_engines from now on")
+    p.add_argument("--root", help="the runs' directory (default: --config's storage.root)")
+    p.add_argument("--config", help="the run's config, for its storage.root")
+    p.add_argument("--debug", action="store_true", help="the full traceback on failure")
+    p.set_defaults(func=cmd_scale)
 
     p = sub.add_parser("bootstrap-model", help="build the embedded tiny model")
     _config_args(p)

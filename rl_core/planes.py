@@ -159,6 +159,7 @@ def start_rollout(
                                max_running_requests=r.max_running_requests,
                                trust_remote_code=cfg.model.trust_remote_code, share=share,
                                routed_experts=cfg.train.moe.routing_replay)
+        plane.pause_mode = r.pause_mode
         lora = cfg.train.lora.name if cfg.train.lora.enabled else None
         return plane, (SharedSync(trainer) if share is not None else TensorSync(plane, lora))
     from rl_core.rollout.http import HttpPlane
@@ -183,6 +184,7 @@ def start_rollout(
     plane = HttpPlane(pool, request_batch_size=r.request_batch_size, timeout_s=r.timeout_s,
                       weight_sync_timeout_s=r.weight_sync_timeout_s, deterministic=deterministic,
                       routed_experts=cfg.train.moe.routing_replay)
+    plane.pause_mode = r.pause_mode
     if r.weight_sync == "distributed":
         from rl_core.weight_sync.broadcast import BroadcastSync
 
@@ -195,6 +197,10 @@ def start_rollout(
 
         if r.weight_sync == "object_store":
             transport = ObjectStoreSync(plane, work_dir / "weight_sync", r.weight_sync_timeout_s)
+        elif r.weight_sync == "shm":
+            from rl_core.weight_sync.transports import ShmSync
+
+            transport = ShmSync(plane, r.weight_sync_timeout_s)
         else:  # LoRA: the adapter, swapped by name (train.lora)
             from rl_core.weight_sync.delta import DeltaEncoder
 
@@ -348,13 +354,16 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
     except BaseException:
         _close_all(rewards, kind, teacher, transport, rollout, trainer, placement, cluster)
         raise
-    key = uuid.uuid4().hex
+    key, probe = uuid.uuid4().hex, (_probe(cfg, train_prompts, pad_token_id)
+                                    if trainer is not None else None)
+    if probe is not None and (pool := getattr(rollout, "pool", None)) is not None:
+        pool.admit_check = lambda url: probe.admit(rollout, url, rollout.weight_version)
     _REGISTRY[key] = Planes(
         cfg, rollout, transport, trainer, tokenizer, pad_token_id, train_records, train_prompts,
         eval_records, eval_prompts, rewards,
         skipped_long_prompts=skipped + skip_eval, cluster=cluster, placement=placement,
         time_share=_time_share(cfg), kind=kind or SingleTurn(rollout), advantage=advantage,
-        probe=_probe(cfg, train_prompts, pad_token_id) if trainer is not None else None,
+        probe=probe,
     )
     return PlanesHandle(key)
 

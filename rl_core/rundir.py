@@ -6,7 +6,10 @@ docs/storage.md, 'The run directory'). Never imports Prefect or MLflow.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,13 @@ import yaml
 from rl_core.config import ExperimentConfig
 from rl_core.secrets import redact_config
 
-__all__ = ["RunDir", "describe_run", "list_runs"]
+__all__ = ["CONTROL_FILE", "RunDir", "describe_run", "format_runs", "list_runs", "read_control",
+           "write_control"]
+
+log = logging.getLogger(__name__)
+# A running job's settings changed at run time (``grpoflow scale``): read at every step.
+CONTROL_FILE = "control.json"
+CONTROLS = {"rollout.num_engines": int}
 
 
 def _latest_run_name(root: Path, name: str) -> str | None:
@@ -143,3 +152,51 @@ def list_runs(root: str | Path) -> list[dict[str, Any]]:
         return []
     rows = [r for p in root.iterdir() if p.is_dir() and (r := describe_run(p)) is not None]
     return sorted(rows, key=lambda r: r["updated"])
+
+
+def format_runs(runs: Sequence[dict[str, Any]]) -> str:
+    """``grpoflow runs`` as a table, one run per line, oldest first."""
+
+    def score(e: dict[str, Any] | None) -> str:
+        if not e:
+            return "-"
+        key = "pass@1" if "pass@1" in e else "loss"
+        return f"{key} {e[key]:.3f} @{e['step']}"
+
+    rows = [("RUN", "KIND", "STATUS", "STEPS", "LAST EVAL", "BEST EVAL", "MODEL")]
+    rows += [(r["run"], r["kind"], r["status"], f"{r['steps']}/{r['total_steps'] or '?'}",
+              score(r["last_eval"]), score(r["best_eval"]), r["model"] or "-") for r in runs]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)),
+                                row[-1]]) for row in rows)
+
+
+def write_control(run: str | Path, **settings: Any) -> Path:
+    """Set ``settings`` (``CONTROLS``' keys, dots as ``__``) in a run's control file, atomically
+    (the flow may read it at any moment); the file."""
+    path = Path(run) / CONTROL_FILE
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"no run directory {path.parent}")
+    values = read_control(path.parent)
+    for key, value in settings.items():
+        name = key.replace("__", ".")
+        if name not in CONTROLS:
+            raise ValueError(f"{name} cannot change at run time; these can: {sorted(CONTROLS)}")
+        values[name] = CONTROLS[name](value)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(values, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def read_control(run: str | Path) -> dict[str, Any]:
+    """A run's control file (``{}`` if none; a malformed one is logged and ignored)."""
+    path = Path(run) / CONTROL_FILE
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        log.warning("%s: ignored (%s)", path, e)
+        return {}
+    return {k: v for k, v in values.items() if k in CONTROLS} if isinstance(values, dict) else {}

@@ -116,7 +116,8 @@ LONGEST_FIRST = (
     # the three longest that do not need the demo model: they run while it is built
     "test_rollout_planes", "test_megatron_moe", "test_distributed_trainer",
     "test_resume", "test_ray_planes", "test_chaos", "test_flow", "test_security", "test_moe",
-    "test_lifecycle", "test_deployments", "test_megatron", "test_overlap", "test_doctor",
+    "test_lifecycle", "test_deployments", "test_megatron", "test_overlap", "test_scaling",
+    "test_doctor",
     "test_tracking_outage", "test_lora", "test_preflight", "test_judge", "test_distill",
     "test_traces", "test_sft",
 )

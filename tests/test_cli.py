@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpoflow.cli import build_parser, format_runs, main, stage_overrides
+from grpoflow.cli import build_parser, main, stage_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKUP = re.compile(r"``|:\w+:`")
@@ -103,7 +103,7 @@ def _run(root: Path, name: str, *, kind: str, evals: list[dict], steps: int, tot
 
 
 def test_runs_lists_status_steps_evaluations_and_model(tmp_path: Path, capsys) -> None:
-    from rl_core.rundir import list_runs
+    from rl_core.rundir import format_runs, list_runs
 
     _run(tmp_path, "grpo-a", kind="GRPO", steps=4, total=4,
          evals=[{"step": 0, "pass_at_1": 0.3}, {"step": 2, "pass_at_1": 0.5},

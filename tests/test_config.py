@@ -419,3 +419,19 @@ def test_every_field_is_described_and_the_reference_is_the_schema() -> None:
     doc = (root / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert doc.split(ref.START, 1)[1].split(ref.END, 1)[0] == "\n" + ref.reference(), (
         "docs/configuration.md is out of date: run python scripts/config_reference.py")
+
+
+def test_pause_mode_needs_a_stream_whose_rounds_span_updates():
+    """rollout.pause_mode only changes a streamed round in flight during an update: refused
+    where no round ever is (no stream, or deterministic rounds), named with the fix."""
+    with pytest.raises(ConfigError, match=r"rollout\.pause_mode=in_place .*rollout\.streaming=true"):
+        load_config(None, ["rollout.pause_mode=in_place"])
+    with pytest.raises(ConfigError, match=r"rollout\.pause_mode=retract needs "
+                                          r"rollout\.deterministic=false"):
+        load_config(None, ["rollout.streaming=true", "rollout.max_staleness=1",
+                           "rollout.pause_mode=retract"])
+    cfg = load_config(None, ["rollout.streaming=true", "rollout.max_staleness=1",
+                             "rollout.deterministic=false", "rollout.pause_mode=in_place"])
+    assert cfg.rollout.pause_mode == "in_place"
+    with pytest.raises(ConfigError, match=r"rollout\.pause_mode"):
+        load_config(None, ["rollout.pause_mode=hold"])

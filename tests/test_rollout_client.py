@@ -426,11 +426,15 @@ def tiny_dirs(tmp_path_factory) -> tuple[Path, Path]:
 
 @dataclass
 class Engines:
-    """Two embedded engines: ``urls[0]`` in its own process (the one a test kills),
-    ``urls[1]`` served from a thread of this process (cheaper to start)."""
+    """Two embedded engines: ``urls[0]`` in its own process (the one a test kills; restarted,
+    it listens on a new port), ``urls[1]`` served from a thread of this process (cheaper)."""
 
     pool: EnginePool
-    urls: list[str]
+    local_url: str
+
+    @property
+    def urls(self) -> list[str]:
+        return [self.pool.engine_urls[0], self.local_url]
 
 
 @pytest.fixture(scope="module")
@@ -449,7 +453,7 @@ def engines(tiny_dirs, tmp_path_factory):
     server = serve_in_thread(local)
     try:
         with pool:
-            yield Engines(pool, [pool.engine_urls[0], server.url])
+            yield Engines(pool, server.url)
     finally:
         server.stop()
         local.close()

@@ -111,6 +111,56 @@ def test_segments_across_an_update_score_under_the_weights_that_made_them(model_
         plane.close()
 
 
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_a_paused_round_is_held_across_the_update_and_continues(model_dir: Path,
+                                                                 mode: str) -> None:
+    """``rollout.pause_mode`` retract / in_place: the update holds the round's requests
+    instead of ending them; they continue with the new weights in the same request, and the
+    engine says which version made each token. Retract recomputes their KV under the new
+    weights (every later token scores under them); in place keeps the old KV (cheaper, but
+    the later tokens are not the new weights' own)."""
+    torch.manual_seed(0)
+    plane, trainer = InProcessPlane(model_dir), _trainer(model_dir)
+    plane.pause_mode = mode
+    paused = threading.Event()
+
+    def pause_at_step_4(n: int) -> None:  # on the scheduler: the pause lands at this step
+        if n == 4 and not paused.is_set():
+            plane.engine.pause(mode)
+            paused.set()
+
+    plane.engine.on_step = pause_at_step_4
+    try:
+        stream, metrics = _stream(tokens=None), {}
+        stream.limit = 1
+        worker = threading.Thread(target=lambda: metrics.update(stream.round(plane, 0)))
+        worker.start()
+        assert paused.wait(60), "the round never reached decode step 4"
+        before = _trainer(model_dir)  # the weights of version 0
+        _nudge(trainer)
+        sync_weights(trainer, plane, TensorSync(plane), 1)
+        worker.join(60)
+        assert not worker.is_alive() and not stream.in_flight  # one round, not cut
+        samples = [s for g in stream.finished for s in g.samples]
+        assert len(samples) == 4 and all(len(s.completion_ids) == 12 for s in samples)
+        old, new = _scored(before, samples), _scored(trainer, samples)
+        for s, o, w in zip(samples, old, new, strict=True):
+            a = s.versions.count(0)
+            assert 0 < a < 12 and s.versions == [0] * a + [1] * (12 - a), s.versions
+            assert s.meta["segments"] == 1 and s.weight_version == 0
+            assert s.logprobs[:a] == pytest.approx(o[:a], abs=1e-4)
+            if mode == "retract":
+                assert s.meta["recomputed_tokens"] == len(s.prompt_ids) + a
+                assert s.logprobs[a:] == pytest.approx(w[a:], abs=1e-4)
+            else:  # the old KV: neither weights' own log-probs after the update
+                assert s.meta["recomputed_tokens"] == 0
+                assert s.logprobs[a:] != pytest.approx(w[a:], abs=1e-4)
+        assert metrics["stream_reprefill_tokens"] == sum(s.meta["recomputed_tokens"]
+                                                         for s in samples)
+    finally:
+        plane.close()
+
+
 def test_admission_stays_within_the_staleness_bound_and_stale_groups_never_train(
     model_dir: Path,
 ) -> None:
@@ -182,6 +232,47 @@ def test_an_update_aborts_long_generations_and_the_next_round_continues_them(
             assert s.versions == [0] * len(kept[s.uid]) + [1] * (240 - len(kept[s.uid]))
         assert any(len(ids) > 0 for ids in kept.values())  # some were cut mid-generation
         assert synced_in < 30
+    finally:
+        plane.close()
+
+
+def test_retract_and_in_place_updates_hold_the_requests_of_an_engine_process(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """SGLang's other pause modes over HTTP: the update neither waits for the round's long
+    generations nor ends them; the requests finish after it, in the same round, and each
+    token carries the version the engine made it with (``weight_version_spans``)."""
+    pool = EnginePool(embedded_engine_command(model_dir, num_threads=1), 1,
+                      log_dir=tmp_path / "engines", health_interval_s=0.5, health_timeout_s=10,
+                      startup_timeout_s=120)  # fmt: skip
+    plane = HttpPlane(pool, request_batch_size=8, weight_sync_timeout_s=60).start()
+    sync = DiskSync(plane, tmp_path / "staging", 60)
+    trainer = _trainer(model_dir)
+    try:
+        for version, mode in enumerate(("retract", "in_place"), start=1):
+            plane.pause_mode = mode
+            _nudge(trainer)
+            stream = _stream(per_step=6, k=1, tokens=None, max_new=240, n=8)
+            stream.limit = 1
+            worker = threading.Thread(target=stream.round, args=(plane, version - 1))
+            worker.start()
+            deadline = time.monotonic() + 60
+            while (not plane.client.loads()["loads"][0]["num_used_tokens"]
+                   and time.monotonic() < deadline):
+                time.sleep(0.02)  # until the engine is decoding
+            started = time.monotonic()
+            sync_weights(trainer, plane, sync, version)
+            assert time.monotonic() - started < 30, f"{mode}: the update waited for the round"
+            worker.join(120)
+            assert not worker.is_alive() and not stream.in_flight, mode
+            samples = [s for g in stream.finished for s in g.samples]
+            assert len(samples) == 48 and all(len(s.completion_ids) == 240 for s in samples)
+            spans = [s.versions.count(version - 1) for s in samples]
+            for s, a in zip(samples, spans, strict=True):
+                assert s.versions == [version - 1] * a + [version] * (240 - a), mode
+                assert s.meta["segments"] == 1 and not s.aborted
+                assert (s.meta["recomputed_tokens"] > 0) == (mode == "retract" and a > 0)
+            assert any(0 < a < 240 for a in spans), f"{mode}: no request spans the update"
     finally:
         plane.close()
 

@@ -165,6 +165,13 @@ class ExperimentConfig(Section):
                 "rollout.weight_sync=object_store moves weights through Ray's object store, "
                 f"but cluster.mode={c.mode!r} runs no Ray; use rollout.weight_sync=disk, or "
                 "cluster.mode=ray")
+        if r.weight_sync == "shm" and (r.engine != "embedded" or c.mode != "local"
+                                       or self.train.lora.enabled or r.weight_sync_delta):
+            raise ValueError(
+                "rollout.weight_sync=shm hands grpoflow's engine processes their weights in "
+                "shared memory on this host: it needs rollout.engine=embedded, cluster.mode=local, "
+                "no LoRA (train.lora) and no rollout.weight_sync_delta; got "
+                f"rollout.engine={r.engine}, cluster.mode={c.mode}; use rollout.weight_sync=disk")
         if r.engine == "local" and r.num_engines > 1:
             raise ValueError(
                 f"rollout.engine=local runs one engine in the flow's process, but "
@@ -203,6 +210,10 @@ class ExperimentConfig(Section):
                 self.algorithm.tis_cap = 2.0
         if self.rollout.streaming:
             self._check_streaming()
+        elif self.rollout.pause_mode != "abort":
+            raise ValueError(f"rollout.pause_mode={self.rollout.pause_mode} decides what a weight "
+                             "update does to a streamed round in flight: it needs "
+                             "rollout.streaming=true (and rollout.deterministic=false)")
         rollouts = self.train.prompts_per_step * self.rollout.n_samples
         if rollouts % self.train.mini_batches:
             raise ValueError(
@@ -220,6 +231,9 @@ class ExperimentConfig(Section):
                        "yet: use rollout.max_staleness alone)")
         if self.algorithm.dynamic_sampling:
             why.append("algorithm.dynamic_sampling is on (not combined with streaming yet)")
+        if r.pause_mode != "abort" and r.timing_free:
+            why.append(f"rollout.pause_mode={r.pause_mode} needs rollout.deterministic=false "
+                       "(deterministic rounds never run across a weight update)")
         if why:
             raise ValueError("rollout.streaming=true: " + "; ".join(why))
 

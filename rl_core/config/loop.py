@@ -152,6 +152,12 @@ class RolloutConfig(Section):
     partial_tokens: int | None = Field(None, ge=1, description="streaming with deterministic "
         "rollouts: new tokens per sample per round (the point where a sample may change "
         "weight version). Default: ceil(max_new_tokens / (max_staleness + 1)).")
+    pause_mode: Literal["abort", "retract", "in_place"] = Field("abort", description="What a "
+        "weight update does to a streamed round in flight (streaming, deterministic off): "
+        "`abort` ends its requests (their tokens kept; the next round continues them), "
+        "`retract` holds them and recomputes their KV under the new weights, `in_place` holds "
+        "them with their KV and continues after the update (SGLang's /pause_generation modes; "
+        "docs/training.md, \"Fully asynchronous rollouts\").")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature of the rollouts "
         "(0: greedy); the trainer takes its log-probs at it too.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: sample from the "
@@ -191,11 +197,13 @@ class RolloutConfig(Section):
         "log-prob) do not depend on when requests arrive; runs repeat bit for bit on CPU, "
         "overlapped (max_staleness > 0) or not. Default: on for the embedded engine, off for "
         "SGLang (whose own batching decides).")
-    weight_sync: Literal["auto", "disk", "object_store", "distributed", "shared"] = Field(
+    weight_sync: Literal["auto", "disk", "shm", "object_store", "distributed", "shared"] = Field(
         "auto", description="`auto`: `shared` where it can run (engine local, cluster.mode "
         "local, the torch backend, synchronous steps, no LoRA), else `disk`. "
         "`disk`: trainer writes safetensors, engines reload them (one node "
-        "or a shared filesystem); `object_store`: through Ray's object store (cluster.mode ray); "
+        "or a shared filesystem); `shm` (embedded engines, cluster.mode local): the trainer "
+        "writes shared memory that the engine processes serve without a copy; "
+        "`object_store`: through Ray's object store (cluster.mode ray); "
         "`distributed`: the trainer's rank 0 broadcasts to every engine over a "
         "torch.distributed group (SGLang's /update_weights_from_distributed); `shared` "
         "(engine: local): the engine reads the trainer's parameters in place, so a sync is a "

@@ -15,6 +15,7 @@ from rl_core.engine import faults
 from rl_core.engine.lora import parse_adapter, read_adapter
 from rl_core.models import read_weights
 from rl_core.weight_sync import process_group as pgroup
+from rl_core.weight_sync import shm
 from rl_core.weight_sync.delta import apply_delta, is_delta
 
 __all__ = ["MEMORY_TAGS", "EngineControl", "EngineRequestError", "EngineStateError"]
@@ -35,10 +36,11 @@ class EngineControl:
     the engine provides the model state and ``_call``, its safe-point executor)."""
 
     def flush_cache(self) -> bool:
-        """Drop cached KV state; False (nothing done) while requests run or wait."""
+        """Drop cached KV state; False (nothing done) while requests run, or wait unpaused
+        (a retracting pause's waiting requests hold no KV: SGLang flushes then too)."""
         def do() -> bool:
             with self._cond:
-                if self._running or self._waiting:
+                if self._running or (self._waiting and not self._paused):
                     return False
             self._reset_batch(free=True)
             self._empty_device_cache()
@@ -116,6 +118,29 @@ class EngineControl:
         checksum = self._update(named, weight_version, abort_all_requests, str(model_path), True)
         self.model_path = str(model_path)
         return checksum
+
+    def update_weights_from_shared_memory(
+            self, path: str, layout: list[dict[str, Any]], size: int,
+            weight_version: str | int | None = None) -> str:
+        """Serve the weights in the shared-memory segment at ``path`` (``rollout.weight_sync:
+        shm``): the parameters become views of a private (copy-on-write) mapping of it, no
+        copy, and nothing the engine writes reaches the trainer's segment
+        (rl_core/weight_sync/shm.py); returns the checksum. The trainer writes a segment only
+        while no engine serves it."""
+        try:
+            named = shm.views(shm.map_segment(path, size, private=True), layout)
+        except (FileNotFoundError, ValueError, AttributeError, KeyError, TypeError) as e:
+            raise EngineRequestError(f"shared-memory weights {path}: {e}") from None
+        if parts := self._weights.mismatches(named, complete=True):
+            raise EngineRequestError(f"weights from {path} do not match the model "
+                                     f"({'; '.join(parts)}); nothing was loaded")
+
+        def apply() -> str:
+            self._lora.activate(None)
+            self._weights.attach(named)
+            return self._loaded(weight_version, named)
+
+        return self._call(apply, f"update weights from shared memory {path}")
 
     def update_weights_from_tensors(
             self, named: Mapping[str, torch.Tensor], weight_version: str | int | None = None, *,
@@ -237,14 +262,18 @@ class EngineControl:
         def apply() -> str:
             self._lora.activate(None)  # the base weights change; adapters re-merge on them
             self._weights.copy_in(named)
-            fault = faults.claim(version, (*faults.CORRUPTING, "stale_cache"), lambda k: (
-                k == "stale_cache" or faults.touches(k, self.model, named)))
-            if fault == "stale_cache":  # kept for every bucket of this version
-                self._stale_version = str(version)
-            stale = getattr(self, "_stale_version", None) == str(version)
-            self._weights_changed(version, keep_derived=stale)
-            if fault in faults.CORRUPTING:  # a test's fault: applied at resume, after the
-                self._pending_fault = fault  # load and the checksum (core.resume)
-            return self._weights.checksum
+            return self._loaded(version, named)
 
         return self._call(apply, f"update weights from {source}")
+
+    def _loaded(self, version: str | int | None, named: Mapping[str, torch.Tensor]) -> str:
+        """After new weights are in: serve ``version`` (a test's fault taken here); checksum."""
+        fault = faults.claim(version, (*faults.CORRUPTING, "stale_cache"), lambda k: (
+            k == "stale_cache" or faults.touches(k, self.model, named)))
+        if fault == "stale_cache":  # kept for every bucket of this version
+            self._stale_version = str(version)
+        stale = getattr(self, "_stale_version", None) == str(version)
+        self._weights_changed(version, keep_derived=stale)
+        if fault in faults.CORRUPTING:  # a test's fault: applied at resume, after the
+            self._pending_fault = fault  # load and the checksum (core.resume)
+        return self._weights.checksum

@@ -35,8 +35,9 @@ from rl_core.engine.control import (
 )
 from rl_core.engine.kv import make_kv_batch
 from rl_core.engine.lora import Adapters
+from rl_core.engine.requests import GenerateOutput, GenerateRequest, abort_reason, add_run
 from rl_core.engine.routing import RoutingCapture
-from rl_core.engine.sampling import SamplingParams, hit_stop, prompt_logprobs, sample_next
+from rl_core.engine.sampling import hit_stop, prompt_logprobs, sample_next
 from rl_core.engine.weights import ServedWeights
 from rl_core.models import eos_token_ids, torch_dtype
 from rl_core.models.moe import prefer_fast_experts
@@ -56,37 +57,6 @@ ABORTED = "Aborted"
 MAX_PREFILL_TOKENS = 16384
 
 
-@dataclass
-class GenerateRequest:
-    """One sequence to generate (or, with ``max_new_tokens=0``, to score)."""
-
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    lora: str | None = None  # SGLang's lora_path: the adapter's name (None: the base model)
-    return_routed_experts: bool = False  # MoE: every token's experts (engine/routing.py)
-
-
-@dataclass
-class GenerateOutput:
-    """A finished request in SGLang's terms (``finish_reason`` has SGLang's JSON shapes)."""
-
-    rid: str
-    output_ids: list[int]
-    output_logprobs: list[float]
-    input_logprobs: list[float | None] | None
-    finish_reason: dict[str, Any]
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    weight_version: str
-    e2e_latency: float
-    num_retractions: int = 0
-    routed_experts: str | None = None  # SGLang's base64 int32 [seq_len-1, moe_layers, top_k]
-
-
 @dataclass(eq=False)
 class _Seq:
     req: GenerateRequest
@@ -97,6 +67,8 @@ class _Seq:
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
     retractions: int = 0
+    recomputed: int = 0  # KV tokens recomputed after retractions
+    spans: list[list[Any]] = field(default_factory=list)  # each token's weight version, run-length
 
     def __post_init__(self, eos: frozenset[int]) -> None:
         p, self.rid = self.req.params, self.req.rid
@@ -108,10 +80,6 @@ class _Seq:
     @property
     def needs_input_logprobs(self) -> bool:
         return self.req.logprob_start_len >= 0 and self.input_logprobs is None
-
-
-def _abort_reason(message: str, status_code: int | None = None, err_type: str | None = None):
-    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
 
 
 class EmbeddedEngine(EngineControl):
@@ -449,7 +417,7 @@ class EmbeddedEngine(EngineControl):
                         break
                     if s.req.lora is not None and s.req.lora not in self._lora.loaded:
                         self._waiting.popleft()  # unloaded since it was queued
-                        self._finish(s, _abort_reason(f"LoRA {s.req.lora!r} unloaded", 400))
+                        self._finish(s, abort_reason(f"LoRA {s.req.lora!r} unloaded", 400))
                         continue
                     self._lora.activate(s.req.lora)
                 n = len(s.req.input_ids) + len(s.output_ids)
@@ -512,6 +480,7 @@ class EmbeddedEngine(EngineControl):
         """Append a sampled token; finish ``s`` and return True if it ends the request."""
         s.output_ids.append(token)
         s.output_logprobs.append(logp)
+        add_run(s.spans, self.weight_version)
         self.stats["tokens"] += 1
         p, n = s.req.params, len(s.output_ids)
         if token in s.stop_ids:
@@ -554,6 +523,7 @@ class EmbeddedEngine(EngineControl):
             return
         for s in self._running:
             s.retractions += 1
+            s.recomputed += len(s.req.input_ids) + len(s.output_ids)
         with self._cond:
             self._waiting.extendleft(reversed(self._running))
         self._reset_batch(free=True)
@@ -564,16 +534,16 @@ class EmbeddedEngine(EngineControl):
             for s in waiting:
                 self._waiting.remove(s)
         for s in waiting:
-            self._finish(s, _abort_reason(ABORTED if s.output_ids else ABORT_BEFORE_PREFILL))
+            self._finish(s, abort_reason(ABORTED if s.output_ids else ABORT_BEFORE_PREFILL))
         hit = [j for j, s in enumerate(self._running) if match(s)]
         for j in hit:
-            self._finish(self._running[j], _abort_reason(ABORTED))
+            self._finish(self._running[j], abort_reason(ABORTED))
         if hit:
             self._select([j for j in range(len(self._running)) if j not in set(hit)])
         return len(waiting) + len(hit)
 
     def _fail_batch(self, exc: Exception) -> None:
-        reason = _abort_reason(f"engine error: {exc}", 500, "InternalServerError")
+        reason = abort_reason(f"engine error: {exc}", 500, "InternalServerError")
         for s in list(self._running) + list(self._admitting):
             if not s.future.done():
                 self._finish(s, dict(reason))
@@ -591,6 +561,7 @@ class EmbeddedEngine(EngineControl):
             finish_reason=reason, prompt_tokens=len(s.req.input_ids), cached_tokens=0,
             completion_tokens=len(s.output_ids), weight_version=self.weight_version,
             e2e_latency=time.perf_counter() - s.submitted, num_retractions=s.retractions,
+            weight_version_spans=[list(r) for r in s.spans], recomputed_tokens=s.recomputed,
             routed_experts=self._routing.result(s, len(s.req.input_ids) + len(s.output_ids)))
         with contextlib.suppress(cf.InvalidStateError):  # the caller cancelled its wait
             s.future.set_result(out)

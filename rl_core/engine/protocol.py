@@ -339,7 +339,10 @@ def response_item(out: GenerateOutput, o: ItemOpts, tokenizer: Any) -> dict[str,
     meta: dict[str, Any] = {"id": out.rid, "finish_reason": fr, "prompt_tokens": out.prompt_tokens,
         "completion_tokens": out.completion_tokens, "cached_tokens": out.cached_tokens,
         "reasoning_tokens": 0, "weight_version": out.weight_version,
-        "num_retractions": out.num_retractions}
+        "num_retractions": out.num_retractions,
+        # grpoflow's: each output token's weight version (run-length), KV recomputed
+        "weight_version_spans": out.weight_version_spans,
+        "recomputed_tokens": out.recomputed_tokens}
     if o.return_logprob:
         with_text = o.return_text_in_logprobs and tokenizer is not None
 

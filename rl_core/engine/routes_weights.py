@@ -1,9 +1,10 @@
 """Weight and memory routes of the embedded engine's server: SGLang's update paths and ours.
 
-Disk, distributed (``backend`` defaults to ``gloo`` on a CPU engine), version bumps, memory
-release/resume, LoRA adapters by name, and ``GET /weights_checksum`` (ours: the cached checksum
-for the trainer to compare). No ``/update_weights_from_tensor``: its payloads are pickled CUDA
-IPC handles, never unpickled here. Fields: docs/rollout.md, "The embedded engine".
+Disk, shared memory (ours), distributed (``backend`` defaults to ``gloo`` on a CPU engine),
+version bumps, memory release/resume, LoRA adapters by name, and ``GET /weights_checksum``
+(ours: the cached checksum for the trainer to compare). No ``/update_weights_from_tensor``: its
+payloads are pickled CUDA IPC handles, never unpickled here. Fields: docs/rollout.md, "The
+embedded engine".
 """
 
 from __future__ import annotations
@@ -48,6 +49,17 @@ async def update_weights_from_disk(request: Request, eng: Engine) -> JSONRespons
     return await _run(lambda: eng.update_weights_from_disk(
         path, body.get("weight_version"), abort_all_requests=bool(body.get("abort_all_requests"))),
         "Succeeded to update model weights.", num_paused_requests=0)
+
+
+@router.post("/update_weights_from_shared_memory")
+async def update_weights_from_shared_memory(request: Request, eng: Engine) -> JSONResponse:
+    """Ours (``rollout.weight_sync: shm``): serve the weights of a segment on this host."""
+    body = await read_body(request)
+    path, layout, size = body.get("path"), body.get("layout"), body.get("size")
+    if not (isinstance(path, str) and path and isinstance(layout, list) and isinstance(size, int)):
+        return control(False, "path (a string), layout (a list) and size (bytes) are required")
+    return await _run(lambda: eng.update_weights_from_shared_memory(
+        path, layout, size, body.get("weight_version")), "Succeeded to update model weights.")
 
 
 @router.post("/init_weights_update_group")

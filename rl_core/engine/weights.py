@@ -118,6 +118,27 @@ class ServedWeights:
             (src[canon] if src is not None else self._tensors[canon].data).copy_(t)
         self.invalidate()
 
+    def attach(self, named: Mapping[str, torch.Tensor]) -> int:
+        """Serve ``named`` (checked by :meth:`mismatches`, complete) in place of the weights:
+        each parameter of the same dtype and device becomes that tensor (a view of a shared
+        segment: no copy); the rest are copied in. How many were attached."""
+        if self.offloaded is not None:
+            self.copy_in(named)
+            return 0
+        attached = 0
+        for name, t in named.items():
+            if name in self._parts:  # a per-expert slice of a fused tensor: copied
+                self.copy_in({name: t})
+                continue
+            served = self._tensors[self._canonical[name]]
+            if served.dtype == t.dtype and served.device == t.device:
+                served.data = t
+                attached += 1
+            else:
+                served.data.copy_(t)
+        self.invalidate()
+        return attached
+
     def offload(self) -> None:
         """Move every tensor to a host buffer; the model's parameters become empty."""
         backup = {}

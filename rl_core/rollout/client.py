@@ -98,6 +98,9 @@ class SGLangClient:
         self.max_retries, self.backoff_base_s, self.backoff_max_s = (
             max_retries, backoff_base_s, backoff_max_s)
         self.max_concurrency, self.engine_cooldown_s = max_concurrency, engine_cooldown_s
+        # A weight update's flush_cache when the caller does not say: off while a pause holds
+        # requests in place (rollout.pause_mode in_place: SGLang fails the flush then)
+        self.update_flush_cache = True
         self._sem, self._rr = asyncio.Semaphore(max_concurrency), 0
         self._down_until: dict[str, float] = {}  # base URL -> end of its cooldown
         self._inflight: dict[str, str] = {}  # rid -> base URL serving it
@@ -386,13 +389,25 @@ class SGLangClient:
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: int | str | None = None, *,
-        url: str | None = None, flush_cache: bool = True, abort_all_requests: bool = False,
+        url: str | None = None, flush_cache: bool | None = None, abort_all_requests: bool = False,
         timeout_s: float | None = None) -> dict[str, Any]:
         """``/update_weights_from_disk``: reload weights from ``model_path`` (safetensors)."""
-        body = {"model_path": str(model_path), "flush_cache": flush_cache,
+        body = {"model_path": str(model_path), "flush_cache": self._flush(flush_cache),
                 "abort_all_requests": abort_all_requests, **_version(weight_version)}
         return await self._control("POST", "/update_weights_from_disk", json=body, url=url,
                                    retries=1, timeout_s=timeout_s)
+
+    async def update_weights_from_shared_memory(
+        self, path: str, layout: list[dict[str, Any]], size: int,
+        weight_version: int | str | None = None, *, url: str | None = None,
+        timeout_s: float | None = None) -> dict[str, Any]:
+        """``/update_weights_from_shared_memory`` (grpoflow's engines: ``weight_sync: shm``)."""
+        body = {"path": path, "layout": layout, "size": int(size), **_version(weight_version)}
+        return await self._control("POST", "/update_weights_from_shared_memory", json=body,
+                                   url=url, retries=1, timeout_s=timeout_s)
+
+    def _flush(self, flush_cache: bool | None) -> bool:
+        return self.update_flush_cache if flush_cache is None else flush_cache
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str, *, url: str | None = None,
                                 timeout_s: float | None = None) -> dict[str, Any]:
@@ -426,13 +441,13 @@ class SGLangClient:
     async def update_weights_from_distributed(
         self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], *,
         group_name: str = _GROUP, weight_version: int | str | None = None,
-        flush_cache: bool = True, abort_all_requests: bool = False,
+        flush_cache: bool | None = None, abort_all_requests: bool = False,
         load_format: str | None = None, url: str | None = None, timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """``/update_weights_from_distributed``: receive one bucket broadcast (never retried)."""
         body = {"names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
                 "shapes": [list(s) for s in shapes], "group_name": group_name,
-                "flush_cache": flush_cache, "abort_all_requests": abort_all_requests,
+                "flush_cache": self._flush(flush_cache), "abort_all_requests": abort_all_requests,
                 "load_format": load_format, **_version(weight_version)}
         return await self._control("POST", "/update_weights_from_distributed", json=body, url=url,
                                    retries=0, timeout_s=timeout_s)

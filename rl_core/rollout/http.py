@@ -64,8 +64,11 @@ class HttpPlane:
         self.verify_checksum = verify_checksum
         self.before_generate: Callable[[], None] | None = None
         self.lora_name: str | None = None  # set by a LoRA weight sync: requests carry it
+        self.pause_mode = "abort"  # rollout.pause_mode: what an update does to requests in flight
         self._version = 0  # the base model, until the first sync
         self._warned_no_checksum = False
+        self.scale_target, self.scale_errors = len(pool.engines), 0  # scale_to()
+        self._scaler: threading.Thread | None = None
         self._update = threading.Condition()  # updating(): "ok", "updating" or "failed"
         self._update_state = "ok"
 
@@ -97,10 +100,38 @@ class HttpPlane:
 
     def close(self) -> None:
         self.pool.stop()
+        if self._scaler is not None:  # an engine starting now is stopped once it is up
+            self._scaler.join(self.pool.startup_timeout_s + 30.0)
+
+    def scale_to(self, engines: int) -> None:
+        """Bring the engines in service to ``engines`` in the background, one at a time: a new
+        engine joins once it serves the current weights (from the staged copy, probed), the
+        newest leaves after its requests finish. Generation and training go on meanwhile;
+        calling again retargets. Errors are logged and counted (``scale_errors``)."""
+        if engines < 1:
+            raise ValueError(f"rollout.num_engines must be >= 1, got {engines}")
+        self.scale_target = engines
+        if self._scaler is None or not self._scaler.is_alive():
+            self._scaler = threading.Thread(target=self._scale, name="engine-scaler", daemon=True)
+            self._scaler.start()
+
+    def _scale(self) -> None:
+        pool = self.pool
+        while not pool._stop.is_set() and len(pool.engines) != self.scale_target:
+            try:
+                if len(pool.engines) < self.scale_target:
+                    pool.add_engine()
+                else:
+                    pool.remove_engine()
+            except Exception:
+                self.scale_errors += 1
+                log.exception("rollout plane: scaling to %d engine(s) failed", self.scale_target)
+                return
 
     def health(self) -> dict[str, Any]:
         p = self.pool
         return {"engines": len(p.engines), "in_service": p.in_service_urls(),
+                "scale_target": self.scale_target, "scale_errors": self.scale_errors,
                 "awaiting_weights": p.awaiting_urls(),
                 "restarts": sum(e.restarts for e in p.engines),
                 "weight_version": self._version, "memory_released": sorted(p.released)}
@@ -149,7 +180,7 @@ class HttpPlane:
         client = self.client
         size = 1 if self.pool.url else self.request_batch_size
         if self.deterministic and not self.pool.url:
-            size = -(-len(prompts) // len(self.pool.engines))  # one request per engine
+            size = -(-len(prompts) // max(len(self.pool.in_service_urls()), 1))  # one per engine
         chunks = [(prompts[i : i + size], [sampling_payload(p) for p in params[i : i + size]])
                   for i in range(0, len(prompts), size)]
 
@@ -212,12 +243,13 @@ class HttpPlane:
                 self._update.notify_all()
 
     def probe(self, prompt: Sequence[int], completions: Sequence[Sequence[int]],
-              ) -> dict[str, list[list[float]]]:
-        """Each engine to update scores ``completions`` after ``prompt`` (prefill, served
-        adapter included): engine -> per-token log-probs (the sync's behavioural check)."""
+              urls: Sequence[str] | None = None) -> dict[str, list[list[float]]]:
+        """Each engine to update (or of ``urls``) scores ``completions`` after ``prompt``
+        (prefill, served adapter included): engine -> per-token log-probs (the sync's
+        behavioural check)."""
         client, start = self.client, len(prompt) - 1
         seqs = [[*prompt, *c] for c in completions]
-        urls = self.pool.update_targets()
+        urls = list(urls) if urls is not None else self.pool.update_targets()
         names = {e.url: _name(e) for e in self.pool.engines}
 
         async def each() -> list[list[list[float]]]:
@@ -237,8 +269,10 @@ class HttpPlane:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[list[str]]:
-        """Pause → abort in flight → flush every engine to update; resume on exit (always)."""
-        with self.pool.paused(timeout_s=self.weight_sync_timeout_s) as urls:
+        """Pause (``pause_mode``: abort, retract or hold what is in flight) → flush (not
+        ``in_place``: the held requests need their KV) every engine; resume on exit (always)."""
+        self.client.aio.update_flush_cache = self.pause_mode != "in_place"
+        with self.pool.paused(timeout_s=self.weight_sync_timeout_s, mode=self.pause_mode) as urls:
             yield urls
 
     def verify(self, version: int, checksum: str | None) -> None:

@@ -53,6 +53,7 @@ class InProcessPlane:
         self.timeout_s, self.routed_experts = timeout_s, routed_experts
         self.weight_version = 0
         self.lora_name: str | None = None  # set by a LoRA weight sync: requests carry it
+        self.pause_mode = "abort"  # rollout.pause_mode: what an update does to requests in flight
         self._verified = True  # False from the start of an update until it succeeds
 
     def generate(
@@ -81,7 +82,7 @@ class InProcessPlane:
 
         return [Sample(list(p), o.output_ids, o.output_logprobs, o.finish_reason, version(o),
                        tok.decode(o.output_ids, skip_special_tokens=True)
-                       if tok is not None else "", meta={"id": o.rid},
+                       if tok is not None else "", meta={"id": o.rid, **_spans(o)},
                        routed_experts=o.routed_experts)
                 for p, o in zip(prompts, outs, strict=True)]
 
@@ -114,10 +115,12 @@ class InProcessPlane:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[list[EmbeddedEngine]]:
-        """Pause (aborting what runs), flush the KV cache, yield the engine; resume always."""
-        self.engine.pause("abort")
+        """Pause (``pause_mode``: abort, retract or hold what runs), flush the KV cache (not
+        ``in_place``), yield the engine; resume always."""
+        self.engine.pause(self.pause_mode)
         try:
-            self.engine.flush_cache()
+            if self.pause_mode != "in_place":
+                self.engine.flush_cache()
             yield [self.engine]
         finally:
             self.engine.resume()
@@ -145,3 +148,9 @@ class InProcessPlane:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _spans(o: Any) -> dict[str, Any]:
+    """The engine's per-token versions and recomputed KV, as its HTTP answer carries them."""
+    return {"weight_version_spans": o.weight_version_spans,
+            "recomputed_tokens": o.recomputed_tokens}

@@ -119,11 +119,19 @@ class EnginePool:
         # Held by weight updates and by recoveries: a restarted engine is re-synced to a
         # version no update can overtake, and the monitor never probes a paused engine.
         self._sync_lock, self._stop = threading.Lock(), threading.Event()
+        # Checks an engine that joins (add_engine) before it serves: the weight probe.
+        self.admit_check: Callable[[str], None] | None = None
         self._monitor: threading.Thread | None = None
 
     @property
     def engine_urls(self) -> list[str]:
         return [e.url for e in self.engines]
+
+    def engine(self, index: int) -> EngineHandle:
+        """Engine ``index`` (its own index: engines that left leave gaps)."""
+        if (e := next((x for x in self.engines if x.index == index), None)) is None:
+            raise ValueError(f"no engine {index} in the pool (engines {[x.index for x in self.engines]})")
+        return e
 
     def in_service_urls(self) -> list[str]:
         return [e.url for e in self.engines if e.in_service]
@@ -196,9 +204,93 @@ class EnginePool:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def add_engine(self, timeout_s: float | None = None) -> EngineHandle:
+        """Start one more engine and put it into service serving the current weights, taken
+        from the transport's staged copy (``resync``: disk or the object store, never the
+        trainer) and checked by ``admit_check`` (the weight probe). Training goes on
+        meanwhile: the pool is held only while it loads the weights (as a restart is). An
+        engine the transport cannot bring up to date now waits for the next weight update."""
+        limit = self.startup_timeout_s if timeout_s is None else timeout_s
+        index = max((e.index for e in self.engines), default=-1) + 1
+        e, t0 = EngineHandle(index, free_port(), self.log_dir / f"engine-{index}.log"), time.monotonic()
+        e.proc, e.host, e.port = self.launcher.spawn(e.index, e.port, e.log_path)
+        try:
+            self._wait_healthy(e, limit)
+            if not self._sync_lock.acquire(timeout=limit):
+                raise RuntimeError(f"add_engine: a weight update held the pool {limit:.0f}s")
+            try:
+                if self._stop.is_set():
+                    raise RuntimeError("add_engine: the pool is stopping")
+                ready = self._resync(e)
+                if ready and self.admit_check is not None and self.weight_version is not None:
+                    self.admit_check(e.url)
+                self.engines.append(e)
+                e.awaiting_weights, e.in_service = not ready, ready
+                if ready and self.router is not None:
+                    self.router.add_worker(e.url)
+                self._publish_members()
+            finally:
+                self._sync_lock.release()
+        except BaseException:
+            self.launcher.stop(e.proc, self.stop_timeout_s)
+            raise
+        log.warning("engine %d (%s): joined in %.1fs at weight_version %s%s", e.index, e.url,
+                    time.monotonic() - t0, self.weight_version or "initial",
+                    "" if e.in_service else " (in service after the next weight update)")
+        return e
+
+    def remove_engine(self, index: int | None = None, drain_timeout_s: float = 60.0) -> int:
+        """Drain engine ``index`` (default: the newest) and stop it: it takes no new work, the
+        requests it runs finish (bounded by ``drain_timeout_s``; then they are aborted and
+        their callers retry elsewhere), then it leaves the pool. Its index."""
+        with self._held(drain_timeout_s + self.health_timeout_s, "remove_engine"):
+            if len(self.engines) < 2:
+                raise ValueError("remove_engine: the pool's last engine cannot leave")
+            e = self.engines[-1] if index is None else self.engine(index)
+            if e.in_service:
+                self._take_out(e)
+            e.awaiting_weights = False
+        # Outside the lock: an update may run while the engine's last requests finish.
+        self._drain(e, drain_timeout_s)
+        with self._held(self.startup_timeout_s, "remove_engine"):
+            self.engines.remove(e)
+            self._publish_members()
+        if e.proc is not None:
+            self.launcher.stop(e.proc, self.stop_timeout_s)
+        log.warning("engine %d (%s): left the pool (%d engine(s) now)", e.index, e.url,
+                    len(self.engines))
+        return e.index
+
+    def _drain(self, e: EngineHandle, timeout_s: float) -> None:
+        """Wait (bounded) until ``e`` runs and queues no request (what is left when the bound
+        passes fails over to the other engines when it stops: the client retries there)."""
+        aio, deadline = self._require_client().aio, time.monotonic() + timeout_s
+        while e.alive and time.monotonic() < deadline:
+            try:
+                load = self._require_client().run(aio._control(
+                    "GET", "/get_load", url=e.url, retries=0, timeout_s=self.health_timeout_s),
+                    timeout_s=self.health_timeout_s + 5.0)
+            except (RolloutError, TimeoutError):
+                return  # it does not answer: nothing to wait for
+            rows = load if isinstance(load, list) else [load]
+            if not any(r.get("num_reqs") or r.get("num_waiting_reqs") for r in rows):
+                return
+            time.sleep(0.1)
+        log.warning("engine %d (%s): still busy after %.0fs of draining; stopping it (its "
+                    "requests are retried on the other engines)", e.index, e.url, timeout_s)
+
+    @contextlib.contextmanager
+    def _held(self, timeout_s: float, what: str) -> Iterator[None]:
+        if not self._sync_lock.acquire(timeout=timeout_s):
+            raise RuntimeError(f"{what}: a weight update held the pool {timeout_s:.0f}s")
+        try:
+            yield
+        finally:
+            self._sync_lock.release()
+
     def kill(self, index: int) -> None:
         """SIGKILL engine ``index`` (its whole process session): a crash, for tests and drills."""
-        if (proc := self.engines[index].proc) is not None:
+        if (proc := self.engine(index).proc) is not None:
             self.launcher.kill(proc)
 
     def _monitor_loop(self) -> None:
@@ -262,7 +354,7 @@ class EnginePool:
         if not self._sync_lock.acquire(timeout=timeout_s):
             raise RuntimeError(f"restart({index}): a weight update held the pool {timeout_s}s")
         try:
-            e = self.engines[index]
+            e = self.engine(index)
             e.failed_recoveries = 0
             if not self._recover(e):
                 raise RuntimeError(f"engine {index} ({e.url}) did not come back; see {e.log_path}")
@@ -356,10 +448,10 @@ class EnginePool:
         return True
 
     @contextlib.contextmanager
-    def paused(self, *, timeout_s: float = 600.0,
-               flush_wait_s: float = 60.0) -> Iterator[list[str]]:
-        """Hold the pool for a weight update: pause (aborting what is in flight), flush, yield
-        the URLs, resume on exit, always. Awaiting engines go back into service after a success;
+    def paused(self, *, timeout_s: float = 600.0, flush_wait_s: float = 60.0,
+               mode: str = "abort") -> Iterator[list[str]]:
+        """Hold the pool for a weight update: pause (``mode``: abort, retract or hold what is in
+        flight), flush (not ``in_place``), yield the URLs, resume on exit, always. Awaiting engines go back into service after a success;
         on a failure, engines that stopped answering are taken out of service."""
         self._require_client()
         if not self._sync_lock.acquire(timeout=timeout_s):
@@ -372,10 +464,11 @@ class EnginePool:
             # a silent one is found within health_timeout_s, not the whole update's bound.
             bound = min(timeout_s, self.health_timeout_s + 5.0)
             try:
-                self.each(urls, "pause_generation", lambda aio, u: aio.pause("abort", url=u),
+                self.each(urls, "pause_generation", lambda aio, u: aio.pause(mode, url=u),
                           timeout_s=bound)
-                self.each(urls, "flush_cache", lambda aio, u: aio.flush_cache(
-                    url=u, wait_s=min(flush_wait_s, bound)), timeout_s=bound)
+                if mode != "in_place":  # held requests keep their KV: a flush would fail
+                    self.each(urls, "flush_cache", lambda aio, u: aio.flush_cache(
+                        url=u, wait_s=min(flush_wait_s, bound)), timeout_s=bound)
                 yield urls
             except BaseException as e:
                 failed = e

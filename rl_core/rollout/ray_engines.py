@@ -44,7 +44,7 @@ class EngineActor:
         return self.host, self.port, self.proc.pid
 
     def load_weights(self, arrays: Mapping[str, Any], version: str, staging_dir: str,
-                     timeout_s: float) -> str:
+                     timeout_s: float, flush_cache: bool = True) -> str:
         """``object_store`` sync: the arrays (from Ray's object store, no copy) go to
         node-local safetensors, then ``/update_weights_from_disk``; the server's answer."""
         from safetensors.torch import save_file
@@ -56,7 +56,7 @@ class EngineActor:
         target.mkdir(parents=True)
         save_file(from_arrays(arrays), str(target / "model.safetensors"))
         resp = httpx.post(f"http://{self.host}:{self.port}/update_weights_from_disk", json={
-            "model_path": str(target), "weight_version": version, "flush_cache": True,
+            "model_path": str(target), "weight_version": version, "flush_cache": flush_cache,
         }, timeout=timeout_s)
         body = resp.json()
         if resp.status_code != 200 or not body.get("success", False):

@@ -21,6 +21,7 @@ from rl_core.data.sampler import PromptSampler
 from rl_core.engine.sampling import SamplingParams, sample_seed
 from rl_core.interfaces import RolloutPlane
 from rl_core.types import Sample
+from rl_core.weight_sync import served_version
 
 __all__ = ["Group", "GroupStream"]
 
@@ -108,6 +109,7 @@ class GroupStream:
         todo = [(g, j) for g in self.groups if g.finished_round is None
                 for j, s in enumerate(g.samples) if not _done(s, self.params.max_new_tokens)]
         self.rounds += 1
+        reprefill = 0
         if todo:
             prompts, params = [], []
             for g, j in todo:
@@ -119,7 +121,7 @@ class GroupStream:
                                       seed=_segment_seed(g.seeds[j], len(s.completion_ids))))
             outs = plane.generate(prompts, params, partial=True)
             for (g, j), out in zip(todo, outs, strict=True):
-                _extend(g.samples[j], out, self.params.max_new_tokens)
+                reprefill += _extend(g.samples[j], out, self.params.max_new_tokens, version)
         finished = 0
         for g in self.groups:
             if g.finished_round is None and all(
@@ -131,7 +133,8 @@ class GroupStream:
                     if self.decode is not None:
                         s.text = self.decode(s.completion_ids)
         return {"stream_round_samples": float(len(todo)), "stream_admitted_groups": float(admitted),
-                "stream_finished_groups": float(finished)}
+                "stream_finished_groups": float(finished),
+                "stream_reprefill_tokens": float(reprefill)}
 
     # ------------------------------------------------------------------ consumption
 
@@ -187,14 +190,17 @@ def _done(s: Sample, max_new_tokens: int) -> bool:
     return kind is not None and kind != "abort"
 
 
-def _extend(s: Sample, out: Sample, max_new_tokens: int) -> None:
-    """Append a segment's tokens, log-probs and version to ``s``."""
+def _extend(s: Sample, out: Sample, max_new_tokens: int, started: int) -> int:
+    """Append a segment's tokens, log-probs and versions to ``s``; the tokens the engine
+    computed again for it (a continuation's prompt + tokens so far, a retraction's KV)."""
     if len(out.logprobs) != len(out.completion_ids):
         raise ValueError(f"sample {s.uid}: a segment came back with {len(out.completion_ids)} "
                          f"tokens but {len(out.logprobs)} log-probs")
+    again = (len(s.prompt_ids) + len(s.completion_ids) if s.completion_ids else 0) + int(
+        out.meta.get("recomputed_tokens") or 0)
     s.completion_ids = s.completion_ids + out.completion_ids
     s.logprobs = s.logprobs + out.logprobs
-    s.versions = (s.versions or []) + [out.weight_version] * len(out.completion_ids)
+    s.versions = (s.versions or []) + _token_versions(out, started)
     s.finish_reason = dict(out.finish_reason)
     if s.finish_reason.get("type") == "length" and len(s.completion_ids) >= max_new_tokens:
         s.finish_reason["length"] = max_new_tokens
@@ -202,3 +208,15 @@ def _extend(s: Sample, out: Sample, max_new_tokens: int) -> None:
     s.meta = {**out.meta, "segments": s.meta.get("segments", 0) + 1}
     if out.routed_experts is not None:  # its request held every token so far: it covers all
         s.routed_experts = out.routed_experts
+    return again
+
+
+def _token_versions(out: Sample, started: int) -> list[int]:
+    """Each token's weight version: the engine's spans where it reports them (an in-place or
+    retracting pause carries a request across updates), else one version for the segment:
+    the engine's label, or the version the round started at if older (an engine without
+    spans, e.g. SGLang, labels a request carried across an update with the newest)."""
+    spans, n = out.meta.get("weight_version_spans"), len(out.completion_ids)
+    if spans and sum(int(k) for _, k in spans) == n:
+        return [served_version(v) for v, k in spans for _ in range(int(k))]
+    return [min(out.weight_version, started)] * n

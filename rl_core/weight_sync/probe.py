@@ -11,6 +11,7 @@ per engine, ``.../engine<i>``) and ``sync/probe_seconds``.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -21,6 +22,8 @@ from rl_core.types import Batch, Sample
 from rl_core.weight_sync.checksum import WeightSyncError
 
 __all__ = ["TOLERANCE", "ProbeBatch", "ProbeMismatch", "WeightProbe", "compare"]
+
+log = logging.getLogger(__name__)
 
 # Largest |log p| difference accepted between an engine and the trainer on the same weights, by
 # the precision they run in: far above the noise measured on CPU (float32 < 1e-6, float16
@@ -102,6 +105,22 @@ class WeightProbe:
                for i, c in enumerate(self.batch.completions)]
         self._reference = (version, ref)
         return ref
+
+    def admit(self, plane: Any, url: str, version: int) -> None:  # noqa: ANN401
+        """An engine joining a running job (``EnginePool.add_engine``) against the trainer's
+        log-probs of ``version``, kept from that version's sync (the trainer is not asked: it
+        may be training); :class:`ProbeMismatch` over the tolerance."""
+        if self._reference is None or self._reference[0] != version:
+            log.warning("engine %s joins unprobed: no reference for weight version %d yet "
+                        "(the next weight sync probes it)", url, version)
+            return
+        served = plane.probe(self.batch.prompt, self.batch.completions, urls=[url])
+        diff, kl = compare(self._reference[1], next(iter(served.values())))
+        if not diff <= self.tolerance:
+            raise ProbeMismatch(f"engine {url} joining at weight version {version}: max |log p| "
+                                f"difference {diff:.4g} from the trainer's, KL {kl:.3g} "
+                                f"(tolerance {self.tolerance:g}); it does not join", [url])
+        log.info("engine %s joins: probe max |log p| difference %.3g", url, diff)
 
     def check(self, trainer: Any, plane: Any, version: int) -> dict[str, float]:  # noqa: ANN401
         """Score the batch on every engine of ``plane`` (``plane.probe``) against the trainer;

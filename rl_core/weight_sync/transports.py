@@ -1,8 +1,9 @@
 """The plane side of the weight transports: how staged weights reach the paused engines.
 
 HTTP plane (``rollout.weight_sync``): :class:`DiskSync` (``disk``: HF safetensors, then
-``/update_weights_from_disk``), :class:`ObjectStoreSync` (``object_store``: Ray's object store to
-each engine's actor) and :class:`~rl_core.weight_sync.broadcast.BroadcastSync` (``distributed``).
+``/update_weights_from_disk``), :class:`ShmSync` (``shm``: shared memory on one host, served
+without a copy), :class:`ObjectStoreSync` (``object_store``: Ray's object store to each engine's
+actor) and :class:`~rl_core.weight_sync.broadcast.BroadcastSync` (``distributed``).
 In-process plane: :class:`TensorSync` (tensors copied) and :class:`SharedSync` (``shared``: the
 engine reads the trainer's parameters). With LoRA, disk and tensors move the adapter only. Each
 keeps what it last delivered, so :meth:`resync` brings a restarted engine back; waits are bounded.
@@ -22,7 +23,7 @@ from rl_core.weight_sync.delta import DeltaEncoder, is_delta
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DiskSync", "ObjectStoreSync", "SharedSync", "Staged", "TensorSync"]
+__all__ = ["DiskSync", "ObjectStoreSync", "SharedSync", "ShmSync", "Staged", "TensorSync"]
 
 
 @dataclass
@@ -155,7 +156,8 @@ class ObjectStoreSync:
             raise WeightSyncError(f"rollout.weight_sync=object_store needs engines that are Ray "
                                   f"actors (cluster.mode=ray); {missing} are not")
         t = self.timeout_s
-        calls = [actors[u].load_weights.remote(ref, str(version), str(self.staging_dir), t)
+        flush = getattr(self.plane, "pause_mode", "abort") != "in_place"  # held requests' KV
+        calls = [actors[u].load_weights.remote(ref, str(version), str(self.staging_dir), t, flush)
                  for u in urls]
         try:
             ray.get(calls, timeout=t)
@@ -164,6 +166,43 @@ class ObjectStoreSync:
 
     def close(self) -> None:
         self.current = None
+
+
+class ShmSync:
+    """``shm``: engine processes on this host serve the weights from shared memory
+    (:mod:`rl_core.weight_sync.shm`): staging writes the segment no engine serves, the load
+    points every engine at it."""
+
+    def __init__(self, plane: Any, timeout_s: float, directory: str | Path | None = None) -> None:
+        from rl_core.weight_sync.shm import SegmentWriter
+
+        self.plane, self.timeout_s = plane, timeout_s
+        self.writer = SegmentWriter(directory)
+        self.current: tuple[str, int] | None = None
+
+    def stage(self, trainer: Any, version: int) -> Staged:
+        path, checksum = self.writer.write(trainer.export_weights(), version)
+        return Staged(str(path), checksum, float(self.writer.size))
+
+    def _call(self, path: str, version: int) -> Any:
+        layout, size = self.writer.layout, self.writer.size
+        return lambda aio, u: aio.update_weights_from_shared_memory(
+            path, layout, size, version, url=u, timeout_s=self.timeout_s)
+
+    def load(self, staged: Staged, urls: list[str], version: int) -> None:
+        self.plane.pool.each(urls, "update_weights_from_shared_memory",
+                             self._call(staged.payload, version), self.timeout_s + 10.0)
+        self.current = (staged.payload, version)
+
+    def resync(self, url: str) -> bool:
+        if self.current is not None:
+            pool = self.plane.pool
+            pool.client.run(self._call(*self.current)(pool.client.aio, url),
+                            timeout_s=self.timeout_s + 10.0)
+        return True
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 class TensorSync:
