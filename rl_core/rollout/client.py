@@ -346,6 +346,19 @@ class SGLangClient:
             raise
         return str(body["checksum"])
 
+    async def served_weights(self, *, url: str | None = None,
+                             lora_name: str | None = None) -> tuple[str, str | None]:
+        """``(weight_version, checksum)`` in one call where the server has
+        ``/weights_checksum`` (ours); else the version alone (real SGLang: checksum None)."""
+        path = "/weights_checksum" + (f"?lora_name={quote(lora_name)}" if lora_name else "")
+        try:
+            body = await self._control("GET", path, url=url)
+        except RolloutRequestError as e:
+            if e.status != 404:
+                raise
+            return await self.weight_version(url=url), None
+        return str(body["weight_version"]), str(body["checksum"])
+
     async def pause(self, mode: str = "abort", *, url: str | None = None) -> None:
         """``/pause_generation`` (old servers take no body: retried once without it)."""
         if mode not in ("abort", "retract", "in_place"):

@@ -276,15 +276,20 @@ class HttpPlane:
             yield urls
 
     def verify(self, version: int, checksum: str | None) -> None:
-        """Every engine to update serves ``version`` and, when it can tell, ``checksum``."""
-        client = self.client
-        for url in self.pool.update_targets():
-            served = client.weight_version(url=url)
+        """Every engine to update serves ``version`` and, when it can tell, ``checksum`` (one
+        call per engine, all at once)."""
+        client, urls = self.client, self.pool.update_targets()
+
+        async def each() -> list[tuple[str, str | None]]:
+            return list(await asyncio.gather(*(client.aio.served_weights(
+                url=u, lora_name=self.lora_name) for u in urls)))
+
+        for url, (served, got) in zip(urls, client.run(each(), timeout_s=self.weight_sync_timeout_s),
+                                      strict=True):
             if served != str(version):
                 raise WeightSyncError(f"{url} serves weight_version {served}, expected {version}")
             if not self.verify_checksum or checksum is None:
                 continue
-            got = client.weights_checksum(url=url, lora_name=self.lora_name)
             if got is None:
                 if not self._warned_no_checksum:
                     log.warning("%s has no /weights_checksum: verified by version only", url)
