@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+",
                     help="one round per seed, with that seed (overrides --repeats)")
     ap.add_argument("--timeout", type=float, default=1800, help="per run, seconds")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="overrides for every variant (e.g. train.prompts_per_step=8)")
     args = ap.parse_args(argv)
     seeds = args.seeds or [i if args.seed_per_round else None for i in range(args.repeats)]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants}
@@ -178,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         for i, seed in enumerate(seeds):
             for name in args.variants:
                 try:
-                    r = run_variant(name, VARIANTS[name], args.steps, args.eval_examples,
+                    r = run_variant(name, [*VARIANTS[name], *args.set], args.steps,
+                                    args.eval_examples,
                                     Path(tmp), i, args.config, seed, args.timeout)
                 except (subprocess.SubprocessError, OSError) as e:  # keep the other runs
                     failed.append({"variant": name, "round": i, "seed": seed, "error": str(e)})
