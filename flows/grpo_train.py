@@ -107,9 +107,11 @@ class GRPOPlanes:
         if not hasattr(plane, "scale_to"):
             return {}
         want = read_control(self.run.dir.path).get("rollout.num_engines")
-        if want is not None and want != plane.scale_target:
+        if isinstance(want, int) and want >= 1 and want != plane.scale_target:
             log.warning("control file: rollout.num_engines %d -> %d", plane.scale_target, want)
             plane.scale_to(want)
+        elif want is not None and not (isinstance(want, int) and want >= 1):
+            log.warning("control file: rollout.num_engines=%r ignored (an integer >= 1)", want)
         return {"rollout_engines": float(len(plane.pool.in_service_urls())),
                 "rollout_scale_errors": float(plane.scale_errors)}
 

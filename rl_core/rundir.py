@@ -183,6 +183,8 @@ def write_control(run: str | Path, **settings: Any) -> Path:
         if name not in CONTROLS:
             raise ValueError(f"{name} cannot change at run time; these can: {sorted(CONTROLS)}")
         values[name] = CONTROLS[name](value)
+        if values[name] < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(values, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)

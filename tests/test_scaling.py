@@ -121,6 +121,8 @@ def test_grpoflow_scale_writes_the_runs_control_file(tmp_path: Path, capsys) -> 
     assert main(["scale", str(tmp_path / "runs" / "nope"), "--engines", "2",
                  "--root", str(tmp_path / "runs")]) == 1
     assert "no run directory" in capsys.readouterr().err
+    assert main(["scale", "r1", "--engines", "0", "--root", str(tmp_path / "runs")]) == 1
+    assert "at least 1" in capsys.readouterr().err and read_control(run)["rollout.num_engines"] == 3
 
 
 SCALED_RUN = ["rollout.engine=embedded", "train.steps=3", "rollout.engine_threads=1"]
