@@ -185,16 +185,27 @@ def test_admission_stays_within_the_staleness_bound_and_stale_groups_never_train
         plane.close()
 
 
+def _engine_process(model_dir: Path, tmp_path: Path) -> tuple[HttpPlane, DiskSync]:
+    pool = EnginePool(embedded_engine_command(model_dir, num_threads=1), 1,
+                      log_dir=tmp_path / "engines", health_interval_s=0.5, health_timeout_s=10,
+                      startup_timeout_s=120)  # fmt: skip
+    plane = HttpPlane(pool, request_batch_size=8, weight_sync_timeout_s=60).start()
+    return plane, DiskSync(plane, tmp_path / "staging", 60)
+
+
+def _wait_decoding(plane: HttpPlane) -> None:
+    """Until the engine holds KV (a round is decoding), bounded."""
+    deadline = time.monotonic() + 60
+    while not plane.client.loads()["loads"][0]["num_used_tokens"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def test_an_update_aborts_long_generations_and_the_next_round_continues_them(
     model_dir: Path, tmp_path: Path
 ) -> None:
     """Timing mode (SGLang's way): the round asks for everything; the update's pause aborts
     it; the samples keep their tokens and finish with the new weights."""
-    pool = EnginePool(embedded_engine_command(model_dir, num_threads=1), 1,
-                      log_dir=tmp_path / "engines", health_interval_s=0.5, health_timeout_s=10,
-                      startup_timeout_s=120)  # fmt: skip
-    plane = HttpPlane(pool, request_batch_size=8, weight_sync_timeout_s=60).start()
-    sync = DiskSync(plane, tmp_path / "staging", 60)
+    plane, sync = _engine_process(model_dir, tmp_path)
     trainer = _trainer(model_dir)
     _nudge(trainer)
     try:
@@ -210,10 +221,7 @@ def test_an_update_aborts_long_generations_and_the_next_round_continues_them(
 
         worker = threading.Thread(target=first_round)
         worker.start()
-        deadline = time.monotonic() + 60
-        while (not plane.client.loads()["loads"][0]["num_used_tokens"]
-               and time.monotonic() < deadline):
-            time.sleep(0.02)  # until the engine is decoding
+        _wait_decoding(plane)
         started = time.monotonic()
         sync_weights(trainer, plane, sync, 1)
         synced_in = time.monotonic() - started
@@ -242,11 +250,7 @@ def test_retract_and_in_place_updates_hold_the_requests_of_an_engine_process(
     """SGLang's other pause modes over HTTP: the update neither waits for the round's long
     generations nor ends them; the requests finish after it, in the same round, and each
     token carries the version the engine made it with (``weight_version_spans``)."""
-    pool = EnginePool(embedded_engine_command(model_dir, num_threads=1), 1,
-                      log_dir=tmp_path / "engines", health_interval_s=0.5, health_timeout_s=10,
-                      startup_timeout_s=120)  # fmt: skip
-    plane = HttpPlane(pool, request_batch_size=8, weight_sync_timeout_s=60).start()
-    sync = DiskSync(plane, tmp_path / "staging", 60)
+    plane, sync = _engine_process(model_dir, tmp_path)
     trainer = _trainer(model_dir)
     try:
         for version, mode in enumerate(("retract", "in_place"), start=1):
@@ -256,10 +260,7 @@ def test_retract_and_in_place_updates_hold_the_requests_of_an_engine_process(
             stream.limit = 1
             worker = threading.Thread(target=stream.round, args=(plane, version - 1))
             worker.start()
-            deadline = time.monotonic() + 60
-            while (not plane.client.loads()["loads"][0]["num_used_tokens"]
-                   and time.monotonic() < deadline):
-                time.sleep(0.02)  # until the engine is decoding
+            _wait_decoding(plane)
             started = time.monotonic()
             sync_weights(trainer, plane, sync, version)
             assert time.monotonic() - started < 30, f"{mode}: the update waited for the round"
