@@ -272,9 +272,9 @@ def test_the_record_survives_batches_pickling_and_stream_rows():
     # a partial rollout's next segment re-ran the prefix: its routing covers everything
     seg = Sample([1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [-0.3] * 5, {"type": "stop", "matched": 10},
                  weight_version=1, routed_experts=encode_routed_experts(full))
-    _extend(s, seg, 8)
+    _extend(s, seg, 8, 1)
     assert s.routed_experts == seg.routed_experts and len(s.completion_ids) == 7
-    _extend(s, Sample([1], [], [], {"type": "abort"}, weight_version=2), 8)  # nothing new
+    _extend(s, Sample([1], [], [], {"type": "abort"}, weight_version=2), 8, 2)  # nothing new
     assert s.routed_experts == seg.routed_experts
     assert pickle.loads(pickle.dumps(s)).routed_experts == s.routed_experts  # Ray's transfer
     row = json.loads(json.dumps(Group(0, 1, 0, [s], [7]).row()))  # the stream's checkpoint

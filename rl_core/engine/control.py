@@ -36,11 +36,10 @@ class EngineControl:
     the engine provides the model state and ``_call``, its safe-point executor)."""
 
     def flush_cache(self) -> bool:
-        """Drop cached KV state; False (nothing done) while requests run, or wait unpaused
-        (a retracting pause's waiting requests hold no KV: SGLang flushes then too)."""
+        """Drop cached KV state; False (nothing done) while requests run or wait."""
         def do() -> bool:
             with self._cond:
-                if self._running or (self._waiting and not self._paused):
+                if self._running or self._waiting:
                     return False
             self._reset_batch(free=True)
             self._empty_device_cache()

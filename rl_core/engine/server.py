@@ -10,6 +10,7 @@ reaches the scheduler. Never unpickles request data; binds 127.0.0.1 unless told
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import threading
@@ -86,6 +87,9 @@ def serve_in_thread(engine: EmbeddedEngine, host: str = "127.0.0.1", port: int =
     return ServerThread(create_app(engine), host=host, port=port).start(timeout)
 
 
+LOAD_STACKS_AFTER_S = 60.0
+
+
 def build_server(model_path: str | Path, host: str = "127.0.0.1", port: int = 30000, *,
                  log_level: str = "info", max_request_bytes: int = MAX_REQUEST_BYTES,
                  **engine_kw: Any) -> Any:
@@ -106,7 +110,12 @@ def build_server(model_path: str | Path, host: str = "127.0.0.1", port: int = 30
             log.exception("could not load %s", model_path)
             app.state.load_error = e
             server.should_exit = True
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
+    # A load still running after a minute: every thread's stack into the log (a restarted
+    # engine was seen to bind and never load within 120 s, twice in ~10 suite runs).
+    faulthandler.dump_traceback_later(LOAD_STACKS_AFTER_S, exit=False)
     threading.Thread(target=load, name="grpoflow-engine-load", daemon=True).start()
     return server
 

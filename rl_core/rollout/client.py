@@ -99,7 +99,7 @@ class SGLangClient:
             max_retries, backoff_base_s, backoff_max_s)
         self.max_concurrency, self.engine_cooldown_s = max_concurrency, engine_cooldown_s
         # A weight update's flush_cache when the caller does not say: off while a pause holds
-        # requests in place (rollout.pause_mode in_place: SGLang fails the flush then)
+        # requests (rollout.pause_mode retract / in_place: SGLang fails the flush then)
         self.update_flush_cache = True
         self._sem, self._rr = asyncio.Semaphore(max_concurrency), 0
         self._down_until: dict[str, float] = {}  # base URL -> end of its cooldown

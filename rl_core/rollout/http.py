@@ -180,7 +180,9 @@ class HttpPlane:
         client = self.client
         size = 1 if self.pool.url else self.request_batch_size
         if self.deterministic and not self.pool.url:
-            size = -(-len(prompts) // max(len(self.pool.in_service_urls()), 1))  # one per engine
+            # one request per engine of the pool (a restarting one's goes to another: the
+            # batches, and so the last bits, stay those of the run without the restart)
+            size = -(-len(prompts) // len(self.pool.engines))
         chunks = [(prompts[i : i + size], [sampling_payload(p) for p in params[i : i + size]])
                   for i in range(0, len(prompts), size)]
 
@@ -269,9 +271,9 @@ class HttpPlane:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[list[str]]:
-        """Pause (``pause_mode``: abort, retract or hold what is in flight) → flush (not
-        ``in_place``: the held requests need their KV) every engine; resume on exit (always)."""
-        self.client.aio.update_flush_cache = self.pause_mode != "in_place"
+        """Pause (``pause_mode``: abort, retract or hold what is in flight) → flush (``abort``
+        only: SGLang refuses a flush while requests are held) every engine; resume on exit."""
+        self.client.aio.update_flush_cache = self.pause_mode == "abort"
         with self.pool.paused(timeout_s=self.weight_sync_timeout_s, mode=self.pause_mode) as urls:
             yield urls
 

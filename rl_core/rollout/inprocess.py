@@ -115,11 +115,11 @@ class InProcessPlane:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[list[EmbeddedEngine]]:
-        """Pause (``pause_mode``: abort, retract or hold what runs), flush the KV cache (not
-        ``in_place``), yield the engine; resume always."""
+        """Pause (``pause_mode``: abort, retract or hold what runs), flush the KV cache
+        (``abort`` only: held requests make a flush fail), yield the engine; resume always."""
         self.engine.pause(self.pause_mode)
         try:
-            if self.pause_mode != "in_place":
+            if self.pause_mode == "abort":
                 self.engine.flush_cache()
             yield [self.engine]
         finally:

@@ -451,7 +451,8 @@ class EnginePool:
     def paused(self, *, timeout_s: float = 600.0, flush_wait_s: float = 60.0,
                mode: str = "abort") -> Iterator[list[str]]:
         """Hold the pool for a weight update: pause (``mode``: abort, retract or hold what is in
-        flight), flush (not ``in_place``), yield the URLs, resume on exit, always. Awaiting engines go back into service after a success;
+        flight), flush (``abort`` only: held requests make a flush fail), yield the URLs,
+        resume on exit, always. Awaiting engines go back into service after a success;
         on a failure, engines that stopped answering are taken out of service."""
         self._require_client()
         if not self._sync_lock.acquire(timeout=timeout_s):
@@ -466,7 +467,7 @@ class EnginePool:
             try:
                 self.each(urls, "pause_generation", lambda aio, u: aio.pause(mode, url=u),
                           timeout_s=bound)
-                if mode != "in_place":  # held requests keep their KV: a flush would fail
+                if mode == "abort":  # SGLang refuses a flush while requests are held
                     self.each(urls, "flush_cache", lambda aio, u: aio.flush_cache(
                         url=u, wait_s=min(flush_wait_s, bound)), timeout_s=bound)
                 yield urls

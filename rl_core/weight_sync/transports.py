@@ -156,7 +156,7 @@ class ObjectStoreSync:
             raise WeightSyncError(f"rollout.weight_sync=object_store needs engines that are Ray "
                                   f"actors (cluster.mode=ray); {missing} are not")
         t = self.timeout_s
-        flush = getattr(self.plane, "pause_mode", "abort") != "in_place"  # held requests' KV
+        flush = getattr(self.plane, "pause_mode", "abort") == "abort"  # none while requests are held
         calls = [actors[u].load_weights.remote(ref, str(version), str(self.staging_dir), t, flush)
                  for u in urls]
         try:
