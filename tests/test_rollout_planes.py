@@ -39,12 +39,18 @@ from rl_core.weight_sync import WeightSyncError, sync_weights, weights_checksum
 from rl_core.weight_sync.broadcast import BroadcastSync
 from rl_core.weight_sync.transports import DiskSync, SharedSync, TensorSync
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # an engine restart is bounded by RESTART_BOUND_S
 
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=8, seed=None)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 RECORDS = [Record(id=f"r{i}", question=f"q{i}", answer="1") for i in range(3)]
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+
+
+# An engine's (re)start under the suite's load: on the 2-core AMD EPYC a restart that
+# coincided with the multi-process Ray and megatron modules took over 120 s (the process
+# got a fraction of a core: 4 s of CPU in its first 20 s; docs/testing.md).
+RESTART_BOUND_S = 300
 
 
 def _http(model: Path, tmp: Path, n: int = 1, transport: str = "disk",
@@ -53,7 +59,7 @@ def _http(model: Path, tmp: Path, n: int = 1, transport: str = "disk",
         embedded_engine_command(model, num_threads=1), n, log_dir=tmp / "engines",
         router=n > 1 if router is None else router,
         router_policy="round_robin", health_interval_s=0.5, health_timeout_s=10,
-        failure_threshold=2, startup_timeout_s=120,
+        failure_threshold=2, startup_timeout_s=RESTART_BOUND_S,
         client_kwargs={"backoff_base_s": 0.05, "backoff_max_s": 0.5},
     )  # fmt: skip
     plane = HttpPlane(pool, request_batch_size=4, weight_sync_timeout_s=60)
@@ -305,7 +311,7 @@ def test_two_engines_behind_the_router_share_work_and_survive_a_kill(
         os.killpg(victim.proc.pid, signal.SIGKILL)
         # the client fails over to the other engine: nothing is lost
         assert len(http.generate(PROMPTS * 4, PARAMS)) == 12
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + RESTART_BOUND_S + 30
         while time.monotonic() < deadline and not (victim.restarts and victim.in_service):
             time.sleep(0.2)
         assert victim.in_service, f"engine not back; see {victim.log_path}"
@@ -348,7 +354,7 @@ def test_distributed_sync_broadcasts_to_every_engine_and_brings_back_a_killed_on
 
         victim = pool.engines[1]
         os.killpg(victim.proc.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + RESTART_BOUND_S + 30
         while time.monotonic() < deadline and not victim.awaiting_weights:
             time.sleep(0.2)
         assert victim.awaiting_weights and not victim.in_service, victim

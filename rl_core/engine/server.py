@@ -113,8 +113,8 @@ def build_server(model_path: str | Path, host: str = "127.0.0.1", port: int = 30
         finally:
             faulthandler.cancel_dump_traceback_later()
 
-    # A load still running after a minute: every thread's stack into the log (a restarted
-    # engine was seen to bind and never load within 120 s, twice in ~10 suite runs).
+    # A load still running after a minute: every thread's stack into the log, to tell a
+    # hang from a starved start (docs/testing.md, "A restarted engine that takes minutes").
     faulthandler.dump_traceback_later(LOAD_STACKS_AFTER_S, exit=False)
     threading.Thread(target=load, name="grpoflow-engine-load", daemon=True).start()
     return server
