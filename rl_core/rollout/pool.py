@@ -216,9 +216,7 @@ class EnginePool:
         e.proc, e.host, e.port = self.launcher.spawn(e.index, e.port, e.log_path)
         try:
             self._wait_healthy(e, limit)
-            if not self._sync_lock.acquire(timeout=limit):
-                raise RuntimeError(f"add_engine: a weight update held the pool {limit:.0f}s")
-            try:
+            with self._held(limit, "add_engine"):
                 if self._stop.is_set():
                     raise RuntimeError("add_engine: the pool is stopping")
                 ready = self._resync(e)
@@ -229,8 +227,6 @@ class EnginePool:
                 if ready and self.router is not None:
                     self.router.add_worker(e.url)
                 self._publish_members()
-            finally:
-                self._sync_lock.release()
         except BaseException:
             self.launcher.stop(e.proc, self.stop_timeout_s)
             raise
@@ -241,8 +237,8 @@ class EnginePool:
 
     def remove_engine(self, index: int | None = None, drain_timeout_s: float = 60.0) -> int:
         """Drain engine ``index`` (default: the newest) and stop it: it takes no new work, the
-        requests it runs finish (bounded by ``drain_timeout_s``; then they are aborted and
-        their callers retry elsewhere), then it leaves the pool. Its index."""
+        requests it runs finish (bounded by ``drain_timeout_s``; what is left then fails over:
+        the client retries it on another engine), then it leaves the pool. Its index."""
         with self._held(drain_timeout_s + self.health_timeout_s, "remove_engine"):
             if len(self.engines) < 2:
                 raise ValueError("remove_engine: the pool's last engine cannot leave")
@@ -351,15 +347,11 @@ class EnginePool:
     def restart(self, index: int, timeout_s: float = 600.0) -> None:
         """Restart and re-sync engine ``index`` now, whatever its health (also after the
         monitor gave up on it); raises ``RuntimeError`` if it does not come back."""
-        if not self._sync_lock.acquire(timeout=timeout_s):
-            raise RuntimeError(f"restart({index}): a weight update held the pool {timeout_s}s")
-        try:
+        with self._held(timeout_s, f"restart({index})"):
             e = self.engine(index)
             e.failed_recoveries = 0
             if not self._recover(e):
                 raise RuntimeError(f"engine {index} ({e.url}) did not come back; see {e.log_path}")
-        finally:
-            self._sync_lock.release()
 
     def _wait_healthy(self, e: EngineHandle, timeout_s: float, retries: int = 2) -> None:
         """Wait (bounded) until ``e`` answers its health check. Its port was free when chosen
