@@ -204,20 +204,20 @@ def test_flow_on_ray_matches_one_process(
 
 @pytest.mark.soak  # ~4 min; CI runs the 3-step megatron flow above against the reference
 def test_megatron_tp2_flow_learns(prefect_harness, tiny_cache: Path, tmp_path: Path) -> None:
-    """The demo with the megatron backend on two tensor-parallel Ray ranks, shortened to 40
-    steps as `test_demo_learns` is: held-out greedy accuracy (100 problems) rises by at least 5
-    points. Measured: 0.35 -> 0.54 in 30 steps on the earlier machines with a KL term; 0.36 ->
-    0.40 in 30 steps and 0.36 -> 0.38 in 40 (fails) on an AMD EPYC with the demo's settings of
-    2026-11-30 (no KL term), where every run dips first (docs/benchmarks.md, "The demo's
-    settings"); not yet tuned for that CPU (docs/testing.md)."""
+    """The demo with the megatron backend on two tensor-parallel Ray ranks, shortened to 60
+    steps (its cosine schedule over 60): held-out greedy accuracy (the 300 problems) rises by
+    at least 8 points. Measured on an AMD EPYC (AVX2), no KL term: 0.333 -> 0.440 (+10.7);
+    40 steps on 100 problems gave 0.36 -> 0.38 there, inside that evaluation's noise (every run
+    on that CPU dips first: docs/benchmarks.md, "The demo's settings"). On the earlier machines,
+    with a KL term: 0.35 -> 0.54 in 30 steps."""
     from flows.grpo_train import grpo_train
 
     summary = grpo_train(
         config=DEMO,
         overrides=[
             f"storage.root={tmp_path}", f"storage.cache_dir={tiny_cache}",
-            "run_name=megatron-learns", "tracking.backend=none", "train.steps=40",
-            "eval.every=0", "eval.num_examples=100", "eval.pass_k_examples=0",
+            "run_name=megatron-learns", "tracking.backend=none", "train.steps=60",
+            "eval.every=0", "eval.num_examples=300", "eval.pass_k_examples=0",
             "cluster.mode=ray", "cluster.trainer_ranks=2", "cluster.num_cpus=4",
             "cluster.cpus_per_trainer=0.5", "cluster.cpus_per_engine=0.5",
             "train.num_threads=1", "rollout.engine_threads=1", *MEGATRON_TP2,
@@ -225,4 +225,4 @@ def test_megatron_tp2_flow_learns(prefect_harness, tiny_cache: Path, tmp_path: P
         show_progress=False,
     )
     first, last = summary["first_eval"]["pass_at_1"], summary["last_eval"]["pass_at_1"]
-    assert last - first >= 0.05, f"greedy pass@1 {first:.3f} -> {last:.3f}"
+    assert last - first >= 0.08, f"greedy pass@1 {first:.3f} -> {last:.3f}"
