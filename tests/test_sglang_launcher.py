@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
+import time
 
+import psutil
 import pytest
 
 from rl_core.cluster.platform import PLATFORM_ENV_PRESETS, platform_env
@@ -12,6 +15,7 @@ from rl_core.host import free_port
 from rl_core.rollout.launch import (
     SGLangLaunchConfig,
     build_sglang_command,
+    kill_process,
     sglang_engine_command,
     sglang_env,
     start_process,
@@ -180,6 +184,32 @@ def test_stopping_a_reaped_process_never_signals_the_process_that_reuses_its_pid
     finally:
         new.kill()
         new.wait()
+
+
+def test_a_leader_reaped_behind_its_handle_is_not_signalled_through_a_reused_pid(tmp_path):
+    """A waitpid elsewhere (not the handle's) reaps the leader, so the handle still reads as
+    running; its pid then goes to a process that is not ours: killing the old handle must not
+    kill that process's group."""
+    import subprocess
+
+    old = start_process([PY, "-c", "pass"], tmp_path / "old.log")
+    os.waitpid(old.pid, 0)  # reaped, and the handle does not know (returncode None)
+    assert old.returncode is None
+    # someone else's process leading its own group (double-forked: not our child)
+    spawn = subprocess.run(
+        [PY, "-c", "import subprocess as s; print(s.Popen(['sleep', '60'], start_new_session=True,"
+         " stdout=s.DEVNULL, stderr=s.DEVNULL).pid)"], capture_output=True, text=True, check=True,
+        timeout=60)
+    other = psutil.Process(int(spawn.stdout))
+    try:
+        old.pid = other.pid  # what a pid wrap-around does
+        kill_process(old, timeout_s=1)
+        deadline = time.monotonic() + 1.0  # a SIGKILL ends it in milliseconds; its parent
+        while time.monotonic() < deadline:  # (init) may leave it a zombie: look for that
+            assert other.status() != psutil.STATUS_ZOMBIE, "the other process's group was killed"
+            time.sleep(0.05)
+    finally:
+        other.kill()
 
 
 def _gpu_skip_reason() -> str | None:

@@ -129,9 +129,10 @@ def _kill_slot(slot: _Slot) -> int | None:
             conn.close()
     if proc is None:
         return None
-    if proc.returncode is None:
+    if proc.poll() is None:
         # The worker leads its own process group; killing the group also ends anything the
-        # user function started. Safe from pid reuse: the worker is not reaped yet.
+        # user function started. Safe from pid reuse: the worker is not reaped yet (poll()
+        # also sees one reaped behind the handle's back).
         with contextlib.suppress(OSError):
             os.killpg(proc.pid, signal.SIGKILL)
         with contextlib.suppress(OSError):

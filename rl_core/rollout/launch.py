@@ -256,7 +256,9 @@ def kill_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    if proc.returncode is not None and pid_alive(proc.pid):
+    # poll() first: a leader reaped behind the handle's back (a waitpid elsewhere) reads as
+    # ended (ECHILD), not as running.
+    if proc.poll() is not None and pid_alive(proc.pid):
         # The leader is reaped and its pid is another process's now, so the group is gone
         # (the kernel never reuses a pid still held as a group id): a killpg would hit the
         # new process's group (pid_max can be 32768; a test suite wraps it).
