@@ -184,6 +184,9 @@ class SFTConfig(Section):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> SFTConfig:
+        if self.data.image_field is not None:
+            raise ValueError("data.image_field: SFT reads text only in this version (GRPO's data "
+                             "layer reads images: docs/vlm.md); set it to null")
         if self.train.packing and self.pack_length < self.data.max_seq_len:
             raise ValueError(
                 f"train.pack_length ({self.pack_length}) is shorter than data.max_seq_len "

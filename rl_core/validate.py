@@ -74,6 +74,7 @@ def _model(cfg: ExperimentConfig) -> tuple[Path | None, Finding]:
 
 
 def _rows(cfg: ExperimentConfig, n: int) -> tuple[list[Any], Finding]:
+    from rl_core.data.images import image_spec
     from rl_core.data.sources import load_records
     from rl_core.data.synthetic import generate_splits
     from rl_core.rewards import answer_check, answer_kind
@@ -86,7 +87,8 @@ def _rows(cfg: ExperimentConfig, n: int) -> tuple[list[Any], Finding]:
                            question_field=d.question_field, answer_field=d.answer_field,
                            id_field=d.id_field, max_bad_fraction=d.max_bad_fraction,
                            cache_dir=cfg.storage.cache_dir,
-                           answer_check=answer_check(answer_kind(cfg.reward)))
+                           answer_check=answer_check(answer_kind(cfg.reward)),
+                           images=image_spec(d))
     return records, Finding("ok", "data", f"{d.source} (split {d.train_split}): the first "
                             f"{len(records)} rows read and valid (data.question_field="
                             f"{d.question_field}, data.answer_field={d.answer_field})")

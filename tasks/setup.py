@@ -20,6 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from rl_core import storage
 from rl_core.base_model import snapshot_model
 from rl_core.config import ConfigError, DataConfig, ExperimentConfig, ModelConfig
+from rl_core.data.images import image_spec
 from rl_core.data.sources import load_records, read_parquet, write_parquet
 from rl_core.data.synthetic import generate_splits
 from rl_core.planes import PlanesHandle, bring_up_planes
@@ -103,7 +104,7 @@ def prepare_data(data: DataConfig, cache_dir: str, answers: str = "number") -> P
             fields = dict(subset=data.subset, question_field=data.question_field,
                           answer_field=data.answer_field, id_field=data.id_field,
                           max_bad_fraction=data.max_bad_fraction, cache_dir=cache_dir,
-                          answer_check=answer_check(answers))
+                          answer_check=answer_check(answers), images=image_spec(data))
             train = load_records(data.source, data.train_split, limit=data.max_train_examples,
                                  **fields)
             test = load_records(data.eval_source or data.source, data.eval_split, **fields)
@@ -156,4 +157,11 @@ def bring_up(cfg: ExperimentConfig, model_path: str, data: PreparedData, work_di
     """Start the rollout engines and the trainer on ``model_path`` (logs under ``work_dir``)."""
     train = read_parquet(data.train_path)
     test = read_parquet(data.eval_path)[: cfg.eval.num_examples]
+    if with_images := sum(1 for r in (*train, *test) if r.images):
+        raise ConfigError(
+            f"{with_images} records carry images (data.image_field={cfg.data.image_field!r} or "
+            "image parts in the chat messages), and this version's engine and trainer take text "
+            "only: they would train without the pictures. The data layer reads and checks "
+            "images (docs/vlm.md); set data.image_field: null and drop the image parts to "
+            "train on the text.")
     return bring_up_planes(cfg, model_path, train, test, work_dir, with_trainer=with_trainer)

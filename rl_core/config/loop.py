@@ -63,6 +63,15 @@ class SourceConfig(Section):
         None, ge=1, description="Use only the first N training records (any source).")
     max_bad_fraction: float = Field(0.0, ge=0.0, le=1.0, description="Share of invalid rows "
         "that are skipped with a warning instead of failing the load; 0: any bad row fails it.")
+    image_field: str | None = Field(None, description="Column of each row's image(s): one or a "
+        "list, as file paths (relative to the data file), s3:// URIs, bytes, `datasets` Image "
+        "cells or base64 data URLs (docs/vlm.md); chat messages' image parts are read too.")
+    image_min_pixels: int = Field(56 * 56, ge=1, description="The smallest area (pixels) the "
+        "processor resizes an image to (Qwen2-VL's `min_pixels`).")
+    image_max_pixels: int = Field(28 * 28 * 1280, ge=1, description="The largest area (pixels) "
+        "the processor resizes an image to (Qwen2-VL's `max_pixels`).")
+    image_max_input_pixels: int = Field(50_000_000, ge=1, description="A row whose image has "
+        "more pixels than this is invalid (downscale it first).")
     system_prompt: str | None = Field(None, description="A system turn before each question with "
         "the chat template, or a paragraph before `plain_template`'s text; null: none.")
     use_chat_template: bool | None = Field(None, description="null: the tokenizer's chat template "
@@ -91,6 +100,9 @@ class SourceConfig(Section):
                 raise ValueError(f"{name} must be (low, high) with 1 <= low <= high, got {lo, hi}")
         if not self.source.strip():
             raise ValueError("source is blank; use synthetic, a file, a directory or a hub name")
+        if self.image_min_pixels > self.image_max_pixels:
+            raise ValueError(f"image_min_pixels ({self.image_min_pixels}) is over "
+                             f"image_max_pixels ({self.image_max_pixels})")
         return self
 
     @field_validator("plain_template")

@@ -3,10 +3,12 @@
 A :class:`Record` is ``(id, question, answer, columns)``: the prompt as text or as chat
 messages, the reference answer of any type (GSM8K's ends in ``#### <number>``), and every
 other column of the row, which travels with its samples to the reward, evaluation and the
-sample tables (docs/data-and-rewards.md). :func:`validate_records` reports every bad row by
+sample tables (docs/data-and-rewards.md), and its images as checked bytes (``images``:
+:mod:`rl_core.data.images`, docs/vlm.md). :func:`validate_records` reports every bad row by
 number, refusing an answer only for what the reward needs (``answer_check``);
 :func:`records_digest` fingerprints a record list for lineage and resume checks.
-Pure data handling: never does I/O, touches the network, or imports prefect or mlflow.
+Pure data handling (images are read through :mod:`rl_core.data.images`): never touches the
+network or imports prefect or mlflow.
 """
 
 from __future__ import annotations
@@ -17,15 +19,18 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl_core.data.images import ImageError, ImageSpec, image_digest, load_image
 from rl_core.data.numbers import parse_number
 
-__all__ = ["AnswerCheck", "BadRow", "cell_text", "cell_texts", "DataValidationError", "Record", "extract_final_answer",
+__all__ = ["AnswerCheck", "BadRow", "cell_text", "cell_texts", "content_text", "DataValidationError",
+           "Record", "extract_final_answer",
            "numeric_answer", "prompt_text", "records_digest", "validate_numbered_rows",
            "validate_records"]
 
 ANSWER_MARKER = "####"
 MAX_LISTED_PROBLEMS = 10
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+IMAGE_PARTS = ("image", "image_url")  # content part types that carry an image
 # A reward's requirement on a reference answer: None when the answer will do, else why not.
 AnswerCheck = Callable[[Any], str | None]
 
@@ -41,21 +46,31 @@ def prompt_text(question: str | Sequence[Mapping[str, Any]]) -> str:
     environment is told the task is)."""
     if isinstance(question, str):
         return question
-    users = [str(m.get("content", "")) for m in question if m.get("role") == "user"]
+    users = [content_text(m.get("content", "")) for m in question if m.get("role") == "user"]
     return users[-1] if users else ""
+
+
+def content_text(content: Any) -> str:  # noqa: ANN401 - text or a list of content parts
+    """A message's content as text: itself, or its text parts joined (images left out)."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if p.get("type") == "text")
 
 
 @dataclass(frozen=True)
 class Record:
     """One task: ``question`` is the prompt (text, or chat messages ``[{role, content}]``),
     ``answer`` the reference answer (GSM8K's: reasoning ending in ``#### <number>``; any JSON
-    type), ``columns`` every column of the source row but the prompt (the answer and id
-    included, under their column names)."""
+    type), ``columns`` every column of the source row but the prompt and the images (the answer
+    and id included, under their column names), ``images`` the row's images as encoded bytes:
+    those of ``data.image_field`` first, then those of the messages' image parts in order (each
+    such part left in ``question`` as ``{"type": "image"}``)."""
 
     id: str
-    question: Any  # str | list[dict[str, str]]
+    question: Any  # str | list[dict[str, str | list[dict]]]
     answer: Any
     columns: Mapping[str, Any] = field(default_factory=dict, compare=True)
+    images: tuple[bytes, ...] = ()
 
     @property
     def final_answer(self) -> str:
@@ -125,8 +140,16 @@ def _prompt_problem(name: str, value: Any) -> str | None:  # noqa: ANN401
         return (f"field {name!r} must be text or a list of chat messages "
                 f"[{{role, content}}], got {type(value).__name__}")
     for i, m in enumerate(value):
-        if not isinstance(m, Mapping) or not isinstance(m.get("content"), str):
-            return f"field {name!r}: message {i} is not {{'role': ..., 'content': <text>}}"
+        if not isinstance(m, Mapping) or not isinstance(m.get("content"), str | list | tuple):
+            return (f"field {name!r}: message {i} is not {{'role': ..., 'content': <text or "
+                    "content parts>}")
+        for j, part in enumerate(m["content"] if not isinstance(m["content"], str) else ()):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind not in ("text", *IMAGE_PARTS) or (
+                    kind == "text" and not isinstance(part.get("text"), str)):
+                return (f"field {name!r}: message {i}, part {j} is not {{'type': 'text', 'text': "
+                        "...}, {'type': 'image', 'image': ...} or {'type': 'image_url', "
+                        "'image_url': {'url': ...}}")
         if m.get("role") not in CHAT_ROLES:
             return (f"field {name!r}: message {i} has role {m.get('role')!r}; roles are "
                     f"{', '.join(CHAT_ROLES)}")
@@ -137,7 +160,7 @@ def _prompt_problem(name: str, value: Any) -> str | None:  # noqa: ANN401
 
 def _check_row(
     row: object, *, question_field: str, answer_field: str, id_field: str | None,
-    answer_check: AnswerCheck | None = None,
+    answer_check: AnswerCheck | None = None, images: ImageSpec | None = None,
 ) -> tuple[Record | None, bool, list[str]]:
     """(record or None, whether its id was generated, reasons it is bad)."""
     if isinstance(row, BadRow):
@@ -169,23 +192,65 @@ def _check_row(
     elif raw_id is not None and not str(raw_id).strip():
         reasons.append(f"field {id_field!r} is empty; set data.id_field: null to use "
                        "content-hash ids")
+    spec = images or ImageSpec()
+    pixels: list[bytes] = []
+    if not reasons and spec.field is not None:
+        refs = row.get(spec.field)
+        if refs is None:
+            reasons.append(f"field {spec.field!r} (data.image_field) is missing or null; every "
+                           "row needs its image(s)")
+        for k, ref in enumerate(refs if isinstance(refs, list | tuple) else [refs] if refs else []):
+            try:
+                pixels.append(load_image(ref, spec))
+            except ImageError as exc:
+                reasons.append(f"field {spec.field!r}, image {k + 1}: {exc}")
     if reasons:
         return None, False, reasons
     if not isinstance(question, str):
-        question = [{"role": m["role"], "content": m["content"]} for m in question]
+        question, why = _message_images(question, spec, question_field, pixels)
+        if why:
+            return None, False, why
     record_id = _content_id(question, answer) if raw_id is None else str(raw_id)
-    columns = {str(k): v for k, v in row.items() if k != question_field}
-    return Record(record_id, question, answer, columns), raw_id is None, []
+    if pixels and raw_id is None:  # the same text over other pictures is another task
+        record_id = _content_id(question, [answer, [image_digest(p) for p in pixels]])
+    columns = {str(k): v for k, v in row.items() if k not in (question_field, spec.field)}
+    return Record(record_id, question, answer, columns, tuple(pixels)), raw_id is None, []
+
+
+def _message_images(messages: Sequence[Mapping[str, Any]], spec: ImageSpec, name: str,
+                    pixels: list[bytes]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The messages with each image part's image loaded into ``pixels`` and left as
+    ``{"type": "image"}``; text-only part lists become plain text. (messages, problems)."""
+    out, problems = [], []
+    for i, m in enumerate(messages):
+        content = m["content"]
+        if not isinstance(content, str):
+            parts = []
+            for j, part in enumerate(content):
+                if part["type"] == "text":
+                    parts.append({"type": "text", "text": part["text"]})
+                    continue
+                ref = part.get("image") if part["type"] == "image" else part.get("image_url")
+                try:
+                    pixels.append(load_image(ref, spec))
+                    parts.append({"type": "image"})
+                except ImageError as exc:
+                    problems.append(f"field {name!r}: message {i}, part {j}: {exc}")
+            content = parts if any(p["type"] == "image" for p in parts) else content_text(parts)
+        out.append({"role": m["role"], "content": content})
+    return out, problems
 
 
 def validate_numbered_rows(
     rows: Iterable[tuple[int, Mapping | BadRow]], source: str, *, question_field: str = "question",
     answer_field: str = "answer", id_field: str | None = "id", max_bad_fraction: float = 0.0,
     row_label: str = "row", note: str | None = None, answer_check: AnswerCheck | None = None,
+    images: ImageSpec | None = None,
 ) -> tuple[list[Record], list[tuple[int, str]]]:
     """Like :func:`validate_records` for rows that carry their own numbers (JSONL lines); a
     :class:`BadRow` counts as bad with its reason. ``row_label`` names the unit in messages;
-    ``note`` is appended to an error message (which file a row range came from)."""
+    ``note`` is appended to an error message (which file a row range came from); ``images``:
+    how a row's images are read and checked (:class:`~rl_core.data.images.ImageSpec`)."""
     if not 0.0 <= max_bad_fraction <= 1.0:
         raise ValueError(f"max_bad_fraction must be within [0, 1], got {max_bad_fraction}")
     good: list[Record] = []
@@ -196,7 +261,7 @@ def validate_numbered_rows(
         total += 1
         record, generated, reasons = _check_row(
             row, question_field=question_field, answer_field=answer_field, id_field=id_field,
-            answer_check=answer_check)
+            answer_check=answer_check, images=images)
         if record is not None and record.id in seen:
             first = seen[record.id]
             reasons = [f"duplicate row: same question and answer as {row_label} {first}"
@@ -229,7 +294,7 @@ def validate_numbered_rows(
 def validate_records(
     rows: Iterable[Mapping], source: str, question_field: str = "question",
     answer_field: str = "answer", id_field: str | None = "id", max_bad_fraction: float = 0.0,
-    answer_check: AnswerCheck | None = None,
+    answer_check: AnswerCheck | None = None, images: ImageSpec | None = None,
 ) -> tuple[list[Record], list[tuple[int, str]]]:
     """Build records from raw rows; return (good records, [(1-based row number, reason)]). Ids
     missing (or ``id_field`` None): sha1 of question and answer, so identical rows are duplicates
@@ -239,17 +304,19 @@ def validate_records(
     return validate_numbered_rows(
         enumerate(rows, start=1), source, question_field=question_field,
         answer_field=answer_field, id_field=id_field, max_bad_fraction=max_bad_fraction,
-        answer_check=answer_check)
+        answer_check=answer_check, images=images)
 
 
 def records_digest(records: Sequence[Record]) -> str:
-    """sha256 hex over a canonical serialisation of (id, question, answer, and the columns
-    where a record has any); order-sensitive."""
+    """sha256 hex over a canonical serialisation of (id, question, answer, the columns where a
+    record has any, the sha256 of each image where it has any); order-sensitive."""
     digest = hashlib.sha256(b"grpoflow.records.v1\n")
     for r in records:
         fields = [r.id, r.question, r.answer]
-        if r.columns:
+        if r.columns or r.images:
             fields.append(r.columns)
+        if r.images:
+            fields.append([image_digest(p) for p in r.images])
         line = json.dumps(fields, ensure_ascii=False, separators=(",", ":"), sort_keys=True,
                           default=str)
         digest.update(line.encode("utf-8") + b"\n")

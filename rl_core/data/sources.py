@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 
 from rl_core import storage
 from rl_core.data import records as _records
+from rl_core.data.images import ImageSpec
 from rl_core.data.records import (
     AnswerCheck,
     BadRow,
@@ -374,20 +375,26 @@ def load_records(
     question_field: str = "question", answer_field: str = "answer", id_field: str | None = "id",
     limit: int | None = None, max_bad_fraction: float = 0.0,
     cache_dir: str | os.PathLike[str] | None = None, answer_check: AnswerCheck | None = None,
+    images: ImageSpec | None = None,
 ) -> list[Record]:
     """Load and validate records from a file, directory, ``s3://`` URI or hub dataset name
     (``subset``: the hub configuration or local sub-folder; ``limit``: the first N good records;
     ``answer_check``: what the reward needs of an answer, :func:`~rl_core.data.records.
-    validate_records`). Raises FileNotFoundError (missing path or object), DataValidationError
-    (a ValueError: bad rows) or :class:`rl_core.storage.StorageError` (S3 unreadable)."""
+    validate_records`; ``images``: how a row's images are read and checked, relative paths from
+    the data file's folder). Raises FileNotFoundError (missing path or object),
+    DataValidationError (a ValueError: bad rows) or :class:`rl_core.storage.StorageError`."""
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
     request = SourceRequest(split, subset, (question_field, answer_field),
                             Path(cache_dir) if cache_dir is not None else None)
     read = dispatch_source(os.fspath(source), request)
+    if images is not None:
+        local = Path(os.fspath(source)).expanduser()
+        images = replace(images, read_uri=images.read_uri or storage.read_bytes, base_dir=(
+            images.base_dir or (local if local.is_dir() else local.parent if local.exists() else None)))
     records, problems = validate_numbered_rows(read.rows, read.name, question_field=question_field,
         answer_field=answer_field, id_field=id_field, max_bad_fraction=max_bad_fraction,
-        row_label=read.row_label, note=read.note, answer_check=answer_check)
+        row_label=read.row_label, note=read.note, answer_check=answer_check, images=images)
     if problems:  # a counted skip, within max_bad_fraction: say how many and which
         shown = "; ".join(f"{read.row_label} {n}: {why}" for n, why in problems[:3])
         more = f"; ... and {len(problems) - 3} more" if len(problems) > 3 else ""
@@ -407,20 +414,24 @@ def _text(value: Any) -> tuple[str, bool]:  # noqa: ANN401
 def write_parquet(records: Sequence[Record], path: str | os.PathLike[str]) -> str:
     """Write records as Parquet (columns id, question, answer; ``encoded`` names which of the
     last two are JSON for a row whose prompt is chat messages or whose answer is no string;
-    ``columns``: the row's columns as JSON), atomically (temp file + rename); return their
+    ``columns``: the row's columns as JSON; ``images``, where a record has any: their bytes),
+    atomically (temp file + rename); return their
     digest, also stored in the schema metadata under ``grpoflow.records_digest``."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     digest = _records.records_digest(records)
-    data: dict[str, list[str]] = {c: [] for c in (*_SNAPSHOT_COLUMNS, "encoded", "columns")}
+    data: dict[str, list[Any]] = {c: [] for c in (*_SNAPSHOT_COLUMNS, "encoded", "columns")}
     for r in records:
         (q, qj), (a, aj) = _text(r.question), _text(r.answer)
         for name, value in (("id", r.id), ("question", q), ("answer", a),
                             ("encoded", "q" * qj + "a" * aj),
                             ("columns", json.dumps(r.columns, default=str) if r.columns else "")):
             data[name].append(value)
-    schema = pa.schema([(c, pa.string()) for c in data],
-                       metadata={DIGEST_METADATA_KEY: digest.encode()})
+    fields = [(c, pa.string()) for c in data]
+    if any(r.images for r in records):  # the image bytes themselves: the digest covers them
+        data["images"] = [list(r.images) for r in records]
+        fields.append(("images", pa.list_(pa.binary())))
+    schema = pa.schema(fields, metadata={DIGEST_METADATA_KEY: digest.encode()})
     table = pa.table(data, schema=schema)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
@@ -458,5 +469,5 @@ def read_parquet(path: str | os.PathLike[str]) -> list[Record]:
         if "a" in encoded:
             values[2] = json.loads(values[2])
         columns = json.loads(row["columns"]) if row.get("columns") else {}
-        records.append(Record(*values, columns=columns))
+        records.append(Record(*values, columns=columns, images=tuple(row.get("images") or ())))
     return records
