@@ -89,6 +89,11 @@ def _rows(cfg: ExperimentConfig, n: int) -> tuple[list[Any], Finding]:
                            cache_dir=cfg.storage.cache_dir,
                            answer_check=answer_check(answer_kind(cfg.reward)),
                            images=image_spec(d))
+    if pictured := sum(1 for r in records if r.images):
+        return records, Finding("fail", "data", f"{pictured} of the first {len(records)} rows "
+                                "carry images (checked: they decode), but the engine and trainer "
+                                "take text only in this version; the run would stop at bring-up "
+                                "(docs/vlm.md)")
     return records, Finding("ok", "data", f"{d.source} (split {d.train_split}): the first "
                             f"{len(records)} rows read and valid (data.question_field="
                             f"{d.question_field}, data.answer_field={d.answer_field})")

@@ -140,3 +140,28 @@ def test_embedded_engine_processes_take_the_gpus_in_turn(monkeypatch) -> None:
     ray = [*over, "cluster.mode=ray", "cluster.gpus_per_engine=1"]
     command, _ = rollout_engine_spec(load_config(DEMO, ray), "m").command()
     assert command(2, 1)[command(2, 1).index("--device") + 1] == "cuda"
+
+
+def test_images_are_checked_and_a_text_only_run_is_named(tmp_path: Path, tiny_cache: Path,
+                                                         demo_model: Path) -> None:
+    """Rows with images (docs/vlm.md): a bad image fails the data check naming its row and
+    image; good ones pass the decode but fail the check, since the run would stop at bring-up."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (32, 32), "red").save(out, format="PNG")
+    (tmp_path / "red.png").write_bytes(out.getvalue())
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    rows = [{"question": "What is 1 + 1?", "answer": "2", "image": "red.png"},
+            {"question": "What is 2 + 2?", "answer": "4", "image": ["red.png", "bad.png"]}]
+    data = _jsonl(tmp_path / "qa.jsonl", rows)
+    cfg = load_config(DEMO, [f"storage.cache_dir={tiny_cache}", f"data.source={data}",
+                             "data.image_field=image"])
+    found = _by_check(validate(cfg))["data"]
+    assert found.status == "fail" and "line 2: field 'image', image 2: the image does not " \
+        "decode" in found.detail, found
+    _jsonl(tmp_path / "qa.jsonl", rows[:1])
+    found = _by_check(validate(cfg))["data"]
+    assert found.status == "fail" and "1 of the first 1 rows carry images" in found.detail
