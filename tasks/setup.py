@@ -44,10 +44,15 @@ class PreparedData:
     cached: bool
 
 
-def source_fingerprint(source: str) -> str:
+def source_fingerprint(source: str, with_folder: bool = False) -> str:
+    """What identifies a source's content cheaply: S3 ETags and sizes, else paths, sizes and
+    mtimes (of a file; of every file under a folder, or under a file's folder with
+    ``with_folder``: the images its rows name by relative path)."""
     if storage.is_remote(source):
         return storage.fingerprint(source)  # ETags and sizes: a changed object is new data
     p = Path(source)
+    if p.is_file() and with_folder:
+        return f"{source_fingerprint(str(p))}|{source_fingerprint(str(p.parent))}"
     if p.is_file():
         st = p.stat()
         return f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}"
@@ -61,9 +66,10 @@ def source_fingerprint(source: str) -> str:
 def data_key(data: DataConfig, answers: str = "number") -> str:
     """The digest of everything that determines the prepared data (``answers``: what the
     reward needs of an answer, ``rl_core.rewards.answer_kind``)."""
+    images = data.image_field is not None  # rows name image files beside the data file
     blob = json.dumps({"config": data.model_dump(mode="json"),
-                       "source": source_fingerprint(data.source),
-                       "eval_source": source_fingerprint(data.eval_source or data.source),
+                       "source": source_fingerprint(data.source, images),
+                       "eval_source": source_fingerprint(data.eval_source or data.source, images),
                        "snapshot": 2, "answers": answers},  # 2: every column kept
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

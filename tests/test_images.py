@@ -191,3 +191,19 @@ def test_sft_refuses_an_image_field() -> None:
     with pytest.raises(Exception, match="data.image_field: SFT reads text only"):
         load_sft_config(Path(__file__).parents[1] / "configs" / "sft-tiny-cpu.yaml",
                         ["data.image_field=image"])
+
+
+def test_a_changed_image_beside_the_data_file_prepares_the_data_again(tmp_path: Path) -> None:
+    from rl_core.config import load_config
+    from tasks.setup import data_key
+
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(png("red"))
+    (tmp_path / "train.jsonl").write_text(json.dumps(
+        {"id": 1, "question": "colour?", "answer": "red", "image": "img/a.png"}) + "\n")
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "tiny-cpu.yaml", [
+        f"data.source={tmp_path / 'train.jsonl'}", "data.image_field=image"])
+    before = data_key(cfg.data, "any")
+    assert data_key(cfg.data, "any") == before
+    (tmp_path / "img" / "a.png").write_bytes(png("blue"))
+    assert data_key(cfg.data, "any") != before
