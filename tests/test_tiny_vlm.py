@@ -50,3 +50,60 @@ def test_it_loads_renders_an_image_and_reads_its_pixels(vlm_dir: Path) -> None:
         out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
     assert not torch.allclose(seen, blind)  # the answer depends on the picture
     assert out.shape[1] == inputs["input_ids"].shape[1] + 4 or out[0, -1] == model.config.eos_token_id
+
+
+def _prompt(vlm_dir: Path, record) -> tuple[list[int], dict]:  # noqa: ANN001
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
+    pixels = AutoImageProcessor.from_pretrained(vlm_dir)(
+        images=[Image.open(io.BytesIO(p)).convert("RGB") for p in record.images],
+        return_tensors="pt")
+    n = int(pixels["image_grid_thw"].prod(-1).sum()) // 4
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": record.question}]}],
+        add_generation_prompt=True, tokenize=False).replace(IMAGE_PAD, IMAGE_PAD * n)
+    return tokenizer(text)["input_ids"], pixels
+
+
+def test_per_sequence_mrope_prefill_and_decode_match_transformers(vlm_dir: Path) -> None:
+    """What an engine does (rl_core/models/vlm.py): prefill from embeddings with M-RoPE
+    positions, then decode step by step from the cache at cache length + delta; the greedy
+    tokens and every step's logits equal transformers' own generate, which computes the same
+    positions its stateful way."""
+    from transformers import DynamicCache, Qwen2_5_VLForConditionalGeneration
+
+    from rl_core.models.vlm import decode_positions, is_vision_model, prefill_inputs
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(vlm_dir).eval()
+    assert is_vision_model(model)
+    ids, pixels = _prompt(vlm_dir, generate_shapes(2, seed=5)[1])
+    pre = prefill_inputs(model, ids, pixels["pixel_values"], pixels["image_grid_thw"])
+    assert pre.positions.shape == (3, len(ids)) and pre.delta != 0  # 4 image tokens on a 2x2 grid
+    steps = 6
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        out = model(inputs_embeds=pre.embeds[None], position_ids=pre.positions[:, None],
+                    cache=cache, use_cache=True)
+        mine, logits = [], [out.logits[0, -1]]
+        for _ in range(steps):
+            token = int(logits[-1].argmax())
+            mine.append(token)
+            pos = decode_positions([len(ids) + len(mine) - 1], [pre.delta])
+            out = model(input_ids=torch.tensor([[token]]), position_ids=pos, cache=cache,
+                        use_cache=True)
+            logits.append(out.logits[0, -1])
+        input_ids = torch.tensor([ids])
+        kinds = (input_ids == model.config.image_token_id).int()
+        hf = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                            mm_token_type_ids=kinds, max_new_tokens=steps, do_sample=False,
+                            output_logits=True, return_dict_in_generate=True, eos_token_id=None,
+                            **pixels)
+    assert hf.sequences[0, len(ids):].tolist() == mine
+    for a, b in zip(logits, hf.logits, strict=False):
+        torch.testing.assert_close(a, b[0], atol=1e-4, rtol=1e-4)
+    # a text-only prompt: plain positions, no delta
+    plain = prefill_inputs(model, ids[:3], None, None)
+    assert plain.delta == 0 and plain.positions[0].tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="image pads but no image"):
+        prefill_inputs(model, ids, None, None)
