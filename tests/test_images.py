@@ -80,6 +80,7 @@ def test_an_image_column_and_image_parts_become_the_records_images() -> None:
     ("https://example.com/cat.png", "not over the web"),
     ("data:text/plain;base64,aGk=", "must be 'data:image/<type>;base64"),
     (b"", "empty"),
+    ([b""], "empty"),
     (7, "got int"),
 ])
 def test_a_bad_image_fails_its_row_by_number_and_field(tmp_path: Path, image: object,
@@ -87,10 +88,13 @@ def test_a_bad_image_fails_its_row_by_number_and_field(tmp_path: Path, image: ob
     spec = ImageSpec(field="pics", base_dir=tmp_path, max_input_pixels=50_000)
     rows = [{"id": 1, "question": "q", "answer": "a", "pics": png()},
             {"id": 2, "question": "q", "answer": "a", "pics": [png(), image]}]
+    which = "image 2"
+    if isinstance(image, list):  # the column's value bare, not in a list
+        rows[1]["pics"], which = image[0], "image 1"
     with pytest.raises(DataValidationError) as err:
         validate_records(rows, "data.jsonl", images=spec)
     assert err.value.problems[0][0] == 2
-    assert "field 'pics', image 2: " in str(err.value) and why in str(err.value)
+    assert f"field 'pics', {which}: " in str(err.value) and why in str(err.value)
     # skipped within max_bad_fraction: never silently, the row is counted as bad
     good, problems = validate_records(rows, "data.jsonl", images=spec, max_bad_fraction=0.5)
     assert [r.id for r in good] == ["1"] and [n for n, _ in problems] == [2]

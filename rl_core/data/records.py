@@ -199,7 +199,7 @@ def _check_row(
         if refs is None:
             reasons.append(f"field {spec.field!r} (data.image_field) is missing or null; every "
                            "row needs its image(s)")
-        for k, ref in enumerate(refs if isinstance(refs, list | tuple) else [refs] if refs else []):
+        for k, ref in enumerate(refs if isinstance(refs, list | tuple) else [] if refs is None else [refs]):
             try:
                 pixels.append(load_image(ref, spec))
             except ImageError as exc:
