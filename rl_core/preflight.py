@@ -160,12 +160,27 @@ def _check_model(cfg: ExperimentConfig, model_path: str | Path | None) -> None:
             log.info("pre-flight: %s is not on this machine yet; its checks run after fetch-model",
                      m.path)
         return
+    _check_text_model(d)
     if (found := context_length(d)) is not None:
         _check_context(cfg, found[0], f"the model at {d}", found[1])
     elif (d / "config.json").is_file():
         log.warning("pre-flight: %s/config.json names no context length; not checked", d)
     verify_model_dir(d, trust_remote_code=m.trust_remote_code)
     _check_prompt(cfg, d)
+
+
+def _check_text_model(d: Path) -> None:
+    """A vision-language checkpoint (a ``vision_config`` in its config.json) is refused by
+    name: the engine and trainer load causal LMs only in this version (docs/vlm.md)."""
+    try:
+        config = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # verify_model_dir says what is wrong with it
+    if isinstance(config, dict) and "vision_config" in config:
+        raise ConfigError(
+            f"model.path: {d} is a vision-language model ({config.get('model_type')}); "
+            "grpoflow's engine and trainer take text models only in this version (the data "
+            "layer reads images: docs/vlm.md). Use its text-only sibling, or a text model.")
 
 
 def _check_prompt(cfg: ExperimentConfig, d: Path) -> None:

@@ -107,3 +107,13 @@ def test_per_sequence_mrope_prefill_and_decode_match_transformers(vlm_dir: Path)
     assert plain.delta == 0 and plain.positions[0].tolist() == [0, 1, 2]
     with pytest.raises(ValueError, match="image pads but no image"):
         prefill_inputs(model, ids, None, None)
+
+
+def test_a_vision_language_checkpoint_is_refused_by_name_before_a_run(vlm_dir: Path) -> None:
+    from rl_core.config import ConfigError, load_config
+    from rl_core.preflight import preflight
+
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "tiny-cpu.yaml")
+    with pytest.raises(ConfigError, match=r"model.path: .* is a vision-language model "
+                       r"\(qwen2_5_vl\); .*text models only"):
+        preflight(cfg, model_path=vlm_dir, data=False)
