@@ -22,7 +22,8 @@ from typing import Any
 from rl_core.data.images import ImageError, ImageSpec, image_digest, load_image
 from rl_core.data.numbers import parse_number
 
-__all__ = ["AnswerCheck", "BadRow", "cell_text", "cell_texts", "content_text", "DataValidationError",
+__all__ = ["AnswerCheck", "BadRow", "cell_text", "cell_texts", "content_id", "content_text",
+           "DataValidationError",
            "Record", "extract_final_answer",
            "numeric_answer", "prompt_text", "records_digest", "validate_numbered_rows",
            "validate_records"]
@@ -124,7 +125,11 @@ def _format_problems(problems: list[tuple[int, str]], row_label: str) -> str:
     return "\n".join(lines)
 
 
-def _content_id(question: Any, answer: Any) -> str:  # noqa: ANN401
+def content_id(question: Any, answer: Any, images: Sequence[bytes] = ()) -> str:  # noqa: ANN401
+    """A row's id from its content (``data.id_field: null``): the same text over other pictures
+    is another task."""
+    if images:
+        answer = [answer, [image_digest(p) for p in images]]
     if not (isinstance(question, str) and isinstance(answer, str)):
         question, answer = (json.dumps(v, sort_keys=True, default=str) for v in (question, answer))
     return hashlib.sha1(f"{question}\x1f{answer}".encode()).hexdigest()[:12]
@@ -199,7 +204,8 @@ def _check_row(
         if refs is None:
             reasons.append(f"field {spec.field!r} (data.image_field) is missing or null; every "
                            "row needs its image(s)")
-        for k, ref in enumerate(refs if isinstance(refs, list | tuple) else [] if refs is None else [refs]):
+        for k, ref in enumerate(() if refs is None else refs if isinstance(refs, list | tuple)
+                                else [refs]):
             try:
                 pixels.append(load_image(ref, spec))
             except ImageError as exc:
@@ -210,9 +216,7 @@ def _check_row(
         question, why = _message_images(question, spec, question_field, pixels)
         if why:
             return None, False, why
-    record_id = _content_id(question, answer) if raw_id is None else str(raw_id)
-    if pixels and raw_id is None:  # the same text over other pictures is another task
-        record_id = _content_id(question, [answer, [image_digest(p) for p in pixels]])
+    record_id = content_id(question, answer, pixels) if raw_id is None else str(raw_id)
     columns = {str(k): v for k, v in row.items() if k not in (question_field, spec.field)}
     return Record(record_id, question, answer, columns, tuple(pixels)), raw_id is None, []
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import io
 import random
 
-from rl_core.data.images import image_digest
-from rl_core.data.records import Record, _content_id
+from rl_core.data.records import Record, content_id
 
 __all__ = ["COLOURS", "generate_shapes", "shape_splits"]
 
@@ -69,7 +68,7 @@ def _picture(rng: random.Random, size: int, max_count: int) -> tuple[str, str, b
 
 def generate_shapes(n: int, seed: int = 0, *, size: int = 64, max_count: int = 4) -> list[Record]:
     """``n`` seeded pictures as records: a text question, the answer, one image each; ids are
-    content hashes over question, answer and the picture."""
+    content hashes over question, answer and the picture (as the data layer makes them)."""
     if n < 0 or not 32 <= size <= 448 or not 1 <= max_count <= 6:
         raise ValueError(f"need n >= 0, 32 <= size <= 448, 1 <= max_count <= 6; got {n}, "
                          f"{size}, {max_count}")
@@ -77,8 +76,8 @@ def generate_shapes(n: int, seed: int = 0, *, size: int = 64, max_count: int = 4
     out = []
     for _ in range(n):
         question, answer, image = _picture(rng, size, max_count)
-        rid = _content_id(question, [answer, image_digest(image)])
-        out.append(Record(rid, question, answer, {"answer": answer}, (image,)))
+        out.append(Record(content_id(question, answer, [image]), question, answer,
+                          {"answer": answer}, (image,)))
     return out
 
 
