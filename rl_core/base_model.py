@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerFast
@@ -27,17 +28,21 @@ from transformers import PreTrainedTokenizerFast
 from rl_core.agents import ChatTokens, EpisodeLimits, EpisodeRunner, ToolEnv
 from rl_core.agents.tools import CALCULATOR
 from rl_core.config import DataConfig, ModelConfig
-from rl_core.data.prompts import encode_prompts
+from rl_core.data.prompts import encode_prompts, encode_record_prompts
 from rl_core.data.records import Record
 from rl_core.engine.core import EmbeddedEngine, GenerateRequest
 from rl_core.engine.sampling import SamplingParams
 from rl_core.models.hub import (
     EMBEDDED_TINY,
+    EMBEDDED_TINY_VLM,
     TINY_MARKER,
+    TINY_VLM_MARKER,
     ModelSnapshot,
     download_model,
     tiny_dir,
     tiny_spec_for,
+    tiny_vlm_dir,
+    tiny_vlm_spec_for,
     verify_model_dir,
 )
 from rl_core.models.tiny import (
@@ -49,13 +54,15 @@ from rl_core.models.tiny import (
     task_splits,
     tool_call_text,
 )
+from rl_core.models.tiny_vlm import TinyVLMSpec
 from rl_core.rewards import gsm8k_reward
+from rl_core.rewards.builtins import exact_match
 from rl_core.rollout.inprocess import InProcessPlane
 from rl_core.sft import Example, SFTDataConfig, SFTTrainConfig, TokenizedExample, tokenize_example
 from rl_core.training.sft import SFTTrainer, greedy_eval
 
-__all__ = ["bootstrap_tiny_model", "build_bare_tiny", "greedy_accuracy", "snapshot_model",
-           "warm_start"]
+__all__ = ["bootstrap_tiny_model", "build_bare_tiny", "build_tiny_vlm", "greedy_accuracy",
+           "snapshot_model", "vlm_greedy_accuracy", "warm_start"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +71,8 @@ def snapshot_model(model: ModelConfig, data: DataConfig, cache_dir: str | Path, 
                    revision: str | None = None, token: str | None = None) -> ModelSnapshot:
     """``model.path`` -> a verified local directory (building the embedded tiny model);
     ``revision`` defaults to ``model.revision``, else ``main``."""
+    if model.path == EMBEDDED_TINY_VLM:
+        return _snapshot_tiny_vlm(model, data, Path(cache_dir))
     if model.path != EMBEDDED_TINY:
         return download_model(model.path, cache_dir, token=token,
                               revision=revision if revision is not None else model.revision,
@@ -230,4 +239,114 @@ def bootstrap_tiny_model(
     marker.write_text(json.dumps(info, indent=2))
     if not math.isfinite(acc):
         raise RuntimeError("tiny model warm start diverged (non-finite accuracy)")
+    return out
+
+
+# ---------------------------------------------------------------- the vision-language demo
+
+
+def _snapshot_tiny_vlm(model: ModelConfig, data: DataConfig, cache: Path) -> ModelSnapshot:
+    """``embedded:tiny-vlm``: the tiny VLM, built and warm-started once per spec."""
+    spec = tiny_vlm_spec_for(model, data)
+    out = tiny_vlm_dir(cache, spec)
+    cached = (out / TINY_VLM_MARKER).is_file()
+    if not cached:
+        log.info("building the embedded tiny VLM in %s (first run only)", out)
+
+        def progress(step: int, loss: float, acc: float | None) -> None:
+            if acc is not None:
+                log.info("  VLM warm start step %d: loss %.3f, validation greedy accuracy %.3f "
+                         "(stops at %.2f)", step, loss, acc, spec.target_accuracy)
+
+        build_tiny_vlm(out, spec, progress=progress)
+    return ModelSnapshot(verify_model_dir(out), spec.digest(), "tiny", EMBEDDED_TINY_VLM, None,
+                         cached)
+
+
+def _vlm_example(tokenizer: Any, vision: Any, rec: Record) -> TokenizedExample:  # noqa: ANN401
+    """A shapes record as a demonstration: its prompt rendered (image placed and expanded) as
+    the run renders it, the loss on the answer and its EOS."""
+    [prompt] = encode_record_prompts(tokenizer, [rec], vision)
+    answer = tokenizer(str(rec.answer), add_special_tokens=False)["input_ids"] + [
+        tokenizer.eos_token_id]
+    return TokenizedExample(rec.id, prompt + answer, [-100] * len(prompt) + answer, len(prompt),
+                            str(rec.answer), rec.images)
+
+
+def vlm_greedy_accuracy(model: torch.nn.Module, model_dir: str | Path,
+                        examples: Sequence[TokenizedExample], max_new_tokens: int = 8) -> float:
+    """Exact-match greedy accuracy of ``model`` (in memory; its tokenizer and processor in
+    ``model_dir``) on ``examples``, answered by the embedded engine."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    was_training = model.training
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, seed=0)
+    try:
+        with EmbeddedEngine(model_dir, model=model, max_running_requests=len(examples) or 1,
+                            kv_layout="padded") as engine:
+            reqs = [GenerateRequest(str(i), e.ids[: e.prompt_len], greedy,
+                                    images=engine.images.processor.process(e.images))
+                    for i, e in enumerate(examples)]
+            outs = engine.generate_sync(reqs)
+            tok = engine.tokenizer
+            right = [exact_match(tok.decode(o.output_ids, skip_special_tokens=True), e.reference)
+                     for o, e in zip(outs, examples, strict=True)]
+    finally:  # the engine froze the shared model for inference
+        for p in trained:
+            p.requires_grad_(True)
+        model.train(was_training)
+    return sum(right) / max(len(examples), 1)
+
+
+def build_tiny_vlm(out_dir: str | Path, spec: TinyVLMSpec,
+                   progress: Callable[[int, float, float | None], None] | None = None) -> Path:
+    """The tiny VLM (:func:`rl_core.models.tiny_vlm.build_bare_vlm`) warm-started by the SFT
+    trainer on the shapes task's training split until greedy accuracy on its last
+    ``val_examples`` reaches ``spec.target_accuracy``; saved in ``out_dir`` with its
+    tokenizer and image processor (built in a temporary directory, then renamed)."""
+    from transformers import AutoTokenizer
+
+    from rl_core.data.shapes import shape_splits
+    from rl_core.models.tiny_vlm import build_bare_vlm
+    from rl_core.models.vlm import vision_processor
+
+    out, started = Path(out_dir), time.perf_counter()
+    tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    records, _ = shape_splits(spec.train_size, spec.test_size, spec.data_seed,
+                              size=spec.image_size)
+    train, val = records[: -spec.val_examples], records[-spec.val_examples :]
+    build_bare_vlm(spec, tmp)
+    tokenizer, vision = AutoTokenizer.from_pretrained(tmp), vision_processor(tmp)
+    sft = SFTTrainConfig(steps=spec.sft_max_steps, batch_size=spec.sft_batch_size,
+                         micro_batch_size=spec.sft_batch_size, lr=spec.sft_lr, warmup_steps=10,
+                         lr_schedule="constant", weight_decay=0.0, grad_clip=1.0, seed=spec.seed)
+    # the bare tower is random: the warm start trains it with the language model
+    trainer = SFTTrainer(tmp, sft, pad_id=tokenizer.pad_token_id, pack_length=10_000,
+                         freeze_vision=False)
+    held = [_vlm_example(tokenizer, vision, r) for r in val]
+    rng, order, acc, step = random.Random(spec.seed), [], 0.0, 0
+    for step in range(1, spec.sft_max_steps + 1):
+        if len(order) < spec.sft_batch_size:
+            order = list(range(len(train)))
+            rng.shuffle(order)
+        batch = [_vlm_example(tokenizer, vision, train[order.pop()])
+                 for _ in range(spec.sft_batch_size)]
+        loss = trainer.sft_step(batch, step)["loss"]
+        checked = None
+        if step % spec.eval_every == 0:
+            acc = checked = vlm_greedy_accuracy(trainer.model, tmp, held)
+        if progress is not None:
+            progress(step, loss, checked)
+        if checked is not None and acc >= spec.target_accuracy:
+            break
+    trainer.save_pretrained(tmp)  # the weights over the bare ones; tokenizer etc. stay
+    (tmp / TINY_VLM_MARKER).write_text(json.dumps(
+        {"digest": spec.digest(), "spec": asdict(spec), "sft_steps": step,
+         "val_greedy_accuracy": acc, "seconds": round(time.perf_counter() - started, 1)},
+        indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process built it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
     return out

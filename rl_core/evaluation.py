@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from rl_core.agents.episode import episode_metrics
 from rl_core.data.records import Record, cell_texts
@@ -20,6 +21,7 @@ from rl_core.engine.sampling import SamplingParams
 from rl_core.grpo import EpisodeKind, SingleTurn
 from rl_core.interfaces import RolloutPlane
 from rl_core.rewards import RewardResult, Scorer
+from rl_core.thumbnails import thumbnails_b64
 from rl_core.types import Sample
 
 __all__ = ["EvalResult", "evaluate", "pass_at_k"]
@@ -37,7 +39,9 @@ class EvalResult:
     response_len_mean: float
     truncation_rate: float
     seconds: float
-    samples: list[dict[str, str]]  # a few (question, completion, answer, correct, columns) rows
+    # a few (question, completion, answer, correct, columns) rows; a prompt with images also
+    # has ``images``: base64 thumbnails (rl_core.thumbnails), which the MLflow table shows
+    samples: list[dict[str, Any]]
     episodes: dict[str, float] | None = None  # agent runs: tool use, turns, failures (greedy)
     rewards: dict[str, float] | None = None  # several reward functions: each one's mean (greedy)
 
@@ -83,7 +87,8 @@ def evaluate(plane: RolloutPlane, records: Sequence[Record], prompt_ids: Sequenc
             pass_at_k(k, sum(sampled.correct[i * k : (i + 1) * k]), k) for i in range(len(subset))
         )
     rows = [{"question": r.text, "completion": s.text, "answer": r.final_answer,
-             "correct": str(bool(ok)), **cell_texts(r.columns, skip=("completion", "correct"))}
+             "correct": str(bool(ok)), **cell_texts(r.columns, skip=("completion", "correct")),
+             **_thumbnails(getattr(s, "images", ()) or getattr(r, "images", ()))}
             for r, s, ok in list(zip(records, greedy, scored.correct, strict=True))[:keep_samples]]
     return EvalResult(
         pass_at_1=statistics.fmean(scored.correct) if greedy else 0.0,
@@ -102,3 +107,7 @@ def evaluate(plane: RolloutPlane, records: Sequence[Record], prompt_ids: Sequenc
         if len(scored.components) > 1 else None,
     )
 
+
+def _thumbnails(images: Sequence[bytes]) -> dict[str, list[str]]:
+    """A sample row's ``images`` (JSON-safe: the rows go to evals.jsonl); none for text."""
+    return {"images": small} if images and (small := thumbnails_b64(images)) else {}

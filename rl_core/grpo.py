@@ -111,9 +111,11 @@ def rollout_groups(plane: RolloutPlane, records: Sequence[Record],
                    step: int, seed: int) -> list[Sample]:
     """``n`` samples of each prompt; groups are contiguous, prompt-major."""
     keys = [(g, rec, j) for g, rec in enumerate(records) for j in range(n)]
+    pictured = any(rec.images for rec in records)
     samples = plane.generate(
         [prompt_ids[g] for g, _, _ in keys],
         [replace(params, seed=sample_seed(seed, step, rec.id, j)) for _, rec, j in keys],
+        **({"images": [rec.images for _, rec, _ in keys]} if pictured else {}),
     )
     for (g, rec, j), s in zip(keys, samples, strict=True):
         s.uid, s.group, s.record_id, s.answer = f"{step}:{rec.id}:{j}", g, rec.id, rec.answer

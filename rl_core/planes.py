@@ -37,7 +37,7 @@ from rl_core.config import (
     TrainConfig,
     resolve_device,
 )
-from rl_core.data.prompts import encode_prompts
+from rl_core.data.prompts import encode_record_prompts
 from rl_core.data.records import Record
 from rl_core.grpo import AdvantageSource, EpisodeKind, GroupRelative, SingleTurn
 from rl_core.interfaces import RolloutPlane, Trainer, WeightSync
@@ -131,11 +131,19 @@ _REGISTRY: dict[str, Planes] = {}
 
 
 def _encode_within_limit(
-    tokenizer: Any, records: list[Record], cfg: ExperimentConfig
+    tokenizer: Any, records: list[Record], cfg: ExperimentConfig, model_path: str | Path,
 ) -> tuple[list[Record], list[list[int]], int]:
+    """Records' prompt ids (images placed and their pads expanded), those over
+    ``data.max_prompt_tokens`` left out (counted)."""
     d = cfg.data
-    ids = encode_prompts(tokenizer, [r.question for r in records], system_prompt=d.system_prompt,
-                         use_chat_template=d.use_chat_template, plain_template=d.plain_template)
+    vision = None
+    if any(r.images for r in records):
+        from rl_core.models.vlm import vision_processor
+
+        vision = vision_processor(model_path, cfg.model.trust_remote_code)
+    ids = encode_record_prompts(tokenizer, records, vision, system_prompt=d.system_prompt,
+                                use_chat_template=d.use_chat_template,
+                                plain_template=d.plain_template)
     keep = [i for i, p in enumerate(ids) if len(p) <= d.max_prompt_tokens]
     return [records[i] for i in keep], [ids[i] for i in keep], len(records) - len(keep)
 
@@ -335,21 +343,25 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
         pad_token_id = tokenizer.pad_token_id
         if pad_token_id is None:  # padding is masked out; any end-of-sequence id will do
             pad_token_id = eos_token_ids(tokenizer, getattr(trainer, "model", None), model_path)[0]
-        train_records, train_prompts, skipped = _encode_within_limit(tokenizer, train_records, cfg)
+        train_records, train_prompts, skipped = _encode_within_limit(tokenizer, train_records, cfg,
+                                                                    model_path)
         if not train_records:
             raise ValueError(
                 f"every training prompt is longer than data.max_prompt_tokens="
                 f"{cfg.data.max_prompt_tokens}; raise it or shorten the prompts"
             )
-        eval_records, eval_prompts, skip_eval = _encode_within_limit(tokenizer, eval_records, cfg)
+        eval_records, eval_prompts, skip_eval = _encode_within_limit(tokenizer, eval_records, cfg,
+                                                                     model_path)
         rollout, transport = start_rollout(cfg, model_path, work_dir, placement, trainer)
         if cfg.teacher.enabled and with_trainer:
             teacher = start_teacher(cfg, tokenizer, str(model_path), work_dir)
             advantage = Distillation(teacher, cfg.teacher, advantage)
         if cfg.agent.enabled:
             from rl_core.agents.kind import AgentEpisodes
+            from rl_core.models.vlm import vision_processor
 
-            kind = AgentEpisodes(cfg.agent, rollout, tokenizer)
+            kind = AgentEpisodes(cfg.agent, rollout, tokenizer,
+                                 vision_processor(model_path, cfg.model.trust_remote_code))
         rewards = _reward_runner(cfg, work_dir, [*train_records, *eval_records])
     except BaseException:
         _close_all(rewards, kind, teacher, transport, rollout, trainer, placement, cluster)
@@ -440,7 +452,8 @@ def _start_trainer(cfg: ExperimentConfig, model_path: str | Path, placement: Any
             return MegatronTrainer(model_path, train, cfg.algorithm, **kw)
         from rl_core.training.torch_trainer import TorchTrainer
 
-        return TorchTrainer(model_path, train, cfg.algorithm, **kw)
+        return TorchTrainer(model_path, train, cfg.algorithm, **kw,
+                            freeze_vision=cfg.model.freeze_vision)
     from rl_core.cluster.platform import detect_platform
     from rl_core.training.distributed import TrainerGroup
 
@@ -453,7 +466,7 @@ def _start_trainer(cfg: ExperimentConfig, model_path: str | Path, placement: Any
         num_cpus_per_rank=placement.trainer[0].num_cpus,
         num_gpus_per_rank=placement.trainer[0].num_gpus, device="cuda" if gpu else "cpu",
         env=platform_env(kind, cfg.cluster.env), timeout_s=cfg.cluster.timeout_s, **kw,
-    )
+        freeze_vision=cfg.model.freeze_vision)
 
 
 def _ray_cluster(cfg: ExperimentConfig, work_dir: str | Path, with_trainer: bool) -> tuple:

@@ -160,7 +160,7 @@ def _check_model(cfg: ExperimentConfig, model_path: str | Path | None) -> None:
             log.info("pre-flight: %s is not on this machine yet; its checks run after fetch-model",
                      m.path)
         return
-    _check_text_model(d)
+    _check_vision_model(cfg, d)
     if (found := context_length(d)) is not None:
         _check_context(cfg, found[0], f"the model at {d}", found[1])
     elif (d / "config.json").is_file():
@@ -169,18 +169,24 @@ def _check_model(cfg: ExperimentConfig, model_path: str | Path | None) -> None:
     _check_prompt(cfg, d)
 
 
-def _check_text_model(d: Path) -> None:
-    """A vision-language checkpoint (a ``vision_config`` in its config.json) is refused by
-    name: the engine and trainer load causal LMs only in this version (docs/vlm.md)."""
+def _check_vision_model(cfg: ExperimentConfig, d: Path) -> None:
+    """A vision-language checkpoint (a ``vision_config`` in its config.json) trains on the
+    torch backend only, and ``model.freeze_vision`` needs one (docs/vlm.md)."""
     try:
         config = json.loads((d / "config.json").read_text())
     except (OSError, ValueError):
         return  # verify_model_dir says what is wrong with it
-    if isinstance(config, dict) and "vision_config" in config:
+    vision = isinstance(config, dict) and "vision_config" in config
+    if vision and cfg.train.backend == "megatron":
         raise ConfigError(
-            f"model.path: {d} is a vision-language model ({config.get('model_type')}); "
-            "grpoflow's engine and trainer take text models only in this version (the data "
-            "layer reads images: docs/vlm.md). Use its text-only sibling, or a text model.")
+            f"train.backend: megatron does not train vision-language models; {d} is one "
+            f"({config.get('model_type')}). Use train.backend: torch (FSDP2 on GPUs), which "
+            "trains its language model and, with model.freeze_vision: false, its vision tower.")
+    if vision and config.get("image_token_id") is None:
+        raise ConfigError(
+            f"model.path: {d} is a vision-language model ({config.get('model_type')}) without "
+            "an image_token_id; grpoflow runs the Qwen2-VL family (Qwen2-VL, Qwen2.5-VL, "
+            "Qwen3-VL): docs/vlm.md")
 
 
 def _check_prompt(cfg: ExperimentConfig, d: Path) -> None:

@@ -388,6 +388,7 @@ class TokenizedExample:
     labels: list[int]
     prompt_len: int
     reference: str
+    images: tuple[bytes, ...] = ()  # a vision-language example's (its pads in ``ids``)
 
     @property
     def tokens(self) -> int:

@@ -75,6 +75,9 @@ class Sample:
     # MoE routing of every token but the last (SGLang's base64 int32 [seq_len - 1, moe_layers,
     # top_k], module docstring); None: not asked for (train.moe.routing_replay off) or dense.
     routed_experts: str | None = field(default=None, repr=False)
+    # The prompt's images as encoded bytes (PNG, JPEG, ...), in the order of its image pads:
+    # the record's, then any an episode's observations added (docs/vlm.md).
+    images: tuple[bytes, ...] = field(default=(), repr=False)
 
     @property
     def truncated(self) -> bool:
@@ -129,6 +132,9 @@ class Batch:
     prompt_lens: torch.Tensor | None = None  # (B,) int64: rows sharing a prompt pack together
     # (B, L-1, moe_layers * top_k) int16: the rollout's experts per token (module docstring)
     routed_experts: torch.Tensor | None = None
+    # Per row, its images as encoded bytes, in the order of its image pads (a vision-language
+    # model's trainer turns them into pixels); None: no row has any.
+    images: list[tuple[bytes, ...]] | None = None
 
     @property
     def size(self) -> int:
@@ -140,7 +146,9 @@ class Batch:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None or value.dim() == 1:
+            if f.name == "images":
+                out[f.name] = None if value is None else [value[i] for i in index.tolist()]
+            elif value is None or value.dim() == 1:
                 out[f.name] = None if value is None else value[index]
             elif f.name in ("input_ids", "attention_mask"):
                 out[f.name] = value[index, :width]
@@ -178,7 +186,9 @@ class Batch:
             rlogp[i, start : start + len(r)] = torch.tensor(s.logprobs, dtype=torch.float32) * mask
         return cls(ids, attn, resp, rlogp, torch.as_tensor(advantages, dtype=torch.float32),
                    prompt_lens=torch.tensor([len(s.prompt_ids) for s in samples]),
-                   routed_experts=_routed_layout(samples, rlogp.shape[1]))
+                   routed_experts=_routed_layout(samples, rlogp.shape[1]),
+                   images=[tuple(s.images) for s in samples]
+                   if any(s.images for s in samples) else None)
 
 
 def _routed_layout(samples: Sequence[Sample], columns: int) -> torch.Tensor | None:

@@ -90,10 +90,9 @@ def _rows(cfg: ExperimentConfig, n: int) -> tuple[list[Any], Finding]:
                            answer_check=answer_check(answer_kind(cfg.reward)),
                            images=image_spec(d))
     if pictured := sum(1 for r in records if r.images):
-        return records, Finding("fail", "data", f"{pictured} of the first {len(records)} rows "
-                                "carry images (checked: they decode), but the engine and trainer "
-                                "take text only in this version; the run would stop at bring-up "
-                                "(docs/vlm.md)")
+        return records, Finding("ok", "data", f"{d.source} (split {d.train_split}): the first "
+                                f"{len(records)} rows read and valid, {pictured} with images "
+                                f"(decoded and checked; data.image_field={d.image_field})")
     return records, Finding("ok", "data", f"{d.source} (split {d.train_split}): the first "
                             f"{len(records)} rows read and valid (data.question_field="
                             f"{d.question_field}, data.answer_field={d.answer_field})")
@@ -102,13 +101,17 @@ def _rows(cfg: ExperimentConfig, n: int) -> tuple[list[Any], Finding]:
 def _prompts(cfg: ExperimentConfig, model_dir: Path, records: list[Any]) -> list[Finding]:
     from transformers import AutoTokenizer
 
-    from rl_core.data.prompts import encode_prompts
+    from rl_core.data.prompts import encode_record_prompts
+    from rl_core.models.vlm import vision_processor
     from rl_core.preflight import context_length
 
     d = cfg.data
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    ids = encode_prompts(tok, [r.question for r in records], system_prompt=d.system_prompt,
-                         use_chat_template=d.use_chat_template, plain_template=d.plain_template)
+    vision = vision_processor(model_dir, cfg.model.trust_remote_code) \
+        if any(r.images for r in records) else None
+    ids = encode_record_prompts(tok, records, vision, system_prompt=d.system_prompt,
+                                use_chat_template=d.use_chat_template,
+                                plain_template=d.plain_template)
     lengths = [len(x) for x in ids]
     out = [Finding("ok", "prompt", "row 1 renders as " + repr(tok.decode(ids[0])[:300]))]
     new = cfg.rollout.max_new_tokens

@@ -23,6 +23,7 @@ from rl_core.config import ConfigError, DataConfig, ExperimentConfig, ModelConfi
 from rl_core.data.images import image_spec
 from rl_core.data.sources import load_records, read_parquet, write_parquet
 from rl_core.data.synthetic import generate_splits
+from rl_core.models.vlm import is_vision_checkpoint
 from rl_core.planes import PlanesHandle, bring_up_planes
 from rl_core.rewards import answer_check
 
@@ -163,11 +164,12 @@ def bring_up(cfg: ExperimentConfig, model_path: str, data: PreparedData, work_di
     """Start the rollout engines and the trainer on ``model_path`` (logs under ``work_dir``)."""
     train = read_parquet(data.train_path)
     test = read_parquet(data.eval_path)[: cfg.eval.num_examples]
-    if with_images := sum(1 for r in (*train, *test) if r.images):
+    if (pictured := sum(1 for r in (*train, *test) if r.images)) and not is_vision_checkpoint(
+            model_path):
         raise ConfigError(
-            f"{with_images} records carry images (data.image_field={cfg.data.image_field!r} or "
-            "image parts in the chat messages), and this version's engine and trainer take text "
-            "only: they would train without the pictures. The data layer reads and checks "
-            "images (docs/vlm.md); set data.image_field: null and drop the image parts to "
-            "train on the text.")
+            f"{pictured} records carry images (data.image_field={cfg.data.image_field!r} or "
+            f"image parts in the chat messages) but model.path ({model_path}) is a text model: "
+            "it would train without the pictures. Use a vision-language model (Qwen2-VL, "
+            "Qwen2.5-VL, Qwen3-VL; docs/vlm.md), or set data.image_field: null and drop the "
+            "image parts to train on the text.")
     return bring_up_planes(cfg, model_path, train, test, work_dir, with_trainer=with_trainer)

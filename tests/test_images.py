@@ -173,7 +173,10 @@ def test_smart_resize_is_qwen2_vls(size: tuple[int, int]) -> None:
         smart_resize(1, 300)
 
 
-def test_training_on_images_is_refused_until_the_engine_takes_them(tmp_path: Path) -> None:
+def test_images_with_a_text_model_are_refused_at_bring_up(tmp_path: Path,
+                                                         demo_model: Path) -> None:
+    """A run whose records carry images on a text model stops before any plane starts,
+    rather than training on the text without the pictures."""
     from rl_core.config import ConfigError, load_config
     from tasks.setup import PreparedData, bring_up
 
@@ -185,8 +188,8 @@ def test_training_on_images_is_refused_until_the_engine_takes_them(tmp_path: Pat
                       ["data.image_field=image"])
     data = PreparedData(str(tmp_path / "train.parquet"), str(tmp_path / "eval.parquet"), "", "",
                         1, 1, "mem", cached=False)
-    with pytest.raises(ConfigError, match="2 records carry images .*take text only"):
-        bring_up.fn(cfg, str(tmp_path), data, str(tmp_path))
+    with pytest.raises(ConfigError, match=r"2 records carry images .* is a text model"):
+        bring_up.fn(cfg, str(demo_model), data, str(tmp_path))
 
 
 def test_sft_refuses_an_image_field() -> None:

@@ -67,33 +67,35 @@ def _prompt(vlm_dir: Path, record) -> tuple[list[int], dict]:  # noqa: ANN001
 
 
 def test_per_sequence_mrope_prefill_and_decode_match_transformers(vlm_dir: Path) -> None:
-    """What an engine does (rl_core/models/vlm.py): prefill from embeddings with M-RoPE
-    positions, then decode step by step from the cache at cache length + delta; the greedy
-    tokens and every step's logits equal transformers' own generate, which computes the same
-    positions its stateful way."""
+    """What the engine does (rl_core/models/vlm.py): prefill with per-row M-RoPE positions,
+    then decode step by step from the cache at the row's next position on all three rows; the
+    greedy tokens and every step's logits equal transformers' own generate, which computes
+    the same positions its stateful way."""
     from transformers import DynamicCache, Qwen2_5_VLForConditionalGeneration
 
-    from rl_core.models.vlm import decode_positions, is_vision_model, prefill_inputs
+    from rl_core.models.vlm import ImageInputs, is_vision_model, mrope_positions
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(vlm_dir).eval()
     assert is_vision_model(model)
     ids, pixels = _prompt(vlm_dir, generate_shapes(2, seed=5)[1])
-    pre = prefill_inputs(model, ids, pixels["pixel_values"], pixels["image_grid_thw"])
-    assert pre.positions.shape == (3, len(ids)) and pre.delta != 0  # 4 image tokens on a 2x2 grid
+    grid = pixels["image_grid_thw"]
+    images = ImageInputs(pixels["pixel_values"], grid, (int(grid.prod()) // 4,))
+    input_ids = torch.tensor([ids])
+    positions, next_pos = mrope_positions(model, input_ids, torch.ones_like(input_ids), images)
+    assert positions.shape == (3, 1, len(ids)) and int(next_pos[0]) < len(ids)  # 2x2 image
     steps = 6
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        out = model(inputs_embeds=pre.embeds[None], position_ids=pre.positions[:, None],
-                    cache=cache, use_cache=True)
+        out = model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True,
+                    **pixels)
         mine, logits = [], [out.logits[0, -1]]
-        for _ in range(steps):
+        for k in range(steps):
             token = int(logits[-1].argmax())
             mine.append(token)
-            pos = decode_positions([len(ids) + len(mine) - 1], [pre.delta])
+            pos = (next_pos + k).view(1, 1, 1).expand(3, 1, 1)
             out = model(input_ids=torch.tensor([[token]]), position_ids=pos, cache=cache,
                         use_cache=True)
             logits.append(out.logits[0, -1])
-        input_ids = torch.tensor([ids])
         kinds = (input_ids == model.config.image_token_id).int()
         hf = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                             mm_token_type_ids=kinds, max_new_tokens=steps, do_sample=False,
@@ -102,18 +104,22 @@ def test_per_sequence_mrope_prefill_and_decode_match_transformers(vlm_dir: Path)
     assert hf.sequences[0, len(ids):].tolist() == mine
     for a, b in zip(logits, hf.logits, strict=False):
         torch.testing.assert_close(a, b[0], atol=1e-4, rtol=1e-4)
-    # a text-only prompt: plain positions, no delta
-    plain = prefill_inputs(model, ids[:3], None, None)
-    assert plain.delta == 0 and plain.positions[0].tolist() == [0, 1, 2]
-    with pytest.raises(ValueError, match="image pads but no image"):
-        prefill_inputs(model, ids, None, None)
+    # a text-only row beside it, left-padded: plain positions after the padding
+    text = [t for t in ids if t != model.config.image_token_id][:5]
+    batch = torch.tensor([[0, 0, *text[:3]], text])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    positions, next_pos = mrope_positions(model, batch, mask, None)
+    assert positions[:, 0].tolist() == [[0, 0, 0, 1, 2]] * 3 and next_pos.tolist() == [3, 5]
 
 
-def test_a_vision_language_checkpoint_is_refused_by_name_before_a_run(vlm_dir: Path) -> None:
+def test_megatron_refuses_a_vision_language_checkpoint_by_name(vlm_dir: Path) -> None:
     from rl_core.config import ConfigError, load_config
     from rl_core.preflight import preflight
 
-    cfg = load_config(Path(__file__).parents[1] / "configs" / "tiny-cpu.yaml")
-    with pytest.raises(ConfigError, match=r"model.path: .* is a vision-language model "
-                       r"\(qwen2_5_vl\); .*text models only"):
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "tiny-cpu.yaml",
+                      ["train.backend=megatron"])
+    with pytest.raises(ConfigError, match=r"train.backend: megatron does not train "
+                       r"vision-language models; .*\(qwen2_5_vl\). Use train.backend: torch"):
         preflight(cfg, model_path=vlm_dir, data=False)
+    preflight(load_config(Path(__file__).parents[1] / "configs" / "tiny-cpu.yaml"),
+              model_path=vlm_dir, data=False)  # the torch backend takes it

@@ -145,7 +145,7 @@ def test_embedded_engine_processes_take_the_gpus_in_turn(monkeypatch) -> None:
 def test_images_are_checked_and_a_text_only_run_is_named(tmp_path: Path, tiny_cache: Path,
                                                          demo_model: Path) -> None:
     """Rows with images (docs/vlm.md): a bad image fails the data check naming its row and
-    image; good ones pass the decode but fail the check, since the run would stop at bring-up."""
+    image; good ones pass it, and a text model for them fails the prompt check by name."""
     import io
 
     from PIL import Image
@@ -163,5 +163,8 @@ def test_images_are_checked_and_a_text_only_run_is_named(tmp_path: Path, tiny_ca
     assert found.status == "fail" and "line 2: field 'image', image 2: the image does not " \
         "decode" in found.detail, found
     _jsonl(tmp_path / "qa.jsonl", rows[:1])
-    found = _by_check(validate(cfg))["data"]
-    assert found.status == "fail" and "1 of the first 1 rows carry images" in found.detail
+    findings = _by_check(validate(cfg))
+    assert findings["data"].status == "ok" and "1 with images" in findings["data"].detail
+    found = findings["prompt"]
+    assert found.status == "fail" and "carry images but model.path is a text model" in \
+        found.detail, found

@@ -13,7 +13,7 @@ from typing import Any
 
 from rl_core.agents.env import Message
 
-__all__ = ["ChatTokens"]
+__all__ = ["ChatTokens", "message_images"]
 
 _BASE: list[Message] = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
 
@@ -21,12 +21,13 @@ _BASE: list[Message] = [{"role": "user", "content": "u"}, {"role": "assistant", 
 class ChatTokens:
     """The chat template of ``tokenizer`` as token ids for episodes (see the module docstring)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, vision: Any = None) -> None:  # noqa: ANN401
         if not getattr(tokenizer, "chat_template", None):
             name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
             raise ValueError(f"the tokenizer {name!r} has no chat template: multi-turn episodes "
                              "(agent.env) need one; use a chat model's tokenizer")
         self.tokenizer = tokenizer
+        self.vision = vision  # a VisionProcessor: image parts' pads expanded (docs/vlm.md)
         self._base = self.render(_BASE, generation_prompt=False)
         eos = tokenizer.eos_token or ""
         cut = self._base.rfind(eos) if eos else -1
@@ -61,3 +62,32 @@ class ChatTokens:
         closed = bool(turn_ids) and turn_ids[-1] in self.stop_ids
         head = [] if closed else list(self.end_of_turn)
         return head + self.encode(self._after_eos + full[len(self._base):])
+
+    def with_images(self, ids: list[int], messages: Sequence[Message]) -> tuple[list[int], list[bytes]]:
+        """``ids`` rendered from ``messages`` with their image parts' pads expanded, and those
+        images' bytes in order (none: ``ids`` as they are). Raises ValueError for images
+        without a vision-language model, or a bad image (named by message and part)."""
+        images = message_images(messages)
+        if not images:
+            return ids, []
+        if self.vision is None:
+            raise ValueError(f"{len(images)} image(s) in the messages but the model is a text "
+                             "model; image observations need a vision-language model")
+        return self.vision.expand(ids, self.vision.process(images)), images
+
+
+def message_images(messages: Sequence[Message]) -> list[bytes]:
+    """The image parts' images of ``messages`` as checked, encoded bytes, in order."""
+    from rl_core.data.images import ImageError, ImageSpec, load_image
+
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("content"), list):
+            continue
+        for j, part in enumerate(m["content"]):
+            if part.get("type") == "image":
+                try:
+                    out.append(load_image(part["image"], ImageSpec()))
+                except ImageError as exc:
+                    raise ValueError(f"message {i}, part {j}: {exc}") from exc
+    return out

@@ -87,15 +87,26 @@ class Environment(Protocol):
 
 
 def check_messages(messages: object, where: str) -> list[Message]:
-    """``messages`` as a list of ``{"role", "content": str}`` dicts, else a ``malformed``
-    :class:`EnvironmentFailure` naming ``where`` and the bad entry."""
+    """``messages`` as a list of ``{"role", "content"}`` dicts (``content`` a string, or a
+    list of ``{"type": "text", "text"}`` and ``{"type": "image", "image"}`` parts: an image
+    observation, docs/vlm.md), else a ``malformed`` :class:`EnvironmentFailure` naming
+    ``where`` and the bad entry."""
     if not isinstance(messages, list):
         raise EnvironmentFailure("malformed", f"{where} returned {type(messages).__name__}, "
                                  "expected a list of chat messages")
     for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and m.get("role") in _ROLES
-                and isinstance(m.get("content"), str)):
+        if not (isinstance(m, dict) and m.get("role") in _ROLES and _content_ok(m.get("content"))):
             raise EnvironmentFailure(
                 "malformed", f"{where}: message {i} is {str(m)[:120]!r}; expected "
-                f"{{'role': one of {sorted(_ROLES)}, 'content': str}}")
+                f"{{'role': one of {sorted(_ROLES)}, 'content': str or a list of text and "
+                "image parts}")
     return messages
+
+
+def _content_ok(content: object) -> bool:
+    if isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(p, dict) and ((p.get("type") == "text" and isinstance(p.get("text"), str))
+                                 or (p.get("type") == "image" and p.get("image") is not None))
+        for p in content)

@@ -121,8 +121,12 @@ class EpisodeRunner:
             if isinstance(out, EnvironmentFailure):
                 self._fail(e, "reset", out)
                 continue
-            e.prompt_ids = self.chat.prompt_ids(out)
-            e.trace.append({"attempt": e.attempt, "role": "reset", "messages": out,
+            try:
+                e.prompt_ids, e.images = self.chat.with_images(self.chat.prompt_ids(out), out)
+            except ValueError as exc:
+                self._fail(e, "reset", EnvironmentFailure("malformed", str(exc)))
+                continue
+            e.trace.append({"attempt": e.attempt, "role": "reset", "messages": _traced(out),
                             "tokens": len(e.prompt_ids)})
 
     def _model_turn(self, episodes: list[_Episode], params: SamplingParams, step: int,
@@ -136,7 +140,9 @@ class EpisodeRunner:
             sps.append(replace(params, max_new_tokens=max(1, min(params.max_new_tokens, budget)),
                                seed=sample_seed(seed, step, f"{rec.id}#{e.attempt}.{e.turns}", j)))
         t0 = time.monotonic()
-        outs = self.plane.generate(prompts, sps)
+        pictured = any(e.images for e in episodes)
+        outs = self.plane.generate(prompts, sps, **(
+            {"images": [tuple(e.images) for e in episodes]} if pictured else {}))
         seconds = time.monotonic() - t0
         for e, s in zip(episodes, outs, strict=True):
             e.model_turn(s)
@@ -168,7 +174,8 @@ class EpisodeRunner:
             e.reward += float(r.reward)
             e.info.update(r.info)
             e.trace.append({"attempt": e.attempt, "role": "environment", "reward": r.reward,
-                            "done": r.done, "seconds": seconds, "messages": r.observation,
+                            "done": r.done, "seconds": seconds,
+                            "messages": _traced(r.observation),
                             **{k: v for k, v in r.info.items() if k == "tool_calls"}})
             if r.done:
                 e.finish = "done"
@@ -178,11 +185,16 @@ class EpisodeRunner:
                 e.finish = "timeout"
             else:
                 obs = self.chat.observation_ids(r.observation, e.ids) if r.observation else []
+                try:
+                    obs, images = self.chat.with_images(obs, r.observation or [])
+                except ValueError as exc:
+                    self._fail(e, "step", EnvironmentFailure("malformed", str(exc)))
+                    continue
                 if len(e.ids) + len(obs) >= lim.max_tokens:
                     e.finish = "max_tokens"  # no room for the observation and another turn
                     continue
                 e.trace[-1]["tokens"] = len(obs)
-                e.observe(obs)
+                e.observe(obs, images)
 
     def _fail(self, e: _Episode, where: str, failure: EnvironmentFailure) -> None:
         message = f"attempt {e.attempt + 1}: {where}: {failure.kind}: {failure}"
@@ -207,6 +219,20 @@ class EpisodeRunner:
             trace=e.trace, seconds=time.monotonic() - e.started, started_at=e.started_at)
         sample.prompt, sample.columns = rec.question, dict(rec.columns)
         return sample
+
+
+def _traced(messages: Sequence[Message]) -> list[Message]:
+    """Messages as the trace keeps them (JSON): an image part as its size and sha256."""
+    import hashlib
+
+    def part(p: dict[str, Any]) -> dict[str, Any]:
+        if p.get("type") != "image":
+            return p
+        data = p["image"] if isinstance(p["image"], bytes) else str(p["image"]).encode()
+        return {"type": "image", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    return [m if isinstance(m.get("content"), str) else
+            {**m, "content": [part(p) for p in m["content"]]} for m in messages]
 
 
 def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:

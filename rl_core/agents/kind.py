@@ -42,9 +42,10 @@ class EpisodeFailureError(RuntimeError):
 class AgentEpisodes:
     """Episodes on ``plane`` as ``agent`` configures them (see the module docstring)."""
 
-    def __init__(self, agent: Any, plane: RolloutPlane, tokenizer: Any) -> None:  # noqa: ANN401
+    def __init__(self, agent: Any, plane: RolloutPlane, tokenizer: Any,  # noqa: ANN401
+                 vision: Any = None) -> None:  # noqa: ANN401
         self.cfg, self.plane = agent, plane
-        self.chat = ChatTokens(tokenizer)
+        self.chat = ChatTokens(tokenizer, vision)  # vision: image observations (docs/vlm.md)
         self.limits = limits_from_config(agent)
         self.runner: EpisodeRunner | None = None
         self.gateway: Any = None

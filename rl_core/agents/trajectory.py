@@ -28,15 +28,19 @@ class Trajectory:
         self.last_turn: list[int] = []
         self.text, self.finish_reason, self.version, self.turns = "", {}, 0, 0
         self.trace: list[dict[str, Any]] = []
+        self.images: list[bytes] = []  # the chain's images, in the order of its image pads
 
     def restart(self, prompt_ids: Sequence[int]) -> None:
         """A new chain from ``prompt_ids`` (a retried episode, or a history the model did
         not write)."""
         self.prompt_ids = list(prompt_ids)
         self.ids, self.mask, self.logps, self.versions = [], [], [], []
+        self.images = []
 
-    def observe(self, tokens: Sequence[int]) -> None:
-        """Tokens the environment wrote: in the chain, never trained on."""
+    def observe(self, tokens: Sequence[int], images: Sequence[bytes] = ()) -> None:
+        """Tokens the environment wrote (and the images whose pads they hold): in the chain,
+        never trained on."""
+        self.images += images
         self.ids += tokens
         self.mask += [0] * len(tokens)
         self.logps += [0.0] * len(tokens)
@@ -78,4 +82,5 @@ class Trajectory:
                       self.version, self.text, loss_mask=mask, uid=f"{step}:{record_id}:{index}",
                       group=group, record_id=record_id, answer=answer,
                       reward=0.0 if failed else float(env_reward), versions=list(self.versions),
-                      meta={"episode": episode}, routed_experts=routed)  # fmt: skip
+                      meta={"episode": episode}, routed_experts=routed,
+                      images=tuple(self.images))  # fmt: skip

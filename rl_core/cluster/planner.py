@@ -1,6 +1,8 @@
 """The parallelism planner: from a model's shape, the sequence lengths and the device's memory,
 recommend TP/PP/DP for the rollout and training planes, say why, and report the weight traffic
-each sync moves between the two layouts (the rules, formulas and sources: docs/planner.md).
+each sync moves between the two layouts (the rules, formulas and sources: docs/planner.md). A
+vision-language model's tower (:mod:`rl_core.cluster.vision`) adds its weights, its activations
+per image and its image tokens to each sequence; frozen, it has no grads or optimizer state.
 
     python -m rl_core.cluster.planner --model qwen2.5-7b --device mi300x --devices 8
 
@@ -35,11 +37,13 @@ from rl_core.cluster.shapes import (
     load_model,
     training_activation_bytes,
 )
+from rl_core.cluster.vision import VisionPlan, VisionShape, vision_activation_bytes
 
-__all__ = ["DEVICES", "MODEL_PRESETS", "MOE_DISPATCH_IMBALANCE", "Device", "ModelShape", "Plan", "Resharding", "RolloutPlan",
-           "TrainingPlan", "estimate_params", "format_plan", "fsdp_working_bytes", "get_device",
+__all__ = ["DEVICES", "MODEL_PRESETS", "MOE_DISPATCH_IMBALANCE", "Device", "ModelShape", "Plan",
+           "Resharding", "RolloutPlan", "TrainingPlan", "VisionPlan", "VisionShape",
+           "estimate_params", "format_plan", "fsdp_working_bytes", "get_device",
            "kv_bytes_per_token", "load_model", "main", "plan", "plan_to_dict", "resharding",
-           "training_activation_bytes"]
+           "training_activation_bytes", "vision_activation_bytes"]
 
 
 Placement = Literal["colocated", "disaggregated"]
@@ -50,6 +54,11 @@ TRAIN_BYTES_PER_PARAM = 16
 # Megatron with the distributed optimizer: bf16 weights 2 + fp32 main_grad 4 are split only
 # by TP x PP; fp32 master + m + v (12) are split by every device.
 MEGATRON_MODEL_BYTES_PER_PARAM, MEGATRON_OPTIM_BYTES_PER_PARAM = 6, 12
+# A frozen parameter (a vision tower under model.freeze_vision) keeps its weight only, no grad
+# or Adam state: FSDP2's fp32 shard (4), megatron's bf16 weight (2).
+FROZEN_BYTES_PER_PARAM, MEGATRON_FROZEN_BYTES_PER_PARAM = 4, 2
+# Qwen2-VL's default max_pixels (data.image_max_pixels): 1,280 tokens an image.
+IMAGE_MAX_PIXELS = 28 * 28 * 1280
 # MoE under expert parallelism: the all-to-all may hand a rank up to this multiple of its
 # share of the routed tokens (routers are not perfectly balanced; megatron drops none).
 MOE_DISPATCH_IMBALANCE = 2.0
@@ -131,7 +140,8 @@ class Resharding:
 
 @dataclass(frozen=True)
 class Plan:
-    """A recommendation for both planes, with the reasons and the warnings."""
+    """A recommendation for both planes, with the reasons and the warnings. ``image_tokens``:
+    each sequence's image tokens (a vision-language model; ``vision`` has the tower's share)."""
     model: ModelShape
     device: Device
     num_devices: int
@@ -144,10 +154,12 @@ class Plan:
     resharding: Resharding
     reasons: tuple[str, ...] = field(default_factory=tuple)
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    image_tokens: int = 0
+    vision: VisionPlan | None = None
 
     @property
     def seq_len(self) -> int:
-        return self.prompt_len + self.response_len
+        return self.prompt_len + self.image_tokens + self.response_len
 
 
 def _gib(n: float) -> str:
@@ -220,28 +232,32 @@ def _plan_rollout(m: ModelShape, dev: Device, devices: int, *, seq_len: int, rol
 
 def _plan_training(m: ModelShape, dev: Device, devices: int, *, seq_len: int, rollout_batch: int,
                    dtype_bytes: int, headroom: float, max_micro_batch: int, reasons: list[str],
-                   warnings: list[str]) -> TrainingPlan:
+                   warnings: list[str], frozen: int = 0, vision_act: Any = None) -> TrainingPlan:
+    """``frozen``: parameters without grads or optimizer state (a frozen vision tower);
+    ``vision_act(micro_batch, tp)``: the tower's activations, added to the language model's."""
     usable, p = int(dev.memory_bytes * headroom), m.n_params
     node, working = min(dev.devices_per_node, devices), fsdp_working_bytes(m, dtype_bytes)
 
     def act(mb: int, tp: int = 1) -> int:
         return training_activation_bytes(m, micro_batch=mb, seq_len=seq_len, tp=tp,
                                          dtype_bytes=dtype_bytes,
-                                         dispatch_imbalance=MOE_DISPATCH_IMBALANCE)
+                                         dispatch_imbalance=MOE_DISPATCH_IMBALANCE) + (
+            vision_act(mb, tp) if vision_act else 0)
 
     def fsdp_state(shard: int) -> int:
-        return TRAIN_BYTES_PER_PARAM * p // shard
+        return (TRAIN_BYTES_PER_PARAM * (p - frozen) + FROZEN_BYTES_PER_PARAM * frozen) // shard
 
     def megatron_state(tp: int, pp: int, ep: int = 1) -> int:
         # Experts are split by EP (never by TP: expert TP 1), the rest by TP; both by PP.
-        dense, experts = p - m.expert_params, m.expert_params
+        dense, experts = p - m.expert_params - frozen, m.expert_params
         return (MEGATRON_MODEL_BYTES_PER_PARAM * dense // (tp * pp)
+                + MEGATRON_FROZEN_BYTES_PER_PARAM * frozen // (tp * pp)
                 + MEGATRON_MODEL_BYTES_PER_PARAM * experts // (ep * pp)
-                + MEGATRON_OPTIM_BYTES_PER_PARAM * p // devices)
+                + MEGATRON_OPTIM_BYTES_PER_PARAM * (p - frozen) // devices)
 
     spare, min_devices = usable - working - act(1), None
     if spare > 0:
-        need, per_node = math.ceil(TRAIN_BYTES_PER_PARAM * p / spare), dev.devices_per_node
+        need, per_node = math.ceil(fsdp_state(1) / spare), dev.devices_per_node
         min_devices = (next(n for n in _pow2_upto(per_node) + [per_node] if n >= need)
                        if need <= per_node else math.ceil(need / per_node) * per_node)
 
@@ -257,7 +273,9 @@ def _plan_training(m: ModelShape, dev: Device, devices: int, *, seq_len: int, ro
             micro_batch=mb, max_tokens_per_device=mb * seq_len, fits=fits and mb > 0,
             min_devices=min_devices, ep=ep)
 
-    state_txt = f"16 bytes/param x {p / 1e9:.2f}B params = {_gib(TRAIN_BYTES_PER_PARAM * p)}"
+    state_txt = (f"16 bytes/param x {(p - frozen) / 1e9:.2f}B params" + (
+        f" + {FROZEN_BYTES_PER_PARAM} x {frozen / 1e9:.2f}B frozen" if frozen else "")
+        + f" = {_gib(fsdp_state(1))}")
     # 0. Mixture of experts: Megatron with expert parallelism (TP 1, PP across nodes).
     if m.experts and (moe := _plan_moe(m, dev, devices, usable, act, megatron_state, reasons)):
         return result("megatron", 1, moe[0], 1, megatron_state(1, *moe), 0, ep=moe[1])
@@ -349,9 +367,10 @@ def _plan_moe(m: ModelShape, dev: Device, devices: int, usable: int, act: Any,
 
 def resharding(m: ModelShape, dev: Device, *, placement: Placement, num_devices: int,
                rollout: RolloutPlan, training: TrainingPlan, dtype_bytes: int,
-               efficiency: float = 0.8) -> Resharding:
-    """The weight traffic of one sync (see :class:`Resharding` for the formulas)."""
-    w = m.n_params * dtype_bytes
+               efficiency: float = 0.8, frozen: int = 0) -> Resharding:
+    """The weight traffic of one sync (see :class:`Resharding` for the formulas). ``frozen``
+    parameters (a frozen vision tower) stay out of it: the engines keep what they loaded."""
+    w = (m.n_params - frozen) * dtype_bytes
     k = training.shard if training.backend == "fsdp2" else training.tp
     gather = w // training.pp * (k - 1) // k
     if training.backend == "megatron" and training.ep > 1:  # experts over EP, the rest over TP
@@ -380,13 +399,19 @@ def plan(model: ModelShape | str, device: Device | str, num_devices: int, *,
          prompt_len: int = 1024, response_len: int = 2048, rollout_batch: int = 512,
          placement: Placement = "colocated", rollout_devices: int | None = None,
          mem_fraction_static: float = 0.85, headroom: float = 0.9, min_kv_seqs: int = 32,
-         max_micro_batch: int = 64, link_efficiency: float = 0.8) -> Plan:
+         max_micro_batch: int = 64, link_efficiency: float = 0.8,
+         images_per_sample: int | None = None, image_max_pixels: int = IMAGE_MAX_PIXELS,
+         freeze_vision: bool = True) -> Plan:
     """Recommend a layout for both planes. ``rollout_batch``: sequences generated per step (prompts
     x samples each). ``placement``: ``colocated`` (both planes on all devices, taking turns: each
     frees its memory while the other runs, as slime and verl do) or ``disaggregated`` (rollout gets
     ``rollout_devices``, default half; training the rest). ``mem_fraction_static``: SGLang's share
     of memory for weights + KV pool (the rest: activations, CUDA graphs). ``headroom``: the share
-    training may fill. ``min_kv_seqs``: the KV budget (whole sequences) below which TP grows."""
+    training may fill. ``min_kv_seqs``: the KV budget (whole sequences) below which TP grows.
+    A vision-language model (``model.vision``): each sequence carries ``images_per_sample``
+    images (None: 1) of ``image_max_pixels`` (``data.image_max_pixels``), whose tokens join its
+    length (KV, activations); ``freeze_vision`` (``model.freeze_vision``): the tower keeps its
+    weights only and stays out of the weight sync (:class:`VisionPlan`)."""
     m = load_model(model) if isinstance(model, str) else model
     dev = get_device(device) if isinstance(device, str) else device
     if num_devices < 1:
@@ -407,16 +432,33 @@ def plan(model: ModelShape | str, device: Device | str, num_devices: int, *,
                              f"{num_devices}, rollout_devices={n_roll}")
     else:
         raise ValueError(f"placement must be 'colocated' or 'disaggregated', got {placement!r}")
-    dtype_bytes, seq_len = dev.dtype_bytes or m.dtype_bytes, prompt_len + response_len
+    v = m.vision
+    images = (1 if images_per_sample is None else images_per_sample) if v else 0
+    if images < 0 or image_max_pixels < 1:
+        raise ValueError("images_per_sample must be >= 0 and image_max_pixels >= 1")
+    image_tokens = images * v.tokens_per_image(image_max_pixels) if v else 0
+    frozen = m.vision_params if v and freeze_vision else 0
+    dtype_bytes, seq_len = (dev.dtype_bytes or m.dtype_bytes,
+                            prompt_len + image_tokens + response_len)
     reasons, warnings = [], []
+
+    def vision_act(mb: int, tp: int) -> int:
+        return vision_activation_bytes(v, images=mb * images, max_pixels=image_max_pixels,
+                                       trainable=not frozen, tp=tp, dtype_bytes=dtype_bytes)
+
     common = dict(seq_len=seq_len, rollout_batch=rollout_batch, dtype_bytes=dtype_bytes,
                   reasons=reasons, warnings=warnings)
     roll = _plan_rollout(m, dev, n_roll, mem_fraction_static=mem_fraction_static,
                          min_kv_seqs=min_kv_seqs, **common)
     train = _plan_training(m, dev, n_train, headroom=headroom, max_micro_batch=max_micro_batch,
-                           **common)
+                           frozen=frozen, vision_act=vision_act if images else None, **common)
     sync = resharding(m, dev, placement=placement, num_devices=num_devices, rollout=roll,
-                      training=train, dtype_bytes=dtype_bytes, efficiency=link_efficiency)
+                      training=train, dtype_bytes=dtype_bytes, efficiency=link_efficiency,
+                      frozen=frozen)
+    vision = _vision_plan(v, train, roll, images=images, max_pixels=image_max_pixels,
+                          frozen=bool(frozen), dtype_bytes=dtype_bytes,
+                          act=vision_act(max(train.micro_batch, 1), train.tp) if images else 0
+                          ) if v else None
     if placement == "colocated":
         offload = 2 * train.state_bytes / (dev.pcie_gbps * GB * link_efficiency)
         train = dataclasses.replace(train, offload_seconds=offload)
@@ -434,10 +476,27 @@ def plan(model: ModelShape | str, device: Device | str, num_devices: int, *,
         f"weight sync: {_gib(sync.weight_bytes)} to each of {roll.dp} rollout replica(s) "
         f"({_gib(sync.bytes_to_rollout)} in all; {_gib(sync.bytes_per_rollout_device)} kept "
         f"per rollout device), ~{sync.seconds:.2f} s at the links' bandwidth")
+    reasons += [vision.reason()] if vision else []
     return Plan(model=m, device=dev, num_devices=num_devices, placement=placement,
                 prompt_len=prompt_len, response_len=response_len, rollout_batch=rollout_batch,
                 rollout=roll, training=train, resharding=sync, reasons=tuple(reasons),
-                warnings=tuple(warnings))
+                warnings=tuple(warnings), image_tokens=image_tokens, vision=vision)
+
+
+def _vision_plan(v: VisionShape, t: TrainingPlan, r: RolloutPlan, *, images: int,
+                 max_pixels: int, frozen: bool, dtype_bytes: int, act: int) -> VisionPlan:
+    """The vision tower's share of the plan (:class:`VisionPlan`)."""
+    pv, mega = v.params, (MEGATRON_FROZEN_BYTES_PER_PARAM if frozen
+                          else MEGATRON_MODEL_BYTES_PER_PARAM)
+    state = ((FROZEN_BYTES_PER_PARAM if frozen else TRAIN_BYTES_PER_PARAM) * pv // t.shard
+             if t.backend == "fsdp2" else mega * pv // (t.tp * t.pp)
+             + (0 if frozen else MEGATRON_OPTIM_BYTES_PER_PARAM * pv // t.devices))
+    return VisionPlan(
+        params=pv, trainable=not frozen, images_per_sample=images, max_pixels=max_pixels,
+        patches_per_image=v.patches_per_image(max_pixels),
+        tokens_per_image=v.tokens_per_image(max_pixels),
+        rollout_weight_bytes=pv * dtype_bytes // (r.tp * r.pp), train_state_bytes=state,
+        train_activation_bytes=act, sync_bytes=0 if frozen else pv * dtype_bytes)
 
 
 def _sync_how(s: Resharding) -> str:
@@ -458,8 +517,9 @@ def plan_to_dict(p: Plan) -> dict[str, Any]:
         "model": {**dataclasses.asdict(p.model), "params": p.model.n_params},
         "device": dataclasses.asdict(p.device), "num_devices": p.num_devices,
         "placement": p.placement, "prompt_len": p.prompt_len, "response_len": p.response_len,
-        "seq_len": p.seq_len, "rollout_batch": p.rollout_batch}
-    for key in ("rollout", "training", "resharding"):
+        "seq_len": p.seq_len, "image_tokens": p.image_tokens, "rollout_batch": p.rollout_batch}
+    out["vision"] = None  # a text model's
+    for key in ("rollout", "training", "resharding") + (("vision",) if p.vision else ()):
         section = out[key] = dataclasses.asdict(getattr(p, key))
         section.update({k.replace("bytes", "gib"): round(v / GIB, 2)
                         for k, v in section.items() if "bytes" in k and isinstance(v, int)})
@@ -483,8 +543,9 @@ def format_plan(p: Plan) -> str:
     lines = [
         f"{m.name} ({m.n_params / 1e9:.2f}B params) on {p.num_devices} x {d.label} "
         f"({d.memory_gib:g} GiB, {d.interconnect}), {p.placement}",
-        f"sequences: {p.prompt_len} prompt + {p.response_len} response = {p.seq_len} tokens; "
-        f"rollout batch {p.rollout_batch}", "",
+        f"sequences: {p.prompt_len} prompt + "
+        + (f"{p.image_tokens} image + " if p.vision else "")
+        + f"{p.response_len} response = {p.seq_len} tokens; rollout batch {p.rollout_batch}", "",
         f"{'plane':<9}{'devices':>8}{'TP':>4}{'PP':>4}{'DP':>5}  {'per device':<40}notes",
         *(f"{n:<9}{x.devices:>8}{x.tp:>4}{x.pp:>4}{x.dp:>5}  {mem:<40}{note}" for n, x, mem, note
           in (("rollout", r, rollout_mem, rollout_note), ("training", t, train_mem, train_note))),
@@ -492,7 +553,8 @@ def format_plan(p: Plan) -> str:
         f"weight sync: {_gib(s.weight_bytes)} x {s.replicas} replica(s) = "
         f"{_gib(s.bytes_to_rollout)}; {_gib(s.bytes_per_rollout_device)} kept per rollout "
         f"device; ~{s.seconds:.2f} s",
-        f"  {_sync_how(s)}", "", "why:", *(f"  - {x}" for x in p.reasons)]
+        f"  {_sync_how(s)}", *([p.vision.describe()] if p.vision else []), "", "why:",
+        *(f"  - {x}" for x in p.reasons)]
     if p.warnings:
         lines += ["warnings:", *(f"  ! {x}" for x in p.warnings)]
     return "\n".join(lines)
@@ -513,13 +575,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rollout-devices", type=int, help="disaggregated: rollout's share")
     ap.add_argument("--memory-gib", type=float, help="override the device memory (CPU RAM)")
     ap.add_argument("--mem-fraction-static", type=float, default=0.85)
+    ap.add_argument("--images-per-sample", type=int, help="vision-language model (default 1)")
+    ap.add_argument("--image-max-pixels", type=int, default=IMAGE_MAX_PIXELS,
+                    help=f"data.image_max_pixels (default {IMAGE_MAX_PIXELS:,})")
+    ap.add_argument("--train-vision", action="store_true",
+                    help="model.freeze_vision: false (the vision tower trains too)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)  # None: sys.argv[1:]
     knobs = ("prompt_len", "response_len", "rollout_batch", "placement", "rollout_devices",
-             "mem_fraction_static")  # plan()'s keywords, as argparse names them
+             "mem_fraction_static", "images_per_sample", "image_max_pixels")  # plan()'s keywords
     try:
         result = plan(load_model(args.model), get_device(args.device, memory_gib=args.memory_gib),
-                      args.devices, **{k: getattr(args, k) for k in knobs})
+                      args.devices, freeze_vision=not args.train_vision,
+                      **{k: getattr(args, k) for k in knobs})
     except ValueError as e:
         print(f"grpoflow plan: {e}", file=sys.stderr)
         return 2

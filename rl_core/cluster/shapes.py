@@ -1,6 +1,7 @@
 """What the planner plans for: devices (memory, interconnects) and model shapes (from presets,
-an HF ``config.json`` or a directory), with the byte counts of their weights, KV cache and
-activations (the formulas: docs/planner.md). Pure standard-library arithmetic.
+an HF ``config.json`` or a directory; a vision-language model's vision tower:
+:mod:`rl_core.cluster.vision`), with the byte counts of their weights, KV cache and activations
+(the formulas: docs/planner.md). Pure standard-library arithmetic.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEVICES", "GB", "GIB", "MODEL_PRESETS", "Device", "ModelShape", "estimate_params",
-           "fsdp_working_bytes", "get_device", "kv_bytes_per_token", "load_model",
-           "training_activation_bytes"]
+from rl_core.cluster.vision import VisionShape
+
+__all__ = ["DEVICES", "GB", "GIB", "MODEL_PRESETS", "Device", "ModelShape", "VisionShape",
+           "estimate_params", "fsdp_working_bytes", "get_device", "kv_bytes_per_token",
+           "load_model", "training_activation_bytes"]
 
 GIB, GB = 2**30, 10**9
 
@@ -74,9 +77,11 @@ def get_device(name: str, *, memory_gib: float | None = None) -> Device:
 @dataclass(frozen=True)
 class ModelShape:
     """The numbers of a decoder-only transformer that memory depends on. ``params``: the parameter
-    count (None: :func:`estimate_params`). ``intermediate``: the dense MLP width; an MoE model sets
-    ``experts``, ``expert_intermediate`` and ``experts_per_token`` (all experts live in memory, the
-    top-k run per token). ``dtype_bytes``: the checkpoint's (bf16 = 2)."""
+    count, vision tower included (None: :func:`estimate_params`). ``intermediate``: the dense MLP
+    width; an MoE model sets ``experts``, ``expert_intermediate`` and ``experts_per_token`` (all
+    experts live in memory, the top-k run per token). ``dtype_bytes``: the checkpoint's (bf16 =
+    2). ``vision``: a vision-language model's vision tower (None: a text model); the other
+    fields describe its language model."""
     name: str
     layers: int
     hidden: int
@@ -93,6 +98,7 @@ class ModelShape:
     experts_per_token: int = 0
     dtype_bytes: int = 2
     params: int | None = None
+    vision: VisionShape | None = None
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "dtype_bytes"):
@@ -107,6 +113,11 @@ class ModelShape:
     @property
     def n_params(self) -> int:
         return int(self.params or 0)
+
+    @property
+    def vision_params(self) -> int:
+        """The vision tower's parameters (from its shape; 0 for a text model)."""
+        return self.vision.params if self.vision else 0
 
     @property
     def mlp_active_width(self) -> int:
@@ -139,8 +150,10 @@ class ModelShape:
     def from_hf_config(cls, cfg: Mapping[str, Any], *, name: str = "",
                        params: int | None = None) -> ModelShape:
         """From a Hugging Face ``config.json`` dict (Llama, Qwen2/2.5/3, Mistral, Qwen3-MoE,
-        Mixtral; its ``text_config`` when the top level has no ``hidden_size``). ``params``
-        overrides the estimate (which misses shared experts and dense layers of an MoE stack)."""
+        Mixtral, Qwen2-VL and Qwen2.5-VL with their ``vision_config``; the ``text_config`` when
+        the top level has no ``hidden_size``). ``params`` overrides the estimate (which misses
+        shared experts and dense layers of an MoE stack)."""
+        top = cfg
         if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), Mapping):
             cfg = cfg["text_config"]
         try:
@@ -151,17 +164,19 @@ class ModelShape:
         experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
         intermediate = int(cfg.get("intermediate_size") or 4 * hidden)
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-        model_type = str(cfg.get("model_type", ""))
+        model_type = str(top.get("model_type") or cfg.get("model_type", ""))
+        qwen2 = model_type in ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl")
         return cls(
             name=name or str(cfg.get("_name_or_path") or model_type or "model"), layers=layers,
             hidden=hidden, heads=heads, kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads), vocab=vocab,
             intermediate=intermediate, tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
+            qkv_bias=bool(cfg.get("attention_bias", qwen2)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"), experts=experts,
             expert_intermediate=experts and int(cfg.get("moe_intermediate_size") or intermediate),
             experts_per_token=experts and int(cfg.get("num_experts_per_tok") or 0),
-            dtype_bytes=4 if dtype in ("float32", "torch.float32") else 2, params=params)
+            dtype_bytes=4 if dtype in ("float32", "torch.float32") else 2, params=params,
+            vision=_vision_from_hf(top.get("vision_config"), hidden))
 
     @classmethod
     def from_directory(cls, path: str | Path) -> ModelShape:
@@ -176,12 +191,33 @@ class ModelShape:
         return dataclasses.replace(shape, params=params) if params else shape
 
 
+def _vision_from_hf(vc: object, lm_hidden: int) -> VisionShape | None:
+    """The vision tower of a Qwen2.5-VL ``vision_config`` (``hidden_size``, ``intermediate_size``,
+    ``out_hidden_size``: a SwiGLU tower) or a Qwen2-VL one (``embed_dim``, ``mlp_ratio``, its
+    ``hidden_size`` the output width: a GELU tower); None without one (or without ``depth``:
+    another family's tower, left to the safetensors count)."""
+    if not isinstance(vc, Mapping) or "depth" not in vc:
+        return None
+    gated = "embed_dim" not in vc
+    hidden = int(vc["hidden_size"] if gated else vc["embed_dim"])
+    return VisionShape(
+        depth=int(vc["depth"]), hidden=hidden,
+        intermediate=int(vc.get("intermediate_size") if gated
+                         else hidden * float(vc.get("mlp_ratio", 4))),
+        heads=int(vc.get("num_heads", 16)),
+        out_hidden=int(vc.get("out_hidden_size") or (lm_hidden if gated else vc["hidden_size"])),
+        patch=int(vc.get("patch_size", 14)), spatial_merge=int(vc.get("spatial_merge_size", 2)),
+        temporal_patch=int(vc.get("temporal_patch_size", 2)),
+        in_channels=int(vc.get("in_chans") or vc.get("in_channels") or 3), gated=gated)
+
+
 def estimate_params(m: ModelShape) -> int:
-    """Parameters from the shape, exact for Llama/Qwen2-style dense models (the formula:
-    docs/planner.md): ``layers`` x :attr:`ModelShape.layer_params`, the embedding and lm_head
-    (one matrix when tied), and the final norm."""
+    """Parameters from the shape, exact for Llama/Qwen2-style dense models and Qwen2.5-VL (the
+    formula: docs/planner.md): ``layers`` x :attr:`ModelShape.layer_params`, the embedding and
+    lm_head (one matrix when tied), the final norm, and the vision tower
+    (:attr:`VisionShape.params`)."""
     embeddings = m.vocab * m.hidden * (1 if m.tied_embeddings else 2)
-    return m.layers * m.layer_params + embeddings + m.hidden
+    return m.layers * m.layer_params + embeddings + m.hidden + m.vision_params
 
 
 def _safetensors_params(directory: Path, dtype_bytes: int) -> int | None:
@@ -197,6 +233,12 @@ def _safetensors_params(directory: Path, dtype_bytes: int) -> int | None:
     return count or None
 
 
+# Qwen2.5-VL's vision tower (vision_config of Qwen2.5-VL-3B/7B/72B-Instruct): 32 blocks of 1280,
+# SwiGLU 3420, 16 heads, 14-pixel patches merged 2 x 2 into a token of the LM's width.
+def _qwen25_vl_vision(out_hidden: int) -> VisionShape:
+    return VisionShape(depth=32, hidden=1280, intermediate=3420, heads=16, out_hidden=out_hidden)
+
+
 # The published shapes (config.json of each model on the Hugging Face hub), positionally: name,
 # layers, hidden, heads, kv_heads, head_dim, vocab, intermediate, tied_embeddings, qkv_bias.
 MODEL_PRESETS: dict[str, ModelShape] = {m.name: m for m in (
@@ -209,6 +251,10 @@ MODEL_PRESETS: dict[str, ModelShape] = {m.name: m for m in (
                expert_intermediate=768, experts_per_token=8),
     ModelShape("llama-3.1-8b", 32, 4096, 32, 8, 128, 128256, 14336),
     ModelShape("llama-3.1-70b", 80, 8192, 64, 8, 128, 128256, 28672),
+    ModelShape("qwen2.5-vl-3b", 36, 2048, 16, 2, 128, 151936, 11008, True, True,
+               vision=_qwen25_vl_vision(2048)),
+    ModelShape("qwen2.5-vl-7b", 28, 3584, 28, 4, 128, 152064, 18944, qkv_bias=True,
+               vision=_qwen25_vl_vision(3584)),
 )}
 
 

@@ -12,7 +12,8 @@ from rl_core.config.base import Section
 class ModelConfig(Section):
     """The policy model to start from."""
     path: str = Field("embedded:tiny", min_length=1, description="HF hub id, local HF directory, "
-        "or `embedded:tiny` to build the demo model.")
+        "or `embedded:tiny` to build the demo model (`embedded:tiny-vlm`: the vision-language "
+        "demo's, docs/vlm.md).")
     revision: str | None = Field(
         None, description="Hub branch, tag or commit (default: main); cached by commit sha.")
     name: str = Field("grpoflow-tiny", description="Registered model name for the final export.")
@@ -21,6 +22,9 @@ class ModelConfig(Section):
         "for `float32`.")
     trust_remote_code: bool = Field(False, description="Let the model's own Python code run "
         "when its config, tokenizer and weights load (Hugging Face `trust_remote_code`).")
+    freeze_vision: bool = Field(True, description="Vision-language models: keep the vision "
+        "tower and its merger frozen (most recipes do); false trains them too, and weight sync "
+        "then carries them (docs/vlm.md).")
     # Knobs of the embedded tiny model (used only when path is `embedded:tiny`).
     tiny_hidden_size: int = Field(192, ge=16, description="Hidden size of the tiny model.")
     tiny_layers: int = Field(4, ge=1, description="Transformer layers of the tiny model.")
@@ -80,6 +84,11 @@ class SourceConfig(Section):
         "chat template; `{question}` is replaced by the question (nothing else is formatted, so "
         "other braces are kept).")
     # Synthetic generator knobs.
+    synthetic_task: Literal["arithmetic", "shapes"] = Field("arithmetic", description="The "
+        "synthetic task: `arithmetic` word problems (the text demo) or `shapes`, pictures of "
+        "coloured shapes with a question each (the vision-language demo, docs/vlm.md).")
+    synthetic_image_size: int = Field(64, ge=32, le=448, description="`shapes`: the pictures' "
+        "side in pixels.")
     synthetic_train_size: int = Field(3000, ge=1, description="Synthetic training problems.")
     synthetic_test_size: int = Field(
         300, ge=1, description="Synthetic held-out problems (none of them in the training set).")
@@ -128,6 +137,8 @@ class DataConfig(SourceConfig):
 
     def synthetic_knobs(self) -> dict[str, Any]:
         """The generator's knobs, as :func:`rl_core.data.generate_splits` takes them."""
+        if self.synthetic_task == "shapes":  # rl_core.data.shapes.shape_splits
+            return {"task": "shapes", "size": self.synthetic_image_size}
         knobs: dict[str, Any] = {"digits": tuple(self.synthetic_digits),
                                  "operations": tuple(self.synthetic_operations),
                                  "steps": tuple(self.synthetic_steps)}

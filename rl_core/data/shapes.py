@@ -1,9 +1,10 @@
 """Seeded pictures of coloured shapes with questions about them: the visual task of the tiny
 vision-language demo (docs/vlm.md). Two kinds, mixed: "How many <colour> squares are there?"
-(1 to ``max_count``, among distractors of other colours and shapes; answer a number) and
-"What colour is the circle?" (one circle among squares; answer a colour word). Drawn with
-Pillow on ``size`` x ``size`` pixels, no overlaps; a pure function of (n, seed, knobs), no
-global random state, no I/O.
+(1 to ``max_count``, among up to two squares of other colours; answer a number) and "What
+colour is the circle?" (one circle among squares of one other colour; answer a colour word).
+Drawn with Pillow on a black ``size`` x ``size`` picture, one shape per cell of a 4 x 4 grid,
+so a tiny model can learn it from colours and areas within minutes. A pure function of
+(n, seed, knobs), no global random state, no I/O.
 """
 
 from __future__ import annotations
@@ -17,53 +18,41 @@ __all__ = ["COLOURS", "generate_shapes", "shape_splits"]
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220),
            "yellow": (235, 200, 20)}
-_MAX_TRIES = 200
-
-
-def _place(rng: random.Random, boxes: list[tuple[int, int, int, int]], size: int,
-           side: int) -> tuple[int, int, int, int] | None:
-    """A free ``side``-pixel box (with a 2-pixel gap to the others), or None."""
-    for _ in range(_MAX_TRIES):
-        x, y = rng.randrange(0, size - side), rng.randrange(0, size - side)
-        box = (x, y, x + side, y + side)
-        if all(box[2] + 2 <= b[0] or b[2] + 2 <= box[0] or box[3] + 2 <= b[1] or
-               b[3] + 2 <= box[1] for b in boxes):
-            return box
-    return None
+GRID = 4  # shapes sit in distinct cells of a GRID x GRID grid (no overlaps, no retries)
+# Black, not white: normalised by the processor's mean and std a black background sits near
+# -1.8 and the shapes far from it (with white, the near-constant background dominates what a
+# randomly initialised vision tower passes on).
+BACKGROUND = (0, 0, 0)
 
 
 def _picture(rng: random.Random, size: int, max_count: int) -> tuple[str, str, bytes]:
-    """(question, answer, PNG bytes) of one picture."""
+    """(question, answer, PNG bytes) of one picture: each shape fills a random free cell of
+    the grid, inset by a sixth of the cell."""
     from PIL import Image, ImageDraw
 
-    side = max(6, size // 8)
-    while True:  # a crowded draw that cannot place every shape is drawn again
-        im = Image.new("RGB", (size, size), (255, 255, 255))
-        draw, boxes, ok = ImageDraw.Draw(im), [], True
-        colours = list(COLOURS)
-        if rng.random() < 0.5:
-            colour = rng.choice(colours)
-            count = rng.randint(1, max_count)
-            shapes = [("square", colour)] * count + [
-                rng.choice([("square", c) for c in colours if c != colour] +
-                           [("circle", c) for c in colours]) for _ in range(rng.randint(0, 2))]
-            question, answer = f"How many {colour} squares are there?", str(count)
-        else:
-            colour = rng.choice(colours)
-            shapes = [("circle", colour)] + [("square", rng.choice(colours))
-                                             for _ in range(rng.randint(1, 3))]
-            question, answer = "What colour is the circle?", colour
-        for kind, c in shapes:
-            box = _place(rng, boxes, size, side)
-            if box is None:
-                ok = False
-                break
-            boxes.append(box)
-            (draw.ellipse if kind == "circle" else draw.rectangle)(box, fill=COLOURS[c])
-        if ok:
-            out = io.BytesIO()
-            im.save(out, format="PNG")
-            return question, answer, out.getvalue()
+    im = Image.new("RGB", (size, size), BACKGROUND)
+    draw, colours = ImageDraw.Draw(im), list(COLOURS)
+    if rng.random() < 0.5:
+        colour = rng.choice(colours)
+        count = rng.randint(1, max_count)
+        shapes = [("square", colour)] * count + [
+            ("square", rng.choice([c for c in colours if c != colour]))
+            for _ in range(rng.randint(0, 2))]
+        question, answer = f"How many {colour} squares are there?", str(count)
+    else:  # one circle among squares of one other colour
+        colour, other = rng.sample(colours, 2)
+        shapes = [("circle", colour)] + [("square", other)] * rng.randint(1, 3)
+        question, answer = "What colour is the circle?", colour
+    cell = size / GRID
+    inset = cell / 6
+    for (kind, c), k in zip(shapes, rng.sample(range(GRID * GRID), len(shapes)), strict=True):
+        x, y = (k % GRID) * cell, (k // GRID) * cell
+        box = (round(x + inset), round(y + inset), round(x + cell - inset) - 1,
+               round(y + cell - inset) - 1)
+        (draw.ellipse if kind == "circle" else draw.rectangle)(box, fill=COLOURS[c])
+    out = io.BytesIO()
+    im.save(out, format="PNG")
+    return question, answer, out.getvalue()
 
 
 def generate_shapes(n: int, seed: int = 0, *, size: int = 64, max_count: int = 4) -> list[Record]:
@@ -84,7 +73,8 @@ def generate_shapes(n: int, seed: int = 0, *, size: int = 64, max_count: int = 4
 def shape_splits(train_size: int, test_size: int, seed: int = 0, **knobs: int
                  ) -> tuple[list[Record], list[Record]]:
     """Disjoint train and held-out splits (a held-out picture never appears in training)."""
-    pool = generate_shapes(train_size + test_size + test_size // 4 + 8, seed, **knobs)
+    want = train_size + test_size
+    pool = generate_shapes(want + want // 4 + 8, seed, **knobs)  # repeats are dropped
     unique = list({r.id: r for r in pool}.values())
     test = unique[:test_size]
     train = unique[test_size:test_size + train_size]

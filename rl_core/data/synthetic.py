@@ -120,11 +120,19 @@ def generate_splits(
     n_train: int, n_test: int, seed: int, *, digits: tuple[int, int] = (1, 2),
     operations: Sequence[str] = ("+", "-"), steps: tuple[int, int] = (1, 2),
     allow_negative: bool = False, long_frac: float = 0.0, long_steps: int = 12,
+    task: str = "arithmetic", size: int = 64,
 ) -> tuple[list[Record], list[Record]]:
     """(train, test): train is ``generate_arithmetic(n_train, seed, ...)``; test questions are
     unique and never appear in train; test ids are ``syn-{seed}-test-{i}``. Raises ValueError
-    when the knobs allow too few distinct questions to fill the test set.
+    when the knobs allow too few distinct questions to fill the test set. ``task="shapes"``:
+    :func:`rl_core.data.shapes.shape_splits` on ``size``-pixel pictures instead.
     """
+    if task == "shapes":
+        from rl_core.data.shapes import shape_splits
+
+        return shape_splits(n_train, n_test, seed, size=size)
+    if task != "arithmetic":
+        raise ValueError(f"synthetic task must be arithmetic or shapes, got {task!r}")
     if n_test < 0:
         raise ValueError(f"n_test must be >= 0, got {n_test}")
     train = generate_arithmetic(n_train, seed, digits=digits, operations=operations, steps=steps,

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from rl_core.engine import faults
 from rl_core.engine.control import (
@@ -38,9 +38,11 @@ from rl_core.engine.lora import Adapters
 from rl_core.engine.requests import GenerateOutput, GenerateRequest, abort_reason, add_run
 from rl_core.engine.routing import RoutingCapture
 from rl_core.engine.sampling import hit_stop, prompt_logprobs, sample_next
+from rl_core.engine.vision import RequestImages
 from rl_core.engine.weights import ServedWeights
-from rl_core.models import eos_token_ids, torch_dtype
+from rl_core.models import eos_token_ids, load_policy_model, torch_dtype
 from rl_core.models.moe import prefer_fast_experts
+from rl_core.models.vlm import VisionProcessor, is_vision_model
 
 __all__ = ["PAUSE_MODES", "EmbeddedEngine", "EngineRequestError", "EngineStateError",
            "GenerateOutput", "GenerateRequest"]
@@ -106,12 +108,15 @@ class EmbeddedEngine(EngineControl):
                         model_path, e)
             tok = None
         self.tokenizer = tok
-        self.model = model if model is not None else AutoModelForCausalLM.from_pretrained(
+        self.model = model if model is not None else load_policy_model(
             model_path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
         ).to(self.device)
         self.model.eval().requires_grad_(False)
         prefer_fast_experts(self.model)
-        cfg = self.model.config
+        # A vision-language model: its image processor checks and expands request images.
+        self.images = RequestImages(VisionProcessor(model_path, self.model.config)
+                                    if is_vision_model(self.model) else None, self.model_path)
+        cfg = self.model.config.get_text_config()
         self.vocab_size = int(cfg.vocab_size)
         self.context_length = int(context_length or cfg.max_position_embeddings)
         self.max_running_requests = int(max_running_requests)
@@ -439,7 +444,8 @@ class EmbeddedEngine(EngineControl):
         keep_logits = 0
         if new[0].needs_input_logprobs:
             keep_logits = max(1, len(seqs[0]) - new[0].req.logprob_start_len)
-        last, prompt_logits = self._kv.prefill(seqs, [s.reserve for s in new], keep_logits)
+        last, prompt_logits = self._kv.prefill(seqs, [s.reserve for s in new], keep_logits,
+                                               [s.req.images for s in new])
         self._routing.prefill(new, self._kv.token_rows([len(q) for q in seqs]))
         self.stats["prefill_batches"] += 1
         if prompt_logits is not None:

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from rl_core.models.vlm import ImageInputs, concat_images, is_vision_model, mrope_positions
+
 __all__ = ["KV_LAYOUTS", "PaddedBatch", "SlotBatch", "make_kv_batch"]
 
 log = logging.getLogger(__name__)
@@ -100,10 +102,13 @@ class SlotBatch:
                 return "a decoder layer without Llama-style norms"
         return None
 
-    def prefill(self, seqs: list[list[int]], reserves: list[int],
-                keep_logits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def prefill(self, seqs: list[list[int]], reserves: list[int], keep_logits: int,
+                images: list[ImageInputs | None] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Compute ``seqs`` into the slots after the batch; (last logits, prompt logits):
-        ``keep_logits`` > 0 (one sequence only) also returns its last positions' logits."""
+        ``keep_logits`` > 0 (one sequence only) also returns its last positions' logits.
+        Text only: ``images`` must be None or all None (vision models run padded)."""
+        assert not any(images or []), "SlotBatch runs text models only"
         lengths = [len(q) for q in seqs]
         n, b, width = len(seqs), self.rows, max(lengths)
         self._reserve(b + n, width, max([*self.limits, *reserves]))
@@ -332,27 +337,39 @@ def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
 class PaddedBatch:
     """The running batch through the model's own forward: any full-attention HF causal LM.
     Rows left-padded in a ``DynamicCache`` (per-row masks, positions); leading columns no row
-    needs are trimmed when rows leave; every decode step copies the whole cache."""
+    needs are trimmed when rows leave; every decode step copies the whole cache. A Qwen2-VL-
+    family model gets its rows' images in prefill and M-RoPE positions (models/vlm.py)."""
 
     layout = "padded"
 
     def __init__(self, model: torch.nn.Module, device: torch.device, pad_token_id: int) -> None:
         self.model, self.device, self.pad = model, device, pad_token_id
+        self.vision = is_vision_model(model)  # M-RoPE: 3-row positions, images in prefill
         self.clear()
 
-    def prefill(self, seqs: list[list[int]], reserves: list[int],
-                keep_logits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def prefill(self, seqs: list[list[int]], reserves: list[int], keep_logits: int,
+                images: list[ImageInputs | None] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         width = max(len(q) for q in seqs)
         ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
         for i, q in enumerate(seqs):
             ids[i, width - len(q) :] = torch.tensor(q, dtype=torch.long)
             mask[i, width - len(q) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        extra: dict[str, Any] = {}
+        if self.vision:  # per-row M-RoPE positions; the rows' images in row order
+            pixels = concat_images(images or [])
+            positions, next_pos = mrope_positions(self.model, ids, mask, pixels)
+            if pixels is not None:
+                extra = {"pixel_values": pixels.pixel_values.to(self.device),
+                         "image_grid_thw": pixels.grid_thw.to(self.device)}
+        else:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            next_pos = positions[:, -1] + 1
         out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                          position_ids=positions.to(self.device), use_cache=True,
-                         logits_to_keep=max(1, keep_logits))
-        self._staged = (out.past_key_values, mask, positions[:, -1] + 1)
+                         logits_to_keep=max(1, keep_logits), **extra)
+        self._staged = (out.past_key_values, mask, next_pos)
         return out.logits[:, -1, :], (out.logits[0] if keep_logits else None)
 
     @staticmethod
@@ -389,9 +406,12 @@ class PaddedBatch:
         assert self.mask is not None and self.next_pos is not None
         ones = torch.ones((self.mask.shape[0], 1), dtype=self.mask.dtype)
         self.mask = torch.cat([self.mask, ones], dim=1)
+        positions = self.next_pos[:, None]
+        if self.vision:  # the same next position on all three M-RoPE rows
+            positions = positions[None].expand(3, -1, -1)
         out = self.model(input_ids=tokens[:, None].to(self.device),
                          attention_mask=self.mask.to(self.device), past_key_values=self.cache,
-                         position_ids=self.next_pos[:, None].to(self.device), use_cache=True)
+                         position_ids=positions.to(self.device), use_cache=True)
         self.cache = out.past_key_values
         self.next_pos = self.next_pos + 1
         return out.logits[:, -1, :]

@@ -28,6 +28,7 @@ from rl_core.engine.core import (
     GenerateRequest,
 )
 from rl_core.engine.sampling import SamplingParams
+from rl_core.engine.vision import image_list
 
 MAX_REQUEST_BYTES = 64 * 2**20  # create_app arguments; `grpoflow engine serve --max-request-mb`
 MAX_REQUEST_SAMPLES = 16384
@@ -44,7 +45,7 @@ _SAMPLING_KNOWN = _SAMPLING_IMPLEMENTED | set(_SAMPLING_DEFAULT_ONLY) | _SAMPLIN
 # Top-level /generate fields refused unless at their default.
 _GENERATE_DEFAULT_ONLY: dict[str, Any] = {
     "input_embeds": None, "stream": False, "top_logprobs_num": 0, "token_ids_logprob": None,
-    "image_data": None, "video_data": None, "audio_data": None,
+    "video_data": None, "audio_data": None,
     "return_hidden_states": False}
 
 
@@ -301,12 +302,17 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine, max_samples: in
     routed = _per_item(field(body, "return_routed_experts", lambda v: isinstance(v, bool | list),
                              "a bool or list"), batch, "return_routed_experts", n, False)
     loras = _per_item(body.get("lora_path"), batch, "lora_path", n, None)
+    # SGLang's image_data: one prompt's image(s), or (a batch) one entry per prompt
+    images = body.get("image_data")
+    per_prompt = [images] if single else _per_item(images, batch, "image_data", 1, None)
+    prepared = [engine.images.prepare(list(p), image_list(per_prompt[i]))
+                for i, p in enumerate(prompts)]
     if not all(x is None or isinstance(x, str) for x in loras):
         raise BadRequest("lora_path must be an adapter name, a list of them, or null")
 
     reqs: list[GenerateRequest] = []
     opts: list[ItemOpts] = []
-    for i, prompt in enumerate(prompts):  # prompt-major: p0s0, p0s1, ..., p1s0, ...
+    for i, (prompt, pixels) in enumerate(prepared):  # prompt-major: p0s0, p0s1, ..., p1s0, ...
         params, _, text_opts = parsed[i]
         want_lp, start = bool(rlp[i]), starts[i]
         if not is_int(start):
@@ -318,7 +324,7 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine, max_samples: in
             seeded = n > 1 and params.seed is not None
             p = replace(params, seed=params.seed + j) if seeded else params
             reqs.append(GenerateRequest(sample_rid, list(prompt), p, want_lp, start, loras[i],
-                                        bool(routed[i])))
+                                        bool(routed[i]), images=pixels))
             opts.append(ItemOpts(list(prompt), want_lp, start, **text_opts,
                                  return_text_in_logprobs=text_in_lp))
     return single and n == 1, reqs, opts  # SGLang answers a list for n > 1
@@ -374,7 +380,8 @@ def model_info(eng: EmbeddedEngine) -> dict[str, Any]:
     cfg = eng.model.config
     return {"model_path": eng.model_path, "is_generation": True, "preferred_sampling_params": None,
             "tokenizer_path": eng.tokenizer_path if eng.tokenizer is not None else None,
-            "weight_version": eng.weight_version, "has_image_understanding": False,
+            "weight_version": eng.weight_version,
+            "has_image_understanding": eng.images.processor is not None,
             "has_audio_understanding": False, "model_type": getattr(cfg, "model_type", None),
             "architectures": getattr(cfg, "architectures", None)}
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rl_core.engine.sampling import SamplingParams
+from rl_core.models.vlm import ImageInputs
 
 __all__ = ["GenerateOutput", "GenerateRequest", "abort_reason", "add_run"]
 
@@ -27,6 +28,9 @@ class GenerateRequest:
     logprob_start_len: int = -1
     lora: str | None = None  # SGLang's lora_path: the adapter's name (None: the base model)
     return_routed_experts: bool = False  # MoE: every token's experts (engine/routing.py)
+    # The prompt's images as the model takes them (its image pads already expanded to match:
+    # engine/vision.py); None: a text prompt.
+    images: ImageInputs | None = None
 
 
 @dataclass

@@ -29,7 +29,7 @@ from rl_core.engine.sampling import SamplingParams
 from rl_core.engine.tool_parser import parse_tool_calls
 
 __all__ = ["OPENAI_TIMEOUT_S", "OpenAIError", "OpenAIRequest", "chat_choice", "chat_prompt_ids",
-           "completion_choice", "completion_text", "envelope", "normalize_messages",
+           "completion_choice", "completion_text", "envelope", "message_images", "normalize_messages",
            "openai_error", "parse_openai_request", "read_openai_body", "router", "tool_call_id"]
 
 router = APIRouter()
@@ -163,7 +163,10 @@ def _get(body: dict[str, Any], name: str, ok: Any, what: str) -> Any:
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     """Chat messages as the template takes them: ``content`` a string (a list of text parts
     is joined; ``None`` stays for an assistant turn with tool calls), ``developer`` as
-    ``system``. Anything else (images, unknown roles) is a 400 naming the message."""
+    ``system``; with image parts (OpenAI's ``image_url``, or ``{"type": "image", "image":
+    ...}``) the content stays a list, each image part as ``{"type": "image", "image": <url>}``
+    (what Qwen-VL chat templates render; :func:`message_images` lists them). Anything else
+    (unknown parts or roles) is a 400 naming the message."""
     if not isinstance(messages, list) or not messages:
         raise OpenAIError("messages must be a non-empty list of chat messages", param="messages")
     out = []
@@ -174,14 +177,11 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
                               f"{json.dumps(m)[:120]}", param=where)
         content = m.get("content")
         if isinstance(content, list):
-            parts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    raise OpenAIError(f"{where}.content: only text parts are supported, got "
-                                      f"{json.dumps(part)[:120]}", param=f"{where}.content")
-                parts.append(part["text"])
-            content = "".join(parts)
+            parts = [_content_part(part, f"{where}.content") for part in content]
+            if all(p["type"] == "text" for p in parts):
+                content = "".join(p["text"] for p in parts)
+            else:
+                content = parts
         elif content is not None and not isinstance(content, str):
             raise OpenAIError(f"{where}.content must be a string, a list of text parts or null",
                               param=f"{where}.content")
@@ -201,6 +201,27 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         out.append({**{k: v for k, v in m.items() if v is not None}, "role": role,
                     "content": content})
     return out
+
+
+def _content_part(part: Any, where: str) -> dict[str, Any]:
+    """One content part: a text part, or an image part as ``{"type": "image", "image": url}``."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return {"type": "text", "text": part["text"]}
+    url = part.get("image_url") if kind == "image_url" else part.get("image") \
+        if kind == "image" else None
+    url = url.get("url") if isinstance(url, dict) else url
+    if isinstance(url, str) and url:
+        return {"type": "image", "image": url}
+    raise OpenAIError(f"{where}: a part must be {{\"type\": \"text\", \"text\"}} or "
+                      '{"type": "image_url", "image_url": {"url"}}, got '
+                      f"{json.dumps(part)[:120]}", param=where)
+
+
+def message_images(messages: Sequence[dict[str, Any]]) -> list[str]:
+    """The image urls of :func:`normalize_messages`' messages, in the order they render."""
+    return [p["image"] for m in messages if isinstance(m.get("content"), list)
+            for p in m["content"] if p.get("type") == "image"]
 
 
 def _prompts(prompt: Any) -> tuple[list[str | list[int]], bool]:
@@ -481,9 +502,14 @@ async def _serve(request: Request, kind: str) -> Response:
         max_n = min(MAX_N, int(request.app.state.max_request_samples))
         req = parse_openai_request(body, kind, max_n=max_n)
         tok = eng.tokenizer
+        pixels = None
         if kind == "chat":
             prompts: list[list[int]] = [chat_prompt_ids(tok, req.messages, req.tools,
                                                         req.template_kwargs)]
+            try:
+                prompts[0], pixels = eng.images.prepare(prompts[0], message_images(req.messages))
+            except EngineRequestError as exc:
+                raise OpenAIError(str(exc), param="messages") from None
         else:
             if tok is None and any(isinstance(p, str) for p in req.prompts):
                 raise OpenAIError("a text prompt needs a tokenizer; this model has none: send "
@@ -500,7 +526,7 @@ async def _serve(request: Request, kind: str) -> Response:
                 params = req.sampling(eng.sampling_defaults, _max_new(req, eng, len(prompt)), seed,
                                       eng.vocab_size)
                 reqs.append(GenerateRequest(f"{rid}-{i}-{j}", list(prompt), params,
-                                            return_logprob=True))
+                                            return_logprob=True, images=pixels))
                 owners.append(i)
         outs = await _generate(request, eng, reqs)
     except OpenAIError as e:

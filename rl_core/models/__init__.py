@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["eos_token_ids", "read_weights", "torch_dtype"]
+__all__ = ["eos_token_ids", "load_policy_model", "read_weights", "torch_dtype"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -21,6 +21,19 @@ def torch_dtype(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"model.dtype={name!r}; allowed values: {sorted(_DTYPES)}") from None
+
+
+def load_policy_model(path: str | Path, **kwargs: Any) -> torch.nn.Module:  # noqa: ANN401
+    """A checkpoint's generating model: the causal LM, or for a vision-language checkpoint (a
+    ``vision_config`` in its config) the image-text-to-text model with its vision tower."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from rl_core.models.vlm import is_vision_config
+
+    config = AutoConfig.from_pretrained(
+        path, trust_remote_code=bool(kwargs.get("trust_remote_code", False)))
+    cls = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
+    return cls.from_pretrained(path, **kwargs)
 
 
 def eos_token_ids(tokenizer: Any, model: Any, source: object) -> list[int]:

@@ -31,15 +31,19 @@ from rl_core import storage
 from rl_core.config import ConfigError, DataConfig, ModelConfig
 from rl_core.host import pid_alive
 from rl_core.models.tiny import TinyModelSpec
+from rl_core.models.tiny_vlm import TinyVLMSpec
 from rl_core.secrets import redact
 
-__all__ = ["EMBEDDED_TINY", "MANIFEST", "ModelError", "ModelSnapshot", "download_model",
-    "TINY_MARKER", "file_manifest", "local_model_dir", "tiny_dir", "tiny_spec_for",
-    "verify_model_dir"]
+__all__ = ["EMBEDDED_TINY", "EMBEDDED_TINY_VLM", "MANIFEST", "ModelError", "ModelSnapshot",
+           "TINY_MARKER", "TINY_VLM_MARKER", "download_model", "file_manifest",
+           "local_model_dir", "tiny_dir", "tiny_spec_for", "tiny_vlm_dir", "tiny_vlm_spec_for",
+           "verify_model_dir"]
 
 log = logging.getLogger(__name__)
 
 EMBEDDED_TINY = "embedded:tiny"
+EMBEDDED_TINY_VLM = "embedded:tiny-vlm"  # the vision-language demo's (docs/vlm.md)
+TINY_VLM_MARKER = "grpoflow_tiny_vlm_warm.json"
 MANIFEST = "grpoflow_manifest.json"
 TINY_MARKER = "grpoflow_tiny.json"  # written last by the demo model's build (rl_core.base_model)
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
@@ -75,6 +79,18 @@ def tiny_spec_for(model: ModelConfig, data: DataConfig) -> TinyModelSpec:
         seed=model.seed, tool_demos=model.tiny_tool_demos, arch=model.tiny_arch,
         experts=model.tiny_experts, experts_per_token=model.tiny_experts_per_token,
         moe_intermediate_size=model.tiny_moe_intermediate_size)
+
+
+def tiny_vlm_spec_for(model: ModelConfig, data: DataConfig) -> TinyVLMSpec:
+    """The tiny VLM, warm-started on the shapes task's training split the run trains on."""
+    return TinyVLMSpec(train_size=data.synthetic_train_size, test_size=data.synthetic_test_size,
+                       data_seed=data.seed, image_size=data.synthetic_image_size,
+                       seed=model.seed, sft_max_steps=model.tiny_sft_steps,
+                       target_accuracy=model.tiny_target_accuracy)
+
+
+def tiny_vlm_dir(cache: Path, spec: TinyVLMSpec) -> Path:
+    return cache / "models" / f"tiny-vlm-{spec.digest()}"
 
 
 def verify_model_dir(path: str | Path, *, trust_remote_code: bool = False) -> Path:
@@ -230,6 +246,9 @@ def local_model_dir(model: ModelConfig, data: DataConfig, cache_dir: str | Path)
     if uri == EMBEDDED_TINY:
         out = tiny_dir(cache, tiny_spec_for(model, data))
         return out if (out / TINY_MARKER).is_file() else None
+    if uri == EMBEDDED_TINY_VLM:
+        out = tiny_vlm_dir(cache, tiny_vlm_spec_for(model, data))
+        return out if (out / TINY_VLM_MARKER).is_file() else None
     if uri.startswith("s3://"):
         repo_dir, ref = _s3_dir(cache, uri), "latest"
     elif (local := Path(uri).expanduser()).exists():

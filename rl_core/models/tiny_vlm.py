@@ -67,7 +67,16 @@ class TinyVLMSpec:
     max_pixels: int = 112 * 112
     train_size: int = 2000
     test_size: int = 200
+    data_seed: int = 0  # the shapes task's (the run's data.seed: the same training split)
     seed: int = 0
+    # Warm start (the SFT trainer on the training split's head): stop once greedy accuracy on
+    # its last val_examples reaches target_accuracy (checked every eval_every steps).
+    sft_max_steps: int = 600
+    sft_batch_size: int = 32
+    sft_lr: float = 2e-3
+    target_accuracy: float = 0.35
+    eval_every: int = 10
+    val_examples: int = 100
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
@@ -81,7 +90,7 @@ def build_bare_vlm(spec: TinyVLMSpec, out_dir: str | Path) -> Path:
     )
 
     out = Path(out_dir)
-    train, _ = shape_splits(spec.train_size, spec.test_size, spec.seed, size=spec.image_size)
+    train, _ = shape_splits(spec.train_size, spec.test_size, spec.data_seed, size=spec.image_size)
     corpus = [f"user\n{r.question}\nassistant\n{r.answer}" for r in train]
     tokenizer = build_tokenizer(corpus, spec.vocab_size)
     tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})

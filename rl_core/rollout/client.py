@@ -11,6 +11,7 @@ processes (``pool.py`` does).
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import contextlib
 import inspect
@@ -41,11 +42,31 @@ class RolloutUnavailableError(RolloutError):
     """Every attempt failed on connection errors, timeouts or 5xx."""
 
 
-def _sample(prompt: Sequence[int], body: dict[str, Any], base_url: str, rid: str | None) -> Sample:
-    """One ``/generate`` answer as a :class:`~rl_core.types.Sample`, naming the server."""
+def _sample(prompt: Sequence[int], body: dict[str, Any], base_url: str, rid: str | None,
+            images: Sequence[bytes] = ()) -> Sample:
+    """One ``/generate`` answer as a :class:`~rl_core.types.Sample`, naming the server. With
+    images, the server's prompt must be the client's token for token (the same number of
+    image pads): else the trainer would see other tokens than the engine sampled from."""
     sample = Sample.from_sglang(prompt, body)
     sample.meta.update(base_url=base_url, id=sample.meta.get("id", rid))
+    if images:
+        sample.images = tuple(images)
+        served = sample.meta.get("prompt_tokens")
+        if served is not None and int(served) != len(prompt):
+            raise RolloutError(
+                f"{base_url}/generate expanded the prompt's image pads to {served} prompt tokens; "
+                f"the client's prompt has {len(prompt)}: the engine's image processor resizes "
+                "differently (check the model's preprocessor_config.json min/max_pixels and "
+                "data.image_min_pixels / image_max_pixels)")
     return sample
+
+
+def _images_payload(images: Sequence[Sequence[bytes]], *, single: bool) -> dict[str, Any]:
+    """SGLang's ``image_data`` for prompts' images (base64 strings; none: no field)."""
+    if not any(images):
+        return {}
+    encoded = [[base64.b64encode(x).decode("ascii") for x in per] for per in images]
+    return {"image_data": encoded[0] if single else encoded}
 
 
 def _error_message(resp: httpx.Response) -> str:
@@ -225,27 +246,34 @@ class SGLangClient:
 
     async def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
                        return_logprob: bool = True, rid: str | None = None,
-                       lora_path: str | None = None, return_routed_experts: bool = False) -> Sample:
+                       lora_path: str | None = None, return_routed_experts: bool = False,
+                       image_data: Sequence[bytes] = ()) -> Sample:
         """One sample for one prompt (one HTTP request, as slime sends them); ``lora_path``:
         the name of a loaded LoRA adapter to sample with (SGLang's field);
-        ``return_routed_experts``: the sample carries its MoE routing (``routed_experts``)."""
+        ``return_routed_experts``: the sample carries its MoE routing (``routed_experts``);
+        ``image_data``: the prompt's images (encoded bytes, sent as SGLang's base64 strings;
+        the prompt's image pads already expanded: :func:`_images_payload`)."""
         if not input_ids:
             raise ValueError("generate: input_ids is empty")
         rid = rid or uuid.uuid4().hex
         payload = {"input_ids": [int(t) for t in input_ids], "rid": rid,
                    "sampling_params": dict(sampling_params), "return_logprob": return_logprob,
                    **({"lora_path": lora_path} if lora_path else {}),
-                   **({"return_routed_experts": True} if return_routed_experts else {})}
+                   **({"return_routed_experts": True} if return_routed_experts else {}),
+                   **_images_payload([image_data], single=True)}
         resp, base = await self._request("POST", "/generate", json=payload, rid=rid, limited=True)
         body = resp.json()  # a list from a server that answers n>1 style even for one sample
-        return _sample(input_ids, body[0] if isinstance(body, list) else body, base, rid)
+        return _sample(input_ids, body[0] if isinstance(body, list) else body, base, rid,
+                       image_data)
 
     async def generate_batch(self, input_ids: Sequence[Sequence[int]],
                              sampling_params: dict[str, Any] | Sequence[dict[str, Any]], *,
                              return_logprob: bool = True, rid: Sequence[str] | None = None,
                              lora_path: str | None = None,
-                             return_routed_experts: bool = False) -> list[Sample]:
-        """One batched request: one sample per prompt, in order (retried as a whole)."""
+                             return_routed_experts: bool = False,
+                             image_data: Sequence[Sequence[bytes]] | None = None) -> list[Sample]:
+        """One batched request: one sample per prompt, in order (retried as a whole);
+        ``image_data``: each prompt's images (as :meth:`generate`'s)."""
         if not (n := len(input_ids)) or any(len(p) == 0 for p in input_ids):
             raise ValueError("generate_batch: empty batch or empty prompt")
         rids = list(rid) if rid is not None else [uuid.uuid4().hex for _ in input_ids]
@@ -259,13 +287,16 @@ class SGLangClient:
         payload = {"input_ids": [[int(t) for t in p] for p in input_ids], "rid": rids,
                    "sampling_params": sampling_params, "return_logprob": return_logprob,
                    **({"lora_path": [lora_path] * n} if lora_path else {}),
-                   **({"return_routed_experts": True} if return_routed_experts else {})}
+                   **({"return_routed_experts": True} if return_routed_experts else {}),
+                   **_images_payload(image_data or [()] * n, single=False)}
         resp, base = await self._request("POST", "/generate", json=payload, limited=True)
         if not isinstance(body := resp.json(), list) or len(body) != n:
             raise RolloutError(
                 f"{base}/generate: expected a list of {n} results, got "
                 f"{type(body).__name__} of length {len(body) if isinstance(body, list) else 1}")
-        return [_sample(p, b, base, r) for p, b, r in zip(input_ids, body, rids, strict=True)]
+        images = image_data or [()] * n
+        return [_sample(p, b, base, r, i)
+                for p, b, r, i in zip(input_ids, body, rids, images, strict=True)]
 
     async def score(self, input_ids: Sequence[Sequence[int]], start: int, *,
                     url: str | None = None, lora_path: str | None = None) -> list[list[float]]:

@@ -151,7 +151,7 @@ class HttpPlane:
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-        *, partial: bool = False,
+        *, partial: bool = False, images: Sequence[tuple[bytes, ...]] | None = None,
     ) -> list[Sample]:
         """One sample per prompt, in order, in concurrent requests of ``request_batch_size``
         (one sample each through the router: sglang-router 0.3 refuses per-sample parameters).
@@ -183,18 +183,20 @@ class HttpPlane:
             # one request per engine of the pool (a restarting one's goes to another: the
             # batches, and so the last bits, stay those of the run without the restart)
             size = -(-len(prompts) // len(self.pool.engines))
-        chunks = [(prompts[i : i + size], [sampling_payload(p) for p in params[i : i + size]])
-                  for i in range(0, len(prompts), size)]
+        pics = list(images) if images is not None else [()] * len(prompts)
+        chunks = [(prompts[i : i + size], [sampling_payload(p) for p in params[i : i + size]],
+                   pics[i : i + size]) for i in range(0, len(prompts), size)]
 
         kw = {"lora_path": self.lora_name, "return_routed_experts": self.routed_experts}
 
-        async def one(p: Sequence[Sequence[int]], sp: list[dict[str, Any]]) -> list[Sample]:
+        async def one(p: Sequence[Sequence[int]], sp: list[dict[str, Any]],
+                      im: list[tuple[bytes, ...]]) -> list[Sample]:
             if len(p) == 1:
-                return [await client.aio.generate(p[0], sp[0], **kw)]
-            return await client.aio.generate_batch(p, sp, **kw)
+                return [await client.aio.generate(p[0], sp[0], **kw, image_data=im[0])]
+            return await client.aio.generate_batch(p, sp, **kw, image_data=im)
 
         async def run_all() -> list[list[Sample]]:
-            return list(await asyncio.gather(*(one(p, sp) for p, sp in chunks)))
+            return list(await asyncio.gather(*(one(*chunk) for chunk in chunks)))
 
         samples = [s for chunk in client.run(run_all(), timeout_s=self.timeout_s) for s in chunk]
         for s in samples:

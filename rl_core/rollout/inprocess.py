@@ -58,11 +58,12 @@ class InProcessPlane:
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-        *, partial: bool = False,
+        *, partial: bool = False, images: Sequence[tuple[bytes, ...]] | None = None,
     ) -> list[Sample]:
         """One sample per prompt, in order, scheduled together by the engine (``partial``:
         a partial rollout's segment; an update's pause may abort it, and each sample is
-        tagged with the version the engine served it with)."""
+        tagged with the version the engine served it with; ``images``: each prompt's, its
+        image pads already expanded)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -71,9 +72,11 @@ class InProcessPlane:
             raise WeightSyncError("the last weight update was not verified; no sampling from "
                                   "its weights until an update succeeds")
         batch = uuid.uuid4().hex[:12]
+        pics = list(images) if images is not None else [()] * len(prompts)
         reqs = [GenerateRequest(f"{batch}-{i}", list(p), sp, return_logprob=True,
-                                lora=self.lora_name, return_routed_experts=self.routed_experts)
-                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+                                lora=self.lora_name, return_routed_experts=self.routed_experts,
+                                images=self._pixels(p, im))
+                for i, (p, sp, im) in enumerate(zip(prompts, params, pics, strict=True))]
         outs = self.engine.generate_sync(reqs, timeout=self.timeout_s)
         tok = self.engine.tokenizer
 
@@ -83,8 +86,19 @@ class InProcessPlane:
         return [Sample(list(p), o.output_ids, o.output_logprobs, o.finish_reason, version(o),
                        tok.decode(o.output_ids, skip_special_tokens=True)
                        if tok is not None else "", meta={"id": o.rid, **_spans(o)},
-                       routed_experts=o.routed_experts)
-                for p, o in zip(prompts, outs, strict=True)]
+                       routed_experts=o.routed_experts, images=tuple(im))
+                for p, o, im in zip(prompts, outs, pics, strict=True)]
+
+    def _pixels(self, prompt: Sequence[int], images: Sequence[bytes]) -> Any:  # noqa: ANN401
+        """A prompt's images as the engine's pixel inputs (its pads must be expanded)."""
+        if not images and self.engine.images.processor is None:
+            return None
+        ids, pixels = self.engine.images.prepare(list(prompt), images)
+        if len(ids) != len(prompt):
+            raise ValueError(f"a prompt's image pads are not expanded ({len(prompt)} tokens, "
+                             f"{len(ids)} expanded): expand them before sampling "
+                             "(rl_core.models.vlm.VisionProcessor.expand)")
+        return pixels
 
     def score(self, prompt: Sequence[int], completions: Sequence[Sequence[int]], *,
               lora: str | None = None) -> list[list[float]]:

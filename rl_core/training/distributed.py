@@ -334,7 +334,7 @@ class TrainerGroup:
         scheduling_strategies: Sequence[Any] | None = None, timeout_s: float = 300.0,
         data_parallel: DataParallel | None = None, trust_remote_code: bool = False,
         env: Mapping[str, str] | None = None, num_cpus_per_rank: float | None = None,
-        num_gpus_per_rank: float | None = None) -> TrainerGroup:
+        num_gpus_per_rank: float | None = None, freeze_vision: bool = True) -> TrainerGroup:
         """Start ``num_ranks`` rank actors (one Ray scheduling strategy each, or None), form
         their process group, load the model. ``data_parallel``: default FSDP2 on GPUs, else
         DDP (and for QLoRA: FSDP2 cannot shard 4-bit weights). ``timeout_s`` bounds every call
@@ -368,6 +368,8 @@ class TrainerGroup:
         trainer_kwargs = {"temperature": temperature, "max_response_len": max_response_len,
                           "dtype": dtype, "trust_remote_code": trust_remote_code,
                           "device": device, "data_parallel": mode}
+        if freeze_vision is not True:  # a vision-language policy's tower trains (torch only)
+            trainer_kwargs["freeze_vision"] = freeze_vision
         trainer_args = (str(model_path), train_cfg, algo_cfg)
         try:
             ((address, port),) = group._call("start the process group's store",

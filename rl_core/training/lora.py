@@ -63,9 +63,13 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     if missing := sorted(set(cfg.target_modules) - names):
         raise ValueError(f"train.lora.target_modules {missing} match no linear layer of the "
                          f"model (its linear layers: {sorted(names)})")
+    # A vision-language model's tower has layers of the same names (gate/up/down_proj): the
+    # adapters go on its language model only.
+    vision = getattr(getattr(model, "model", None), "visual", None) is not None
     peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                               target_modules=list(cfg.target_modules), bias="none",
-                              use_rslora=cfg.use_rslora, task_type="CAUSAL_LM")
+                              use_rslora=cfg.use_rslora, task_type="CAUSAL_LM",
+                              exclude_modules=r".*\bvisual\..*" if vision else None)
     with warnings.catch_warnings():  # peft asks transformers a deprecated question
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
                                 category=FutureWarning)

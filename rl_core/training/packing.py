@@ -10,6 +10,7 @@ first-fit into rows of a fixed length, positions restarting per row. Either way
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,13 +36,15 @@ class PackPlan:
         return logits.reshape(-1, logits.shape[-1])[self.src]
 
 
-def _groups(ids: torch.Tensor, prompt_lens: list[int]) -> list[list[int]]:
-    """Runs of consecutive rows that share one prompt (token for token)."""
+def _groups(ids: torch.Tensor, prompt_lens: list[int],
+            images: Sequence[object] | None = None) -> list[list[int]]:
+    """Runs of consecutive rows that share one prompt (token for token, and ``images``)."""
     groups: list[list[int]] = []
     for i, p in enumerate(prompt_lens):
         if groups:
             j = groups[-1][0]
-            if prompt_lens[j] == p and torch.equal(ids[j, :p], ids[i, :p]):
+            if prompt_lens[j] == p and torch.equal(ids[j, :p], ids[i, :p]) and (
+                    images is None or images[i] == images[j]):
                 groups[-1].append(i)
                 continue
         groups.append([i])
@@ -55,13 +58,14 @@ def _cost(rows: int, width: int, params: int, layers: int, hidden: int) -> float
 
 
 def plan_packing(ids: torch.Tensor, attention: torch.Tensor, prompt_lens: torch.Tensor, *,
-                 params: int, layers: int, hidden: int,
-                 dtype: torch.dtype = torch.float32) -> PackPlan | None:
+                 params: int, layers: int, hidden: int, dtype: torch.dtype = torch.float32,
+                 images: Sequence[object] | None = None) -> PackPlan | None:
     """The packed layout of a right-padded micro-batch, or None where it would not be cheaper
-    (no two rows share a prompt, or long completions make the dense mask cost more)."""
+    (no two rows share a prompt, or long completions make the dense mask cost more). Rows
+    share a prompt when its tokens and their ``images`` (per row, when given) are equal."""
     lengths = attention.sum(-1).tolist()
     plens = prompt_lens.tolist()
-    groups = _groups(ids, plens)
+    groups = _groups(ids, plens, images)
     if len(groups) == len(plens):
         return None
     widths = [plens[g[0]] + sum(lengths[i] - plens[i] for i in g) for g in groups]

@@ -54,7 +54,7 @@ def demonstration_sample(e: TokenizedExample) -> Sample:
     rest = e.labels[first:]
     return Sample(e.ids[:first], e.ids[first:], [0.0] * len(rest),
                   loss_mask=[int(y != IGNORE) for y in rest], uid=e.id, record_id=e.id,
-                  answer=e.reference)
+                  answer=e.reference, images=e.images)
 
 
 def demonstrations_batch(examples: Sequence[TokenizedExample], pad_id: int) -> Batch:
@@ -69,10 +69,11 @@ class SFTTrainer(TorchTrainer):
 
     def __init__(self, model_path: str | Path, train: SFTTrainConfig, *, pad_id: int,
                  pack_length: int, dtype: str = "float32", trust_remote_code: bool = False,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", freeze_vision: bool = True) -> None:
         super().__init__(model_path, train.torch_config(), AlgorithmConfig(loss="nll"),
                          dtype=dtype, trust_remote_code=trust_remote_code, device=device,
-                         pack_length=pack_length if train.packing else None)
+                         pack_length=pack_length if train.packing else None,
+                         freeze_vision=freeze_vision)
         self.sft, self.pad_id = train, pad_id
 
     def sft_step(self, examples: Sequence[TokenizedExample], step: int) -> dict[str, float]:

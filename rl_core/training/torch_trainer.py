@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from rl_core.algorithms.losses import (
     compute_grpo_loss,
@@ -30,11 +29,13 @@ from rl_core.algorithms.losses import (
     nll_loss,
 )
 from rl_core.config import AlgorithmConfig, TrainConfig
-from rl_core.models import read_weights, torch_dtype
+from rl_core.models import load_policy_model, read_weights, torch_dtype
 from rl_core.models.moe import prefer_fast_experts
+from rl_core.models.vlm import is_vision_model
 from rl_core.training import lora as lora_lib
 from rl_core.training.moe import MoeForward
 from rl_core.training.packing import plan_first_fit, plan_packing
+from rl_core.training.vision import TrainerVision, freeze_vision_tower
 from rl_core.types import Batch
 from rl_core.weight_sync.source import WeightSource
 
@@ -67,6 +68,7 @@ class TorchTrainer(WeightSource):
         self, model_path: str | Path, train: TrainConfig, algorithm: AlgorithmConfig, *,
         temperature: float = 1.0, max_response_len: int | None = None, dtype: str = "float32",
         trust_remote_code: bool = False, device: str = "cpu", pack_length: int | None = None,
+        freeze_vision: bool = True,
     ) -> None:
         self.train_cfg, self.algo = train, algorithm
         # Rows without a shared prompt packed first-fit into rows of this many tokens (SFT's
@@ -83,7 +85,7 @@ class TorchTrainer(WeightSource):
         self._dtype = torch_dtype(dtype)
         self.lora = train.lora if train.lora.enabled else None
         quant = lora_lib.quantization(train.lora, torch_dtype(dtype))  # QLoRA: a 4-bit base
-        self.model = AutoModelForCausalLM.from_pretrained(
+        self.model = load_policy_model(
             model_path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
             **({"quantization_config": quant, "device_map": str(self.device)} if quant else {}))
         if quant is None:
@@ -92,6 +94,11 @@ class TorchTrainer(WeightSource):
             lora_lib.unpacked_4bit(self.model)
         prefer_fast_experts(self.model)
         self.moe = MoeForward.for_model(self.model, train.moe, model_path)  # None: dense
+        # A vision-language policy: its images' pixels and M-RoPE positions (.vision)
+        self.vision = TrainerVision(model_path, self.model) if is_vision_model(self.model) \
+            else None
+        if self.vision is not None and freeze_vision:
+            freeze_vision_tower(self.model)
         if self.lora is not None:
             self.model = lora_lib.apply_lora(self.model, self.lora)
         self.model.train()
@@ -138,23 +145,30 @@ class TorchTrainer(WeightSource):
         (:mod:`rl_core.training.packing`) where cheaper."""
         ids = batch.input_ids.long()
         plan = None
-        if self.pack_length is not None:
+        images = self.vision is not None and batch.images is not None
+        if self.pack_length is not None and not images:
             plan = plan_first_fit(ids, batch.attention_mask, self.pack_length, self.model.dtype)
-        elif self.train_cfg.pack_groups and batch.prompt_lens is not None:
-            cfg = self.model.config
+        elif self.train_cfg.pack_groups and batch.prompt_lens is not None and (
+                not images or self.vision.packable(batch)):
+            cfg = self.model.config.get_text_config()
             plan = plan_packing(ids, batch.attention_mask, batch.prompt_lens,
                                 params=self._n_params, layers=cfg.num_hidden_layers,
-                                hidden=cfg.hidden_size, dtype=self.model.dtype)
+                                hidden=cfg.hidden_size, dtype=self.model.dtype,
+                                images=batch.images if images else None)
         self.forward_slots += (ids if plan is None else plan.input_ids).numel()
+        # pixels and 3-row M-RoPE positions (a vision-language policy's rows with images)
+        extra = {k: v.to(self.device) for k, v in self.vision.inputs(batch, plan).items()} \
+            if images else {}
         if plan is None:
             def forward() -> Any:
                 return model(input_ids=ids.to(self.device),
-                             attention_mask=batch.attention_mask.to(self.device).long())
+                             attention_mask=batch.attention_mask.to(self.device).long(), **extra)
         else:
+            extra.setdefault("position_ids", plan.position_ids.to(self.device))
+
             def forward() -> Any:
                 return model(input_ids=plan.input_ids.to(self.device),
-                             attention_mask=plan.attention_mask.to(self.device),
-                             position_ids=plan.position_ids.to(self.device))
+                             attention_mask=plan.attention_mask.to(self.device), **extra)
         out = forward() if self.moe is None else self.moe.run(model, batch, plan, forward)
         logits = out.logits[:, :-1] if plan is None else plan.gather(out.logits)
         logits = logits.float() / self.temperature
@@ -290,7 +304,7 @@ class TorchTrainer(WeightSource):
             base = self.model.get_base_model()
             own = None
             if self.lora.quantize:  # merge into the full-precision base, not the 4-bit one
-                base = AutoModelForCausalLM.from_pretrained(
+                base = load_policy_model(
                     self.model_path, dtype=self._dtype,
                     trust_remote_code=self._trust_remote_code)
                 own = base.state_dict()

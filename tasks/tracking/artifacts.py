@@ -27,6 +27,7 @@ from tasks.tracking.handle import (
     retrying,
     warn,
 )
+from tasks.tracking.images import send_table, with_images
 from tasks.tracking.sender import Tracker, tracker_for
 
 __all__ = ["columns", "log_checkpoint", "log_curve", "log_evaluation", "log_step", "sample_rows"]
@@ -35,14 +36,16 @@ __all__ = ["columns", "log_checkpoint", "log_curve", "log_evaluation", "log_step
 def log_step(handle: TrackingHandle | None, step: int, metrics: Mapping[str, Any],
              samples: Sequence[Mapping[str, Any]] | None = None) -> bool:
     """Queue one step's metrics (and every ``samples_every`` steps and at the last, a samples
-    table ``samples/step-NNNNNN.json``) for the sender. Not a task: returns at once, never
-    raises; False while the server is known to be unreachable."""
+    table ``samples/step-NNNNNN.json``, its rows' images in ``samples/step-NNNNNN/``) for
+    the sender. Not a task: returns at once, never raises; False while the server is known to
+    be unreachable."""
     if handle is None:
         return True
     healthy = (tracker := tracker_for(handle)).log_metrics(step, metrics)
     if samples and handle.samples_due(step):
-        tracker.log_table(f"samples/{step_dir_name(step)}.json",
-                          columns(samples[: handle.samples_rows]))
+        folder = f"samples/{step_dir_name(step)}"
+        tracker.log_table(f"{folder}.json",
+                          columns(with_images(samples[: handle.samples_rows], folder)))
     return healthy
 
 
@@ -55,7 +58,8 @@ def sample_rows(samples: Sequence[Any], tokenizer: Any = None,
                 limit: int = 16) -> list[dict[str, Any]]:
     """Samples-table rows of the first ``limit`` ``rl_core.types.Sample`` objects (whole groups:
     they are contiguous), prompts decoded by ``tokenizer`` when given, then the sample's
-    dataset columns (non-text ones as JSON)."""
+    dataset columns (non-text ones as JSON); a sample with images also carries them under
+    ``images`` (its own bytes, not copied: :func:`log_step` makes the table's image columns)."""
     from rl_core.data.records import cell_text, cell_texts
 
     rows = []
@@ -67,6 +71,8 @@ def sample_rows(samples: Sequence[Any], tokenizer: Any = None,
                "reward": float(s.reward), "correct": bool(s.correct),
                "truncated": bool(s.truncated), "tokens": len(s.completion_ids),
                "weight_version": int(s.weight_version)}
+        if images := tuple(getattr(s, "images", None) or ()):
+            row["images"] = images
         rows.append({**row, **cell_texts(getattr(s, "columns", None) or {}, skip=tuple(row))})
     return rows
 
@@ -75,9 +81,10 @@ def sample_rows(samples: Sequence[Any], tokenizer: Any = None,
       **TASK_OPTIONS)
 def log_evaluation(handle: TrackingHandle | None, step: int,
                    result: Mapping[str, Any]) -> str | None:
-    """An evaluation as a nested run (``eval-step-N``: metrics, tags, its sample generations)
-    and as ``eval/*`` metrics on the training run at ``step``. A redone evaluation of the same
-    step (after a resume) replaces the earlier nested run. Returns the nested run's id."""
+    """An evaluation as a nested run (``eval-step-N``: metrics, tags, its sample generations
+    with their prompts' images, if any) and as ``eval/*`` metrics on the training run at
+    ``step``. A redone evaluation of the same step (after a resume) replaces the earlier
+    nested run. Returns the nested run's id."""
     if handle is None:
         return None
     from mlflow.entities import Metric, RunStatus, RunTag
@@ -97,7 +104,8 @@ def log_evaluation(handle: TrackingHandle | None, step: int,
                          metrics=[Metric(metric_name(k), v, now, step)
                                   for k, v in eval_metrics(result, "").items()])
         if result.get("samples"):
-            client.log_table(child, columns(result["samples"]), "samples.json")
+            send_table(client, child, "samples.json",
+                       columns(with_images(result["samples"], "samples")))
         client.set_terminated(child, status=RunStatus.to_string(RunStatus.FINISHED))
         return child
     except Exception as exc:

@@ -25,6 +25,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.tracking.artifacts import columns
 from tasks.tracking.handle import KIND_TAG, PARENT_TAG, eval_metrics, info, metric_name, retrying
+from tasks.tracking.images import send_table, with_images
 from tasks.tracking.sender import Tracker
 
 __all__ = ["Decision", "RegistryVersion", "comparison_markdown", "decide", "evaluation_key",
@@ -136,7 +137,8 @@ def record_evaluation(tracking_uri: str, v: RegistryVersion, key: str,
     client.log_batch(run_id, metrics=[Metric(k, val, now, 0) for k, val in metrics.items()],
                      tags=[RunTag("num_examples", str(result.get("num_examples")))])
     if result.get("samples"):
-        client.log_table(run_id, columns(result["samples"]), "samples.json")
+        send_table(client, run_id, "samples.json",
+                   columns(with_images(result["samples"], "samples")))
     client.set_terminated(run_id, status=RunStatus.to_string(RunStatus.FINISHED))
     for k, val in metrics.items():
         client.set_model_version_tag(v.name, v.version, f"eval.{key}.{k}", f"{val:.6g}")

@@ -20,6 +20,7 @@ from typing import Any
 
 from rl_core.secrets import redact
 from tasks.tracking.handle import TrackingHandle, metric_name
+from tasks.tracking.images import portable, prepare_in_background, restore, send_table
 from tasks.tracking.outbox import RETRY_DELAYS, Outbox, bound_mlflow_http
 
 __all__ = ["Tracker", "bound_mlflow_http", "drop_tracker", "replay_unsent", "tracker_for"]
@@ -69,7 +70,9 @@ class Tracker(Outbox[Unit]):
         return self.failing_since is None
 
     def log_table(self, artifact_file: str, columns: dict[str, list[Any]]) -> None:
-        """Queue a table (``MlflowClient.log_table``); the newest ``MAX_TABLES`` are kept."""
+        """Queue a table (``MlflowClient.log_table``; image cells: ``images.send_table``);
+        the newest ``MAX_TABLES`` are kept. Its thumbnails are made on a thread of their own."""
+        prepare_in_background(columns)
         with self._changed:
             self.tables.append((artifact_file, columns))
             dropped = [t[0] for t in self.tables[:-MAX_TABLES]]
@@ -103,7 +106,7 @@ class Tracker(Outbox[Unit]):
         if table is None:
             self.client.log_batch(self.handle.run_id, metrics=chunk, synchronous=True)
         else:
-            self.client.log_table(self.handle.run_id, table[1], table[0])
+            send_table(self.client, self.handle.run_id, table[0], table[1])
 
     def _put_back_locked(self, item: Unit) -> None:
         chunk, table = item
@@ -247,8 +250,8 @@ class Tracker(Outbox[Unit]):
              "outage_seconds": report["tracking_outage_seconds"], "written_at": time.time()},
             *({"kind": "metric", "run_id": h.run_id, "key": m.key, "value": m.value,
                "step": m.step, "timestamp": m.timestamp} for m in metrics),
-            *({"kind": "table", "run_id": h.run_id, "artifact_file": name, "table": columns}
-              for name, columns in tables),
+            *({"kind": "table", "run_id": h.run_id, "artifact_file": name,
+               "table": portable(columns)} for name, columns in tables),
         ]
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -333,7 +336,7 @@ def replay_unsent(path: str | Path, tracking_uri: str | None = None) -> dict[str
         for i in range(0, len(new), BATCH):
             client.log_batch(run_id, metrics=new[i : i + BATCH], synchronous=True)
         for name, columns in run["tables"]:
-            client.log_table(run_id, columns, name)
+            send_table(client, run_id, name, restore(columns))
         out["metrics"] += len(new)
         out["tables"] += len(run["tables"])
         header = run["header"]
