@@ -298,6 +298,11 @@ def load_checkpoint_state(
 # ------------------------------------------------------------------- a training run's own
 
 
+# A vision-language model's processor files (rl_core.models.vlm.PROCESSOR_FILES).
+_PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json",
+                    "processor_config.json")
+
+
 def save_training(root: str | Path, trainer: Any, tokenizer: Any, state: CheckpointState, *,
                   keep_last: int, cache_dir: str | Path | None,
                   extra: Callable[[Path], None] | None = None) -> Path | str:
@@ -307,6 +312,10 @@ def save_training(root: str | Path, trainer: Any, tokenizer: Any, state: Checkpo
     def payload(tmp: Path) -> None:
         trainer.save_state(tmp)
         tokenizer.save_pretrained(tmp / "model")
+        source = getattr(trainer, "model_path", None)
+        for name in _PROCESSOR_FILES if source is not None else ():  # a VLM's image processor
+            if (f := Path(source) / name).is_file():
+                shutil.copyfile(f, tmp / "model" / name)
         if extra is not None:
             extra(tmp)
 

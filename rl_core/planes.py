@@ -366,8 +366,8 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
     except BaseException:
         _close_all(rewards, kind, teacher, transport, rollout, trainer, placement, cluster)
         raise
-    key, probe = uuid.uuid4().hex, (_probe(cfg, train_prompts, pad_token_id)
-                                    if trainer is not None else None)
+    key, probe = uuid.uuid4().hex, (_probe(cfg, _text_only(train_prompts, model_path, cfg),
+                                           pad_token_id) if trainer is not None else None)
     if probe is not None and (pool := getattr(rollout, "pool", None)) is not None:
         pool.admit_check = lambda url: probe.admit(rollout, url, rollout.weight_version)
     _REGISTRY[key] = Planes(
@@ -378,6 +378,18 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
         probe=probe,
     )
     return PlanesHandle(key)
+
+
+def _text_only(prompts: list[list[int]], model_path: str | Path,
+               cfg: ExperimentConfig) -> list[list[int]]:
+    """``prompts`` without image pads (the probe scores text: it carries no pixels)."""
+    from rl_core.models.vlm import is_vision_checkpoint, vision_processor
+
+    vision = vision_processor(model_path, cfg.model.trust_remote_code) \
+        if is_vision_checkpoint(model_path) else None
+    if vision is None:
+        return prompts
+    return [[t for t in p if t != vision.pad] for p in prompts]
 
 
 def _probe(cfg: ExperimentConfig, prompts: list[list[int]], pad_token_id: int,

@@ -9,6 +9,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from rl_core.evaluation import evaluate
+from rl_core.models.vlm import copy_processor
 from rl_core.planes import PlanesHandle, get_planes
 from rl_core.report import eval_markdown
 
@@ -46,4 +47,6 @@ def export_model(planes: PlanesHandle, out_dir: str) -> str:
     p = get_planes(planes)
     path = p.trainer.save_pretrained(out_dir)
     p.tokenizer.save_pretrained(path)
+    if (source := getattr(p.trainer, "model_path", None)) is not None:  # a VLM's processor
+        copy_processor(source, path)
     return str(Path(path))

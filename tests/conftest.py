@@ -306,3 +306,12 @@ def pytest_runtest_protocol(item, nextitem):  # noqa: ANN001, ANN201
            "end": time.time(), "cpu": cpu() - cpu0, "id": item.nodeid}  # fmt: skip
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
+
+
+@pytest.fixture(scope="session")
+def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny VLM, untrained (rl_core/models/tiny_vlm.py): built once per session."""
+    from rl_core.models.tiny_vlm import TinyVLMSpec, build_bare_vlm
+
+    return build_bare_vlm(TinyVLMSpec(train_size=200, test_size=20),
+                          tmp_path_factory.mktemp("tiny-vlm"))

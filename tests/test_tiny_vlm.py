@@ -12,13 +12,7 @@ import torch
 from PIL import Image
 
 from rl_core.data.shapes import generate_shapes
-from rl_core.models.tiny_vlm import IMAGE_PAD, TinyVLMSpec, build_bare_vlm
-
-
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_bare_vlm(TinyVLMSpec(train_size=200, test_size=20),
-                          tmp_path_factory.mktemp("tiny-vlm"))
+from rl_core.models.tiny_vlm import IMAGE_PAD
 
 
 def test_it_loads_renders_an_image_and_reads_its_pixels(vlm_dir: Path) -> None:

@@ -5,6 +5,7 @@ model's turns equal the engine's; a bad image fails the episode by name, not the
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from rl_core.config import AlgorithmConfig, TrainConfig
 from rl_core.data.records import Record
 from rl_core.data.shapes import generate_shapes
 from rl_core.engine.sampling import SamplingParams
-from rl_core.models.tiny_vlm import IMAGE_PAD, TinyVLMSpec, build_bare_vlm
+from rl_core.models.tiny_vlm import IMAGE_PAD
 from rl_core.models.vlm import vision_processor
 from rl_core.rollout.inprocess import InProcessPlane
 from rl_core.training.torch_trainer import TorchTrainer
@@ -42,12 +43,6 @@ class LookEnv:
             return StepResult(observation=[{"role": "user", "content": [
                 {"type": "image", "image": image}, {"type": "text", "text": "Here it is."}]}])
         return StepResult(reward=1.0, done=True)
-
-
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_bare_vlm(TinyVLMSpec(train_size=200, test_size=20),
-                          tmp_path_factory.mktemp("tiny-vlm"))
 
 
 def test_an_image_observation_is_token_exact_and_trains(vlm_dir: Path) -> None:
@@ -100,3 +95,37 @@ def test_image_observations_need_a_vision_language_model(vlm_dir: Path) -> None:
     with pytest.raises(ValueError, match="image observations need a vision-language model"):
         chat.with_images([1], [{"role": "user", "content": [
             {"type": "image", "image": SHAPES[0].images[0]}]}])
+
+
+def test_the_vlm_demo_flow_runs_end_to_end_with_images_tracked(prefect_harness, tmp_path: Path,
+                                                                ) -> None:
+    """configs/tiny-vlm-cpu.yaml, small: the embedded tiny VLM built and warm-started through
+    the SFT trainer, the shapes data prepared with its pictures, GRPO steps on the local
+    engine, the export loadable with its image processor, and the MLflow samples table showing
+    each prompt's picture."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.grpo_train import grpo_train
+    from rl_core.models.vlm import vision_processor
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = grpo_train(config=str(Path(__file__).parents[1] / "configs" / "tiny-vlm-cpu.yaml"),
+                     overrides=[f"storage.root={tmp_path}", f"storage.cache_dir={tmp_path / 'c'}",
+                                "run_name=vlm", "data.synthetic_train_size=300",
+                                "data.synthetic_test_size=16", "model.tiny_sft_steps=10",
+                                "train.steps=2", "train.prompts_per_step=4",
+                                "rollout.n_samples=4", "eval.every=2", "eval.num_examples=16",
+                                "tracking.backend=mlflow", f"tracking.uri={uri}",
+                                "tracking.system_metrics=false", "tracking.samples_every=1",
+                                "train.num_threads=1"],
+                     show_progress=False)
+    assert out["steps"] == 2, out
+    assert vision_processor(out["model_dir"]) is not None  # the export keeps its processor
+    client = MlflowClient(uri)
+    run_id = out["tracking"]["run_id"]
+    files = {f.path for f in client.list_artifacts(run_id, "samples")}
+    table = next(p for p in files if p.endswith(".json"))
+    got = json.loads(Path(client.download_artifacts(run_id, table, str(tmp_path))).read_text())
+    assert {"image", "images"} <= set(got["columns"]), got["columns"]
+    count = got["columns"].index("images")
+    assert {row[count] for row in got["data"]} == {1}  # every prompt's one picture

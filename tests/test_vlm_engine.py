@@ -22,18 +22,12 @@ from rl_core.data.shapes import generate_shapes
 from rl_core.engine.core import EmbeddedEngine, GenerateRequest
 from rl_core.engine.sampling import SamplingParams
 from rl_core.engine.server import ServerThread, create_app
-from rl_core.models.tiny_vlm import IMAGE_PAD, TinyVLMSpec, build_bare_vlm
-from rl_core.models.vlm import mrope_positions
+from rl_core.models.tiny_vlm import IMAGE_PAD
+from rl_core.models.vlm import BANNED_LOGIT, mrope_positions, placeholder_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 RECORDS = generate_shapes(4, seed=5)
-
-
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_bare_vlm(TinyVLMSpec(train_size=200, test_size=20),
-                          tmp_path_factory.mktemp("tiny-vlm"))
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +55,7 @@ def _chat_ids(engine: EmbeddedEngine, question: str, images: int = 1) -> list[in
 def _reference_logprobs(engine: EmbeddedEngine, prompt: list[int], output: list[int],
                         images: Any) -> list[float]:  # noqa: ANN401
     """One unbatched, uncached forward over prompt + output with the pixels: each output
-    token's log-prob (temperature 1)."""
+    token's log-prob (temperature 1; the vision placeholders masked, as both planes do)."""
     model = engine.model
     ids = torch.tensor([prompt + output])
     mask = torch.ones_like(ids)
@@ -71,7 +65,8 @@ def _reference_logprobs(engine: EmbeddedEngine, prompt: list[int], output: list[
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
                        **extra).logits[0].float()
-    logp = torch.log_softmax(logits, -1)
+    banned = torch.tensor(placeholder_ids(model.config))  # never sampled: both sides mask them
+    logp = torch.log_softmax(logits.index_fill(-1, banned, BANNED_LOGIT), -1)
     return [float(logp[len(prompt) - 1 + k, t]) for k, t in enumerate(output)]
 
 
@@ -248,3 +243,23 @@ def test_a_text_model_refuses_image_data(tmp_path: Path) -> None:
     finally:
         srv.stop()
         eng.close()
+
+
+def test_the_engine_never_samples_a_vision_placeholder(vlm_dir: Path) -> None:
+    """A model that would rather write an image pad still never does (the trainer could not
+    tell it from the picture's pads); both planes mask the placeholders alike."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(vlm_dir)
+    pad = model.config.image_token_id
+    with torch.no_grad():  # the LM head (tied: the embedding) now favours the pad
+        model.lm_head.weight[pad] *= 50
+    eng = EmbeddedEngine(vlm_dir, model=model)
+    try:
+        ids = eng.tokenizer("How many", add_special_tokens=False)["input_ids"]
+        out = eng.generate_sync([GenerateRequest("p", ids, SamplingParams(
+            temperature=1.0, max_new_tokens=16, seed=1, ignore_eos=True), return_logprob=True)])[0]
+    finally:
+        eng.close()
+    assert not set(out.output_ids) & set(placeholder_ids(model.config))
+    assert all(lp > -50 for lp in out.output_logprobs)

@@ -14,7 +14,6 @@ from rl_core.config import AlgorithmConfig, LoraConfig, TrainConfig
 from rl_core.data.prompts import encode_record_prompts
 from rl_core.data.shapes import generate_shapes
 from rl_core.engine.sampling import SamplingParams
-from rl_core.models.tiny_vlm import TinyVLMSpec, build_bare_vlm
 from rl_core.models.vlm import vision_processor
 from rl_core.rollout.inprocess import InProcessPlane
 from rl_core.training.torch_trainer import TorchTrainer
@@ -23,12 +22,6 @@ from rl_core.types import Batch, Sample
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 N = 3  # samples per prompt
-
-
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_bare_vlm(TinyVLMSpec(train_size=200, test_size=20),
-                          tmp_path_factory.mktemp("tiny-vlm"))
 
 
 @pytest.fixture(scope="module")

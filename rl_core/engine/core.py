@@ -42,7 +42,7 @@ from rl_core.engine.vision import RequestImages
 from rl_core.engine.weights import ServedWeights
 from rl_core.models import eos_token_ids, load_policy_model, torch_dtype
 from rl_core.models.moe import prefer_fast_experts
-from rl_core.models.vlm import VisionProcessor, is_vision_model
+from rl_core.models.vlm import BANNED_LOGIT, VisionProcessor, is_vision_model, placeholder_ids
 
 __all__ = ["PAUSE_MODES", "EmbeddedEngine", "EngineRequestError", "EngineStateError",
            "GenerateOutput", "GenerateRequest"]
@@ -116,6 +116,9 @@ class EmbeddedEngine(EngineControl):
         # A vision-language model: its image processor checks and expands request images.
         self.images = RequestImages(VisionProcessor(model_path, self.model.config)
                                     if is_vision_model(self.model) else None, self.model_path)
+        # ... and never samples the placeholders (models/vlm.py: the trainer masks them too)
+        self._banned = (torch.tensor(placeholder_ids(self.model.config))
+                        if self.images.processor is not None else None)
         cfg = self.model.config.get_text_config()
         self.vocab_size = int(cfg.vocab_size)
         self.context_length = int(context_length or cfg.max_position_embeddings)
@@ -446,6 +449,7 @@ class EmbeddedEngine(EngineControl):
             keep_logits = max(1, len(seqs[0]) - new[0].req.logprob_start_len)
         last, prompt_logits = self._kv.prefill(seqs, [s.reserve for s in new], keep_logits,
                                                [s.req.images for s in new])
+        last, prompt_logits = self._masked(last), self._masked(prompt_logits)
         self._routing.prefill(new, self._kv.token_rows([len(q) for q in seqs]))
         self.stats["prefill_batches"] += 1
         if prompt_logits is not None:
@@ -474,6 +478,12 @@ class EmbeddedEngine(EngineControl):
         self._running.extend(new[i] for i in keep)
         self.stats["max_batch"] = max(self.stats["max_batch"], len(self._running))
 
+    def _masked(self, logits: torch.Tensor | None) -> torch.Tensor | None:
+        """``logits`` with a vision model's placeholder tokens at BANNED_LOGIT."""
+        if logits is None or self._banned is None:
+            return logits
+        return logits.index_fill(-1, self._banned.to(logits.device), BANNED_LOGIT)
+
     def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
         ps = [s.req.params for s in seqs]
         temp, top_p, min_p = (torch.tensor([float(getattr(p, k)) for p in ps])
@@ -501,7 +511,8 @@ class EmbeddedEngine(EngineControl):
 
     def _decode(self) -> None:
         assert self._pending is not None
-        tokens, logps = self._sample(self._kv.step(self._pending).float().cpu(), self._running)
+        tokens, logps = self._sample(self._masked(self._kv.step(self._pending)).float().cpu(),
+                                     self._running)
         self._routing.decode(self._running)
         self._pending = tokens
         steps = zip(self._running, tokens.tolist(), logps.tolist(), strict=True)

@@ -409,9 +409,12 @@ class PaddedBatch:
         positions = self.next_pos[:, None]
         if self.vision:  # the same next position on all three M-RoPE rows
             positions = positions[None].expand(3, -1, -1)
+        # transformers 5 names the cache `cache` (`past_key_values` warns on every call of
+        # the VLM classes); text models keep the name every version takes
+        kv = {"cache": self.cache} if self.vision else {"past_key_values": self.cache}
         out = self.model(input_ids=tokens[:, None].to(self.device),
-                         attention_mask=self.mask.to(self.device), past_key_values=self.cache,
-                         position_ids=positions.to(self.device), use_cache=True)
+                         attention_mask=self.mask.to(self.device),
+                         position_ids=positions.to(self.device), use_cache=True, **kv)
         self.cache = out.past_key_values
         self.next_pos = self.next_pos + 1
         return out.logits[:, -1, :]

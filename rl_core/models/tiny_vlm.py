@@ -73,7 +73,7 @@ class TinyVLMSpec:
     # its last val_examples reaches target_accuracy (checked every eval_every steps).
     sft_max_steps: int = 600
     sft_batch_size: int = 32
-    sft_lr: float = 2e-3
+    sft_lr: float = 1e-3
     target_accuracy: float = 0.35
     eval_every: int = 10
     val_examples: int = 100

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["ImageInputs", "VisionProcessor", "concat_images", "is_vision_checkpoint",
-           "is_vision_config", "is_vision_model", "mrope_positions", "vision_processor"]
+__all__ = ["BANNED_LOGIT", "ImageInputs", "VisionProcessor", "concat_images", "copy_processor", "is_vision_checkpoint",
+           "is_vision_config", "is_vision_model", "mrope_positions", "placeholder_ids", "vision_processor"]
 
 
 def is_vision_config(config: Any) -> bool:  # noqa: ANN401 - a transformers config
@@ -143,6 +143,33 @@ def is_vision_checkpoint(model_dir: str | Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(config, dict) and "vision_config" in config
+
+
+# What a logit of a placeholder token is set to: never sampled, finite (no inf or NaN in
+# log-probs and entropies), and the same in the engine and the trainer.
+BANNED_LOGIT = -1e9
+
+
+def placeholder_ids(config: Any) -> list[int]:  # noqa: ANN401 - a transformers config
+    """The vision placeholder tokens of a Qwen2-VL-family config (image and video pads, vision
+    start and end): only the processor writes them, so neither engine nor trainer lets the
+    model sample them (their logits are :data:`BANNED_LOGIT` in both, so log-probs agree)."""
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return sorted({int(v) for n in names if (v := getattr(config, n, None)) is not None})
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json",
+                   "processor_config.json")
+
+
+def copy_processor(src: str | Path, dst: str | Path) -> None:
+    """A vision-language model's image processor files from ``src`` into ``dst`` (an export
+    or a checkpoint's ``model/``: weights and tokenizer are written there by others)."""
+    import shutil
+
+    for name in PROCESSOR_FILES:
+        if (f := Path(src) / name).is_file():
+            shutil.copyfile(f, Path(dst) / name)
 
 
 def vision_processor(model_dir: str | Path, trust_remote_code: bool = False,

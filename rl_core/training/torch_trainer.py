@@ -31,7 +31,7 @@ from rl_core.algorithms.losses import (
 from rl_core.config import AlgorithmConfig, TrainConfig
 from rl_core.models import load_policy_model, read_weights, torch_dtype
 from rl_core.models.moe import prefer_fast_experts
-from rl_core.models.vlm import is_vision_model
+from rl_core.models.vlm import BANNED_LOGIT, is_vision_model
 from rl_core.training import lora as lora_lib
 from rl_core.training.moe import MoeForward
 from rl_core.training.packing import plan_first_fit, plan_packing
@@ -171,6 +171,8 @@ class TorchTrainer(WeightSource):
                              attention_mask=plan.attention_mask.to(self.device), **extra)
         out = forward() if self.moe is None else self.moe.run(model, batch, plan, forward)
         logits = out.logits[:, :-1] if plan is None else plan.gather(out.logits)
+        if self.vision is not None:  # as the engine: placeholders are never sampled
+            logits = logits.index_fill(-1, self.vision.banned.to(logits.device), BANNED_LOGIT)
         logits = logits.float() / self.temperature
         return logits, logprobs_from_logits(logits, ids[:, 1:].to(self.device)) if logp else None
 

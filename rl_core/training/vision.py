@@ -19,7 +19,13 @@ from typing import Any
 
 import torch
 
-from rl_core.models.vlm import ImageInputs, VisionProcessor, concat_images, mrope_positions
+from rl_core.models.vlm import (
+    ImageInputs,
+    VisionProcessor,
+    concat_images,
+    mrope_positions,
+    placeholder_ids,
+)
 from rl_core.training.packing import PackPlan
 from rl_core.types import Batch
 
@@ -46,6 +52,7 @@ class TrainerVision:
         self.model = model
         self.processor = VisionProcessor(model_dir, model.config)
         self._cache: OrderedDict[str, ImageInputs] = OrderedDict()
+        self.banned = torch.tensor(placeholder_ids(model.config))  # never sampled (engine too)
 
     def pixels(self, images: tuple[bytes, ...]) -> ImageInputs | None:
         """One row's images, processed once and cached by their content."""

@@ -18,11 +18,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from rl_core.models.vlm import is_vision_checkpoint
 from tasks.tracking.artifacts import columns
 from tasks.tracking.handle import KIND_TAG, PARENT_TAG, eval_metrics, info, metric_name, retrying
 from tasks.tracking.images import send_table, with_images
@@ -269,8 +271,12 @@ def register_model(tracker: Tracker, model_dir: str, eval_result: Mapping[str, A
     h, client = tracker.handle, tracker.client
     name, step = model_name or h.model_name, int(eval_result.get("step", h.total_steps))
     metrics = eval_metrics(eval_result)
-    components = {"model": AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto"),
-                  "tokenizer": AutoTokenizer.from_pretrained(model_dir)}
+    # A vision-language model: MLflow's transformers flavor builds an image-text pipeline
+    # through a processor that needs torchvision; its Hugging Face directory is logged as is.
+    vision = is_vision_checkpoint(model_dir)
+    components = {} if vision else {
+        "model": AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto"),
+        "tokenizer": AutoTokenizer.from_pretrained(model_dir)}
     text = Schema([ColSpec("string")])
     signature = ModelSignature(inputs=text, outputs=text, params=ParamSchema([
         ParamSpec("max_new_tokens", "long", 64), ParamSpec("do_sample", "boolean", False),
@@ -288,11 +294,16 @@ def register_model(tracker: Tracker, model_dir: str, eval_result: Mapping[str, A
     # The flavor API knows only the global URI and the active run (whose experiment the
     # logged model joins); the registry resolves models:/ URIs through the global URI too.
     with global_tracking_uri(h.tracking_uri), mlflow.start_run(run_id=h.run_id):
-        logged = mlflow.transformers.log_model(
-            components, name="model", task="text-generation", signature=signature,
-            pip_requirements=pip_requirements(), run_id=h.run_id,
-            step=step,  # links the run's metrics at this step (the final evaluation) to the model
-            metadata={"grpoflow.run_name": h.run_name, "grpoflow.step": step})
+        if vision:
+            mlflow.log_artifacts(model_dir, artifact_path="model")
+            extra["grpoflow.format"] = "huggingface-directory"
+            logged = SimpleNamespace(model_uri=f"runs:/{h.run_id}/model", model_id=None)
+        else:
+            logged = mlflow.transformers.log_model(
+                components, name="model", task="text-generation", signature=signature,
+                pip_requirements=pip_requirements(), run_id=h.run_id,
+                step=step,  # links the run's metrics at this step (the final evaluation) to the model
+                metadata={"grpoflow.run_name": h.run_name, "grpoflow.step": step})
         if "grpoflow.lora.rank" in extra:
             mlflow.log_artifacts(str(adapter), artifact_path="adapter")
         seconds = time.perf_counter() - started
