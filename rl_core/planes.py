@@ -42,6 +42,7 @@ from rl_core.data.records import Record
 from rl_core.grpo import AdvantageSource, EpisodeKind, GroupRelative, SingleTurn
 from rl_core.interfaces import RolloutPlane, Trainer, WeightSync
 from rl_core.models import eos_token_ids
+from rl_core.models.vlm import is_vision_checkpoint, vision_processor
 from rl_core.rewards import JudgeRunner, RewardSet
 from rl_core.rollout.launch import EngineSpec, SGLangLaunchConfig, sglang_launch
 from rl_core.rollout.pool import EnginePool
@@ -131,16 +132,12 @@ _REGISTRY: dict[str, Planes] = {}
 
 
 def _encode_within_limit(
-    tokenizer: Any, records: list[Record], cfg: ExperimentConfig, model_path: str | Path,
+    tokenizer: Any, records: list[Record], cfg: ExperimentConfig, vision: Any = None,  # noqa: ANN401
 ) -> tuple[list[Record], list[list[int]], int]:
-    """Records' prompt ids (images placed and their pads expanded), those over
-    ``data.max_prompt_tokens`` left out (counted)."""
+    """Records' prompt ids (images placed and their pads expanded by ``vision``, the model's
+    :class:`~rl_core.models.vlm.VisionProcessor`), those over ``data.max_prompt_tokens`` left
+    out (counted)."""
     d = cfg.data
-    vision = None
-    if any(r.images for r in records):
-        from rl_core.models.vlm import vision_processor
-
-        vision = vision_processor(model_path, cfg.model.trust_remote_code)
     ids = encode_record_prompts(tokenizer, records, vision, system_prompt=d.system_prompt,
                                 use_chat_template=d.use_chat_template,
                                 plain_template=d.plain_template)
@@ -331,6 +328,7 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
     if trainer_threads := cfg.thread_budget()[1]:
         torch.set_num_threads(trainer_threads)
     cluster = placement = trainer = rollout = transport = kind = rewards = teacher = None
+    vision = None
     advantage: AdvantageSource = GroupRelative(cfg.rollout.n_samples, cfg.algorithm.advantage)
     try:
         if cfg.cluster.mode == "ray":
@@ -343,31 +341,35 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
         pad_token_id = tokenizer.pad_token_id
         if pad_token_id is None:  # padding is masked out; any end-of-sequence id will do
             pad_token_id = eos_token_ids(tokenizer, getattr(trainer, "model", None), model_path)[0]
+        # a vision-language model's processor (None: a text model), read once for the run
+        vision = vision_processor(model_path, cfg.model.trust_remote_code) \
+            if is_vision_checkpoint(model_path) else None
         train_records, train_prompts, skipped = _encode_within_limit(tokenizer, train_records, cfg,
-                                                                    model_path)
+                                                                    vision)
         if not train_records:
             raise ValueError(
                 f"every training prompt is longer than data.max_prompt_tokens="
                 f"{cfg.data.max_prompt_tokens}; raise it or shorten the prompts"
             )
         eval_records, eval_prompts, skip_eval = _encode_within_limit(tokenizer, eval_records, cfg,
-                                                                     model_path)
+                                                                     vision)
         rollout, transport = start_rollout(cfg, model_path, work_dir, placement, trainer)
         if cfg.teacher.enabled and with_trainer:
             teacher = start_teacher(cfg, tokenizer, str(model_path), work_dir)
             advantage = Distillation(teacher, cfg.teacher, advantage)
         if cfg.agent.enabled:
             from rl_core.agents.kind import AgentEpisodes
-            from rl_core.models.vlm import vision_processor
 
-            kind = AgentEpisodes(cfg.agent, rollout, tokenizer,
-                                 vision_processor(model_path, cfg.model.trust_remote_code))
+            kind = AgentEpisodes(cfg.agent, rollout, tokenizer, vision)
         rewards = _reward_runner(cfg, work_dir, [*train_records, *eval_records])
     except BaseException:
         _close_all(rewards, kind, teacher, transport, rollout, trainer, placement, cluster)
         raise
-    key, probe = uuid.uuid4().hex, (_probe(cfg, _text_only(train_prompts, model_path, cfg),
-                                           pad_token_id) if trainer is not None else None)
+    # the probe scores text: a vision model's prompts go without their image pads
+    probe_prompts = train_prompts if vision is None else [
+        [t for t in p if t != vision.pad] for p in train_prompts]
+    key, probe = uuid.uuid4().hex, (_probe(cfg, probe_prompts, pad_token_id)
+                                    if trainer is not None else None)
     if probe is not None and (pool := getattr(rollout, "pool", None)) is not None:
         pool.admit_check = lambda url: probe.admit(rollout, url, rollout.weight_version)
     _REGISTRY[key] = Planes(
@@ -378,18 +380,6 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
         probe=probe,
     )
     return PlanesHandle(key)
-
-
-def _text_only(prompts: list[list[int]], model_path: str | Path,
-               cfg: ExperimentConfig) -> list[list[int]]:
-    """``prompts`` without image pads (the probe scores text: it carries no pixels)."""
-    from rl_core.models.vlm import is_vision_checkpoint, vision_processor
-
-    vision = vision_processor(model_path, cfg.model.trust_remote_code) \
-        if is_vision_checkpoint(model_path) else None
-    if vision is None:
-        return prompts
-    return [[t for t in p if t != vision.pad] for p in prompts]
 
 
 def _probe(cfg: ExperimentConfig, prompts: list[list[int]], pad_token_id: int,

@@ -363,8 +363,7 @@ def test_prompts_longer_than_the_limit_are_skipped_and_counted() -> None:
         Record("long", " ".join(["a07"] * 40), "#### 2"),
         Record("short2", "a08", "#### 3"),
     ]
-    kept, prompts, skipped = _encode_within_limit(tiny_tokenizer(), records, cfg,
-                                                  "unread: the records have no images")
+    kept, prompts, skipped = _encode_within_limit(tiny_tokenizer(), records, cfg)
     assert [r.id for r in kept] == ["short", "short2"]
     assert skipped == 1
     assert all(len(p) <= 12 for p in prompts)

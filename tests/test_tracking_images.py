@@ -21,16 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from rl_core.host import free_port
-
-pytest.importorskip("mlflow")
-
 from mlflow_server import MlflowServer, start_mlflow_server  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from rl_core.data.records import Record  # noqa: E402
 from rl_core.evaluation import evaluate  # noqa: E402
+from rl_core.host import free_port
 from rl_core.rewards import RewardRunner  # noqa: E402
 from rl_core.thumbnails import THUMBNAIL_SIDE, thumbnail, thumbnails_b64  # noqa: E402
 from rl_core.types import Sample  # noqa: E402

@@ -37,7 +37,13 @@ def image_list(value: Any) -> list[Any]:  # noqa: ANN401 - SGLang's image_data f
 
 
 def image_bytes(item: Any) -> bytes:  # noqa: ANN401 - any of SGLang's forms
-    """One ``image_data`` entry as encoded image bytes (not decoded yet)."""
+    """One ``image_data`` entry as encoded image bytes, decoded once to check it."""
+    return load_image(_source(item), _SPEC)
+
+
+def _source(item: Any) -> Any:  # noqa: ANN401 - any of SGLang's forms
+    """What :func:`~rl_core.data.images.load_image` reads for an entry: its bytes (fetched,
+    read or base64-decoded here), or a data URL or PIL image as given."""
     if isinstance(item, dict):
         if item.get("format") in ("processor_output", "precomputed_embedding"):
             raise ImageError(f"image_data format {item['format']!r} is not supported by the "
@@ -45,9 +51,9 @@ def image_bytes(item: Any) -> bytes:  # noqa: ANN401 - any of SGLang's forms
         url = item.get("url") or (item.get("image_url") or {}).get("url") or item.get("image")
         if url is None:
             raise ImageError(f"an image object needs 'url', got keys {sorted(item)}")
-        return image_bytes(url)
+        return _source(url)
     if isinstance(item, bytes | bytearray) or hasattr(item, "save"):
-        return load_image(item, _SPEC)  # bytes, or a PIL image (engine in-process)
+        return item  # bytes, or a PIL image (engine in-process)
     if not isinstance(item, str) or not item:
         raise ImageError(f"an image must be a base64 string, data URL, path or URL, got "
                          f"{type(item).__name__}")
@@ -59,7 +65,7 @@ def image_bytes(item: Any) -> bytes:  # noqa: ANN401 - any of SGLang's forms
             raise ImageError(f"{item[:120]}: could not fetch the image within "
                              f"{FETCH_TIMEOUT_S:.0f} s ({exc})") from exc
     if item.startswith("data:"):
-        return load_image(item, _SPEC)
+        return item
     path = item.removeprefix("file://")
     if item.startswith("file://") or _is_file(path):
         try:
@@ -98,7 +104,7 @@ class RequestImages:
         encoded = []
         for k, item in enumerate(image_data):
             try:
-                encoded.append(load_image(image_bytes(item), _SPEC))
+                encoded.append(image_bytes(item))
             except ImageError as exc:
                 raise EngineRequestError(f"image_data[{k}]: {exc}") from exc
         images = self.processor.process(encoded) if encoded else None
