@@ -78,6 +78,7 @@ class VisionProcessor:
         except (OSError, ValueError) as exc:
             raise ValueError(f"{model_dir}: no image processor (preprocessor_config.json): "
                              f"{exc}") from exc
+        _check_patches(model_dir, self.processor, config.vision_config)
         self.pad = int(config.image_token_id)
         self.start = getattr(config, "vision_start_token_id", None)
         self.end = getattr(config, "vision_end_token_id", None)
@@ -132,6 +133,22 @@ class VisionProcessor:
             out += [*ids[at:a], *([self.pad] * n)]
             at = b
         return out + list(ids[at:])
+
+
+def _check_patches(model_dir: str | Path, processor: Any, vision: Any) -> None:  # noqa: ANN401
+    """Refuse an image processor whose patches are not the vision tower's (Qwen2-VL and
+    Qwen2.5-VL: 14x14, Qwen3-VL: 16x16; merged 2x2): its pixels would not fit the tower's
+    patch embedding, or its pad counts would not be the tower's merged patches."""
+    def sizes(x: Any) -> set[int]:  # noqa: ANN401 - an int or a (h, w) pair
+        return {int(v) for v in x} if isinstance(x, list | tuple) else {int(x)}
+
+    for mine, theirs in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
+                         ("temporal_patch_size", "temporal_patch_size")):
+        a, b = getattr(processor, mine, None), getattr(vision, theirs, None)
+        if a is not None and b is not None and sizes(a) != sizes(b):
+            raise ValueError(f"{model_dir}: the image processor's {mine} is {a} but the vision "
+                             f"tower's {theirs} is {b} (preprocessor_config.json does not "
+                             "belong to this model)")
 
 
 def is_vision_checkpoint(model_dir: str | Path) -> bool:
