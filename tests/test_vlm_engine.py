@@ -263,3 +263,31 @@ def test_the_engine_never_samples_a_vision_placeholder(vlm_dir: Path) -> None:
         eng.close()
     assert not set(out.output_ids) & set(placeholder_ids(model.config))
     assert all(lp > -50 for lp in out.output_logprobs)
+
+
+def test_the_router_passes_images_through_unchanged(engine: EmbeddedEngine, server: str,
+                                                    vlm_dir: Path, tmp_path: Path) -> None:
+    """The real ``sglang-router`` between the rollout client and the engine: the client's
+    base64 ``image_data`` reaches the engine unchanged: each sample equals the one the engine
+    gives the client directly, token for token and log-prob for log-prob (and the client's
+    check of ``prompt_tokens`` passes). One request per prompt, as the rollout plane sends
+    them through a router (the router refuses a batch's list of ``rid``s)."""
+    from rl_core.data.prompts import encode_record_prompts
+    from rl_core.models.vlm import vision_processor
+    from rl_core.rollout.client import SyncSGLangClient
+    from rl_core.rollout.router import RouterProcess
+
+    recs = RECORDS[1:3]
+    prompts = encode_record_prompts(engine.tokenizer, recs, vision_processor(vlm_dir))
+    sp = {"temperature": 1.0, "max_new_tokens": 6, "sampling_seed": 11, "ignore_eos": True}
+
+    def samples(url: str) -> list[tuple[list[int], list[float]]]:
+        with SyncSGLangClient(url) as client:
+            got = [client.generate(p, sp, image_data=r.images) for p, r in zip(prompts, recs,
+                                                                             strict=True)]
+        return [(s.completion_ids, s.logprobs) for s in got]
+
+    direct = samples(server)
+    assert direct[0] != direct[1]  # two pictures, two samples
+    with RouterProcess([server], log_dir=tmp_path, policy="round_robin") as router:
+        assert samples(router.url) == direct
