@@ -157,6 +157,24 @@ def test_requests_joining_mid_decode_match_the_sampler(make_engine, ref_model, k
 
 
 @pytest.mark.parametrize("kv_layout", ["slots", "padded"])
+def test_a_groups_identical_prompts_are_prefilled_once(make_engine, ref_model, kv_layout):
+    """GRPO's n samples of one prompt, beside other prompts in one prefill: the prompt is
+    computed once and each sample decodes on its own copy; every sample equals the sampler's
+    own answer (the model's forward), and a row that leaves early frees only its copy."""
+    groups = [(PROMPTS[0], 4), (PROMPTS[1], 1), (PROMPTS[2], 3)]
+    reqs = [GenerateRequest(f"s{g}-{j}", p, SamplingParams(
+        temperature=1.0, max_new_tokens=(3 if j == 1 else 12), ignore_eos=True,
+        seed=100 + 10 * g + j)) for g, (p, n) in enumerate(groups) for j in range(n)]
+    eng = make_engine(kv_layout=kv_layout)
+    outs = eng.generate_sync(reqs)
+    assert eng.stats["prefill_batches"] == 1 and eng.stats["prefill_shared_rows"] == 3 + 0 + 2
+    for r, out in zip(reqs, outs, strict=True):
+        _same(out, ref_model, r)
+        assert len(out.output_ids) == r.params.max_new_tokens
+    assert len({tuple(o.output_ids) for o in outs[:4]}) > 1  # the copies sample independently
+
+
+@pytest.mark.parametrize("kv_layout", ["slots", "padded"])
 def test_greedy_equals_hf_generate(make_engine, ref_model, kv_layout):
     eng = make_engine(kv_layout=kv_layout)
     reqs = [

@@ -109,6 +109,29 @@ def test_image_and_text_requests_batch_continuously_with_exact_logprobs(
     assert outs[0].prompt_tokens == len(first[0].input_ids) > len(_chat_ids(engine, "x"))
 
 
+def test_a_groups_identical_image_prompts_are_prefilled_once(engine: EmbeddedEngine) -> None:
+    """GRPO's samples of one image prompt share one prefill (the vision tower runs once for
+    them); the same ids with another picture do not; every sample equals its request alone,
+    its log-probs the unbatched forward's."""
+    def req(rid: str, seed: int, picture: int) -> GenerateRequest:
+        ids, pixels = engine.images.prepare(_chat_ids(engine, RECORDS[0].question),
+                                            [RECORDS[picture].images[0]])
+        params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=seed, ignore_eos=True)
+        return GenerateRequest(rid, ids, params, return_logprob=True, images=pixels)
+
+    reqs = [req("g0", 20, 0), req("g1", 21, 0), req("o", 30, 1), req("g2", 22, 0)]
+    assert reqs[2].input_ids == reqs[0].input_ids  # the same ids: only the pixels differ
+    before = engine.stats["prefill_shared_rows"]
+    outs = engine.generate_sync(reqs)
+    assert engine.stats["prefill_shared_rows"] - before == 2  # g1 and g2 were g0's copies
+    for r, out in zip(reqs, outs, strict=True):
+        alone = engine.generate_sync([GenerateRequest(r.rid + "-alone", r.input_ids, r.params,
+                                                      return_logprob=True, images=r.images)])[0]
+        assert out.output_ids == alone.output_ids, r.rid
+        ref = _reference_logprobs(engine, r.input_ids, out.output_ids, r.images)
+        assert max(abs(a - b) for a, b in zip(ref, out.output_logprobs, strict=True)) < 1e-4
+
+
 def test_the_pixels_change_the_answer_and_placeholders_expand(engine: EmbeddedEngine) -> None:
     ids = _chat_ids(engine, RECORDS[0].question)
     pad = engine.tokenizer.convert_tokens_to_ids(IMAGE_PAD)

@@ -153,7 +153,8 @@ class EmbeddedEngine(EngineControl):
         self._pending: torch.Tensor | None = None  # (B,) sampled, not yet fed to the model
         self._paused = self._kv_released = self._stop = False
         self._groups: dict[str, tuple[Any, str]] = {}
-        self.stats = {"decode_steps": 0, "prefill_batches": 0, "max_batch": 0, "tokens": 0}
+        self.stats = {"decode_steps": 0, "prefill_batches": 0, "prefill_shared_rows": 0,
+                      "max_batch": 0, "tokens": 0}
         self.last_progress = time.monotonic()
         # background: the scheduler thread; else whichever thread drives it now (_drive)
         self._driver = threading.RLock()
@@ -452,6 +453,7 @@ class EmbeddedEngine(EngineControl):
         last, prompt_logits = self._masked(last), self._masked(prompt_logits)
         self._routing.prefill(new, self._kv.token_rows([len(q) for q in seqs]))
         self.stats["prefill_batches"] += 1
+        self.stats["prefill_shared_rows"] += self._kv.shared  # identical prompts computed once
         if prompt_logits is not None:
             ids = torch.tensor(seqs[0], dtype=torch.long)
             new[0].input_logprobs = prompt_logprobs(prompt_logits, ids, len(new[0].req.input_ids),

@@ -6,6 +6,8 @@
 derived from the weights, ``token_rows`` locates each prefilled sequence's tokens (for MoE
 routing capture). :class:`SlotBatch` (Llama/Qwen families) copies nothing per step;
 :class:`PaddedBatch` runs any full-attention model (docs/rollout.md, "KV cache layouts").
+Both compute identical prompts of one prefill (a GRPO group's samples: the same ids and
+pictures) once and give each of them its own copy of the result (:func:`shared_rows`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,35 @@ def make_kv_batch(layout: str, model: torch.nn.Module, device: torch.device, pad
             log.info("%s: padded KV cache (%s)", model_path, why_not)
         return PaddedBatch(model, device, pad_token_id)
     return SlotBatch(model, device, pad_token_id, max_rows)
+
+
+def shared_rows(seqs: list[list[int]], images: list[ImageInputs | None] | None
+                ) -> tuple[list[int], list[int]]:
+    """(the first row of each distinct sequence, each row's index into those): rows with the
+    same ids and the same pictures (pixels and grids equal) are one prefill row."""
+    firsts: list[int] = []
+    where: list[int] = []
+    seen: dict[tuple[int, ...], list[int]] = {}
+    for i, q in enumerate(seqs):
+        im = images[i] if images else None
+        same = seen.setdefault(tuple(q), [])
+        for u in same:
+            other = images[firsts[u]] if images else None
+            if _same_images(im, other):
+                where.append(u)
+                break
+        else:
+            same.append(len(firsts))
+            where.append(len(firsts))
+            firsts.append(i)
+    return firsts, where
+
+
+def _same_images(a: ImageInputs | None, b: ImageInputs | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a is b or (a.tokens == b.tokens and torch.equal(a.grid_thw, b.grid_thw)
+                      and torch.equal(a.pixel_values, b.pixel_values))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -109,12 +140,14 @@ class SlotBatch:
         ``keep_logits`` > 0 (one sequence only) also returns its last positions' logits.
         Text only: ``images`` must be None or all None (vision models run padded)."""
         assert not any(images or []), "SlotBatch runs text models only"
-        lengths = [len(q) for q in seqs]
-        n, b, width = len(seqs), self.rows, max(lengths)
-        self._reserve(b + n, width, max([*self.limits, *reserves]))
+        firsts, where = shared_rows(seqs, None)  # identical prompts computed once
+        self.shared = len(seqs) - len(firsts)
+        lengths = [len(seqs[u]) for u in firsts]
+        n, b, width = len(firsts), self.rows, max(lengths)
+        self._reserve(b + len(seqs), width, max([*self.limits, *reserves]))
         # Packed: the rows' tokens back to back, no padding, through every matrix product;
         # ``index`` places each token in the right-padded (n, width) layout attention uses.
-        ids = torch.tensor([t for q in seqs for t in q], dtype=torch.long)
+        ids = torch.tensor([t for u in firsts for t in seqs[u]], dtype=torch.long)
         positions = torch.cat([torch.arange(k) for k in lengths])
         index = torch.cat([torch.arange(k) + i * width for i, k in enumerate(lengths)])
         h = self._forward(ids[None].to(self.device), positions[None].to(self.device),
@@ -124,27 +157,32 @@ class SlotBatch:
             last = prompt_logits[-1:]
         else:
             ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
-            prompt_logits, last = None, self.logits(h[0, ends])
-        self._staged = (lengths, list(reserves))
+            prompt_logits, last = None, self.logits(h[0, ends])[where]
+        self._staged = ([len(q) for q in seqs], list(reserves), where)
         return last, prompt_logits
 
-    @staticmethod
-    def token_rows(lengths: list[int]) -> list[slice]:
-        """Each prefilled sequence's tokens in the forward's token order (packed back to back)."""
-        ends = [sum(lengths[: i + 1]) for i in range(len(lengths))]
-        return [slice(end - n, end) for n, end in zip(lengths, ends, strict=True)]
+    def token_rows(self, lengths: list[int]) -> list[slice]:
+        """Each prefilled sequence's tokens in the forward's token order (the distinct
+        sequences packed back to back; a shared one's are its first's)."""
+        assert self._staged is not None
+        where = self._staged[2]
+        firsts = [where.index(u) for u in range(max(where) + 1)]
+        ends = torch.tensor([lengths[i] for i in firsts]).cumsum(0).tolist()
+        return [slice(ends[u] - n, ends[u]) for n, u in zip(lengths, where, strict=True)]
 
     def admit(self, keep: list[int]) -> None:
-        """Append staged rows ``keep`` (indices into the last prefill) to the batch."""
+        """Append staged rows ``keep`` (indices into the last prefill) to the batch: each
+        row's slot gets its prefill row's keys and values (a shared one's, copied)."""
         assert self._staged is not None
-        (lengths, reserves), self._staged = self._staged, None
-        b = self.rows
-        for j, i in enumerate(keep):  # i >= j: compact the kept rows towards slot b
-            if i != j:
-                for buf in (*self.k, *self.v):
-                    buf[b + j, :, : lengths[i]] = buf[b + i, :, : lengths[i]]
+        (lengths, reserves, where), self._staged = self._staged, None
         if not keep:
             return
+        b, src = self.rows, [where[i] for i in keep]
+        if src != list(range(len(keep))):  # compact (and copy shared rows) towards slot b
+            cols = max(lengths[i] for i in keep)
+            idx = torch.tensor([b + u for u in src], dtype=torch.long, device=self.device)
+            for buf in (*self.k, *self.v):
+                buf[b : b + len(keep), :, :cols] = buf[idx, :, :cols]  # gathered first: a copy
         new_pos = torch.tensor([lengths[i] for i in keep], dtype=torch.long, device=self.device)
         self.pos = torch.cat([self.pos, new_pos])
         self.limits += [reserves[i] for i in keep]
@@ -190,8 +228,9 @@ class SlotBatch:
         self.rows, self.max_len = 0, 0
         self.pos = torch.zeros(0, dtype=torch.long, device=self.device)
         self.limits: list[int] = []
-        self._staged: tuple[list[int], list[int]] | None = None
+        self._staged: tuple[list[int], list[int], list[int]] | None = None
         self._rows_index = self.pos
+        self.shared = 0  # rows of the last prefill that were another row's copy
 
     def free(self) -> None:
         """Empty the batch and drop the KV buffers."""
@@ -350,6 +389,10 @@ class PaddedBatch:
     def prefill(self, seqs: list[list[int]], reserves: list[int], keep_logits: int,
                 images: list[ImageInputs | None] | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        firsts, where = shared_rows(seqs, images)  # identical prompts and pictures: once
+        self._where, self.shared = where, len(seqs) - len(firsts)
+        images = [images[u] for u in firsts] if images else None
+        seqs = [seqs[u] for u in firsts]
         width = max(len(q) for q in seqs)
         ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -370,21 +413,23 @@ class PaddedBatch:
                          position_ids=positions.to(self.device), use_cache=True,
                          logits_to_keep=max(1, keep_logits), **extra)
         self._staged = (out.past_key_values, mask, next_pos)
-        return out.logits[:, -1, :], (out.logits[0] if keep_logits else None)
+        return out.logits[where, -1, :], (out.logits[0] if keep_logits else None)
 
-    @staticmethod
-    def token_rows(lengths: list[int]) -> list[slice]:
-        """Each prefilled sequence's tokens in the forward's token order (left-padded rows)."""
+    def token_rows(self, lengths: list[int]) -> list[slice]:
+        """Each prefilled sequence's tokens in the forward's token order (left-padded rows; a
+        shared sequence's are its first's)."""
         width = max(lengths)
-        return [slice((i + 1) * width - n, (i + 1) * width) for i, n in enumerate(lengths)]
+        return [slice((u + 1) * width - n, (u + 1) * width)
+                for n, u in zip(lengths, self._where, strict=True)]
 
     def admit(self, keep: list[int]) -> None:
         assert self._staged is not None
         (cache, mask, next_pos), self._staged = self._staged, None
         if not keep:
             return
-        idx = torch.tensor(keep, dtype=torch.long)
-        if len(keep) < mask.shape[0]:
+        src = [self._where[i] for i in keep]
+        idx = torch.tensor(src, dtype=torch.long)
+        if src != list(range(mask.shape[0])):  # some rows left, or shared rows copied
             cache.batch_select_indices(idx.to(self.device))
         mask, next_pos = mask[idx], next_pos[idx]
         if self.cache is None:
@@ -441,6 +486,8 @@ class PaddedBatch:
         self.mask: torch.Tensor | None = None  # (B, L) long: 1 where the cache holds a token
         self.next_pos: torch.Tensor | None = None  # (B,) position of the pending token
         self._staged: tuple[DynamicCache, torch.Tensor, torch.Tensor] | None = None
+        self._where: list[int] = []  # each row of the last prefill -> its computed row
+        self.shared = 0  # rows of the last prefill that were another row's copy
 
     free = clear  # nothing is kept between batches
 
