@@ -16,6 +16,7 @@ from typing import Any, Literal
 from flows._redacted import redacted_flow
 from flows.run import Run
 from rl_core.sft import TINY_INIT, load_sft_config
+from rl_core.sft_images import check_vision_model
 from rl_core.training.sft import SFTHandle, close_session, get_session
 from tasks.setup import PreparedData, fetch_model
 from tasks.sft import (
@@ -49,6 +50,7 @@ def sft_train(
     model_path = (bare_tiny_model(cfg.model, cfg.data, cfg.storage.cache_dir)
                   if cfg.model.path == TINY_INIT
                   else fetch_model(cfg.model, cfg.data.grpo_data(), cfg.storage.cache_dir))
+    check_vision_model(model_path, cfg.data.image_field)  # images on a text model: refused now
     data = prepare_sft_data(cfg.data, cfg.storage.cache_dir, model_path, cfg.model,
                             cfg.train.num_threads)  # model first: data.teacher renders with it
     tracking = start_tracking(cfg, str(run.dir.path), resume_from=run.resume_from)

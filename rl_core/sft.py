@@ -2,14 +2,16 @@
 
 The SFT flow trains on demonstrations before GRPO; this module holds what it needs without
 torch: :class:`SFTConfig` (:func:`load_sft_config`), :func:`read_examples` (chat or
-prompt/completion rows from any source, bad rows named by file and row; ``synthetic``; or a
-teacher's samples with ``data.teacher``) and :func:`tokenize_example` (labels ``-100`` but on
-the tokens the model must produce, each part tokenized as the rollout sees it; docs/sft.md).
+prompt/completion rows from any source, with their images, bad rows named by file and row;
+``synthetic``; or a teacher's samples with ``data.teacher``) and :func:`tokenize_example`
+(labels ``-100`` but on the tokens the model must produce, each part tokenized as the rollout
+sees it, images placed and expanded as GRPO does: :mod:`rl_core.sft_images`; docs/sft.md).
 Never imports torch, Prefect or MLflow; reads remotely only an explicit hub name or ``s3://``.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -36,9 +38,17 @@ from rl_core.config import (
     read_config,
     validate_config,
 )
+from rl_core.data.images import ImageSpec, image_digest, image_spec
 from rl_core.data.numbers import parse_number
-from rl_core.data.prompts import render_prompt
+from rl_core.data.prompts import place_images, render_prompt
 from rl_core.data.records import BadRow, DataValidationError, extract_final_answer
+from rl_core.sft_images import (
+    encode_image_prompt,
+    expand_parts,
+    keep_whole_images,
+    parts_problem,
+    row_images,
+)
 
 __all__ = ["TINY_INIT", "Example", "SFTConfig", "SFTDataConfig", "SFTEvalConfig",
            "SFTTeacherConfig", "SFTTrainConfig", "TokenizedExample", "examples_digest",
@@ -184,9 +194,9 @@ class SFTConfig(Section):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> SFTConfig:
-        if self.data.image_field is not None:
-            raise ValueError("data.image_field: SFT reads text only in this version (GRPO's data "
-                             "layer reads images: docs/vlm.md); set it to null")
+        if self.data.image_field is not None and self.data.teacher.enabled:
+            raise ValueError("data.teacher.path with data.image_field: a teacher's samples are "
+                             "drawn for text prompts only in this version; unset one of them")
         if self.train.packing and self.pack_length < self.data.max_seq_len:
             raise ValueError(
                 f"train.pack_length ({self.pack_length}) is shorter than data.max_seq_len "
@@ -211,14 +221,17 @@ def load_sft_config(path: str | Path | None = None,
 
 @dataclass(frozen=True)
 class Example:
-    """One demonstration: chat ``messages``, or a ``prompt`` and its ``completion``.
-    ``origin`` names where it came from (``data/train.jsonl line 12``) for errors."""
+    """One demonstration: chat ``messages``, or a ``prompt`` and its ``completion``; ``images``
+    its pictures as encoded bytes (``data.image_field``'s, then the turns' image parts, each
+    left in its turn as ``{"type": "image"}``). ``origin`` names where it came from
+    (``data/train.jsonl line 12``) for errors."""
 
     id: str
     origin: str
-    messages: tuple[tuple[str, str], ...] = ()  # (role, content)
+    messages: tuple[tuple[str, Any], ...] = ()  # (role, text or content parts)
     prompt: str | None = None
     completion: str | None = None
+    images: tuple[bytes, ...] = ()
 
     @property
     def reference(self) -> str:
@@ -230,6 +243,8 @@ class Example:
     def to_json(self) -> str:
         body = ({"messages": [{"role": r, "content": c} for r, c in self.messages]}
                 if self.messages else {"prompt": self.prompt, "completion": self.completion})
+        if self.images:  # the snapshot keeps the pixels (base64), as GRPO's keeps them
+            body["images"] = [base64.b64encode(p).decode("ascii") for p in self.images]
         return json.dumps({"id": self.id, "origin": self.origin, **body}, ensure_ascii=False,
                           sort_keys=True)
 
@@ -237,11 +252,20 @@ class Example:
     def from_json(cls, text: str) -> Example:
         d = json.loads(text)
         turns = tuple((m["role"], m["content"]) for m in d.get("messages", ()))
-        return cls(d["id"], d["origin"], turns, d.get("prompt"), d.get("completion"))
+        images = tuple(base64.b64decode(p) for p in d.get("images", ()))
+        return cls(d["id"], d["origin"], turns, d.get("prompt"), d.get("completion"), images)
 
 
-def _check_row(row: object, d: SFTDataConfig) -> tuple[dict[str, Any] | None, str | None]:
-    """(the example's fields, None) or (None, why the row is bad)."""
+def _check_row(row: object, d: SFTDataConfig,
+               spec: ImageSpec | None = None) -> tuple[dict[str, Any] | None, str | None]:
+    """(the example's fields, images read with ``spec``, None) or (None, why the row is bad)."""
+    fields, why = _check_text(row, d)
+    if fields is None:
+        return None, why
+    return row_images(fields, row, d.messages_field, spec or image_spec(d))  # type: ignore[arg-type]
+
+
+def _check_text(row: object, d: SFTDataConfig) -> tuple[dict[str, Any] | None, str | None]:
     if isinstance(row, BadRow):
         return None, row.reason
     if not isinstance(row, Mapping):
@@ -253,9 +277,12 @@ def _check_row(row: object, d: SFTDataConfig) -> tuple[dict[str, Any] | None, st
         out = []
         for i, t in enumerate(turns, 1):
             if not (isinstance(t, Mapping) and isinstance(t.get("role"), str)
-                    and isinstance(t.get("content"), str)):
+                    and isinstance(t.get("content"), str | list)):
                 return None, (f"turn {i} of {d.messages_field!r} must be an object with string "
-                              "'role' and 'content'")
+                              "'role' and 'content' (text, or a list of text and image parts)")
+            if not isinstance(t["content"], str) and (
+                    why := parts_problem(t["role"], t["content"], i, d.messages_field)):
+                return None, why
             out.append((t["role"], t["content"]))
         if not any(r == "assistant" and c.strip() for r, c in out):
             return None, f"{d.messages_field!r} has no non-empty assistant turn to train on"
@@ -276,13 +303,18 @@ def _check_row(row: object, d: SFTDataConfig) -> tuple[dict[str, Any] | None, st
 
 
 def _content_id(fields: Mapping[str, Any]) -> str:
+    """sha1 of a row's text and, where it has images, their sha256s (the same text over other
+    pictures is another example)."""
+    if fields.get("images"):
+        fields = {**fields, "images": [image_digest(p) for p in fields["images"]]}
     blob = json.dumps(fields, ensure_ascii=False, sort_keys=True, default=list)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
 def validate_rows(rows: Iterable[tuple[int, object]], name: str, d: SFTDataConfig,
-                  row_label: str = "row") -> list[Example]:
-    """Examples from numbered raw rows; raises :class:`DataValidationError` naming ``name``
+                  row_label: str = "row", images: ImageSpec | None = None) -> list[Example]:
+    """Examples from numbered raw rows (``images``: how their images are read, default
+    ``data.image_*`` with no base folder); raises :class:`DataValidationError` naming ``name``
     and each bad row's number when more than ``data.max_bad_fraction`` are bad, or none is good."""
     good: list[Example] = []
     problems: list[tuple[int, str]] = []
@@ -290,7 +322,7 @@ def validate_rows(rows: Iterable[tuple[int, object]], name: str, d: SFTDataConfi
     total = 0
     for number, row in rows:
         total += 1
-        fields, why = _check_row(row, d)
+        fields, why = _check_row(row, d, images)
         if fields is not None:
             raw = row.get(d.id_field) if d.id_field and isinstance(row, Mapping) else None
             given = isinstance(raw, str | int) and not isinstance(raw, bool) and str(raw).strip()
@@ -327,8 +359,8 @@ def synthetic_examples(d: SFTDataConfig) -> tuple[list[Example], list[Example]]:
     knobs = d.grpo_data().synthetic_knobs()
     train, test = generate_splits(d.synthetic_train_size, d.synthetic_test_size, d.seed, **knobs)
     def rows(split: str, records: Sequence[Any]) -> list[Example]:
-        return [Example(r.id, f"synthetic {split} {i}", prompt=r.question, completion=r.answer)
-                for i, r in enumerate(records, 1)]
+        return [Example(r.id, f"synthetic {split} {i}", prompt=r.question, completion=r.answer,
+                        images=tuple(r.images)) for i, r in enumerate(records, 1)]
 
     return rows("train", train), rows("test", test)
 
@@ -336,12 +368,14 @@ def synthetic_examples(d: SFTDataConfig) -> tuple[list[Example], list[Example]]:
 def read_examples(source: str, split: str, d: SFTDataConfig,
                   cache_dir: str | None = None) -> list[Example]:
     """Validated examples of ``source`` (one split), through :mod:`rl_core.data.sources`'
-    readers: local files and directories, hub datasets, ``s3://`` (cached in ``cache_dir``)."""
-    from rl_core.data.sources import SourceRequest, dispatch_source
+    readers: local files and directories, hub datasets, ``s3://`` (cached in ``cache_dir``);
+    images as GRPO reads them (relative paths from the data file's folder)."""
+    from rl_core.data.sources import SourceRequest, dispatch_source, source_image_spec
 
     request = SourceRequest(split, d.subset, (), Path(cache_dir) if cache_dir else None)
     read = dispatch_source(source, request)
-    return validate_rows(read.rows, read.name, d, read.row_label)
+    return validate_rows(read.rows, read.name, d, read.row_label,
+                         source_image_spec(image_spec(d), source))
 
 
 def split_examples(d: SFTDataConfig, cache_dir: str | None = None
@@ -366,11 +400,14 @@ def split_examples(d: SFTDataConfig, cache_dir: str | None = None
 
 
 def examples_digest(examples: Sequence[Example]) -> str:
-    """sha256 over the examples' ids and texts, in order (lineage and resume checks); where
-    they were read from is not part of it (a moved file is the same data)."""
+    """sha256 over the examples' ids, texts and images' sha256s, in order (lineage and resume
+    checks); where they were read from is not part of it (a moved file is the same data)."""
     h = hashlib.sha256(b"grpoflow.sft-examples.v1\n")
     for e in examples:
-        line = json.dumps([e.id, e.messages, e.prompt, e.completion], ensure_ascii=False)
+        fields: list[Any] = [e.id, e.messages, e.prompt, e.completion]
+        if e.images:  # a text example's line is as it was
+            fields.append([image_digest(p) for p in e.images])
+        line = json.dumps(fields, ensure_ascii=False)
         h.update(line.encode() + b"\n")
     return h.hexdigest()
 
@@ -446,25 +483,36 @@ def prompt_text(tokenizer: Any, prompt: str, d: SFTDataConfig) -> str:
                          use_chat_template=d.use_chat_template, plain_template=d.plain_template)
 
 
-def tokenize_example(tokenizer: Any, ex: Example, d: SFTDataConfig) -> TokenizedExample:
-    """Token ids and labels of ``ex`` (module docstring); raises ValueError naming its origin
-    when the template cannot place its turns or nothing to train on fits data.max_seq_len."""
+def tokenize_example(tokenizer: Any, ex: Example, d: SFTDataConfig,  # noqa: ANN401
+                     vision: Any = None) -> TokenizedExample:  # noqa: ANN401
+    """Token ids and labels of ``ex`` (module docstring); ``vision``: the model's
+    :class:`~rl_core.models.vlm.VisionProcessor`, needed by an example with images (a prompt
+    row's are placed as GRPO places them, a chat row's where its turns hold them; each pad
+    expanded, none trained). Raises ValueError naming its origin when the template cannot
+    place its turns or images, or nothing to train on fits data.max_seq_len."""
     def enc(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
     try:
         if ex.messages:
             turns = list(ex.messages)
+            if ex.images:  # data.image_field's go first in the first user turn, as in GRPO
+                if not any(r == "user" for r, _ in turns):
+                    raise ValueError("a row with images needs a user turn to hold them")
+                turns = [(m["role"], m["content"]) for m in place_images(
+                    [{"role": r, "content": c} for r, c in turns], len(ex.images))]
             if d.system_prompt is not None and turns[0][0] != "system":
                 turns.insert(0, ("system", d.system_prompt))
             parts = [(enc(text), trained) for text, trained in _chat_segments(tokenizer, turns)]
+            if ex.images:
+                parts = expand_parts(parts, vision, ex.images)
         else:
-            prompt = prompt_text(tokenizer, ex.prompt or "", d)
             if tokenizer.eos_token_id is None:
                 raise ValueError("the tokenizer has no eos_token: a completion could never "
                                  "end; set eos_token in tokenizer_config.json")
-            parts = [(enc(prompt), False),
-                     (enc(ex.completion or "") + [tokenizer.eos_token_id], True)]
+            prompt = (encode_image_prompt(tokenizer, ex.prompt or "", ex.images, d, vision)
+                      if ex.images else enc(prompt_text(tokenizer, ex.prompt or "", d)))
+            parts = [(prompt, False), (enc(ex.completion or "") + [tokenizer.eos_token_id], True)]
     except ValueError as exc:
         raise ValueError(f"{ex.origin}: {exc}") from None
     ids: list[int] = []
@@ -475,8 +523,10 @@ def tokenize_example(tokenizer: Any, ex: Example, d: SFTDataConfig) -> Tokenized
             prompt_len = len(ids)
         ids += part
         labels += part if trained else [-100] * len(part)
-    ids, labels = ids[: d.max_seq_len], labels[: d.max_seq_len]
+    cut, kept = keep_whole_images(ids, d.max_seq_len, vision) if ex.images else (d.max_seq_len, 0)
+    ids, labels = ids[:cut], labels[:cut]
     if all(y == -100 for y in labels):
         raise ValueError(f"{ex.origin}: nothing to train on within data.max_seq_len="
                          f"{d.max_seq_len} tokens (the prompt alone is {prompt_len}); raise it")
-    return TokenizedExample(ex.id, ids, labels, min(prompt_len, len(ids)), ex.reference)
+    return TokenizedExample(ex.id, ids, labels, min(prompt_len, len(ids)), ex.reference,
+                            ex.images[:kept])

@@ -136,6 +136,10 @@ def teacher_examples(plane: Any, tokenizer: Any, examples: Sequence[Example], d:
                          "rows ({prompt, completion}); this row is a chat conversation. Map "
                          "its columns to prompt rows (data.prompt_field / completion_field) or "
                          "unset data.teacher.path")
+    if pictured := next((e for e in examples if e.images), None):
+        raise ValueError(f"{pictured.origin}: data.teacher.path samples completions for text "
+                         "prompts only in this version, and this row has images; unset "
+                         "data.teacher.path")
     started = time.perf_counter()
     prompts = {e.id: ids for e, ids in zip(
         examples, _encode([e.prompt or "" for e in examples], tokenizer, d), strict=True)}

@@ -37,9 +37,11 @@ __all__ = ["bare_tiny_model", "evaluate_sft", "export_sft_model",
 
 def _data_key(data: SFTDataConfig, student: str | None = None,
               model: ModelConfig | None = None) -> str:
+    folder = data.image_field is not None  # rows name image files beside the data file
     inputs: dict[str, Any] = {"config": data.model_dump(mode="json"),
-                              "source": source_fingerprint(data.source),
-                              "eval_source": source_fingerprint(data.eval_source or data.source)}
+                              "source": source_fingerprint(data.source, folder),
+                              "eval_source": source_fingerprint(data.eval_source or data.source,
+                                                                folder)}
     if data.teacher.path is not None:  # the teacher's weights, and the prompts it is given
         inputs["teacher"] = source_fingerprint(data.teacher.path)
         inputs["student_tokenizer"] = _tokenizer_fingerprint(student)

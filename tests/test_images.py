@@ -192,14 +192,6 @@ def test_images_with_a_text_model_are_refused_at_bring_up(tmp_path: Path,
         bring_up.fn(cfg, str(demo_model), data, str(tmp_path))
 
 
-def test_sft_refuses_an_image_field() -> None:
-    from rl_core.sft import load_sft_config
-
-    with pytest.raises(Exception, match="data.image_field: SFT reads text only"):
-        load_sft_config(Path(__file__).parents[1] / "configs" / "sft-tiny-cpu.yaml",
-                        ["data.image_field=image"])
-
-
 def test_a_changed_image_beside_the_data_file_prepares_the_data_again(tmp_path: Path) -> None:
     from rl_core.config import load_config
     from tasks.setup import data_key

@@ -23,7 +23,7 @@ from rl_core.data.images import ImageError, ImageSpec, image_digest, load_image
 from rl_core.data.numbers import parse_number
 
 __all__ = ["AnswerCheck", "BadRow", "cell_text", "cell_texts", "content_id", "content_text",
-           "DataValidationError",
+           "DataValidationError", "field_images", "message_images",
            "Record", "extract_final_answer",
            "numeric_answer", "prompt_text", "records_digest", "validate_numbered_rows",
            "validate_records"]
@@ -199,21 +199,12 @@ def _check_row(
                        "content-hash ids")
     spec = images or ImageSpec()
     pixels: list[bytes] = []
-    if not reasons and spec.field is not None:
-        refs = row.get(spec.field)
-        if refs is None:
-            reasons.append(f"field {spec.field!r} (data.image_field) is missing or null; every "
-                           "row needs its image(s)")
-        for k, ref in enumerate(() if refs is None else refs if isinstance(refs, list | tuple)
-                                else [refs]):
-            try:
-                pixels.append(load_image(ref, spec))
-            except ImageError as exc:
-                reasons.append(f"field {spec.field!r}, image {k + 1}: {exc}")
+    if not reasons:
+        pixels, reasons = field_images(row, spec)
     if reasons:
         return None, False, reasons
     if not isinstance(question, str):
-        question, why = _message_images(question, spec, question_field, pixels)
+        question, why = message_images(question, spec, question_field, pixels)
         if why:
             return None, False, why
     record_id = content_id(question, answer, pixels) if raw_id is None else str(raw_id)
@@ -221,8 +212,27 @@ def _check_row(
     return Record(record_id, question, answer, columns, tuple(pixels)), raw_id is None, []
 
 
-def _message_images(messages: Sequence[Mapping[str, Any]], spec: ImageSpec, name: str,
-                    pixels: list[bytes]) -> tuple[list[dict[str, Any]], list[str]]:
+def field_images(row: Mapping[str, Any], spec: ImageSpec) -> tuple[list[bytes], list[str]]:
+    """The images of a row's ``data.image_field`` column (one reference or a list; none when
+    the field is unset), each loaded and checked: (images, problems naming the field and the
+    image). GRPO's records and SFT's examples read them alike."""
+    if spec.field is None:
+        return [], []
+    refs = row.get(spec.field)
+    if refs is None:
+        return [], [f"field {spec.field!r} (data.image_field) is missing or null; every row "
+                    "needs its image(s)"]
+    pixels, problems = [], []
+    for k, ref in enumerate(refs if isinstance(refs, list | tuple) else [refs]):
+        try:
+            pixels.append(load_image(ref, spec))
+        except ImageError as exc:
+            problems.append(f"field {spec.field!r}, image {k + 1}: {exc}")
+    return pixels, problems
+
+
+def message_images(messages: Sequence[Mapping[str, Any]], spec: ImageSpec, name: str,
+                   pixels: list[bytes]) -> tuple[list[dict[str, Any]], list[str]]:
     """The messages with each image part's image loaded into ``pixels`` and left as
     ``{"type": "image"}``; text-only part lists become plain text. (messages, problems)."""
     out, problems = [], []

@@ -35,7 +35,8 @@ from rl_core.data.records import (
 )
 from rl_core.secrets import redact
 
-__all__ = ["SourceRequest", "dispatch_source", "load_records", "read_parquet", "write_parquet"]
+__all__ = ["SourceRequest", "dispatch_source", "load_records", "read_parquet", "source_image_spec",
+           "write_parquet"]
 
 log = logging.getLogger(__name__)
 
@@ -370,6 +371,14 @@ def _parquet_source(paths: Sequence[Path], name: str, request: SourceRequest) ->
     return RowSource(name=name, rows=rows(), note=note)
 
 
+def source_image_spec(images: ImageSpec, source: str | os.PathLike[str]) -> ImageSpec:
+    """``images`` for the rows of ``source``: relative paths read from the data file's folder
+    (the directory itself for a directory source), ``s3://`` through :mod:`rl_core.storage`."""
+    local = Path(os.fspath(source)).expanduser()
+    return replace(images, read_uri=images.read_uri or storage.read_bytes, base_dir=(
+        images.base_dir or (local if local.is_dir() else local.parent if local.exists() else None)))
+
+
 def load_records(
     source: str | os.PathLike[str], split: str = "train", *, subset: str | None = None,
     question_field: str = "question", answer_field: str = "answer", id_field: str | None = "id",
@@ -389,9 +398,7 @@ def load_records(
                             Path(cache_dir) if cache_dir is not None else None)
     read = dispatch_source(os.fspath(source), request)
     if images is not None:
-        local = Path(os.fspath(source)).expanduser()
-        images = replace(images, read_uri=images.read_uri or storage.read_bytes, base_dir=(
-            images.base_dir or (local if local.is_dir() else local.parent if local.exists() else None)))
+        images = source_image_spec(images, source)
     records, problems = validate_numbered_rows(read.rows, read.name, question_field=question_field,
         answer_field=answer_field, id_field=id_field, max_bad_fraction=max_bad_fraction,
         row_label=read.row_label, note=read.note, answer_check=answer_check, images=images)

@@ -4,8 +4,9 @@
 state, the merged export, micro-batching, packing) whose step takes demonstrations as a
 :class:`~rl_core.types.Batch` with advantage 1 and the mean negative log-likelihood of the
 labelled tokens as loss. Around it: held-out loss, greedy accuracy, checkpoints (resumes are
-bit-identical on CPU) and the export ``grpo_train`` takes as ``model.path``. The flow holds only
-a small :class:`SFTHandle` (:func:`start_session`). docs/sft.md.
+bit-identical on CPU) and the export ``grpo_train`` takes as ``model.path`` (a vision-language
+model's with its image processor). The flow holds only a small :class:`SFTHandle`
+(:func:`start_session`). docs/sft.md.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from rl_core.checkpoint import CheckpointState, restore_training, save_training
 from rl_core.config import AlgorithmConfig, ConfigError, config_digest, resolve_device
 from rl_core.data.sampler import PromptSampler
+from rl_core.models.vlm import copy_processor, is_vision_checkpoint, vision_processor
 from rl_core.rewards import gsm8k_reward
 from rl_core.sft import (
     Example,
@@ -112,7 +114,7 @@ def greedy_eval(trainer: SFTTrainer, tokenizer: Any, examples: Sequence[Tokenize
     from rl_core.engine.core import EmbeddedEngine, GenerateRequest
     from rl_core.engine.sampling import SamplingParams
 
-    context = int(trainer.model.config.max_position_embeddings)
+    context = int(trainer.model.config.get_text_config().max_position_embeddings)
     todo = [e for e in examples if e.scorable and e.prompt_len + max_new_tokens <= context]
     if not todo:
         return {}
@@ -121,11 +123,14 @@ def greedy_eval(trainer: SFTTrainer, tokenizer: Any, examples: Sequence[Tokenize
     with tempfile.TemporaryDirectory(prefix="grpoflow-sft-eval-") as d:
         trainer.save_pretrained(d)
         tokenizer.save_pretrained(d)
+        copy_processor(trainer.model_path, d)  # a vision-language model's image processor
         dtype = str(trainer.model.dtype).removeprefix("torch.")
         with EmbeddedEngine(d, max_running_requests=len(todo), device=str(trainer.device),
                             dtype=dtype) as engine:
-            outs = engine.generate_sync([GenerateRequest(str(i), e.ids[: e.prompt_len], greedy)
-                                         for i, e in enumerate(todo)], timeout=timeout_s)
+            outs = engine.generate_sync([GenerateRequest(
+                str(i), e.ids[: e.prompt_len], greedy,
+                images=engine.images.processor.process(e.images) if e.images else None)
+                for i, e in enumerate(todo)], timeout=timeout_s)
     texts = [tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in outs]
     right = [gsm8k_reward(t, e.reference) for t, e in zip(texts, todo, strict=True)]
     samples = [{"question": tokenizer.decode(e.ids[: e.prompt_len], skip_special_tokens=True),
@@ -198,24 +203,27 @@ class SFTSession:
         return state.step
 
     def export(self, out_dir: str) -> str:
-        """The model in Hugging Face format with its tokenizer (LoRA: merged, the adapter in
-        ``adapter/``): what ``grpo_train`` takes as ``model.path``."""
+        """The model in Hugging Face format with its tokenizer and, for a vision-language
+        model, its image processor (LoRA: merged, the adapter in ``adapter/``): what
+        ``grpo_train`` takes as ``model.path``."""
         path = self.trainer.save_pretrained(out_dir)
         self.tokenizer.save_pretrained(path)
+        copy_processor(self.trainer.model_path, path)
         return str(path)
 
 
 _SESSIONS: dict[str, SFTSession] = {}
 
 
-def _tokenize_all(tokenizer: Any, examples: Sequence[Example], d: SFTDataConfig,
-                  what: str) -> tuple[list[TokenizedExample], int]:
-    """Every example tokenized; those with nothing to train on within data.max_seq_len are
-    dropped and counted (all of them dropped: an error naming the first few)."""
+def _tokenize_all(tokenizer: Any, examples: Sequence[Example], d: SFTDataConfig,  # noqa: ANN401
+                  what: str, vision: Any = None) -> tuple[list[TokenizedExample], int]:  # noqa: ANN401
+    """Every example tokenized (``vision``: the model's image processor, for examples with
+    images); those with nothing to train on within data.max_seq_len are dropped and counted
+    (all of them dropped: an error naming the first few)."""
     out, dropped = [], []
     for ex in examples:
         try:
-            out.append(tokenize_example(tokenizer, ex, d))
+            out.append(tokenize_example(tokenizer, ex, d, vision))
         except ValueError as exc:
             if "nothing to train on" not in str(exc):
                 raise  # the template or the tokenizer: every row would fail the same way
@@ -230,9 +238,16 @@ def _tokenize_all(tokenizer: Any, examples: Sequence[Example], d: SFTDataConfig,
 
 def start_session(cfg: SFTConfig, model_path: str | Path, train: Sequence[Example],
                   evals: Sequence[Example]) -> SFTHandle:
-    """Load the model and tokenizer from ``model_path``, tokenize both sets, place the sampler."""
+    """Load the model and tokenizer from ``model_path``, tokenize both sets (a text model
+    with examples that carry images is refused first), place the sampler."""
     from transformers import AutoTokenizer
 
+    from rl_core.sft_images import check_vision_model
+
+    pictured = sum(1 for e in (*train, *evals) if e.images)
+    check_vision_model(model_path, cfg.data.image_field if pictured else None, pictured)
+    vision = vision_processor(model_path, cfg.model.trust_remote_code) \
+        if pictured and is_vision_checkpoint(model_path) else None
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     tokenizer = AutoTokenizer.from_pretrained(model_path,
@@ -242,11 +257,12 @@ def start_session(cfg: SFTConfig, model_path: str | Path, train: Sequence[Exampl
     if pad_id is None:
         raise ConfigError(f"{model_path}: the tokenizer has neither pad_token nor eos_token; set "
                           "them in tokenizer_config.json")
-    train_tok, dropped = _tokenize_all(tokenizer, train, cfg.data, "training")
-    eval_tok, dropped_eval = _tokenize_all(tokenizer, evals, cfg.data, "held-out")
+    train_tok, dropped = _tokenize_all(tokenizer, train, cfg.data, "training", vision)
+    eval_tok, dropped_eval = _tokenize_all(tokenizer, evals, cfg.data, "held-out", vision)
     trainer = SFTTrainer(model_path, cfg.train, pad_id=pad_id, pack_length=cfg.pack_length,
                          dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
-                         device=resolve_device(cfg.train.device, "train.device"))
+                         device=resolve_device(cfg.train.device, "train.device"),
+                         freeze_vision=cfg.model.freeze_vision)
     sampler = PromptSampler(len(train_tok), cfg.train.batch_size, cfg.train.seed)
     key = uuid.uuid4().hex
     _SESSIONS[key] = SFTSession(cfg, trainer, tokenizer, train_tok, eval_tok, sampler,
