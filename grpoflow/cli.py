@@ -224,6 +224,24 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_tinker(args: argparse.Namespace) -> int:
+    """The Tinker-compatible service (grpoflow.tinker.serve) until Ctrl-C."""
+    from grpoflow.tinker.serve import load_serve_config, serve
+    from rl_core.secrets import RedactFilter
+
+    config, overrides = _split(args)
+    cfg = load_serve_config(config, overrides)
+    service_log = logging.getLogger("grpoflow.tinker")
+    if not any(h.get_name() == "grpoflow-cli" for h in service_log.handlers):
+        handler = logging.StreamHandler()
+        handler.set_name("grpoflow-cli")
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.addFilter(RedactFilter())
+        service_log.addHandler(handler)
+    service_log.setLevel(cfg.log_level.upper())
+    return serve(cfg)
+
+
 def cmd_tracking(argv: list[str]) -> int:
     """``tracking replay FILE``: send ``<run_dir>/mlflow-unsent-metrics.jsonl`` to MLflow."""
     p = argparse.ArgumentParser(
@@ -449,6 +467,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="the run's config, for its storage.root")
     p.add_argument("--debug", action="store_true", help="the full traceback on failure")
     p.set_defaults(func=cmd_scale)
+
+    p = sub.add_parser("serve-tinker", help="serve the Tinker API: the real tinker SDK trains "
+                       "and samples LoRA adapters here (grpoflow.tinker; "
+                       "docs/tinker-protocol.md)")
+    _config_args(p, "configs/tinker-tiny-cpu.yaml", "port=8001")
+    p.set_defaults(func=cmd_serve_tinker)
 
     p = sub.add_parser("bootstrap-model", help="build the embedded tiny model")
     _config_args(p)

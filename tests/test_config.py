@@ -31,6 +31,11 @@ def test_every_shipped_config_validates(path):
 
         assert isinstance(load_sft_config(path), SFTConfig)
         return
+    if path.name.startswith("tinker-"):  # grpoflow serve-tinker's schema (docs/tinker.md)
+        from grpoflow.tinker.serve import TinkerServeConfig, load_serve_config
+
+        assert isinstance(load_serve_config(path), TinkerServeConfig)
+        return
     cfg = load_config(path)
     assert isinstance(cfg, ExperimentConfig)
 

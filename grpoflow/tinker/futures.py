@@ -1,0 +1,287 @@
+"""Futures and the work behind them (docs/tinker-protocol.md, sections 6 and 7).
+
+Every asynchronous submission answers ``{"request_id"}`` at once; its work runs later on
+the one worker thread of its base model (:class:`Worker`: a FIFO queue, since a backend is
+single-threaded per base model). A training model's requests carry ``seq_id``: they run in
+``seq_id`` order, a request waiting until every predecessor has been handed to the worker
+(the SDK may post a chunked call's first chunk last), and a repeated ``(model, seq_id)``
+gets the first submission's ``request_id`` instead of running twice (:class:`Scheduler`).
+
+``retrieve_future`` long-polls (:meth:`FutureStore.wait`): it returns when the result is
+there or after a bound well under the SDK's 45 s read timeout (then: ``try_again``). A result
+is kept until retrieved, then for ``retrieved_ttl_s`` more (a retried poll gets it again); one
+nobody retrieves is dropped after ``unretrieved_ttl_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rl_core.tinker import TinkerError
+
+__all__ = ["FutureStore", "Result", "Scheduler", "Worker", "failure", "user_error"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Result:
+    """A finished request's answer: a JSON object, or protobuf bytes (ForwardBackwardOutput,
+    SampleResponse)."""
+
+    json: dict[str, Any] | None = None
+    proto: bytes | None = None
+
+
+def user_error(message: str) -> Result:
+    """A failed request the user can fix (the SDK raises RequestFailedError, not retried)."""
+    return Result(json={"error": message, "category": "user"})
+
+
+def failure(exc: BaseException) -> Result:
+    """A request that raised: category ``user`` for :class:`TinkerError` (and ValueError
+    subclasses of it), ``server`` for anything else (logged with its traceback)."""
+    if isinstance(exc, TinkerError):
+        return user_error(str(exc) or type(exc).__name__)
+    log.error("request failed", exc_info=exc)
+    return Result(json={"error": f"{type(exc).__name__}: {exc}", "category": "server"})
+
+
+@dataclass
+class _Entry:
+    created: float
+    result: Result | None = None
+    done_at: float | None = None
+    retrieved_at: float | None = None
+    waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(
+        default_factory=list)
+
+
+class FutureStore:
+    """Request ids and their results; resolved from worker threads, awaited on the event
+    loop."""
+
+    def __init__(self, *, retrieved_ttl_s: float = 600.0,
+                 unretrieved_ttl_s: float = 6 * 3600.0) -> None:
+        self._entries: dict[str, _Entry] = {}
+        self._lock = threading.Lock()
+        self.retrieved_ttl_s, self.unretrieved_ttl_s = retrieved_ttl_s, unretrieved_ttl_s
+        self._last_sweep = time.monotonic()
+        self._closing = False  # shutting down: long-polls answer at once
+
+    def create(self) -> str:
+        """A new pending request id."""
+        rid = f"req-{uuid.uuid4().hex}"  # unguessable: a request id is its result's key
+        with self._lock:
+            self._entries[rid] = _Entry(created=time.monotonic())
+        self.sweep()
+        return rid
+
+    def resolve(self, rid: str, result: Result) -> None:
+        """Store ``rid``'s result and wake its long-polls (from any thread)."""
+        with self._lock:
+            entry = self._entries.get(rid)
+            if entry is None or entry.result is not None:
+                return
+            entry.result, entry.done_at = result, time.monotonic()
+            waiters, entry.waiters = entry.waiters, []
+        for loop, fut in waiters:
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
+                loop.call_soon_threadsafe(_wake, fut)
+
+    def pending(self) -> int:
+        with self._lock:
+            return sum(1 for e in self._entries.values() if e.result is None)
+
+    def known(self, rid: str) -> bool:
+        with self._lock:
+            return rid in self._entries
+
+    async def wait(self, rid: str, timeout: float) -> Result | None:
+        """``rid``'s result, waiting up to ``timeout`` seconds; None: not ready yet.
+        Raises KeyError for an unknown (or expired) id."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            entry = self._entries[rid]
+            if entry.result is None and self._closing:
+                return None
+            if entry.result is None:
+                fut: asyncio.Future[None] = loop.create_future()
+                entry.waiters.append((loop, fut))
+            else:
+                return self._retrieved(entry)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            pass
+        finally:
+            with self._lock, contextlib.suppress(ValueError):
+                entry.waiters.remove((loop, fut))
+        with self._lock:
+            return self._retrieved(entry) if entry.result is not None else None
+
+    def _retrieved(self, entry: _Entry) -> Result | None:
+        if entry.retrieved_at is None:
+            entry.retrieved_at = time.monotonic()
+        return entry.result
+
+    def wake_all(self) -> None:
+        """End every long-poll now, and answer later ones at once (shutdown): each answers
+        try_again unless its result is there."""
+        with self._lock:
+            self._closing = True
+            waiters = [w for e in self._entries.values() for w in e.waiters]
+            for e in self._entries.values():
+                e.waiters = []
+        for loop, fut in waiters:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_wake, fut)
+
+    def sweep(self, force: bool = False) -> int:
+        """Drop results retrieved more than ``retrieved_ttl_s`` ago and finished ones nobody
+        retrieved for ``unretrieved_ttl_s``; the number dropped (at most once a second
+        unless ``force``)."""
+        now = time.monotonic()
+        if not force and now - self._last_sweep < 1.0:
+            return 0
+        self._last_sweep = now
+        with self._lock:
+            stale = [rid for rid, e in self._entries.items()
+                     if (e.retrieved_at is not None and now - e.retrieved_at > self.retrieved_ttl_s)
+                     or (e.done_at is not None and e.retrieved_at is None
+                         and now - e.done_at > self.unretrieved_ttl_s)]
+            for rid in stale:
+                del self._entries[rid]
+        return len(stale)
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+Job = Callable[[], Result]
+
+
+class Worker:
+    """One thread running one base model's jobs in the order they were queued."""
+
+    def __init__(self, name: str, store: FutureStore) -> None:
+        self.name, self.store = name, store
+        self._queue: queue.SimpleQueue[tuple[str, Job] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"tinker-{name}", daemon=True)
+        self._thread.start()
+
+    def put(self, rid: str, job: Job) -> None:
+        self._queue.put((rid, job))
+
+    def depth(self) -> int:
+        return self._queue.qsize()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            rid, job = item
+            try:
+                result = job()
+            except BaseException as exc:  # noqa: BLE001 - every failure ends the future
+                result = failure(exc)
+            self.store.resolve(rid, result)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Finish the queued jobs, then end the thread (waits up to ``timeout``)."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+
+@dataclass
+class _Order:
+    """A training model's ``seq_id`` bookkeeping."""
+
+    next_seq: int
+    worker: Worker
+    held: dict[int, tuple[str, Job]] = field(default_factory=dict)
+    seen: dict[int, str] = field(default_factory=dict)  # seq_id -> request_id
+
+
+class Scheduler:
+    """Hands jobs to the base models' workers: unordered (model creation, sampling) or in
+    a training model's ``seq_id`` order (idempotent on ``(model_id, seq_id)``)."""
+
+    def __init__(self, base_models: list[str], store: FutureStore) -> None:
+        self.store = store
+        self.workers = {name: Worker(name, store) for name in base_models}
+        self._orders: dict[str, _Order] = {}
+        self._keys: dict[tuple[str, Any], str] = {}  # idempotency key -> request_id
+        self._lock = threading.Lock()
+
+    def submit(self, base_model: str, job: Job, key: tuple[str, Any] | None = None) -> str:
+        """Queue ``job`` on ``base_model``'s worker; a ``key`` seen before returns the
+        first submission's request id without queuing anything."""
+        with self._lock:
+            if key is not None and key in self._keys and self.store.known(self._keys[key]):
+                return self._keys[key]
+            rid = self.store.create()
+            if key is not None:
+                if len(self._keys) > 10_000:  # forget the keys of expired requests
+                    self._keys = {k: r for k, r in self._keys.items() if self.store.known(r)}
+                self._keys[key] = rid
+            self.workers[base_model].put(rid, job)
+            return rid
+
+    def open_order(self, model_id: str, base_model: str, first_seq: int = 1) -> None:
+        """Start ``model_id``'s sequence: its first ordered request has ``first_seq``."""
+        with self._lock:
+            self._orders[model_id] = _Order(next_seq=first_seq, worker=self.workers[base_model])
+
+    def submit_ordered(self, model_id: str, seq_id: int, job: Job) -> str:
+        """Queue ``job`` as ``model_id``'s request ``seq_id``: held until every smaller
+        ``seq_id`` has been queued. A ``seq_id`` already used returns its request id; one
+        below the model's sequence that was never seen fails at once."""
+        with self._lock:
+            order = self._orders[model_id]
+            if seq_id in order.seen:
+                return order.seen[seq_id]
+            rid = self.store.create()
+            if len(order.seen) > 4096:  # a long run: forget the oldest (long finished) ones
+                order.seen = {s: r for s, r in order.seen.items() if s >= order.next_seq - 1024}
+            order.seen[seq_id] = rid
+            if seq_id < order.next_seq:
+                self.store.resolve(rid, user_error(
+                    f"seq_id {seq_id} of model {model_id} comes after seq_id "
+                    f"{order.next_seq - 1} already ran; requests must be sent in order"))
+                return rid
+            order.held[seq_id] = (rid, job)
+            while order.next_seq in order.held:
+                order.worker.put(*order.held.pop(order.next_seq))
+                order.next_seq += 1
+            return rid
+
+    def forget(self, model_id: str) -> None:
+        """Drop ``model_id``'s sequence (its session finished)."""
+        with self._lock:
+            self._orders.pop(model_id, None)
+
+    def held(self, model_id: str) -> list[int]:
+        """The seq ids of ``model_id`` waiting for a predecessor."""
+        with self._lock:
+            order = self._orders.get(model_id)
+            return sorted(order.held) if order else []
+
+    def queue_depth(self, base_model: str) -> int:
+        return self.workers[base_model].depth()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Wake the long-polls and stop the workers (each finishes its queue first)."""
+        self.store.wake_all()
+        deadline = time.monotonic() + timeout
+        for worker in self.workers.values():
+            worker.stop(max(0.1, deadline - time.monotonic()))

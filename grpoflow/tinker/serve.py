@@ -1,0 +1,186 @@
+"""``grpoflow serve-tinker CONFIG``: the Tinker-compatible service on this machine.
+
+The config (e.g. configs/tinker-tiny-cpu.yaml; dotted overrides as for every command):
+
+* ``base_models``: served name -> model reference: ``embedded:tiny`` (the demo model, built
+  once into ``cache_dir`` as ``grpoflow bootstrap-model`` builds it), a local Hugging Face
+  directory, or a hub id (cached as ``grpoflow download-model`` caches it);
+* ``host``, ``port`` (0: any free port), ``root`` (training runs and checkpoints);
+* ``api_keys`` and ``api_keys_env`` (the name of an environment variable holding
+  comma-separated keys): the keys accepted, each ``tml-...``; none: any ``tml-`` key;
+* ``poll_timeout_s``, ``max_queued``, ``session_ttl_s``, ``startup_timeout_s``, ``log_level``.
+
+Clients: ``tinker.ServiceClient(base_url="http://HOST:PORT", api_key="tml-...")``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from rl_core.config.base import ConfigError, Section, read_config, validate_config
+
+__all__ = ["TinkerServeConfig", "api_keys_of", "build_app", "load_serve_config",
+           "resolve_models", "serve"]
+
+log = logging.getLogger(__name__)
+
+EXAMPLE = "configs/tinker-tiny-cpu.yaml"
+
+
+class TinkerServeConfig(Section):
+    """``grpoflow serve-tinker``'s config (see the module docstring)."""
+
+    base_models: dict[str, str] = Field(
+        default_factory=lambda: {"grpoflow/tiny": "embedded:tiny"},
+        description="Served name -> embedded:tiny, a local HF directory or a hub id.")
+    host: str = Field("127.0.0.1", description="Address to bind (0.0.0.0: every interface).")
+    port: int = Field(8000, ge=0, le=65535, description="Port (0: any free port).")
+    root: str = Field("runs/tinker", description="Training runs and checkpoints.")
+    cache_dir: str = Field(".cache/grpoflow", description="Built and downloaded models.")
+    api_keys: list[str] | None = Field(None, description="Accepted keys (tml-...).")
+    api_keys_env: str | None = Field(
+        "GRPOFLOW_TINKER_API_KEYS",
+        description="Environment variable with more accepted keys, comma-separated.")
+    poll_timeout_s: float = Field(30.0, gt=0, lt=45, description="retrieve_future long-poll.")
+    max_queued: int = Field(256, ge=1, description="Queued requests per base model before "
+                            "sampling answers 429.")
+    session_ttl_s: float = Field(1800.0, gt=0, description="A session without a heartbeat "
+                                 "this long is finished and its models dropped.")
+    startup_timeout_s: float = Field(1800.0, gt=0, description="Bound on preparing the models "
+                                     "and loading the backend.")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+def load_serve_config(path: str | Path | None = None,
+                      overrides: list[str] | None = None) -> TinkerServeConfig:
+    data, origin = read_config(path, overrides, EXAMPLE)
+    cfg = validate_config(TinkerServeConfig, data, origin)
+    if not cfg.base_models:
+        raise ConfigError(f"{origin}: base_models is empty; serve at least one, e.g. "
+                          "base_models: {grpoflow/tiny: embedded:tiny}")
+    for name in cfg.base_models:
+        if not name or name.count(":") or name.startswith(("/", ".")):
+            raise ConfigError(f"{origin}: base_models key {name!r} is not a usable model name "
+                              "(no ':'; e.g. grpoflow/tiny)")
+    return cfg
+
+
+def api_keys_of(cfg: TinkerServeConfig) -> set[str] | None:
+    """The accepted keys (config list plus ``api_keys_env``); None: any ``tml-`` key."""
+    keys = set(cfg.api_keys or [])
+    if cfg.api_keys_env and (raw := os.environ.get(cfg.api_keys_env, "").strip()):
+        keys |= {k.strip() for k in raw.split(",") if k.strip()}
+    if bad := sorted(k[:8] + "..." for k in keys if not k.startswith("tml-") or len(k) < 8):
+        raise ConfigError(f"API keys must look like tml-<at least 4 characters> (the Tinker "
+                          f"SDK refuses others): {', '.join(bad)}")
+    return keys or None
+
+
+def resolve_models(cfg: TinkerServeConfig) -> dict[str, Path]:
+    """Served name -> a verified local model directory (``embedded:tiny`` built once, hub
+    ids downloaded once; docs/models.md)."""
+    from rl_core.config import DataConfig, ModelConfig
+    from rl_core.models.hub import download_model
+
+    out = {}
+    for name, ref in cfg.base_models.items():
+        if ref.startswith("embedded:"):  # built here (the training stack: a heavy import)
+            from rl_core.base_model import snapshot_model
+
+            path = snapshot_model(ModelConfig(path=ref), DataConfig(), cfg.cache_dir).path
+        else:
+            path = download_model(ref, cfg.cache_dir).path
+        log.info("base model %s: %s (%s)", name, path, ref)
+        out[name] = Path(path)
+    return out
+
+
+def _default_backend(models: dict[str, Path]) -> Any:  # noqa: ANN401
+    """The compute: rl_core.tinker.backend.LoraBackend on the resolved model directories."""
+    try:
+        from rl_core.tinker.backend import LoraBackend
+    except ImportError as exc:
+        raise ConfigError("the Tinker service's compute (rl_core.tinker.backend.LoraBackend) "
+                          f"is not available in this install: {exc}") from exc
+    return LoraBackend({name: str(path) for name, path in models.items()})
+
+
+def build_app(cfg: TinkerServeConfig, backend: Any) -> Any:  # noqa: ANN401
+    """The FastAPI app for ``backend`` with ``cfg``'s keys, root and limits."""
+    from grpoflow.tinker.app import create_app
+
+    return create_app(backend, root=Path(cfg.root).expanduser(), api_keys=api_keys_of(cfg),
+                      poll_timeout_s=cfg.poll_timeout_s, max_queued=cfg.max_queued,
+                      session_ttl_s=cfg.session_ttl_s)
+
+
+def _bounded(fn: Callable[[], Any], timeout: float, what: str) -> Any:  # noqa: ANN401
+    """``fn()`` on a helper thread; TimeoutError if it takes longer than ``timeout``."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="tinker-startup", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} took more than {timeout:.0f} s (startup_timeout_s)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def serve(cfg: TinkerServeConfig,
+          backend_factory: Callable[[dict[str, Path]], Any] | None = None) -> int:
+    """Prepare the models, load the backend (both bounded by ``startup_timeout_s``), and
+    serve until interrupted; the exit code."""
+    import uvicorn
+
+    keys = api_keys_of(cfg)  # a bad key fails before minutes of model preparation
+    started = time.monotonic()
+    factory = backend_factory or _default_backend
+    backend = _bounded(lambda: factory(resolve_models(cfg)), cfg.startup_timeout_s,
+                       "preparing the base models and loading the backend")
+    try:
+        app = build_app(cfg, backend)
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:  # noqa: ANN401
+                super().handle_exit(sig, frame)
+                # the long-polls end now, so the connections drain (not in the handler:
+                # the event loop's thread may hold the futures' lock)
+                threading.Thread(target=app.state.tinker.futures.wake_all, daemon=True).start()
+
+        server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="on",
+                                       log_level=cfg.log_level, timeout_graceful_shutdown=15))
+
+        def announce() -> None:
+            while not server.started and not server.should_exit:
+                time.sleep(0.05)
+            if server.started:
+                port = server.servers[0].sockets[0].getsockname()[1]
+                url = f"http://{cfg.host}:{port}"
+                log.info("Tinker-compatible service ready on %s in %.0f s: %s; clients: "
+                         "tinker.ServiceClient(base_url=%r) with a tml- API key%s", url,
+                         time.monotonic() - started, ", ".join(cfg.base_models), url,
+                         "" if keys else " (any is accepted: set api_keys)")
+
+        threading.Thread(target=announce, name="tinker-announce", daemon=True).start()
+        with contextlib.suppress(KeyboardInterrupt):  # re-raised after a graceful shutdown
+            server.run()
+    finally:
+        backend.close()
+    return 0
