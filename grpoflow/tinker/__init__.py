@@ -8,7 +8,9 @@ on grpoflow's compute (``rl_core.tinker``). The wire protocol: docs/tinker-proto
 * :mod:`.futures`: request ids, long-polls, one worker thread per base model, ``seq_id`` order;
 * :mod:`.proto`: the protobuf bodies; :mod:`.schemas`: the JSON bodies;
 * :mod:`.state`: sessions, models, samplers, and runs and checkpoints on disk;
-* :mod:`.backend`: :class:`Backend`, what the service needs from its compute;
+* :mod:`.backend`: :class:`Backend`, what the service needs from its compute, and the
+  tracker interfaces; :mod:`.lineage`: the MLflow tracker (a run per training client);
+* :mod:`.auth`: tenants' hashed keys and the request-size bound;
 * :mod:`.serve`: ``grpoflow serve-tinker CONFIG``.
 
 The ``tinker`` package (its protobuf schema) is an optional dependency:

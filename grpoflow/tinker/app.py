@@ -2,21 +2,21 @@
 (0.38.0) calls in front of a :class:`~grpoflow.tinker.backend.Backend` (the protocol:
 docs/tinker-protocol.md; section numbers below refer to it).
 
-Every ``/api/v1`` request carries ``X-API-Key``: with ``api_keys`` it must be one of them,
-without, any ``tml-`` key is accepted; a wrong key is answered 401. The key's digest is the
-caller's identity (its sessions, models and runs are its own). Errors are JSON
-``{"detail": ...}`` with a non-empty body (400 bad request, 401, 404 unknown id or route,
-410 finished session, 422 malformed body, 429 full queue on ``asample``; never 402 or 409);
+Every ``/api/v1`` request carries ``X-API-Key``: it must be a tenant's key (``tenants``: its
+SHA-256 digest listed) or one of ``api_keys``; with neither, any ``tml-`` key is accepted; a
+wrong key is answered 401. The caller's identity is the tenant's name, else the key's digest
+(:mod:`.auth`): its sessions, models, runs, checkpoints and request ids are its own, and
+another caller's are 404. Errors are JSON ``{"detail": ...}`` with a non-empty body (400 bad
+request, 401, 404 unknown id or route, 410 finished session, 413 body over ``max_body_bytes``,
+422 malformed body, 429 full queue; never 402 or 409);
 a failed request's future answers ``{"error": ..., "category": "user" | "server"}``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from grpoflow.tinker.auth import BodyLimit, KeyTable, owner_of
 from grpoflow.tinker.backend import Backend, MetricsTracker, require_tinker
 from grpoflow.tinker.errors import ApiError
 from grpoflow.tinker.proto import WireError, decode_forward_backward
@@ -63,24 +64,26 @@ CLIENT_CONFIG: dict[str, Any] = {
 POLL_TIMEOUT_S = 30.0  # a retrieve_future long-poll's bound (the SDK's read timeout is 45 s)
 
 
-def owner_of(api_key: str) -> str:
-    """The identity an API key stands for (a digest: the key itself is never stored)."""
-    return "user-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
-
-
 def _json_error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"detail": message}, status_code=status)
 
 
 def create_app(backend: Backend, *, root: Path | str, api_keys: Iterable[str] | None = None,
                tracker: MetricsTracker | None = None, poll_timeout_s: float = POLL_TIMEOUT_S,
-               max_queued: int = 256, session_ttl_s: float = 1800.0) -> FastAPI:
+               max_queued: int = 256, session_ttl_s: float = 1800.0,
+               tenants: Mapping[str, Iterable[str]] | None = None,
+               max_body_bytes: int | None = None) -> FastAPI:
     """The service for ``backend``'s base models; runs and checkpoints under ``root``.
 
-    ``api_keys``: the keys accepted (None: any ``tml-`` key); ``tracker``: where training
-    metrics go (:class:`~grpoflow.tinker.backend.MetricsTracker`); ``poll_timeout_s``: how
+    ``api_keys``: plain keys accepted (None: none besides the tenants', or any ``tml-`` key
+    when there are no ``tenants`` either); ``tenants``: name -> SHA-256 hex digests of its
+    keys; ``tracker``: where training metrics and lineage go
+    (:class:`~grpoflow.tinker.backend.MetricsTracker`, optionally a
+    :class:`~grpoflow.tinker.backend.LineageTracker`); ``poll_timeout_s``: how
     long ``retrieve_future`` holds an unfinished request before answering try_again;
-    ``max_queued``: a base model's queued requests beyond which ``asample`` answers 429;
+    ``max_queued``: a base model's queued requests (or a training client's requests waiting
+    for an earlier ``seq_id``) beyond which a submission answers 429;
+    ``max_body_bytes``: a larger request body is answered 413 (None: no bound);
     ``session_ttl_s``: a session without a heartbeat (the SDK beats every 10 s) for this
     long is finished, its models dropped.
     ``app.state.tinker.close()`` stops its workers (the server's shutdown does it too).
@@ -88,20 +91,14 @@ def create_app(backend: Backend, *, root: Path | str, api_keys: Iterable[str] | 
     require_tinker()  # the protobuf schema: a clear ImportError now, not at the first request
     service = TinkerService(backend, Path(root), tracker=tracker, max_queued=max_queued,
                             session_ttl_s=session_ttl_s)
-    keys = None if api_keys is None else [str(k) for k in api_keys]
-    if keys is not None and not keys:
-        raise ValueError("api_keys is empty: no request could authenticate (None: any tml- key)")
+    table = KeyTable(api_keys, tenants)  # digests only: the keys are not kept
 
     def authenticate(request: Request) -> str:
         key = request.headers.get("x-api-key", "")
-        if keys is None:
-            ok = key.startswith("tml-") and len(key) > 4
-        else:
-            ok = any(hmac.compare_digest(key.encode(), k.encode()) for k in keys)
-        if not ok:
+        if (owner := table.owner(key)) is None:
             raise ApiError(401, "invalid API key (X-API-Key)" if key else
                            "missing API key: send X-API-Key (ServiceClient(api_key='tml-...'))")
-        return owner_of(key)
+        return owner
 
     auth = Depends(authenticate)  # a default, not an annotation: these are strings here
     @contextlib.asynccontextmanager
@@ -112,6 +109,8 @@ def create_app(backend: Backend, *, root: Path | str, api_keys: Iterable[str] | 
     app = FastAPI(title="grpoflow Tinker-compatible service", docs_url=None, redoc_url=None,
                   openapi_url=None, lifespan=lifespan)
     app.state.tinker = service
+    if max_body_bytes is not None:
+        app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -233,7 +232,7 @@ def create_app(backend: Backend, *, root: Path | str, api_keys: Iterable[str] | 
         with contextlib.suppress(KeyError, ValueError):
             bound = min(bound, max(1.0, float(request.headers["x-stainless-read-timeout"]) - 5))
         try:
-            result = await service.futures.wait(body.request_id, bound)
+            result = await service.futures.wait(body.request_id, bound, owner)
         except KeyError:
             raise ApiError(404, f"unknown request_id {body.request_id!r} (a result is kept "
                            "until retrieved, then 10 minutes)") from None

@@ -18,7 +18,7 @@ import numpy as np
 
 from rl_core.tinker import AdamParams, Datum, SampledSequence, SamplingParams
 
-__all__ = ["Backend", "MetricsTracker", "require_tinker"]
+__all__ = ["Backend", "LineageTracker", "MetricsTracker", "require_tinker"]
 
 
 @runtime_checkable
@@ -88,6 +88,41 @@ class MetricsTracker(Protocol):
     number), with the run (model) id; an exception is logged and ignored."""
 
     def log_metrics(self, run_id: str, step: int, metrics: Mapping[str, float]) -> None: ...
+
+
+class LineageTracker(MetricsTracker, Protocol):
+    """A tracker that also records lineage (:class:`grpoflow.tinker.lineage.MlflowLineage`).
+    The service calls each method a tracker has (any may be missing), on the base model's
+    worker thread in the order the work ran, except ``close``; none may block on a remote
+    server, and an exception is logged and ignored. ``run_id`` is the training client's model
+    id (also its training run id)."""
+
+    def start_run(self, run_id: str, params: Mapping[str, Any],
+                  tags: Mapping[str, str]) -> None:
+        """A training client was created (``params``: base model, rank, seed, train flags,
+        tenant, ``resumed_from``; ``tags``: the service's ids)."""
+        ...
+
+    def log_call(self, run_id: str, op: str, step: int, info: Mapping[str, float]) -> None:
+        """What the service measured about one call ``op`` (``forward``,
+        ``forward_backward``, ``optim_step``): ``seconds`` it ran, ``queue_seconds`` it waited
+        and, for ``optim_step``, its hyperparameters."""
+        ...
+
+    def log_checkpoint(self, run_id: str, kind: str, name: str, path: Path,
+                       tinker_path: str) -> None:
+        """A checkpoint was committed: ``kind`` ``weights`` (save_state) or
+        ``sampler_weights``, in directory ``path``."""
+        ...
+
+    def end_run(self, run_id: str, status: str) -> None:
+        """The training client is gone: ``FINISHED`` (its session ended) or ``KILLED`` (the
+        service stopped)."""
+        ...
+
+    def close(self) -> None:
+        """The service stops: send what is queued, within the tracker's own bound."""
+        ...
 
 
 def require_tinker() -> Any:  # noqa: ANN401 - the SDK's generated protobuf module

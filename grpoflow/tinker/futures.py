@@ -10,7 +10,8 @@ gets the first submission's ``request_id`` instead of running twice (:class:`Sch
 ``retrieve_future`` long-polls (:meth:`FutureStore.wait`): it returns when the result is
 there or after a bound well under the SDK's 45 s read timeout (then: ``try_again``). A result
 is kept until retrieved, then for ``retrieved_ttl_s`` more (a retried poll gets it again); one
-nobody retrieves is dropped after ``unretrieved_ttl_s``.
+nobody retrieves is dropped after ``unretrieved_ttl_s``. A request id belongs to the caller
+that submitted it (``owner``): to anyone else it is unknown.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from typing import Any
 
 from rl_core.tinker import TinkerError
 
-__all__ = ["FutureStore", "Result", "Scheduler", "Worker", "failure", "user_error"]
+__all__ = ["FutureStore", "QueueFull", "Result", "Scheduler", "Worker", "failure",
+           "user_error"]
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +58,15 @@ def failure(exc: BaseException) -> Result:
     return Result(json={"error": f"{type(exc).__name__}: {exc}", "category": "server"})
 
 
+class QueueFull(Exception):
+    """A submission refused because its queue is at its bound (answered 429: the SDK retries
+    the same request, ``seq_id`` included, after a backoff)."""
+
+
 @dataclass
 class _Entry:
     created: float
+    owner: str | None = None
     result: Result | None = None
     done_at: float | None = None
     retrieved_at: float | None = None
@@ -78,11 +86,11 @@ class FutureStore:
         self._last_sweep = time.monotonic()
         self._closing = False  # shutting down: long-polls answer at once
 
-    def create(self) -> str:
-        """A new pending request id."""
+    def create(self, owner: str | None = None) -> str:
+        """A new pending request id, retrievable by ``owner`` only (None: by nobody)."""
         rid = f"req-{uuid.uuid4().hex}"  # unguessable: a request id is its result's key
         with self._lock:
-            self._entries[rid] = _Entry(created=time.monotonic())
+            self._entries[rid] = _Entry(created=time.monotonic(), owner=owner)
         self.sweep()
         return rid
 
@@ -106,12 +114,15 @@ class FutureStore:
         with self._lock:
             return rid in self._entries
 
-    async def wait(self, rid: str, timeout: float) -> Result | None:
+    async def wait(self, rid: str, timeout: float, owner: str | None = None) -> Result | None:
         """``rid``'s result, waiting up to ``timeout`` seconds; None: not ready yet.
-        Raises KeyError for an unknown (or expired) id."""
+        Raises KeyError for an unknown (or expired) id, and, given ``owner``, for another
+        owner's."""
         loop = asyncio.get_running_loop()
         with self._lock:
             entry = self._entries[rid]
+            if owner is not None and entry.owner != owner:
+                raise KeyError(rid)
             if entry.result is None and self._closing:
                 return None
             if entry.result is None:
@@ -210,6 +221,7 @@ class _Order:
     worker: Worker
     held: dict[int, tuple[str, Job]] = field(default_factory=dict)
     seen: dict[int, str] = field(default_factory=dict)  # seq_id -> request_id
+    owner: str | None = None  # whose request ids these are
 
 
 class Scheduler:
@@ -223,13 +235,17 @@ class Scheduler:
         self._keys: dict[tuple[str, Any], str] = {}  # idempotency key -> request_id
         self._lock = threading.Lock()
 
-    def submit(self, base_model: str, job: Job, key: tuple[str, Any] | None = None) -> str:
-        """Queue ``job`` on ``base_model``'s worker; a ``key`` seen before returns the
-        first submission's request id without queuing anything."""
+    def submit(self, base_model: str, job: Job, key: tuple[Any, ...] | None = None,
+               owner: str | None = None) -> str:
+        """Queue ``job`` on ``base_model``'s worker, its request id ``owner``'s; a ``key``
+        seen before (of the same owner) returns the first submission's request id without
+        queuing anything."""
         with self._lock:
+            if key is not None:
+                key = (owner, *key)
             if key is not None and key in self._keys and self.store.known(self._keys[key]):
                 return self._keys[key]
-            rid = self.store.create()
+            rid = self.store.create(owner)
             if key is not None:
                 if len(self._keys) > 10_000:  # forget the keys of expired requests
                     self._keys = {k: r for k, r in self._keys.items() if self.store.known(r)}
@@ -237,20 +253,33 @@ class Scheduler:
             self.workers[base_model].put(rid, job)
             return rid
 
-    def open_order(self, model_id: str, base_model: str, first_seq: int = 1) -> None:
-        """Start ``model_id``'s sequence: its first ordered request has ``first_seq``."""
+    def open_order(self, model_id: str, base_model: str, first_seq: int = 1,
+                   owner: str | None = None) -> None:
+        """Start ``model_id``'s sequence: its first ordered request has ``first_seq``; its
+        request ids are ``owner``'s."""
         with self._lock:
-            self._orders[model_id] = _Order(next_seq=first_seq, worker=self.workers[base_model])
+            self._orders[model_id] = _Order(next_seq=first_seq, worker=self.workers[base_model],
+                                            owner=owner)
 
-    def submit_ordered(self, model_id: str, seq_id: int, job: Job) -> str:
+    def submit_ordered(self, model_id: str, seq_id: int, job: Job,
+                       limit: int | None = None) -> str:
         """Queue ``job`` as ``model_id``'s request ``seq_id``: held until every smaller
         ``seq_id`` has been queued. A ``seq_id`` already used returns its request id; one
-        below the model's sequence that was never seen fails at once."""
+        below the model's sequence that was never seen fails at once. With ``limit``, a new
+        request raises :class:`QueueFull` (nothing recorded: the same ``seq_id`` can come
+        again) while the worker's queue is at ``limit``, or the model's held requests are and
+        this is not the one they wait for."""
         with self._lock:
             order = self._orders[model_id]
             if seq_id in order.seen:
                 return order.seen[seq_id]
-            rid = self.store.create()
+            if limit is not None and seq_id >= order.next_seq and (
+                    order.worker.depth() >= limit or (len(order.held) >= limit
+                                                      and seq_id != order.next_seq)):
+                raise QueueFull(f"{order.worker.depth()} requests queued on {order.worker.name}"
+                                f", {len(order.held)} of model {model_id} waiting for an "
+                                f"earlier seq_id (the bound is {limit})")
+            rid = self.store.create(order.owner)
             if len(order.seen) > 4096:  # a long run: forget the oldest (long finished) ones
                 order.seen = {s: r for s, r in order.seen.items() if s >= order.next_seq - 1024}
             order.seen[seq_id] = rid

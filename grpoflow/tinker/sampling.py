@@ -117,5 +117,5 @@ class SamplingOps:
         key = None if body.seq_id is None else ("sample", body.sampling_session_id or
                                                 f"{owner}:{body.model_path or base}",
                                                 body.seq_id)
-        rid = self.scheduler.submit(base, self._job(run), key=key)
+        rid = self.scheduler.submit(base, self._job(run), key=key, owner=owner)
         return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(n)]}

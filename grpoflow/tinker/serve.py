@@ -6,9 +6,18 @@ The config (e.g. configs/tinker-tiny-cpu.yaml; dotted overrides as for every com
   once into ``cache_dir`` as ``grpoflow bootstrap-model`` builds it), a local Hugging Face
   directory, or a hub id (cached as ``grpoflow download-model`` caches it);
 * ``host``, ``port`` (0: any free port), ``root`` (training runs and checkpoints);
+* ``tenants``: tenant name -> the SHA-256 hex digests of its keys (never the keys:
+  ``python -m grpoflow.tinker.serve hash-key`` reads a key and prints its digest, as
+  ``printf %s "$KEY" | sha256sum`` does); a tenant's runs, checkpoints and requests are its own;
 * ``api_keys`` and ``api_keys_env`` (the name of an environment variable holding
-  comma-separated keys): the keys accepted, each ``tml-...``; none: any ``tml-`` key;
-* ``poll_timeout_s``, ``max_queued``, ``session_ttl_s``, ``startup_timeout_s``, ``log_level``.
+  comma-separated keys): more keys accepted, each ``tml-...``, each its own identity; no keys
+  and no tenants: any ``tml-`` key;
+* ``max_body_bytes`` (a larger request is answered 413), ``max_queued`` (a base model's queue,
+  and a training client's requests waiting for an earlier one, beyond which 429);
+* ``tracking``: MLflow lineage of every training client (:mod:`.lineage`): ``backend``
+  (``mlflow`` or ``none``), ``uri`` (default ``MLFLOW_TRACKING_URI``, else the project store
+  ``<storage_root>/mlflow.db`` as every grpoflow command uses), ``experiment``, ...;
+* ``poll_timeout_s``, ``session_ttl_s``, ``startup_timeout_s``, ``log_level``.
 
 Clients: ``tinker.ServiceClient(base_url="http://HOST:PORT", api_key="tml-...")``.
 """
@@ -28,12 +37,31 @@ from pydantic import Field
 
 from rl_core.config.base import ConfigError, Section, read_config, validate_config
 
-__all__ = ["TinkerServeConfig", "api_keys_of", "build_app", "load_serve_config",
-           "resolve_models", "serve"]
+__all__ = ["TinkerServeConfig", "TinkerTrackingConfig", "api_keys_of", "build_app",
+           "build_tracker", "load_serve_config", "resolve_models", "serve"]
 
 log = logging.getLogger(__name__)
 
 EXAMPLE = "configs/tinker-tiny-cpu.yaml"
+
+
+class TinkerTrackingConfig(Section):
+    """MLflow lineage of the service's training clients (grpoflow.tinker.lineage)."""
+
+    backend: Literal["none", "mlflow"] = Field(
+        "mlflow", description="`mlflow`: a run per training client; `none`: no tracking.")
+    uri: str | None = Field(None, description="Tracking URI; default: MLFLOW_TRACKING_URI, "
+                            "else sqlite:///<storage_root>/mlflow.db (the project store).")
+    storage_root: str = Field("runs", description="The project's storage.root: where the "
+                              "default store is, as for every grpoflow command.")
+    experiment: str = Field("grpoflow-tinker", description="The MLflow experiment.")
+    checkpoint_artifacts: bool = Field(True, description="Log each named checkpoint as the "
+                                       "run's artifacts.")
+    register_sampler_weights: bool = Field(
+        True, description="Each named sampler-weights save: a version of the registered model "
+        "tinker-<tenant>-<run> (needs checkpoint_artifacts).")
+    flush_timeout_s: float = Field(10.0, ge=0, description="At shutdown, wait this long for "
+                                   "queued records to reach MLflow.")
 
 
 class TinkerServeConfig(Section):
@@ -46,18 +74,23 @@ class TinkerServeConfig(Section):
     port: int = Field(8000, ge=0, le=65535, description="Port (0: any free port).")
     root: str = Field("runs/tinker", description="Training runs and checkpoints.")
     cache_dir: str = Field(".cache/grpoflow", description="Built and downloaded models.")
+    tenants: dict[str, list[str]] | None = Field(
+        None, description="Tenant name -> SHA-256 hex digests of its keys (not the keys).")
     api_keys: list[str] | None = Field(None, description="Accepted keys (tml-...).")
     api_keys_env: str | None = Field(
         "GRPOFLOW_TINKER_API_KEYS",
         description="Environment variable with more accepted keys, comma-separated.")
     poll_timeout_s: float = Field(30.0, gt=0, lt=45, description="retrieve_future long-poll.")
-    max_queued: int = Field(256, ge=1, description="Queued requests per base model before "
-                            "sampling answers 429.")
+    max_queued: int = Field(256, ge=1, description="Queued requests per base model (and a "
+                            "training client's held ones) before a submission answers 429.")
+    max_body_bytes: int = Field(64 << 20, ge=1024, description="A larger request body is "
+                                "answered 413.")
     session_ttl_s: float = Field(1800.0, gt=0, description="A session without a heartbeat "
                                  "this long is finished and its models dropped.")
     startup_timeout_s: float = Field(1800.0, gt=0, description="Bound on preparing the models "
                                      "and loading the backend.")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    tracking: TinkerTrackingConfig = Field(default_factory=TinkerTrackingConfig)
 
 
 def load_serve_config(path: str | Path | None = None,
@@ -71,6 +104,13 @@ def load_serve_config(path: str | Path | None = None,
         if not name or name.count(":") or name.startswith(("/", ".")):
             raise ConfigError(f"{origin}: base_models key {name!r} is not a usable model name "
                               "(no ':'; e.g. grpoflow/tiny)")
+    if cfg.tenants is not None:
+        from grpoflow.tinker.auth import check_tenants
+
+        try:
+            check_tenants(cfg.tenants)
+        except ValueError as exc:
+            raise ConfigError(f"{origin}: tenants: {exc}") from None
     return cfg
 
 
@@ -79,9 +119,9 @@ def api_keys_of(cfg: TinkerServeConfig) -> set[str] | None:
     keys = set(cfg.api_keys or [])
     if cfg.api_keys_env and (raw := os.environ.get(cfg.api_keys_env, "").strip()):
         keys |= {k.strip() for k in raw.split(",") if k.strip()}
-    if bad := sorted(k[:8] + "..." for k in keys if not k.startswith("tml-") or len(k) < 8):
+    if bad := sum(1 for k in keys if not k.startswith("tml-") or len(k) < 8):
         raise ConfigError(f"API keys must look like tml-<at least 4 characters> (the Tinker "
-                          f"SDK refuses others): {', '.join(bad)}")
+                          f"SDK refuses others): {bad} of the keys in api_keys and api_keys_env do not")
     return keys or None
 
 
@@ -114,13 +154,29 @@ def _default_backend(models: dict[str, Path]) -> Any:  # noqa: ANN401
     return LoraBackend({name: str(path) for name, path in models.items()})
 
 
-def build_app(cfg: TinkerServeConfig, backend: Any) -> Any:  # noqa: ANN401
-    """The FastAPI app for ``backend`` with ``cfg``'s keys, root and limits."""
+def build_tracker(cfg: TinkerServeConfig) -> Any:  # noqa: ANN401
+    """The lineage tracker ``cfg.tracking`` asks for (None: ``backend: none``). It touches
+    no store until the first training client."""
+    t = cfg.tracking
+    if t.backend == "none":
+        return None
+    from grpoflow.tinker.lineage import MlflowLineage
+
+    return MlflowLineage(t.uri, t.experiment, storage_root=t.storage_root, root=cfg.root,
+                         checkpoint_artifacts=t.checkpoint_artifacts,
+                         register_sampler_weights=t.register_sampler_weights,
+                         flush_timeout_s=t.flush_timeout_s)
+
+
+def build_app(cfg: TinkerServeConfig, backend: Any, tracker: Any = None) -> Any:  # noqa: ANN401
+    """The FastAPI app for ``backend`` with ``cfg``'s keys, tenants, root and limits, and
+    ``tracker`` (``serve`` passes :func:`build_tracker`'s)."""
     from grpoflow.tinker.app import create_app
 
     return create_app(backend, root=Path(cfg.root).expanduser(), api_keys=api_keys_of(cfg),
-                      poll_timeout_s=cfg.poll_timeout_s, max_queued=cfg.max_queued,
-                      session_ttl_s=cfg.session_ttl_s)
+                      tenants=cfg.tenants, tracker=tracker, poll_timeout_s=cfg.poll_timeout_s,
+                      max_queued=cfg.max_queued, session_ttl_s=cfg.session_ttl_s,
+                      max_body_bytes=cfg.max_body_bytes)
 
 
 def _bounded(fn: Callable[[], Any], timeout: float, what: str) -> Any:  # noqa: ANN401
@@ -155,7 +211,9 @@ def serve(cfg: TinkerServeConfig,
     backend = _bounded(lambda: factory(resolve_models(cfg)), cfg.startup_timeout_s,
                        "preparing the base models and loading the backend")
     try:
-        app = build_app(cfg, backend)
+        if (tracker := build_tracker(cfg)) is not None:
+            tracker.open()  # the store is reached (and checked) from now on, in the background
+        app = build_app(cfg, backend, tracker)
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig: int, frame: Any) -> None:  # noqa: ANN401
@@ -174,9 +232,11 @@ def serve(cfg: TinkerServeConfig,
                 port = server.servers[0].sockets[0].getsockname()[1]
                 url = f"http://{cfg.host}:{port}"
                 log.info("Tinker-compatible service ready on %s in %.0f s: %s; clients: "
-                         "tinker.ServiceClient(base_url=%r) with a tml- API key%s", url,
+                         "tinker.ServiceClient(base_url=%r) with a tml- API key%s%s", url,
                          time.monotonic() - started, ", ".join(cfg.base_models), url,
-                         "" if keys else " (any is accepted: set api_keys)")
+                         "" if keys or cfg.tenants else " (any is accepted: set tenants)",
+                         "" if cfg.tracking.backend == "none" else
+                         f"; lineage in MLflow experiment {cfg.tracking.experiment!r}")
 
         threading.Thread(target=announce, name="tinker-announce", daemon=True).start()
         with contextlib.suppress(KeyboardInterrupt):  # re-raised after a graceful shutdown
@@ -184,3 +244,31 @@ def serve(cfg: TinkerServeConfig,
     finally:
         backend.close()
     return 0
+
+
+def _hash_key_main(argv: list[str]) -> int:
+    """``python -m grpoflow.tinker.serve hash-key``: a key (typed without echo, or piped on
+    stdin; never an argument, which ps and the shell history keep) -> its SHA-256 digest, the
+    line a ``tenants`` entry lists."""
+    import getpass
+    import sys
+
+    from grpoflow.tinker.auth import hash_key
+
+    if argv != ["hash-key"]:
+        print("usage: python -m grpoflow.tinker.serve hash-key  (reads the key from stdin)",
+              file=sys.stderr)
+        return 2
+    key = (getpass.getpass("API key: ") if sys.stdin.isatty() else sys.stdin.read()).strip()
+    if not key.startswith("tml-") or len(key) < 8:
+        print("an API key looks like tml-<at least 4 characters> (the Tinker SDK refuses "
+              "others)", file=sys.stderr)
+        return 2
+    print(hash_key(key))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(_hash_key_main(sys.argv[1:]))

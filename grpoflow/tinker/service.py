@@ -2,9 +2,16 @@
 sampling, each submission turned into a job for its base model's worker (:mod:`.futures`).
 
 A submission that cannot be accepted raises :class:`ApiError` (its HTTP status and message;
-never 402 or 409, which the SDK retries for minutes). Once a training request holds its
-``seq_id`` it is always accepted, and a problem fails its future instead (category ``user``),
-so the model's later requests are not left waiting for it.
+never 402 or 409, which the SDK retries for minutes; 429 for a full queue, which it retries
+with the same ``seq_id``). Once a training request holds its ``seq_id`` it is always accepted,
+and a problem fails its future instead (category ``user``), so the model's later requests are
+not left waiting for it.
+
+The tracker (optional) hears of every training client: :class:`~.backend.MetricsTracker`'s
+``log_metrics``, and when it has them the :class:`~.backend.LineageTracker` calls (the run's
+start with its parameters, each call's timings, each saved checkpoint, the run's end), all
+from the base model's worker thread, in the order the work ran; a failing tracker is logged
+and never fails a request.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from typing import Any
 
 from grpoflow.tinker.backend import Backend, MetricsTracker
 from grpoflow.tinker.errors import ApiError
-from grpoflow.tinker.futures import FutureStore, Result, Scheduler
+from grpoflow.tinker.futures import FutureStore, QueueFull, Result, Scheduler
 from grpoflow.tinker.proto import FwdBwdRequest, clean_metrics, encode_forward_backward_output
 from grpoflow.tinker.sampling import SamplingOps
 from grpoflow.tinker.schemas import (
@@ -134,6 +141,8 @@ class TinkerService(SamplingOps):
                 continue
 
             def cleanup(mine: list[str] = mine, dirs: list[Path] = dirs) -> Result:
+                for model_id in mine:  # after the work queued before: the run's last metrics
+                    self._lineage("end_run", model_id, "FINISHED")
                 for model_id in mine if callable(delete) else ():
                     delete(model_id)
                 for d in dirs:
@@ -185,6 +194,34 @@ class TinkerService(SamplingOps):
                 "created": now_iso(),
                 "user_metadata": {str(k): str(v) for k, v in (user_metadata or {}).items()}}
 
+    def _lineage(self, method: str, *args: Any) -> None:  # noqa: ANN401
+        """``tracker.<method>(*args)`` if the tracker has it; its failure is only logged."""
+        if (fn := getattr(self.tracker, method, None)) is None:
+            return
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - tracking never fails a request
+            log.warning("tracker %s failed", method, exc_info=True)
+
+    def _start_run(self, model: TrainingModel, flags: Mapping[str, Any], seed: int | None,
+                   user_metadata: Mapping[str, Any] | None, source: str | None = None) -> None:
+        """The tracker's run for a new training client: its parameters (never a key: the
+        tenant is its name) and the tags linking it to the service's ids."""
+        params = {"base_model": model.base_model, "lora_rank": model.rank, "seed": seed,
+                  **{k: bool(v) for k, v in flags.items() if k.startswith("train_")},
+                  "tenant": model.owner}
+        tags = {"tinker.training_run_id": model.id, "tinker.session_id": model.session_id,
+                "tinker.tenant": model.owner, "tinker.checkpoints": f"tinker://{model.id}"}
+        if (session := self.registry.sessions.get(model.session_id)) is not None:
+            if session.tags:
+                tags["tinker.session_tags"] = ",".join(map(str, session.tags))
+            tags |= {f"tinker.session_metadata.{k}": str(v)
+                     for k, v in session.user_metadata.items()}
+        tags |= {f"tinker.user_metadata.{k}": str(v) for k, v in (user_metadata or {}).items()}
+        if source is not None:
+            params["resumed_from"] = tags["tinker.resumed_from"] = source
+        self._lineage("start_run", model.id, params, tags)
+
     def create_model(self, body: CreateModelBody, owner: str) -> dict[str, Any]:
         session = self._session(body.session_id, owner)
         base = self._base(body.base_model)
@@ -202,6 +239,7 @@ class TinkerService(SamplingOps):
                                       train_mlp=lora.train_mlp, train_attn=lora.train_attn,
                                       train_unembed=lora.train_unembed)
             self.store.write_run(self._run_meta(model, lora.model_dump(), body.user_metadata))
+            self._start_run(model, lora.model_dump(), lora.seed, body.user_metadata)
             return Result(json={"model_id": model_id, "type": "create_model"})
 
         return self._add_model(model, create)
@@ -212,9 +250,9 @@ class TinkerService(SamplingOps):
         with self.registry.lock:
             if (old := self.registry.models.get(model.id)) is not None:
                 return {"request_id": old.request_id, "model_id": old.id}
-            self.scheduler.open_order(model.id, model.base_model)
+            self.scheduler.open_order(model.id, model.base_model, owner=model.owner)
             model.request_id = self.scheduler.submit(
-                model.base_model, self._job(create, model, creates=True))
+                model.base_model, self._job(create, model, creates=True), owner=model.owner)
             self.registry.add_model(model)
         return {"request_id": model.request_id, "model_id": model.id}
 
@@ -260,8 +298,7 @@ class TinkerService(SamplingOps):
                 return Result(json={"path": body.path, "model_id": model.id,
                                     "type": "load_weights"})
 
-            return {"request_id": self.scheduler.submit_ordered(
-                model.id, body.seq_id, self._job(load, model)), "model_id": model.id}
+            return {"request_id": self._ordered(model, body.seq_id, load), "model_id": model.id}
         session = self._session(body.session_id, owner)
         if body.model_seq_id is None:
             raise ApiError(400, "load_weights with session_id needs model_seq_id")
@@ -291,6 +328,8 @@ class TinkerService(SamplingOps):
                 raise
             self.store.write_run(self._run_meta(model, {"rank": model.rank, **flags},
                                                 body.user_metadata or meta.get("user_metadata")))
+            self._start_run(model, flags, saved.get("seed"),
+                            body.user_metadata or meta.get("user_metadata"), source=body.path)
             return Result(json={"path": body.path, "model_id": model_id, "type": "load_weights"})
 
         return self._add_model(model, create)
@@ -304,10 +343,26 @@ class TinkerService(SamplingOps):
         except Exception:  # noqa: BLE001 - tracking never fails a request
             log.warning("tracker failed for %s step %d", run_id, step, exc_info=True)
 
+    def _ordered(self, model: TrainingModel, seq_id: int, fn: Callable[[], Result]) -> str:
+        """Queue ``fn`` as ``model``'s request ``seq_id``; 429 while its queue is full."""
+        try:
+            return self.scheduler.submit_ordered(model.id, seq_id, self._job(fn, model),
+                                                 limit=self.max_queued)
+        except QueueFull as exc:
+            raise ApiError(429, f"the queue is full ({exc}); retry shortly") from None
+
+    def _timed(self, model: TrainingModel, op: str, step: int, started: float, submitted: float,
+               **more: float) -> None:
+        """A call's timings (and ``more``) for the tracker: seconds it ran and waited."""
+        self._lineage("log_call", model.id, op, step, {
+            "seconds": time.monotonic() - started, "queue_seconds": started - submitted, **more})
+
     def forward_backward(self, req: FwdBwdRequest, owner: str) -> dict[str, Any]:
         model = self._model(req.model_id, owner)
+        submitted = time.monotonic()
 
         def run() -> Result:
+            started = time.monotonic()
             if req.data_error:
                 raise TinkerError(req.data_error)
             if req.loss_fn not in LOSSES:
@@ -325,17 +380,19 @@ class TinkerService(SamplingOps):
             metrics = clean_metrics(metrics)
             if not req.forward_only:
                 self._track(model.id, model.optim_steps, metrics)
+            self._timed(model, "forward" if req.forward_only else "forward_backward",
+                        model.optim_steps, started, submitted, datums=len(req.data))
             return Result(proto=encode_forward_backward_output(logprobs, metrics))
 
-        return {"request_id": self.scheduler.submit_ordered(model.id, req.seq_id,
-                                                            self._job(run, model)),
-                "model_id": model.id}
+        return {"request_id": self._ordered(model, req.seq_id, run), "model_id": model.id}
 
     def optim_step(self, body: OptimStepBody, owner: str) -> dict[str, Any]:
         model = self._model(body.model_id, owner)
         given = body.adam_params or body.optimizer_params or body.optim_params
+        submitted = time.monotonic()
 
         def run() -> Result:
+            started = time.monotonic()
             if given is None:
                 raise TinkerError("optim_step needs adam_params")
             if given.type not in (None, "adamw", "adam"):
@@ -345,11 +402,12 @@ class TinkerService(SamplingOps):
                                                 or {}).items()}
             model.optim_steps += 1
             self._track(model.id, model.optim_steps, metrics)
+            self._timed(model, "optim_step", model.optim_steps, started, submitted,
+                        learning_rate=params.learning_rate, weight_decay=params.weight_decay,
+                        grad_clip_norm=params.grad_clip_norm)
             return Result(json={"metrics": metrics})
 
-        return {"request_id": self.scheduler.submit_ordered(model.id, body.seq_id,
-                                                            self._job(run, model)),
-                "model_id": model.id}
+        return {"request_id": self._ordered(model, body.seq_id, run), "model_id": model.id}
 
     def save_weights(self, body: SaveWeightsBody, owner: str) -> dict[str, Any]:
         model = self._model(body.model_id, owner)
@@ -367,11 +425,11 @@ class TinkerService(SamplingOps):
                                          user_metadata=body.user_metadata)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
+            self._lineage("log_checkpoint", model.id, "weights", name,
+                          self.store.dir(model.id, "weights", name), meta["tinker_path"])
             return Result(json={"path": meta["tinker_path"], "type": "save_weights"})
 
-        return {"request_id": self.scheduler.submit_ordered(model.id, body.seq_id,
-                                                            self._job(run, model)),
-                "model_id": model.id}
+        return {"request_id": self._ordered(model, body.seq_id, run), "model_id": model.id}
 
     def save_weights_for_sampler(self, body: SaveWeightsForSamplerBody,
                                  owner: str) -> dict[str, Any]:
@@ -389,6 +447,8 @@ class TinkerService(SamplingOps):
                                          user_metadata=body.user_metadata)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
+            self._lineage("log_checkpoint", model.id, "sampler_weights", name,
+                          self.store.dir(model.id, "sampler_weights", name), meta["tinker_path"])
             return Result(json={"path": meta["tinker_path"], "type": "save_weights_for_sampler"})
 
         def ephemeral() -> Result:
@@ -405,12 +465,16 @@ class TinkerService(SamplingOps):
                                 "type": "save_weights_for_sampler"})
 
         job = named if body.path is not None else ephemeral
-        return {"request_id": self.scheduler.submit_ordered(model.id, body.seq_id,
-                                                            self._job(job, model)),
-                "model_id": model.id}
+        return {"request_id": self._ordered(model, body.seq_id, job), "model_id": model.id}
 
     # ------------------------------------------------------------------ lifecycle
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the workers (after their queues) and wake every long-poll."""
+        """Stop the workers (after their queues) and wake every long-poll; the tracker's runs
+        of the training clients still live end KILLED, and the tracker closes."""
         self._closed.set()
         self.scheduler.close(timeout)
+        with self.registry.lock:
+            live = list(self.registry.models)
+        for model_id in live:
+            self._lineage("end_run", model_id, "KILLED")
+        self._lineage("close")
