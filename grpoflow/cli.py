@@ -226,20 +226,9 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
 def cmd_serve_tinker(args: argparse.Namespace) -> int:
     """The Tinker-compatible service (grpoflow.tinker.serve) until Ctrl-C."""
-    from grpoflow.tinker.serve import load_serve_config, serve
-    from rl_core.secrets import RedactFilter
+    from grpoflow.tinker.serve import serve_from_cli
 
-    config, overrides = _split(args)
-    cfg = load_serve_config(config, overrides)
-    service_log = logging.getLogger("grpoflow.tinker")
-    if not any(h.get_name() == "grpoflow-cli" for h in service_log.handlers):
-        handler = logging.StreamHandler()
-        handler.set_name("grpoflow-cli")
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        handler.addFilter(RedactFilter())
-        service_log.addHandler(handler)
-    service_log.setLevel(cfg.log_level.upper())
-    return serve(cfg)
+    return serve_from_cli(*_split(args))
 
 
 def cmd_tracking(argv: list[str]) -> int:

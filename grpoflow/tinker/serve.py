@@ -272,3 +272,20 @@ if __name__ == "__main__":
     import sys
 
     raise SystemExit(_hash_key_main(sys.argv[1:]))
+
+
+def serve_from_cli(config: str | None, overrides: list[str]) -> int:
+    """``grpoflow serve-tinker CONFIG [overrides]``: the service's log on stderr (secrets
+    redacted), then :func:`serve` until Ctrl-C."""
+    from rl_core.secrets import RedactFilter
+
+    cfg = load_serve_config(config, overrides)
+    service_log = logging.getLogger("grpoflow.tinker")
+    if not any(h.get_name() == "grpoflow-cli" for h in service_log.handlers):
+        handler = logging.StreamHandler()
+        handler.set_name("grpoflow-cli")
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.addFilter(RedactFilter())
+        service_log.addHandler(handler)
+    service_log.setLevel(cfg.log_level.upper())
+    return serve(cfg)
