@@ -174,12 +174,15 @@ def direct_datum(tokens: list[int]) -> Datum:
 
 
 def train(tc, data, steps: int, lr: float) -> list[float]:
-    """``steps`` of forward_backward(cross_entropy) + optim_step; the losses."""
+    """``steps`` of forward_backward(cross_entropy) + optim_step; the losses. Each step's
+    optim_step is awaited: a test that then reads the adapter from the backend directly must
+    not race the service's worker (under load it read the weights before the step once)."""
     losses = []
     for _ in range(steps):
         fb = tc.forward_backward(data, "cross_entropy")
-        tc.optim_step(tinker.AdamParams(learning_rate=lr))
+        opt = tc.optim_step(tinker.AdamParams(learning_rate=lr))
         losses.append(fb.result().metrics["loss:sum"])
+        opt.result()
     return losses
 
 
