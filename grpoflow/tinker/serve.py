@@ -70,7 +70,7 @@ class TinkerServeConfig(Section):
     base_models: dict[str, str] = Field(
         default_factory=lambda: {"grpoflow/tiny": "embedded:tiny"},
         description="Served name -> embedded:tiny, a local HF directory or a hub id.")
-    host: str = Field("127.0.0.1", description="Address to bind (0.0.0.0: every interface).")
+    host: str = Field("127.0.0.1", description="Address to bind (the default: this machine only; an interface address to serve others).")
     port: int = Field(8000, ge=0, le=65535, description="Port (0: any free port).")
     root: str = Field("runs/tinker", description="Training runs and checkpoints.")
     cache_dir: str = Field(".cache/grpoflow", description="Built and downloaded models.")
