@@ -417,19 +417,28 @@ class TinkerService(SamplingOps):
             if self.store.exists(model.id, "weights", name) and not body.overwrite:
                 raise TinkerError(f"checkpoint {self.store.path(model.id, 'weights', name)} "
                                   "exists; save it under another name, or pass overwrite=True")
-            tmp = self.store.staging(model.id, "weights", name)
-            try:
-                self.backend.save_state(model.id, tmp, with_optimizer=True)
-                meta = self.store.commit(tmp, model.id, "weights", name,
-                                         overwrite=body.overwrite, ttl_seconds=body.ttl_seconds,
-                                         user_metadata=body.user_metadata)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-            self._lineage("log_checkpoint", model.id, "weights", name,
-                          self.store.dir(model.id, "weights", name), meta["tinker_path"])
+            meta = self._checkpoint(
+                model.id, "weights", name,
+                lambda tmp: self.backend.save_state(model.id, tmp, with_optimizer=True),
+                overwrite=body.overwrite, ttl_seconds=body.ttl_seconds,
+                user_metadata=body.user_metadata)
             return Result(json={"path": meta["tinker_path"], "type": "save_weights"})
 
         return {"request_id": self._ordered(model, body.seq_id, run), "model_id": model.id}
+
+    def _checkpoint(self, model_id: str, kind: str, name: str, write: Callable[[Path], None],
+                    **commit: Any) -> dict[str, Any]:
+        """Write a checkpoint into staging, commit it under ``root/<run>/<kind>/<name>`` (the
+        staging directory removed whatever happens) and record it in the lineage."""
+        tmp = self.store.staging(model_id, kind, name)
+        try:
+            write(tmp)
+            meta = self.store.commit(tmp, model_id, kind, name, **commit)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self._lineage("log_checkpoint", model_id, kind, name, self.store.dir(model_id, kind, name),
+                      meta["tinker_path"])
+        return meta
 
     def save_weights_for_sampler(self, body: SaveWeightsForSamplerBody,
                                  owner: str) -> dict[str, Any]:
@@ -439,16 +448,10 @@ class TinkerService(SamplingOps):
 
         def named() -> Result:
             name = check_name(str(body.path))
-            tmp = self.store.staging(model.id, "sampler_weights", name)
-            try:
-                self.backend.save_sampler_weights(model.id, tmp)
-                meta = self.store.commit(tmp, model.id, "sampler_weights", name, overwrite=True,
-                                         ttl_seconds=body.ttl_seconds,
-                                         user_metadata=body.user_metadata)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-            self._lineage("log_checkpoint", model.id, "sampler_weights", name,
-                          self.store.dir(model.id, "sampler_weights", name), meta["tinker_path"])
+            meta = self._checkpoint(
+                model.id, "sampler_weights", name,
+                lambda tmp: self.backend.save_sampler_weights(model.id, tmp), overwrite=True,
+                ttl_seconds=body.ttl_seconds, user_metadata=body.user_metadata)
             return Result(json={"path": meta["tinker_path"], "type": "save_weights_for_sampler"})
 
         def ephemeral() -> Result:
