@@ -233,8 +233,9 @@ def multi_turn(log: Log | None = None, turns: int = 3) -> Callable[[Any, Record]
                 log.add(r)
             msg = r.choices[0].message
             messages.append({"role": "assistant", "content": msg.content})
-            if msg.tool_calls:
-                messages.append({"role": "tool", "tool_call_id": msg.tool_calls[0].id,
+            # No tools offered, so no calls parsed: the program reads the Hermes text itself.
+            if msg.tool_calls or "<tool_call>" in (msg.content or ""):
+                messages.append({"role": "tool", "tool_call_id": f"call-{k}",
                                  "content": f"42 (call {k})"})
             else:
                 messages.append({"role": "user", "content": f"and then? ({k})"})
@@ -314,7 +315,7 @@ def test_engine_models_and_greedy_tool_call(served, ref) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [engine.model_path]
     r = client.chat.completions.create(
-        model="any", messages=[{"role": "user", "content": "What is 6*7?"}], temperature=0,
+        model="model", messages=[{"role": "user", "content": "What is 6*7?"}], temperature=0,
         logprobs=True, tools=[{"type": "function", "function": {"name": "calculator",
                                                                  "parameters": {}}}],
         extra_body={"return_token_ids": True})
@@ -340,12 +341,12 @@ def test_engine_models_and_greedy_tool_call(served, ref) -> None:
     assert [t.token for t in choice.logprobs.content] == [TOOL_TEXT, "<|im_end|>"]
     assert r.usage.prompt_tokens == len(extra["prompt_token_ids"])
     assert r.usage.completion_tokens == 2 and r.usage.total_tokens == r.usage.prompt_tokens + 2
-    assert r.object == "chat.completion" and r.model == "any"
+    assert r.object == "chat.completion" and r.model == "model"
 
 
 def test_engine_chat_n_seeds_and_max_tokens(served, ref) -> None:
     _, _, client = served
-    kw = dict(model="m", messages=[{"role": "user", "content": "tell me"}], n=3, seed=11,
+    kw = dict(model="model", messages=[{"role": "user", "content": "tell me"}], n=3, seed=11,
               max_tokens=5, logprobs=True, extra_body={"return_token_ids": True})
     a, b = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
     assert [c.index for c in a.choices] == [0, 1, 2]
@@ -358,14 +359,15 @@ def test_engine_chat_n_seeds_and_max_tokens(served, ref) -> None:
         torch.testing.assert_close(torch.tensor([t.logprob for t in x.logprobs.content]),
                                    logp, atol=1e-4, rtol=0)
         assert len(ids) <= 5
-        assert x.finish_reason == ("length" if ids[-1] != IM_END else
-                                   "tool_calls" if TOOL in ids else "stop")
+        # no tools offered: a <tool_call> in the text stays text, never a tool call
+        assert x.finish_reason == ("length" if ids[-1] != IM_END else "stop")
+        assert x.message.tool_calls is None
     assert a.usage.completion_tokens == sum(len(c.model_extra["token_ids"]) for c in a.choices)
 
 
 def test_engine_completions(served, ref) -> None:
     _, _, client = served
-    r = client.completions.create(model="m", prompt="hello", max_tokens=6, seed=3, logprobs=0,
+    r = client.completions.create(model="model", prompt="hello", max_tokens=6, seed=3, logprobs=0,
                                   extra_body={"return_token_ids": True})
     (c,) = r.choices
     ids = c.model_extra["token_ids"]
@@ -376,7 +378,7 @@ def test_engine_completions(served, ref) -> None:
                                rtol=0)
     assert "".join(c.logprobs.tokens).startswith(c.text) and r.object == "text_completion"
     # Token ids in, a batch of prompts, n per prompt: prompt-major choices.
-    r = client.completions.create(model="m", prompt=[[104, 105], [111, 107]], n=2,
+    r = client.completions.create(model="model", prompt=[[104, 105], [111, 107]], n=2,
                                   max_tokens=4, seed=5, extra_body={"return_token_ids": True})
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert [c.model_extra["prompt_token_ids"] for c in r.choices] == [[104, 105]] * 2 + [
@@ -384,22 +386,23 @@ def test_engine_completions(served, ref) -> None:
     # A stop string ends the text before it (the ids keep what was generated): a seed whose
     # 12 tokens are plain text, and one of its characters as the stop string.
     for seed in range(40):
-        full = client.completions.create(model="m", prompt="hello", max_tokens=12, seed=seed,
+        full = client.completions.create(model="model", prompt="hello", max_tokens=12, seed=seed,
                                          extra_body={"return_token_ids": True}).choices[0]
         if full.finish_reason == "length" and max(full.model_extra["token_ids"]) < 256 and (
                 stop := full.text[5]).isalnum():
             break
     else:
         pytest.fail("no seed in 0..39 gave 12 plain-text tokens")
-    cut = client.completions.create(model="m", prompt="hello", max_tokens=12, seed=seed,
+    cut = client.completions.create(model="model", prompt="hello", max_tokens=12, seed=seed,
                                     stop=[stop]).choices[0]
     assert cut.finish_reason == "stop" and cut.matched_stop == stop
     assert cut.text == full.text[: full.text.find(stop)]
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [
-    ({"stream": True}, "stream"),
-    ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs=true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream=true
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tool_choice"),
@@ -410,7 +413,7 @@ def test_engine_completions(served, ref) -> None:
 ])
 def test_engine_refuses_in_openais_error_shape(served, kwargs, param) -> None:
     _, _, client = served
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kwargs}
+    body = {"model": "model", "messages": [{"role": "user", "content": "hi"}], **kwargs}
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(**body)
     err = info.value.body
@@ -421,18 +424,18 @@ def test_engine_refuses_in_openais_error_shape(served, kwargs, param) -> None:
 def test_engine_refusals_on_the_wire(served) -> None:
     engine, server, _ = served
     with httpx.Client(base_url=server.url, timeout=WAIT) as http:
-        r = http.post("/v1/completions", json={"model": "m", "prompt": "x", "logprobs": 3})
+        r = http.post("/v1/completions", json={"model": "model", "prompt": "x", "logprobs": 21})
         assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param",
                                                                    "code"}
         r = http.post("/v1/chat/completions", content=b"{not json")
         assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
-        r = http.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 600})
+        r = http.post("/v1/completions", json={"model": "model", "prompt": "x", "max_tokens": 600})
         assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
     small = ServerThread(create_app(engine, max_request_bytes=2000)).start()
     try:
         client = openai.OpenAI(base_url=f"{small.url}/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.APIStatusError) as info:
-            client.chat.completions.create(model="m", messages=[
+            client.chat.completions.create(model="model", messages=[
                 {"role": "user", "content": "x" * 5000}])
         assert info.value.status_code == 413
     finally:
@@ -465,7 +468,10 @@ def test_many_concurrent_multi_turn_episodes_are_token_exact(local, ref) -> None
         assert s.text == turns[-1]["text"]
         assert ep["tool_calls"] == sum(t["tool_calls"] for t in turns)
         check_token_exact(s, local.chat, ref, 3, 7, log)
-    assert any(s.meta["episode"]["tool_calls"] for s in samples)
+    # tool calls are parsed only when a request offers tools, and these offer none
+    assert not any(s.meta["episode"]["tool_calls"] for s in samples)
+    assert any(t["role"] == "observation" and t["messages"][0]["role"] == "tool"
+               for s in samples for t in s.meta["episode"]["trace"])
     assert len({tuple(s.completion_ids) for s in samples}) > 12  # seeds differ per episode
 
 
@@ -508,15 +514,15 @@ def test_failing_and_hanging_programs_cost_their_episode_only(local) -> None:
             raise ValueError("the agent crashed")
         if kind == "flaky" and task.id not in flaky_seen:
             flaky_seen.add(task.id)
-            client.chat.completions.create(model="m", messages=[
+            client.chat.completions.create(model="model", messages=[
                 {"role": "user", "content": "x"}], max_tokens=3)
             raise RuntimeError("first attempt dies after one request")
         if kind == "hang":
-            client.chat.completions.create(model="m", messages=[
+            client.chat.completions.create(model="model", messages=[
                 {"role": "user", "content": "x"}], max_tokens=3)
             release.wait(30)  # hung far past timeout_s: abandoned, then let go at the end
             try:
-                client.chat.completions.create(model="m", messages=[
+                client.chat.completions.create(model="model", messages=[
                     {"role": "user", "content": "x"}], max_tokens=3)
             except openai.APIStatusError as e:
                 late.append(e.status_code)
@@ -559,17 +565,17 @@ def test_failing_and_hanging_programs_cost_their_episode_only(local) -> None:
 def test_history_rewrite_keeps_the_final_chain(local, ref) -> None:
     def program(client: Any, task: Record) -> float:
         first = [{"role": "user", "content": "first try"}]
-        client.chat.completions.create(model="m", messages=first, max_tokens=4)
+        client.chat.completions.create(model="model", messages=first, max_tokens=4)
         # The agent drops the answer and starts over: a new chain.
         second = [{"role": "system", "content": "again"}, {"role": "user", "content": "retry"}]
-        b = client.chat.completions.create(model="m", messages=second, max_tokens=4)
+        b = client.chat.completions.create(model="model", messages=second, max_tokens=4)
         # Echoing the reply with an edit also rewrites; echoing it as is extends.
         edited = [*second, {"role": "assistant", "content": b.choices[0].message.content + "!"},
                   {"role": "user", "content": "more"}]
-        client.chat.completions.create(model="m", messages=edited, max_tokens=4)
+        client.chat.completions.create(model="model", messages=edited, max_tokens=4)
         final = edited[:2] + [{"role": "user", "content": "final"}]
-        c = client.chat.completions.create(model="m", messages=final, max_tokens=4)
-        client.chat.completions.create(model="m", messages=[
+        c = client.chat.completions.create(model="model", messages=final, max_tokens=4)
+        client.chat.completions.create(model="model", messages=[
             *final, {"role": "assistant", "content": c.choices[0].message.content},
             {"role": "tool", "content": "7"}], max_tokens=4)
         return 1.0
@@ -597,7 +603,7 @@ def test_limits_clamp_and_refuse(local) -> None:
         messages = first_messages(task)
         for k in range(5):
             try:
-                r = client.chat.completions.create(model="m", messages=messages,
+                r = client.chat.completions.create(model="model", messages=messages,
                                                    max_tokens=100, extra_body={
                                                        "return_token_ids": True})
             except openai.BadRequestError as e:
@@ -630,18 +636,19 @@ def test_session_routes_and_refusals(local) -> None:
                                timeout=WAIT)
         assert [m.id for m in client.models.list().data] == ["grpoflow-policy"]
         with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+            client.chat.completions.create(model="model", messages=[{"role": "user", "content": "x"}],
                                            n=2)
         assert info.value.body["param"] == "n"
-        with pytest.raises(openai.BadRequestError):
-            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
-                                           stream=True)
+        with pytest.raises(openai.BadRequestError) as info:  # the plane has no alternatives
+            client.chat.completions.create(model="model", messages=[
+                {"role": "user", "content": "x"}], logprobs=True, top_logprobs=2)
+        assert info.value.body["param"] == "top_logprobs"
         # Completions: token ids that extend the recorded ids are observations (mask 0).
-        a = client.completions.create(model="m", prompt=[104, 105], max_tokens=3,
+        a = client.completions.create(model="model", prompt=[104, 105], max_tokens=3,
                                       extra_body={"return_token_ids": True}).choices[0]
         a_ids = a.model_extra["token_ids"]
         grown = [104, 105, *a_ids, 33, 33]
-        b = client.completions.create(model="m", prompt=grown, max_tokens=3, logprobs=0,
+        b = client.completions.create(model="model", prompt=grown, max_tokens=3, logprobs=0,
                                       extra_body={"return_token_ids": True}).choices[0]
         b_ids = b.model_extra["token_ids"]
         assert b.model_extra["prompt_token_ids"] == grown
@@ -650,10 +657,10 @@ def test_session_routes_and_refusals(local) -> None:
         assert s.loss_mask == [1] * len(a_ids) + [0, 0] + [1] * len(b_ids)
         assert s.logprobs[len(a_ids) + 2:] == b.logprobs.token_logprobs
         # A text prompt starts a chain; text that extends what it was answered grows it.
-        c = client.completions.create(model="m", prompt="ab", max_tokens=3,
+        c = client.completions.create(model="model", prompt="ab", max_tokens=3,
                                       extra_body={"return_token_ids": True}).choices[0]
         c_ids = c.model_extra["token_ids"]
-        d = client.completions.create(model="m", prompt="ab" + c.text + " ok", max_tokens=3,
+        d = client.completions.create(model="model", prompt="ab" + c.text + " ok", max_tokens=3,
                                       extra_body={"return_token_ids": True}).choices[0]
         assert d.model_extra["prompt_token_ids"] == [97, 98, *c_ids, *b" ok"]
     finally:
@@ -665,7 +672,7 @@ def test_session_routes_and_refusals(local) -> None:
     assert s.completion_ids == [*c_ids, *b" ok", *d.model_extra["token_ids"]]
     assert s.loss_mask == [1] * len(c_ids) + [0, 0, 0] + [1] * len(d.model_extra["token_ids"])
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        client.chat.completions.create(model="model", messages=[{"role": "user", "content": "x"}])
     raw = httpx.post(f"{local.url}/nowhere", json={})
     assert raw.status_code == 404 and "message" in raw.json()["error"]
 
@@ -712,6 +719,8 @@ HOSTILE_CHAT: list[Any] = [
     {"messages": USER, "min_p": 2}, {"messages": USER, "stop": [1]},
     {"messages": USER, "stop": [""]}, {"messages": USER, "stop_token_ids": "x"},
     {"messages": USER, "logprobs": "yes"}, {"messages": USER, "tools": "calculator"},
+    {"messages": USER, "top_logprobs": 3}, {"messages": USER, "model": 5},
+    {"messages": USER, "stream_options": {"include_usage": True}},
     {"messages": USER, "tools": [{"type": "function"}]}, {"messages": USER, "tool_choice": 3},
     {"messages": USER, "chat_template_kwargs": {"tokenize": True}},
     {"messages": USER, "chat_template_kwargs": []}, {"messages": USER, "logit_bias": {"1": 5}},
@@ -720,7 +729,8 @@ HOSTILE_CHAT: list[Any] = [
 HOSTILE_COMPLETIONS: list[Any] = [
     {}, {"prompt": []}, {"prompt": [[]]}, {"prompt": [-1, 3]}, {"prompt": [10**12]},
     {"prompt": [True, 1]}, {"prompt": {"a": 1}}, {"prompt": [[1], "x", 3]},
-    {"prompt": "x", "logprobs": 1}, {"prompt": "x", "logprobs": True},
+    {"prompt": "x", "logprobs": 21}, {"prompt": "x", "logprobs": True},
+    {"prompt": "x", "stream": "yes"}, {"prompt": "x", "stream_options": {"include_usage": 1}},
     {"prompt": "x", "echo": True}, {"prompt": "x", "suffix": "y"}, {"prompt": "x", "best_of": 3},
     {"prompt": [5] * 600},
 ]
@@ -775,7 +785,7 @@ def test_closing_or_timing_out_a_session_refuses_its_requests(local) -> None:
 
         def ask() -> None:
             try:
-                client.chat.completions.create(model="m", messages=USER)
+                client.chat.completions.create(model="model", messages=USER)
             except openai.APIStatusError as e:
                 errors.append((e.status_code, e.body["code"], time.monotonic()))
 
@@ -799,5 +809,5 @@ def test_closing_or_timing_out_a_session_refuses_its_requests(local) -> None:
         time.sleep(0.3)
         late = openai.OpenAI(base_url=short.base_url, api_key="x", max_retries=0, timeout=WAIT)
         with pytest.raises(openai.APIStatusError) as info:
-            late.chat.completions.create(model="m", messages=USER)
+            late.chat.completions.create(model="model", messages=USER)
         assert info.value.status_code == 410 and "agent.timeout_s" in info.value.body["message"]

@@ -42,6 +42,7 @@ from rl_core.engine.routes_openai import (
     openai_error,
     parse_openai_request,
     read_openai_body,
+    respond,
 )
 from rl_core.engine.sampling import SamplingParams, sample_seed
 from rl_core.engine.server import ServerThread
@@ -403,6 +404,13 @@ class AgentGateway:
                 raise OpenAIError("a session records one trajectory: ask for one completion "
                                   "of one prompt per request (n=1); more samples are more "
                                   "episodes", param="n")
+            if req.top_logprobs:
+                raise OpenAIError("top-k alternatives are not available through an agent "
+                                  "session (the rollout plane returns the sampled tokens' "
+                                  "log-probs only): leave top_logprobs / logprobs=k out, or ask "
+                                  "the engine's own /v1 routes", param="top_logprobs"
+                                  if req.kind == "chat" else "logprobs",
+                                  code="unsupported_parameter")
             # One request of a session at a time, so each extends what the last recorded.
             # The flag is only touched on the server's event loop: no lock needed.
             end = min(t0 + self.request_timeout_s, session.deadline)
@@ -482,4 +490,5 @@ class AgentGateway:
                             time.monotonic() - t0)
         body = envelope(req, f"{session.sid}-{number}", req.model or self.model_name, [choice],
                         len(plan.prompt), len(s.completion_ids), s.weight_version)
-        return JSONResponse(body)
+        # stream=true: the same finished turn as events, so the trajectory is the same
+        return respond(req, body, tok, [s.completion_ids])

@@ -71,6 +71,7 @@ class _Seq:
     retractions: int = 0
     recomputed: int = 0  # KV tokens recomputed after retractions
     spans: list[list[Any]] = field(default_factory=list)  # each token's weight version, run-length
+    output_top: list[list[list[Any]]] = field(default_factory=list)  # top_logprobs_num > 0
 
     def __post_init__(self, eos: frozenset[int]) -> None:
         p, self.rid = self.req.params, self.req.rid
@@ -201,6 +202,11 @@ class EmbeddedEngine(EngineControl):
         if req.return_routed_experts and not self._routing.enabled:
             raise EngineRequestError("return_routed_experts needs a mixture-of-experts model; "
                                      f"{self.model_path} has no expert routers")
+
+    @property
+    def lora_names(self) -> list[str]:
+        """The loaded LoRA adapters' names (what the OpenAI routes take as ``model``)."""
+        return list(self._lora.loaded)
 
     def submit(self, req: GenerateRequest) -> cf.Future:
         """Queue ``req``; the future resolves to a :class:`GenerateOutput`."""
@@ -490,9 +496,16 @@ class EmbeddedEngine(EngineControl):
         ps = [s.req.params for s in seqs]
         temp, top_p, min_p = (torch.tensor([float(getattr(p, k)) for p in ps])
                               for k in ("temperature", "top_p", "min_p"))
-        return sample_next(logits, temp, torch.tensor([int(p.top_k) for p in ps]), top_p, min_p,
-                           torch.tensor([s.seed for s in seqs], dtype=torch.long),
-                           torch.tensor([len(s.output_ids) for s in seqs], dtype=torch.long))
+        top_n = max(s.req.top_logprobs_num for s in seqs)
+        tokens, logps, *top = sample_next(
+            logits, temp, torch.tensor([int(p.top_k) for p in ps]), top_p, min_p,
+            torch.tensor([s.seed for s in seqs], dtype=torch.long),
+            torch.tensor([len(s.output_ids) for s in seqs], dtype=torch.long), top_n)
+        if top:  # each row's k best, from the log-softmax its sampled token's log-prob is from
+            for s, vals, ids in zip(seqs, top[0].tolist(), top[1].tolist(), strict=True):
+                if (k := s.req.top_logprobs_num) > 0:
+                    s.output_top.append([[v, i] for v, i in zip(vals[:k], ids[:k], strict=True)])
+        return tokens, logps
 
     def _accept(self, s: _Seq, token: int, logp: float) -> bool:
         """Append a sampled token; finish ``s`` and return True if it ends the request."""
@@ -581,6 +594,7 @@ class EmbeddedEngine(EngineControl):
             completion_tokens=len(s.output_ids), weight_version=self.weight_version,
             e2e_latency=time.perf_counter() - s.submitted, num_retractions=s.retractions,
             weight_version_spans=[list(r) for r in s.spans], recomputed_tokens=s.recomputed,
-            routed_experts=self._routing.result(s, len(s.req.input_ids) + len(s.output_ids)))
+            routed_experts=self._routing.result(s, len(s.req.input_ids) + len(s.output_ids)),
+            output_top_logprobs=list(s.output_top) if s.req.top_logprobs_num else None)
         with contextlib.suppress(cf.InvalidStateError):  # the caller cancelled its wait
             s.future.set_result(out)

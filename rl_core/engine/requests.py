@@ -31,6 +31,7 @@ class GenerateRequest:
     # The prompt's images as the model takes them (its image pads already expanded to match:
     # engine/vision.py); None: a text prompt.
     images: ImageInputs | None = None
+    top_logprobs_num: int = 0  # SGLang's: the k most likely tokens at each output position
 
 
 @dataclass
@@ -51,6 +52,9 @@ class GenerateOutput:
     routed_experts: str | None = None  # SGLang's base64 int32 [seq_len-1, moe_layers, top_k]
     weight_version_spans: list[list[Any]] = field(default_factory=list)  # [[version, tokens]]
     recomputed_tokens: int = 0  # KV recomputed after retractions (prompt + tokens so far)
+    # top_logprobs_num > 0: per output token, the k most likely [[logprob, token_id], ...], from
+    # the same log-softmax as output_logprobs (SGLang's output_top_logprobs, without the text)
+    output_top_logprobs: list[list[list[Any]]] | None = None
 
 
 def add_run(spans: list[list[Any]], version: str, tokens: int = 1) -> None:

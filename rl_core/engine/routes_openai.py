@@ -1,7 +1,10 @@
 """OpenAI-compatible routes of the embedded engine (``/v1/chat/completions``, ``/v1/completions``).
 
 Also ``/v1/models``, and the request/response code the agent gateway shares. OpenAI's fields
-plus SGLang's extensions; Hermes tool calls parsed into ``message.tool_calls``; anything the
+plus SGLang's extensions; ``stream=true`` as server-sent events (engine/openai_stream.py);
+``top_logprobs`` / ``logprobs=k`` from the engine's own log-softmax; Hermes tool calls parsed
+into ``message.tool_calls`` only when the request offers ``tools`` (and ``tool_choice`` is not
+``"none"``); ``model`` names the served model or a loaded LoRA adapter (else 404). Anything the
 engine cannot honour, or does not know, is refused in OpenAI's error shape, so a client never
 gets silently different behaviour (docs/rollout.md, "OpenAI-compatible routes"). Bodies are
 size-capped, every wait is bounded (:data:`OPENAI_TIMEOUT_S`). Never unpickles request data;
@@ -13,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -24,66 +26,55 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from rl_core.engine.core import EngineRequestError, EngineStateError, GenerateRequest
+from rl_core.engine.openai_messages import (
+    OpenAIError,
+    checked,
+    is_int,
+    is_number,
+    message_images,
+    normalize_messages,
+    openai_error,
+    prompt_list,
+)
+from rl_core.engine.openai_stream import sse_response, stream_chunks, text_pieces
 from rl_core.engine.protocol import BadRequest, _TooLarge, get_engine, read_body
 from rl_core.engine.sampling import SamplingParams
 from rl_core.engine.tool_parser import parse_tool_calls
 
 __all__ = ["OPENAI_TIMEOUT_S", "OpenAIError", "OpenAIRequest", "chat_choice", "chat_prompt_ids",
            "completion_choice", "completion_text", "envelope", "message_images", "normalize_messages",
-           "openai_error", "parse_openai_request", "read_openai_body", "router", "tool_call_id"]
+           "openai_error", "parse_openai_request", "read_openai_body", "respond", "router",
+           "served_names", "tool_call_id"]
 
 router = APIRouter()
 
 OPENAI_TIMEOUT_S = 600.0  # bound on one request's wait for the engine
 MAX_N = 128  # OpenAI's own limit on ``n``
-_ROLES = {"system", "user", "assistant", "tool", "developer"}
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs (vLLM's default for logprobs=k too)
 # Accepted and ignored: they change nothing about what is generated.
-_IGNORED = {"model", "user", "metadata", "service_tier", "parallel_tool_calls", "store",
-            "prompt_cache_key", "safety_identifier", "rid", "stream_options"}
+_IGNORED = {"user", "metadata", "service_tier", "parallel_tool_calls", "store",
+            "prompt_cache_key", "safety_identifier", "rid"}
 # Refused unless at one of these (default) values.
 _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "stream": (False,), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
     "repetition_penalty": (1, 1.0), "logit_bias": ({},), "min_tokens": (0,),
     "response_format": ({"type": "text"},), "functions": (), "function_call": (),
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
-    "web_search_options": (), "top_logprobs": (0,), "echo": (False,), "suffix": (),
+    "web_search_options": (), "echo": (False,), "suffix": (),
     "best_of": (1,), "regex": (), "ebnf": (), "json_schema": ()}
-_WHY = {"stream": "streaming is not supported: send stream=false (the default)",
-        "top_logprobs": "top-k alternatives are not returned: only the sampled token's "
-                        "log-prob (logprobs=true, top_logprobs=0)",
-        "best_of": "best_of is not supported: use n and pick on the client"}
+_WHY = {"best_of": "best_of is not supported: use n and pick on the client"}
 # chat_template_kwargs may not change how the template is called, only what it renders.
 _TEMPLATE_RESERVED = {"conversation", "tools", "tokenize", "add_generation_prompt",
                       "continue_final_message", "return_dict", "return_tensors", "documents"}
 _CHAT_FIELDS = {"messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                 "top_k", "min_p", "n", "stop", "stop_token_ids", "ignore_eos", "seed",
                 "logprobs", "tools", "tool_choice", "skip_special_tokens",
-                "chat_template_kwargs", "return_token_ids"}
+                "chat_template_kwargs", "return_token_ids", "top_logprobs", "model", "stream",
+                "stream_options"}
 _COMPLETION_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n",
                       "stop", "stop_token_ids", "ignore_eos", "seed", "logprobs",
-                      "skip_special_tokens", "return_token_ids"}
-
-
-class OpenAIError(Exception):
-    """A request refused, answered as ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(self, message: str, status: int = 400, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None) -> None:  # noqa: A002
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
-
-    def response(self) -> JSONResponse:
-        return openai_error(str(self), self.status, param=self.param, code=self.code,
-                            type=self.type)
-
-
-def openai_error(message: str, status: int = 400, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None) -> JSONResponse:  # noqa: A002
-    """OpenAI's error body; ``type`` defaults by status (4xx: invalid_request_error)."""
-    kind = type or ("invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": code}}, status_code=status)
+                      "skip_special_tokens", "return_token_ids", "model", "stream",
+                      "stream_options"}
 
 
 async def read_openai_body(request: Request) -> dict[str, Any]:
@@ -119,8 +110,11 @@ class OpenAIRequest:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per token (chat: top_logprobs; completions: logprobs=k)
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     return_token_ids: bool = False
-    parse_tools: bool = True  # tool_choice "none": no tools rendered, none parsed
+    parse_tools: bool = False  # tools offered and tool_choice not "none": calls parsed
     skip_special_tokens: bool = True
 
     def sampling(self, defaults: dict[str, Any], max_new_tokens: int, seed: int | None,
@@ -144,100 +138,6 @@ class OpenAIRequest:
             raise OpenAIError(str(e)) from None
 
 
-def _num(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _get(body: dict[str, Any], name: str, ok: Any, what: str) -> Any:
-    value = body.get(name)
-    if value is not None and not ok(value):
-        raise OpenAIError(f"{name} must be {what}, got {json.dumps(value)[:80]}", param=name,
-                          code="invalid_value")
-    return value
-
-
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """Chat messages as the template takes them: ``content`` a string (a list of text parts
-    is joined; ``None`` stays for an assistant turn with tool calls), ``developer`` as
-    ``system``; with image parts (OpenAI's ``image_url``, or ``{"type": "image", "image":
-    ...}``) the content stays a list, each image part as ``{"type": "image", "image": <url>}``
-    (what Qwen-VL chat templates render; :func:`message_images` lists them). Anything else
-    (unknown parts or roles) is a 400 naming the message."""
-    if not isinstance(messages, list) or not messages:
-        raise OpenAIError("messages must be a non-empty list of chat messages", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in _ROLES:
-            raise OpenAIError(f"{where} must be an object with role one of {sorted(_ROLES)}, got "
-                              f"{json.dumps(m)[:120]}", param=where)
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = [_content_part(part, f"{where}.content") for part in content]
-            if all(p["type"] == "text" for p in parts):
-                content = "".join(p["text"] for p in parts)
-            else:
-                content = parts
-        elif content is not None and not isinstance(content, str):
-            raise OpenAIError(f"{where}.content must be a string, a list of text parts or null",
-                              param=f"{where}.content")
-        calls = m.get("tool_calls")
-        if calls is not None and not (m["role"] == "assistant" and isinstance(calls, list) and all(
-                isinstance(c, dict) and isinstance(c.get("function"), dict)
-                and isinstance(c["function"].get("name"), str)
-                and isinstance(c["function"].get("arguments", "{}"), str | dict)
-                for c in calls)):
-            raise OpenAIError(f"{where}.tool_calls must be a list of {{\"type\": \"function\", "
-                              '"function": {"name", "arguments"}} on an assistant message',
-                              param=f"{where}.tool_calls")
-        if content is None and not (m["role"] == "assistant" and calls):
-            raise OpenAIError(f"{where}.content is null; only an assistant message with "
-                              "tool_calls may omit it", param=f"{where}.content")
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({**{k: v for k, v in m.items() if v is not None}, "role": role,
-                    "content": content})
-    return out
-
-
-def _content_part(part: Any, where: str) -> dict[str, Any]:
-    """One content part: a text part, or an image part as ``{"type": "image", "image": url}``."""
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind == "text" and isinstance(part.get("text"), str):
-        return {"type": "text", "text": part["text"]}
-    url = part.get("image_url") if kind == "image_url" else part.get("image") \
-        if kind == "image" else None
-    url = url.get("url") if isinstance(url, dict) else url
-    if isinstance(url, str) and url:
-        return {"type": "image", "image": url}
-    raise OpenAIError(f"{where}: a part must be {{\"type\": \"text\", \"text\"}} or "
-                      '{"type": "image_url", "image_url": {"url"}}, got '
-                      f"{json.dumps(part)[:120]}", param=where)
-
-
-def message_images(messages: Sequence[dict[str, Any]]) -> list[str]:
-    """The image urls of :func:`normalize_messages`' messages, in the order they render."""
-    return [p["image"] for m in messages if isinstance(m.get("content"), list)
-            for p in m["content"] if p.get("type") == "image"]
-
-
-def _prompts(prompt: Any) -> tuple[list[str | list[int]], bool]:
-    """A completions ``prompt``: a string, token ids, or a list of either (a batch)."""
-    if isinstance(prompt, str):
-        return [prompt], True
-    if isinstance(prompt, list) and prompt and all(_int(t) for t in prompt):
-        return [list(prompt)], True
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(p, str) or (isinstance(p, list) and p and all(_int(t) for t in p))
-            for p in prompt):
-        return list(prompt), False
-    raise OpenAIError("prompt must be a string, a non-empty list of token ids, or a list of "
-                      "those", param="prompt")
-
-
 def parse_openai_request(body: dict[str, Any], kind: str, *, max_n: int = MAX_N) -> OpenAIRequest:
     """Check a body field by field (OpenAI's names and limits); :class:`OpenAIError` names
     the first field refused and why."""
@@ -252,14 +152,13 @@ def parse_openai_request(body: dict[str, Any], kind: str, *, max_n: int = MAX_N)
             why = _WHY.get(name, f"{name}={json.dumps(value)[:80]} is not supported by this "
                            "server; leave it out")
             raise OpenAIError(why, param=name, code="unsupported_parameter")
-    req = OpenAIRequest(kind, model=body.get("model") if isinstance(body.get("model"), str)
-                        else None)
+    req = OpenAIRequest(kind)
     if kind == "chat":
         req.messages = normalize_messages(body.get("messages"))
-        req.max_tokens = _get(body, "max_completion_tokens", _int, "an integer")
+        req.max_tokens = checked(body, "max_completion_tokens", is_int, "an integer")
         if req.max_tokens is None:
-            req.max_tokens = _get(body, "max_tokens", _int, "an integer")
-        tools = _get(body, "tools", lambda v: isinstance(v, list) and all(
+            req.max_tokens = checked(body, "max_tokens", is_int, "an integer")
+        tools = checked(body, "tools", lambda v: isinstance(v, list) and all(
             isinstance(t, dict) and t.get("type", "function") == "function"
             and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
             for t in v), 'a list of {"type": "function", "function": {"name", ...}}')
@@ -268,49 +167,61 @@ def parse_openai_request(body: dict[str, Any], kind: str, *, max_n: int = MAX_N)
             raise OpenAIError(f"tool_choice={json.dumps(choice)[:80]} is not supported: use "
                               '"auto" or "none" (calls are parsed from the text, not forced)',
                               param="tool_choice", code="unsupported_parameter")
-        req.parse_tools = choice != "none"
+        req.parse_tools = bool(tools) and choice != "none"
         req.tools = tools or None if req.parse_tools else None
-        req.template_kwargs = _get(body, "chat_template_kwargs", lambda v: isinstance(v, dict)
+        req.template_kwargs = checked(body, "chat_template_kwargs", lambda v: isinstance(v, dict)
                                    and not set(v) & _TEMPLATE_RESERVED,
                                    f"an object without {sorted(_TEMPLATE_RESERVED)}") or {}
-        lp = _get(body, "logprobs", lambda v: isinstance(v, bool), "a boolean")
+        lp = checked(body, "logprobs", lambda v: isinstance(v, bool), "a boolean")
         req.logprobs = bool(lp)
+        req.top_logprobs = checked(body, "top_logprobs", lambda v: is_int(v) and
+                                   0 <= v <= MAX_TOP_LOGPROBS,
+                                   f"an integer in [0, {MAX_TOP_LOGPROBS}]") or 0
+        if req.top_logprobs and not req.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
     else:
         if body.get("prompt") is None:
             raise OpenAIError("prompt is required", param="prompt")
-        req.prompts, req.single = _prompts(body["prompt"])
-        req.max_tokens = _get(body, "max_tokens", _int, "an integer")
-        lp = body.get("logprobs")
-        if lp not in (None, False, 0):
-            raise OpenAIError(f"logprobs={json.dumps(lp)[:40]} asks for top-k alternatives, "
-                              "which this server does not return; logprobs=0 gives the sampled "
-                              "tokens' log-probs", param="logprobs", code="unsupported_parameter")
-        req.logprobs = lp == 0 and lp is not False
+        req.prompts, req.single = prompt_list(body["prompt"])
+        req.max_tokens = checked(body, "max_tokens", is_int, "an integer")
+        lp = checked(body, "logprobs", lambda v: is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
+                     f"an integer in [0, {MAX_TOP_LOGPROBS}] (the sampled token's log-prob and "
+                     "that many alternatives)")
+        req.logprobs, req.top_logprobs = lp is not None, lp or 0
     if req.max_tokens is not None and req.max_tokens < 1:
         raise OpenAIError(f"max_tokens must be at least 1, got {req.max_tokens}",
                           param="max_tokens")
-    req.temperature = _get(body, "temperature", lambda v: _num(v) and v >= 0,
+    req.temperature = checked(body, "temperature", lambda v: is_number(v) and v >= 0,
                            "a non-negative number")
-    req.top_p = _get(body, "top_p", lambda v: _num(v) and 0 < v <= 1, "a number in (0, 1]")
-    req.top_k = _get(body, "top_k", lambda v: _int(v) and (v == -1 or v >= 1),
+    req.top_p = checked(body, "top_p", lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]")
+    req.top_k = checked(body, "top_k", lambda v: is_int(v) and (v == -1 or v >= 1),
                      "-1 or a positive integer")
-    req.min_p = _get(body, "min_p", lambda v: _num(v) and 0 <= v <= 1, "a number in [0, 1]")
-    n = _get(body, "n", lambda v: _int(v) and 1 <= v <= max_n, f"an integer in [1, {max_n}]")
+    req.min_p = checked(body, "min_p", lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]")
+    n = checked(body, "n", lambda v: is_int(v) and 1 <= v <= max_n, f"an integer in [1, {max_n}]")
     req.n = 1 if n is None else n
-    stop = _get(body, "stop", lambda v: isinstance(v, str) or (
+    stop = checked(body, "stop", lambda v: isinstance(v, str) or (
         isinstance(v, list) and all(isinstance(s, str) and s for s in v)),
         "a string or a list of non-empty strings")
     req.stop = [stop] if isinstance(stop, str) else list(stop or [])
     req.stop = [s for s in req.stop if s]
-    req.stop_token_ids = list(_get(body, "stop_token_ids", lambda v: isinstance(v, list) and all(
-        _int(t) for t in v), "a list of token ids") or [])
-    req.ignore_eos = bool(_get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean"))
-    req.seed = _get(body, "seed", lambda v: _int(v) and -(1 << 63) <= v < (1 << 63) - MAX_N,
+    req.stop_token_ids = list(checked(body, "stop_token_ids", lambda v: isinstance(v, list) and all(
+        is_int(t) for t in v), "a list of token ids") or [])
+    req.ignore_eos = bool(checked(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean"))
+    req.seed = checked(body, "seed", lambda v: is_int(v) and -(1 << 63) <= v < (1 << 63) - MAX_N,
                     "a 64-bit integer")
-    skip = _get(body, "skip_special_tokens", lambda v: isinstance(v, bool), "a boolean")
+    skip = checked(body, "skip_special_tokens", lambda v: isinstance(v, bool), "a boolean")
     req.skip_special_tokens = True if skip is None else skip
-    req.return_token_ids = bool(_get(body, "return_token_ids", lambda v: isinstance(v, bool),
+    req.return_token_ids = bool(checked(body, "return_token_ids", lambda v: isinstance(v, bool),
                                      "a boolean"))
+    req.model = checked(body, "model", lambda v: isinstance(v, str), "a string")
+    req.stream = bool(checked(body, "stream", lambda v: isinstance(v, bool), "a boolean"))
+    options = checked(body, "stream_options", lambda v: isinstance(v, dict) and set(v) <= {
+        "include_usage", "continuous_usage_stats"} and all(isinstance(x, bool) for x in v.values()),
+        'an object {"include_usage": bool}')
+    if options and not req.stream:
+        raise OpenAIError("stream_options is only allowed with stream=true",
+                          param="stream_options")
+    req.include_usage = bool((options or {}).get("include_usage"))
     return req
 
 
@@ -355,13 +266,20 @@ def _finish(finish_reason: dict[str, Any]) -> str:
     return "length" if finish_reason.get("type") == "length" else "stop"
 
 
-def _token_logprobs(tokenizer: Any, ids: Sequence[int],
-                    logprobs: Sequence[float]) -> list[dict[str, Any]]:
+def _token_entry(tokenizer: Any, t: int, lp: float) -> dict[str, Any]:
+    token = tokenizer.decode([t], skip_special_tokens=False) if tokenizer is not None else ""
+    return {"token": token, "logprob": float(lp), "bytes": list(token.encode())}
+
+
+def _token_logprobs(tokenizer: Any, ids: Sequence[int], logprobs: Sequence[float],
+                    top: Sequence[Sequence[Sequence[Any]]] | None = None) -> list[dict[str, Any]]:
+    """Chat's ``logprobs.content``: each token's entry with its ``top_logprobs`` (``top``:
+    the engine's ``[[logprob, id], ...]`` per token)."""
     out = []
-    for t, lp in zip(ids, logprobs, strict=True):
-        token = tokenizer.decode([t], skip_special_tokens=False) if tokenizer is not None else ""
-        out.append({"token": token, "logprob": float(lp), "bytes": list(token.encode()),
-                    "top_logprobs": []})
+    for k, (t, lp) in enumerate(zip(ids, logprobs, strict=True)):
+        alts = top[k] if top is not None and k < len(top) else []
+        out.append({**_token_entry(tokenizer, t, lp),
+                    "top_logprobs": [_token_entry(tokenizer, int(i), v) for v, i in alts]})
     return out
 
 
@@ -372,10 +290,11 @@ def tool_call_id(key: str, k: int) -> str:
 
 def chat_choice(index: int, tokenizer: Any, ids: Sequence[int], logprobs: Sequence[float],
                 finish_reason: dict[str, Any], req: OpenAIRequest, *, key: str,
-                prompt_ids: Sequence[int] | None = None,
-                text: str | None = None) -> dict[str, Any]:
+                prompt_ids: Sequence[int] | None = None, text: str | None = None,
+                top: Sequence[Sequence[Sequence[Any]]] | None = None) -> dict[str, Any]:
     """One ``choices[i]`` of a chat completion: the text as ``content``, Hermes tool calls
-    parsed into ``tool_calls`` (ids derived from ``key``), per-token log-probs when asked."""
+    parsed into ``tool_calls`` when the request offered tools (ids derived from ``key``),
+    per-token log-probs (and ``top`` alternatives) when asked."""
     if text is None:
         text = completion_text(tokenizer, ids, finish_reason,
                                skip_special_tokens=req.skip_special_tokens)
@@ -391,7 +310,7 @@ def chat_choice(index: int, tokenizer: Any, ids: Sequence[int], logprobs: Sequen
     choice: dict[str, Any] = {"index": index, "message": message, "finish_reason": reason,
                               "logprobs": None, "matched_stop": finish_reason.get("matched")}
     if req.logprobs:
-        choice["logprobs"] = {"content": _token_logprobs(tokenizer, ids, logprobs),
+        choice["logprobs"] = {"content": _token_logprobs(tokenizer, ids, logprobs, top),
                               "refusal": None}
     if req.return_token_ids:
         choice["token_ids"] = list(ids)
@@ -402,9 +321,10 @@ def chat_choice(index: int, tokenizer: Any, ids: Sequence[int], logprobs: Sequen
 
 def completion_choice(index: int, tokenizer: Any, ids: Sequence[int], logprobs: Sequence[float],
                       finish_reason: dict[str, Any], req: OpenAIRequest, *,
-                      prompt_ids: Sequence[int] | None = None,
-                      text: str | None = None) -> dict[str, Any]:
-    """One ``choices[i]`` of a text completion (OpenAI's legacy log-prob layout)."""
+                      prompt_ids: Sequence[int] | None = None, text: str | None = None,
+                      top: Sequence[Sequence[Sequence[Any]]] | None = None) -> dict[str, Any]:
+    """One ``choices[i]`` of a text completion (OpenAI's legacy log-prob layout; with
+    ``logprobs=k``, ``top_logprobs`` maps each position's k best tokens to their log-probs)."""
     if text is None:
         text = completion_text(tokenizer, ids, finish_reason,
                                skip_special_tokens=req.skip_special_tokens)
@@ -412,14 +332,16 @@ def completion_choice(index: int, tokenizer: Any, ids: Sequence[int], logprobs: 
                               "finish_reason": _finish(finish_reason),
                               "matched_stop": finish_reason.get("matched")}
     if req.logprobs:
-        entries = _token_logprobs(tokenizer, ids, logprobs)
+        entries = _token_logprobs(tokenizer, ids, logprobs, top)
         offsets, at = [], 0
         for e in entries:
             offsets.append(at)
             at += len(e["token"])
         choice["logprobs"] = {"tokens": [e["token"] for e in entries],
                               "token_logprobs": [e["logprob"] for e in entries],
-                              "top_logprobs": None, "text_offset": offsets}
+                              "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]}
+                                               for e in entries] if req.top_logprobs else None,
+                              "text_offset": offsets}
     if req.return_token_ids:
         choice["token_ids"] = list(ids)
         if prompt_ids is not None:
@@ -438,6 +360,19 @@ def envelope(req: OpenAIRequest, rid: str, model: str, choices: list[dict[str, A
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
             "metadata": {"weight_version": weight_version}}
+
+
+def respond(req: OpenAIRequest, body: dict[str, Any], tokenizer: Any,
+            ids: Sequence[Sequence[int]]) -> Response:
+    """``body`` as JSON, or with ``stream=true`` as server-sent events (``ids``: each choice's
+    completion ids, to cut its text into per-token pieces)."""
+    if not req.stream:
+        return JSONResponse(body)
+    key = "content" if req.kind == "chat" else "text"
+    pieces = [text_pieces(tokenizer, t, (c.get("message") or c)[key] or "",
+                          skip_special_tokens=req.skip_special_tokens)
+              for c, t in zip(body["choices"], ids, strict=True)]
+    return sse_response(stream_chunks(body, pieces, include_usage=req.include_usage))
 
 
 # ---------------------------------------------------------------------------- embedded routes
@@ -491,8 +426,22 @@ def _max_new(req: OpenAIRequest, eng: Any, prompt_len: int) -> int:
     return room
 
 
-def _model_name(eng: Any, req: OpenAIRequest | None = None) -> str:
-    return (req.model if req is not None and req.model else None) or eng.model_path
+def served_names(eng: Any) -> list[str]:
+    """The base model's names ``model`` may take: its path and that path's last part."""
+    path = str(eng.model_path)
+    return list(dict.fromkeys([path, path.rstrip("/").rsplit("/", 1)[-1]]))
+
+
+def _model(eng: Any, name: str | None) -> str | None:
+    """The LoRA adapter ``name`` selects (None: the base model); 404 for a name the engine
+    does not serve, as vLLM and SGLang answer."""
+    if name is None or name in served_names(eng):
+        return None
+    if name in eng.lora_names:
+        return name
+    raise OpenAIError(f"The model `{name}` does not exist: this engine serves "
+                      f"{[eng.model_path, *eng.lora_names]} (GET /v1/models lists them)", 404,
+                      param="model", code="model_not_found")
 
 
 async def _serve(request: Request, kind: str) -> Response:
@@ -501,6 +450,7 @@ async def _serve(request: Request, kind: str) -> Response:
         body = await read_openai_body(request)
         max_n = min(MAX_N, int(request.app.state.max_request_samples))
         req = parse_openai_request(body, kind, max_n=max_n)
+        lora = _model(eng, req.model)
         tok = eng.tokenizer
         pixels = None
         if kind == "chat":
@@ -526,7 +476,8 @@ async def _serve(request: Request, kind: str) -> Response:
                 params = req.sampling(eng.sampling_defaults, _max_new(req, eng, len(prompt)), seed,
                                       eng.vocab_size)
                 reqs.append(GenerateRequest(f"{rid}-{i}-{j}", list(prompt), params,
-                                            return_logprob=True, images=pixels))
+                                            return_logprob=True, images=pixels, lora=lora,
+                                            top_logprobs_num=req.top_logprobs))
                 owners.append(i)
         outs = await _generate(request, eng, reqs)
     except OpenAIError as e:
@@ -534,12 +485,15 @@ async def _serve(request: Request, kind: str) -> Response:
     choices = []
     for k, (out, i) in enumerate(zip(outs, owners, strict=True)):
         args = (k, tok, out.output_ids, out.output_logprobs, out.finish_reason, req)
-        choices.append(chat_choice(*args, key=f"{rid}-{k}", prompt_ids=prompts[i])
-                       if kind == "chat" else completion_choice(*args, prompt_ids=prompts[i]))
+        top = out.output_top_logprobs
+        choices.append(chat_choice(*args, key=f"{rid}-{k}", prompt_ids=prompts[i], top=top)
+                       if kind == "chat" else
+                       completion_choice(*args, prompt_ids=prompts[i], top=top))
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(len(o.output_ids) for o in outs)
-    return JSONResponse(envelope(req, rid, _model_name(eng, req), choices, prompt_tokens,
-                                 completion_tokens, eng.weight_version))
+    body = envelope(req, rid, req.model or eng.model_path, choices, prompt_tokens,
+                    completion_tokens, eng.weight_version)
+    return respond(req, body, tok, [o.output_ids for o in outs])
 
 
 @router.post("/v1/chat/completions")
@@ -554,10 +508,14 @@ async def completions(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
+    """The base model and every loaded LoRA adapter (``parent``: the base), as vLLM lists
+    them; each ``id`` is a ``model`` the routes take."""
     try:
         eng = _engine(request)
     except OpenAIError as e:
         return e.response()
+    base = {"object": "model", "created": 0, "owned_by": "grpoflow", "root": eng.model_path,
+            "max_model_len": eng.context_length}
     return JSONResponse({"object": "list", "data": [
-        {"id": eng.model_path, "object": "model", "created": 0, "owned_by": "grpoflow",
-         "root": eng.model_path, "max_model_len": eng.context_length}]})
+        {"id": eng.model_path, **base, "parent": None},
+        *({"id": name, **base, "parent": eng.model_path} for name in eng.lora_names)]})

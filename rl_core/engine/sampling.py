@@ -133,24 +133,26 @@ _BLOCK_ELEMENTS = 16384
 
 def sample_next(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                 top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor,
-                position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                position: torch.Tensor, top_n: int = 0) -> tuple[torch.Tensor, ...]:
     """One sampling step: (tokens, log-probs), both (B,); ``position``: each row's output
     index. T = 0 is greedy with the unscaled ``log_softmax``; else an inverse-CDF draw from
     ``softmax(filtered logits / T)``, log-prob ``log_softmax(logits / T)`` before filtering.
-    Rows are independent, processed in blocks of ``_BLOCK_ELEMENTS`` values."""
+    ``top_n > 0`` adds the ``top_n`` largest of those same log-probs and their token ids,
+    both (B, top_n): the alternatives OpenAI's ``top_logprobs`` reports. Rows are
+    independent, processed in blocks of ``_BLOCK_ELEMENTS`` values."""
     uniforms = sampling_uniforms(seeds, position)
     rows = max(1, _BLOCK_ELEMENTS // logits.shape[-1])
     args = (logits, temperature, top_k, top_p, min_p, uniforms)
     if logits.shape[0] <= rows:
-        return _sample_block(*args)
-    blocks = [_sample_block(*(a[start : start + rows] for a in args))
+        return _sample_block(*args, top_n=top_n)
+    blocks = [_sample_block(*(a[start : start + rows] for a in args), top_n=top_n)
               for start in range(0, logits.shape[0], rows)]
-    return torch.cat([b[0] for b in blocks]), torch.cat([b[1] for b in blocks])
+    return tuple(torch.cat(parts) for parts in zip(*blocks, strict=True))
 
 
 def _sample_block(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   top_p: torch.Tensor, min_p: torch.Tensor,
-                  uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  uniforms: torch.Tensor, top_n: int = 0) -> tuple[torch.Tensor, ...]:
     greedy = temperature == 0
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits / safe_t[:, None]
@@ -165,7 +167,11 @@ def _sample_block(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         token = _inverse_cdf(probs, uniforms)
         if bool(greedy.any()):
             token = torch.where(greedy, torch.argmax(scaled, dim=-1), token)
-    return token, logp_all.gather(-1, token[:, None]).squeeze(-1)
+    logp = logp_all.gather(-1, token[:, None]).squeeze(-1)
+    if top_n <= 0:
+        return token, logp
+    top = logp_all.topk(min(top_n, logp_all.shape[-1]), dim=-1)
+    return token, logp, top.values, top.indices
 
 
 def prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor, n: int,
