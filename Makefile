@@ -34,7 +34,7 @@ LOOPBACK ?= scripts/loopback.sh
 WRITE_BYTECODE := PYTHONDONTWRITEBYTECODE=
 PYTEST := AWS_EC2_METADATA_DISABLED=true $(WRITE_BYTECODE) $(LOOPBACK) $(BIN)/python -m pytest
 
-.PHONY: setup setup-dev run test test-random soak lint clean screenshots
+.PHONY: setup setup-dev sandbox-deps run test test-random soak lint clean screenshots
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -65,7 +65,27 @@ $(DEV): pyproject.toml | $(BIN)/python
 
 setup: $(CORE)
 
-setup-dev: $(DEV)
+setup-dev: $(DEV) sandbox-deps
+
+# The code sandbox (rl_core/sandbox.py: the `python` tool, `env: code`, the code rewards) runs
+# untrusted code in bubblewrap. Installed here when `bwrap` is missing and apt-get can run as
+# root (non-interactive, quiet, each apt call bounded); otherwise this says how. Never fails
+# the setup: without bwrap the sandbox refuses to start and names this fix (docs/agents.md).
+APT := DEBIAN_FRONTEND=noninteractive timeout 300 apt-get -qq -o Dpkg::Use-Pty=0
+sandbox-deps:
+	@if command -v bwrap >/dev/null 2>&1; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo ">> installing bubblewrap (the code sandbox)"; \
+	  { $(APT) install -y --no-install-recommends bubblewrap >/dev/null 2>&1 \
+	    || { $(APT) update >/dev/null && \
+	         $(APT) install -y --no-install-recommends bubblewrap >/dev/null; }; } \
+	  && command -v bwrap >/dev/null \
+	  || echo "!! could not install bubblewrap: run apt-get install -y bubblewrap as root"; \
+	else \
+	  echo "!! bubblewrap (bwrap) is missing; the code sandbox needs it. Install it: sudo" \
+	       "apt-get install bubblewrap (Debian/Ubuntu), sudo dnf install bubblewrap (Fedora)," \
+	       "or your distribution's package"; \
+	fi
 
 run: setup
 	$(WRITE_BYTECODE) $(BIN)/grpoflow train $(CONFIG)

@@ -2,8 +2,9 @@
 
 Submodules: ``env`` (the :class:`Environment` protocol, limits, failures), ``chat``
 (token-exact conversations), ``tools`` (Hermes tool calls, the builtin tools), ``tool_env`` (the
-builtin tool-use environment), ``episode`` (:class:`EpisodeRunner`). :func:`environment_factory`
-turns ``agent.env`` into a factory of fresh environments. Never imports Prefect or MLflow.
+builtin tool-use environment), ``code_env`` (write code, hidden tests, feedback), ``episode``
+(:class:`EpisodeRunner`). :func:`environment_factory` turns ``agent.env`` into a factory of
+fresh environments. Never imports Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def environment_factory(agent: Any, tokenizer: Any = None) -> Callable[[], Envir
         if prompt is None and "tools" not in template:
             prompt = hermes_system_prompt(list(tools.values()))
         return lambda: ToolEnv(tools, prompt, **kwargs)
+    if spec == "code":  # checks the sandbox now: no bubblewrap fails the run at start-up
+        from rl_core.agents.code_env import code_factory
+
+        return code_factory(agent.env_timeout_s, **kwargs)
     if spec.startswith("verifiers:"):
         from rl_core.agents.verifiers_env import verifiers_factory
 
@@ -60,7 +65,7 @@ def environment_factory(agent: Any, tokenizer: Any = None) -> Callable[[], Envir
         return openenv_factory(spec.removeprefix("openenv:"), **kwargs)
     module, sep, attr = spec.partition(":")
     if not sep:
-        raise ValueError(f"agent.env={spec!r}: use `tools`, `verifiers:<id>`, "
+        raise ValueError(f"agent.env={spec!r}: use `tools`, `code`, `verifiers:<id>`, "
                          "`openenv:<package.module:Class>` or `package.module:factory`")
     factory = getattr(importlib.import_module(module), attr)
     return lambda: factory(**kwargs)

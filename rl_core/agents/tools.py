@@ -3,8 +3,10 @@
 :func:`parse_tool_calls` finds Hermes ``<tool_call>`` blocks (reporting malformed ones, never
 guessing); :func:`run_tool` runs one call with a wall-time bound, and a tool that raises, times
 out or gets bad arguments answers with an error the model reads. Builtins: :data:`CALCULATOR`
-(from the AST, never ``eval``) and :data:`PYTHON` (a fresh ``python -I`` under the reward
-sandbox's memory limit). docs/agents.md, 'Tools'. Never imports Prefect or MLflow.
+(from the AST, never ``eval``) and :data:`PYTHON` (a fresh interpreter in the bubblewrap
+sandbox, :mod:`rl_core.rewards.sandbox`: no network, no project files, no environment, bounded
+in time, memory, processes and output; asking for it checks the sandbox can run, at start-up).
+docs/agents.md, 'Tools' and 'Code sandbox'. Never imports Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rl_core.engine.tool_parser import ToolCall, parse_tool_calls
-from rl_core.rewards.sandbox import run_code
+from rl_core.rewards.sandbox import require_sandbox, run_code
 
 __all__ = ["CALCULATOR", "PYTHON", "Tool", "ToolCall", "hermes_system_prompt", "parse_tool_calls",
            "resolve_tools", "run_tool"]
@@ -108,11 +110,16 @@ CALCULATOR = Tool(
 # ---------------------------------------------------------------------------- python
 
 def run_python(code: str, *, timeout_s: float = 10.0, memory_limit_mb: int = 1024) -> str:
-    """Run ``code`` in a fresh, isolated interpreter (:func:`rl_core.rewards.sandbox.run_code`);
-    its stdout (and stderr on failure)."""
+    """Run ``code`` in the sandbox (:func:`rl_core.rewards.sandbox.run_code`); its stdout (and
+    stderr on failure). Raises TimeoutError at the time limit, RuntimeError when the sandbox
+    had no slot for it in time (the model reads either as the tool's error)."""
     ran = run_code(code, timeout_s=timeout_s, memory_limit_mb=memory_limit_mb)
-    if ran.returncode is None:
+    if ran.status == "timeout":
         raise TimeoutError(f"the code ran longer than {timeout_s:g}s")
+    if ran.status in ("busy", "error"):
+        raise RuntimeError(f"the sandbox could not run the code: {ran.stderr}")
+    if ran.status == "output_limit":
+        return ran.stdout[:_MAX_OUTPUT_CHARS].strip() + "\n(output cut: the code printed too much)"
     text = ran.stdout
     if ran.returncode != 0:
         text += ran.stderr[-_MAX_OUTPUT_CHARS:]
@@ -135,6 +142,8 @@ def resolve_tools(names: Sequence[str]) -> dict[str, Tool]:
     for name in names:
         if name in BUILTIN_TOOLS:
             tool = BUILTIN_TOOLS[name]
+            if tool is PYTHON:
+                require_sandbox()  # now, naming the fix, not at the model's first call
         elif ":" in name:
             module, _, attr = name.partition(":")
             tool = getattr(importlib.import_module(module), attr)

@@ -1,5 +1,6 @@
 """The builtin rewards beside math: exact and normalised match, a multiple-choice letter, a
-regex (format) check and code run against unit tests in the sandbox.
+regex (format) check, and (from :mod:`rl_core.rewards.code`) code run against unit tests in
+the sandbox.
 
 Each takes the completion and the reference answer as a user's single-sample reward does
 (``code_tests`` is batched: it reads a test column); ``reward.args`` (or an ``extra`` entry's
@@ -9,14 +10,13 @@ Imports nothing heavy (reward workers import it); total on text: no answer score
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 import string
 from collections.abc import Sequence
 from typing import Any
 
-from rl_core.rewards.sandbox import run_code
+from rl_core.rewards.code import code_tests  # the code reward lives with its harness
 
 __all__ = ["code_tests", "exact_match", "final_text", "multiple_choice", "normalize",
            "normalized_match", "regex_match"]
@@ -24,7 +24,6 @@ __all__ = ["code_tests", "exact_match", "final_text", "multiple_choice", "normal
 _FINAL_MARKERS = ("####", "Answer:", "answer:", "ANSWER:")
 _BOXED = re.compile(r"\\boxed\s*\{([^{}]*)\}")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
-_CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 _CHOICE_PATTERNS = (
     r"answer\s*(?:is|:)?\s*\(?([A-Z])\)?(?![A-Za-z])",  # "the answer is (B)", "Answer: B"
     r"^\s*\(?([A-Z])\)?[.):]?\s*$",  # a line that is just "B", "(B)", "B."
@@ -100,62 +99,3 @@ def regex_match(completion: str, answer: Any = None, *, pattern: str,  # noqa: A
     regex = re.compile(pattern, re.MULTILINE | re.DOTALL)
     hit = regex.fullmatch(completion.strip()) if fullmatch else regex.search(completion)
     return float(hit is not None)
-
-
-def _code(completion: str) -> str:
-    blocks = _CODE_BLOCK.findall(completion)
-    return blocks[-1] if blocks else completion
-
-
-_HARNESS = """
-import sys
-_ns = {}
-try:
-    exec(compile(%(code)r, "<completion>", "exec"), _ns)
-except BaseException as e:
-    print("PASSED 0"); sys.exit(0)
-_passed = 0
-for _test in %(tests)r:
-    try:
-        exec(compile(_test, "<test>", "exec"), _ns)
-        _passed += 1
-    except BaseException:
-        pass
-print("PASSED", _passed)
-"""
-
-
-def _split_tests(tests: Any) -> list[str]:  # noqa: ANN401
-    """Unit tests as a list of statements: a list given, or a script's top-level statements."""
-    if isinstance(tests, list):
-        return [str(t) for t in tests]
-    try:
-        tree = ast.parse(str(tests))
-    except SyntaxError:
-        return [str(tests)]
-    return [ast.unparse(node) for node in tree.body]
-
-
-def code_tests(prompts: Sequence[Any], completions: Sequence[str], *,  # noqa: ANN401
-               tests_column: str = "answer", timeout_s: float = 5.0,
-               memory_limit_mb: int = 512, **columns: Sequence[Any]) -> list[float | None]:
-    """The share of a task's unit tests that the completion's code passes (its last fenced
-    python block, else the whole completion), each test run after the code in one sandboxed
-    interpreter (:func:`rl_core.rewards.sandbox.run_code`). ``tests_column``: the column of
-    the tests (a list of assert statements, or a script whose top-level statements are the
-    tests). A task without tests scores None (no score)."""
-    tests_of = columns.get(tests_column)
-    if tests_of is None:
-        raise ValueError(f"code_tests: no column {tests_column!r} (columns: "
-                         f"{', '.join(sorted(columns)) or 'none'}); set args.tests_column")
-    scores: list[float | None] = []
-    for completion, tests in zip(completions, tests_of, strict=True):
-        statements = _split_tests(tests) if tests else []
-        if not statements:
-            scores.append(None)
-            continue
-        ran = run_code(_HARNESS % {"code": _code(completion), "tests": statements},
-                       timeout_s=timeout_s, memory_limit_mb=memory_limit_mb)
-        found = re.findall(r"^PASSED (\d+)$", ran.stdout, re.MULTILINE)
-        scores.append(int(found[-1]) / len(statements) if found else 0.0)
-    return scores

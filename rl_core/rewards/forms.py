@@ -14,18 +14,20 @@ import functools
 import importlib
 import inspect
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rl_core.rewards.builtins import (
-    code_tests,
     exact_match,
     multiple_choice,
     normalized_match,
     regex_match,
 )
+from rl_core.rewards.code import code_tests
 from rl_core.rewards.math import format_reward, gsm8k_reward
 from rl_core.rewards.results import Outcome, short
+from rl_core.rewards.sandbox import require_sandbox
 
 __all__ = ["BUILTIN_REWARDS", "PER_SAMPLE", "Item", "RewardFn", "as_score", "call_one", "call_whole", "describe",
            "load_reward_fn", "reward_form", "split_spec"]
@@ -35,6 +37,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "gsm8k": gsm8k_reward, "format": lambda completion, answer: format_reward(completion),
     "exact_match": exact_match, "normalized_match": normalized_match,
     "multiple_choice": multiple_choice, "regex": regex_match, "code_tests": code_tests}
+_SANDBOXED = {"code_tests"}  # builtins that run the completion's code (rl_core.rewards.sandbox)
 # A scoring item: (index, completion, answer, prompt, columns).
 Item = tuple[int, str, Any, Any, Mapping[str, Any]]
 # `reward_form` of a sync per-sample function: the one form scored a sample at a time (every
@@ -66,6 +69,8 @@ def load_reward_fn(spec: str, args: Mapping[str, Any] | None = None) -> RewardFn
     process (a worker's, for custom specs). Raises ValueError naming the spec, what is wrong
     and the fix (also for a function of neither form: `reward_form`)."""
     if isinstance(spec, str) and spec.strip() in BUILTIN_REWARDS:
+        if spec.strip() in _SANDBOXED:
+            require_sandbox()  # at start-up, naming the fix; never code run unisolated
         return _bind(spec, BUILTIN_REWARDS[spec.strip()], args)
     module_name, attr_path = split_spec(spec)
     try:
@@ -173,9 +178,11 @@ def call_one(fn: RewardFn, completion: str, answer: Any) -> Outcome:  # noqa: AN
     return as_score(value)
 
 
-def batch_kwargs(fn: RewardFn, items: Sequence[Item]) -> dict[str, Any]:
+def batch_kwargs(fn: RewardFn, items: Sequence[Item],
+                 deadline: float | None = None) -> dict[str, Any]:
     """``prompts``, ``completions`` and each column (a list aligned with them; None where a
-    row lacks it) that the function takes (all of them with ``**kwargs``)."""
+    row lacks it) that the function takes (all of them with ``**kwargs``), and ``deadline``
+    (``time.monotonic()`` by which the caller stops waiting) to one that names it."""
     names = dict.fromkeys(k for *_, cols in items for k in cols)
     kw: dict[str, Any] = {k: [cols.get(k) for *_, cols in items] for k in names}
     kw.update(prompts=[it[3] for it in items], completions=[it[1] for it in items])
@@ -183,6 +190,8 @@ def batch_kwargs(fn: RewardFn, items: Sequence[Item]) -> dict[str, Any]:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return kw
+    if deadline is not None and "deadline" in params:
+        kw["deadline"] = deadline
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return kw
     return {k: v for k, v in kw.items() if k in params}
@@ -207,7 +216,8 @@ def call_whole(fn: RewardFn, form: tuple[str, bool], items: Sequence[Item],
                 return list(await asyncio.gather(*(one(it[1], it[2]) for it in items)))
 
             return asyncio.run(run_all())
-        value = fn(**batch_kwargs(fn, items))
+        # the bound the runner puts on a batched call: timeout_s per sample
+        value = fn(**batch_kwargs(fn, items, time.monotonic() + timeout_s * max(n, 1)))
         if inspect.isawaitable(value):
             async def wait(v: Any) -> Any:  # noqa: ANN401
                 return await v
