@@ -62,8 +62,11 @@ class CodeEnv:
 
     def step(self, turn: Turn) -> StepResult:
         deadline = time.monotonic() + self.step_timeout_s
+        # the attempt's own limit ends before the step's bound, so a hang is the code's fault
+        wall = min(self.timeout_s or self.sandbox.limits.wall_s,
+                   max(0.1, self.step_timeout_s - self.sandbox.reserve_s - 0.25))
         report = run_tests(extract_code(turn.text), self.tests, sandbox=self.sandbox,
-                           timeout_s=self.timeout_s, memory_limit_mb=self.memory_limit_mb,
+                           timeout_s=wall, memory_limit_mb=self.memory_limit_mb,
                            deadline=deadline)
         if report.infrastructure_failure:
             raise EnvironmentFailure("error", f"the code sandbox could not run the attempt: "

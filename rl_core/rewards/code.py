@@ -8,7 +8,8 @@ passed before. Results travel on stdout behind a random token the solution is no
 printing ``PASSED`` fakes nothing (the harness shares the solution's process: a solution that
 goes looking for the token in the interpreter's memory can find it, which the reward's
 sandbox bounds but does not prevent). A run the sandbox could not make (no slot before the
-deadline) is an infrastructure failure: no score, never a 0. Imports nothing heavy.
+deadline, or cut short by the caller's deadline) is an infrastructure failure: no score, never
+a 0. Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import math
 import re
 import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -97,8 +99,9 @@ class TestReport:
 
     @property
     def infrastructure_failure(self) -> bool:
-        """The sandbox never ran the solution (no slot in time): not the solution's fault."""
-        return self.status in ("busy", "error")
+        """The sandbox did not run the solution to its own limit (no slot in time, cut short by
+        the caller's deadline): not the solution's fault."""
+        return self.status in ("busy", "deadline", "error")
 
     def feedback(self, show_tests: bool = True, max_failures: int = 3) -> str:
         """What a model reads after an attempt: the count, why the solution did not load or
@@ -157,7 +160,8 @@ def _read_report(ran: Ran, token: str, tests: list[str]) -> TestReport:
 def _why(ran: Ran) -> str:
     if ran.status == "ok":
         return f"exit code {ran.returncode}"
-    return {"timeout": "time limit", "output_limit": "output limit"}.get(ran.status, ran.status)
+    return {"timeout": "time limit", "output_limit": "output limit",
+            "deadline": "caller's deadline"}.get(ran.status, ran.status)
 
 
 def code_tests(prompts: Sequence[Any], completions: Sequence[str], *,  # noqa: ANN401
@@ -179,6 +183,8 @@ def code_tests(prompts: Sequence[Any], completions: Sequence[str], *,  # noqa: A
         raise ValueError(f"code_tests: no column {tests_column!r} (columns: "
                          f"{', '.join(sorted(columns)) or 'none'}); set args.tests_column")
     box = default_sandbox()
+    if deadline is not None:  # one program alone always fits, so its own limit decides it
+        timeout_s = min(timeout_s, max(0.1, deadline - time.monotonic() - box.reserve_s - 0.25))
 
     def one(completion: str, tests: Any) -> float | None:  # noqa: ANN401
         statements = split_tests(tests)

@@ -43,6 +43,7 @@ _FIX = ("install bubblewrap: `make sandbox-deps` (as root it runs apt-get instal
 _UID_BASE = 2_000_000_000  # as root: slot i runs as uid/gid _UID_BASE + i (no such user)
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime")
+_MIN_RUN_S = 0.05  # a run is not started with less than this left before the caller's deadline
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
         "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
 
@@ -80,9 +81,11 @@ class SandboxLimits:
 @dataclass(frozen=True)
 class Ran:
     """What a run did. ``status``: ``ok`` (the code exited; ``returncode`` says how, negative
-    for a signal such as SIGXCPU/SIGKILL of the CPU limit), ``timeout`` (killed at the wall-clock
-    bound), ``output_limit`` (killed for printing too much), ``busy`` (no slot before the
-    deadline, or the queue was full: never started), ``error`` (bwrap could not be started).
+    for a signal: bwrap reports 128 + the signal, e.g. 152 for the CPU limit's SIGXCPU),
+    ``timeout`` (killed at ``wall_s``), ``output_limit`` (killed for printing too much),
+    ``deadline`` (cut short by the caller's deadline before its own ``wall_s``), ``busy`` (no
+    slot before the deadline, or the queue was full: never started), ``error`` (bwrap could not
+    be started).
     A run that exits on its own is ``ok`` whatever it printed: the code cannot fake a failure
     of the sandbox."""
 
@@ -95,7 +98,7 @@ class Ran:
     @property
     def infrastructure_failure(self) -> bool:
         """The sandbox, not the code, failed: no score should be read from this run."""
-        return self.status in ("busy", "error")
+        return self.status in ("busy", "deadline", "error")
 
 
 _checked: dict[tuple[str, ...], str] = {}  # argv prefix -> "" (works) or the failure
@@ -123,9 +126,10 @@ class Sandbox:
             raise ValueError("sandbox: max_concurrent must be >= 1, max_queued and reserve_s >= 0")
         self.max_queued, self.reserve_s = max_queued, float(reserve_s)
         exe, prefix = _interpreter()
-        self.python = python or exe
+        self.python = python or exe  # another interpreter: under /usr or in ro_paths
         self._ro_paths = tuple(dict.fromkeys(
-            os.path.realpath(p) for p in (prefix, *ro_paths) if os.path.exists(p)))
+            os.path.realpath(p) for p in ((prefix,) if python is None else ()) + tuple(ro_paths)
+            if os.path.exists(p)))
         self._root = os.geteuid() == 0
         self._slots: queue.Queue[int] = queue.Queue()
         for i in range(self.max_concurrent):
@@ -162,9 +166,11 @@ class Sandbox:
                     made.add(parent)
                     args += ["--perms", "0755", "--dir", parent]
             args += ["--ro-bind", path, path]
-        for f in _SYSTEM_FILES:
-            if os.path.isfile(f):
-                args += ["--ro-bind", f, f]
+        files = [f for f in _SYSTEM_FILES if os.path.isfile(f)]
+        if files:
+            args += ["--perms", "0755", "--dir", "/etc"]
+        for f in files:
+            args += ["--ro-bind", f, f]
         size = str(self.limits.file_mb * 1024 * 1024)
         args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", size,
                  "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]
@@ -220,32 +226,37 @@ class Sandbox:
         ``reserve_s`` before it. Never raises for what the code does."""
         limits = limits or self.limits
         t0 = time.monotonic()
-        end = t0 + limits.wall_s
-        if deadline is not None:
-            end = min(end, deadline - self.reserve_s)
+        cutoff = float("inf") if deadline is None else deadline - self.reserve_s
         with self._lock:
             if self._waiting >= self.max_queued + self.max_concurrent:
                 self.stats["busy"] += 1
-                return Ran(None, "", "sandbox queue full", "busy")
+                return Ran(None, "", "the sandbox queue is full", "busy")
             self._waiting += 1
         try:
-            try:
-                slot = self._slots.get(timeout=max(0.0, end - time.monotonic()))
+            try:  # queueing counts against the caller's deadline, not against wall_s
+                slot = self._slots.get(timeout=None if deadline is None else max(0.0, cutoff - t0))
             except queue.Empty:
+                slot = None
+            if slot is None or cutoff - time.monotonic() < _MIN_RUN_S:
                 self.stats["busy"] += 1
-                return Ran(None, "", "no sandbox slot before the deadline", "busy",
+                if slot is not None:
+                    self._slots.put(slot)
+                return Ran(None, "", "no sandbox slot in time for the caller's deadline", "busy",
                            time.monotonic() - t0)
             try:
-                return self._run(code, limits, slot, end, t0)
+                return self._run(code, limits, slot, cutoff, t0)
             finally:
                 self._slots.put(slot)
         finally:
             with self._lock:
                 self._waiting -= 1
 
-    def _run(self, code: str, limits: SandboxLimits, slot: int, end: float, t0: float) -> Ran:
+    def _run(self, code: str, limits: SandboxLimits, slot: int, cutoff: float,
+             t0: float) -> Ran:
         argv = [*self._bwrap_args(), *self._inner(limits, slot), self.python, "-I", "-"]
         self.stats["runs"] += 1
+        start = time.monotonic()
+        end = min(start + limits.wall_s, cutoff)
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, start_new_session=True,
@@ -259,8 +270,11 @@ class Sandbox:
                 os.killpg(proc.pid, signal.SIGKILL)
         returncode = proc.wait()
         stdout, stderr = (b"".join(out[k]).decode(errors="replace") for k in ("out", "err"))
+        if status == "timeout" and end < start + limits.wall_s:
+            status = "deadline"  # cut short for the caller, not by its own limit
         if status != "ok":
-            self.stats["timeouts" if status == "timeout" else "output_limits"] += 1
+            self.stats[{"timeout": "timeouts", "deadline": "timeouts",
+                        "output_limit": "output_limits"}[status]] += 1
         return Ran(returncode if status == "ok" else None, stdout, stderr, status,
                    time.monotonic() - t0)
 
