@@ -234,7 +234,7 @@ def test_the_real_openai_client_sends_image_url_parts(engine: EmbeddedEngine,
     url = "data:image/png;base64," + base64.b64encode(_png(1)).decode()
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", timeout=60)
     resp = client.chat.completions.create(
-        model="tiny-vlm", max_tokens=6, temperature=1.0, seed=11,
+        model=engine.model_path, max_tokens=6, temperature=1.0, seed=11,
         messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": url}},
             {"type": "text", "text": RECORDS[1].question}]}],
@@ -248,7 +248,7 @@ def test_the_real_openai_client_sends_image_url_parts(engine: EmbeddedEngine,
     assert token_ids == gen["output_ids"]
     assert resp.usage.prompt_tokens == gen["meta_info"]["prompt_tokens"]
     with pytest.raises(openai.BadRequestError, match="image"):
-        client.chat.completions.create(model="tiny-vlm", max_tokens=2, messages=[
+        client.chat.completions.create(model=engine.model_path, max_tokens=2, messages=[
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:x"}}]}])
 
 
