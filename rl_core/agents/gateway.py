@@ -2,8 +2,11 @@
 
 :class:`AgentGateway` serves ``/sessions/{sid}/v1`` in front of any ``RolloutPlane``; a session
 records its episode token-exactly in EpisodeRunner's layout and owns the sampling (the run's
-settings, replayable seeds, ``max_tokens`` clamped to the episode's budget). :func:`~rl_core.agents.programs.run_programs`
-plays ``program(client, task) -> reward`` on it (docs/agents.md, 'Black-box agents').
+settings, replayable seeds, ``max_tokens`` clamped to the episode's budget). A streamed request
+gets the finished turn as server-sent events, so the trajectory is the same either way; a
+session serves one model, the policy, under any ``model`` name.
+:func:`~rl_core.agents.programs.run_programs` plays ``program(client, task) -> reward`` on it
+(docs/agents.md, 'Black-box agents').
 Never imports Prefect or MLflow; never re-tokenizes a model turn; never calls the plane from
 more than one thread; never waits without a bound.
 """

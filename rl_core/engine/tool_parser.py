@@ -2,8 +2,9 @@
 
 The format of Qwen2.5/Qwen3, Hermes and most open chat models, one or more per turn. The
 engine's OpenAI routes return them in ``message.tool_calls``, as SGLang's
-``--tool-call-parser`` does; the agents' tool environments use the same parser. Malformed
-calls are reported, never guessed.
+``--tool-call-parser`` does, when the request offers ``tools`` (never otherwise: a text that
+merely looks like a call stays text); the agents' tool environments use the same parser.
+Malformed calls are reported, never guessed.
 """
 
 from __future__ import annotations
