@@ -127,15 +127,18 @@ def score_samples(
     samples: Sequence[Sample], runner: Scorer, step: int | None = None,
     budget: bool = True,
 ) -> RewardResult:
-    """Score every sample in place; reward-function failures score 0 and are counted
-    (``step``: calls of one step, e.g. dynamic sampling's rounds, count as one step towards
-    ``reward.max_failed_steps``). A judge also reads each sample's question (by record id)."""
+    """Score every sample in place; a reward-function failure (an error or a timeout) scores 0,
+    is counted, and marks its sample not ``valid`` (masked out of the group's statistics and
+    the loss: an infrastructure failure is not a reward). ``step``: calls of one step, e.g.
+    dynamic sampling's rounds, count as one step towards ``reward.max_failed_steps``. A judge
+    also reads each sample's question (by record id)."""
     result = runner.score([s.text for s in samples], [s.answer for s in samples], step=step,
                           budget=budget, record_ids=[s.record_id for s in samples],
                           prompts=[s.prompt for s in samples],
                           columns=[s.columns for s in samples])
-    for s, r, ok in zip(samples, result.scores, result.correct, strict=True):
-        s.reward, s.correct = float(r), bool(ok)
+    failed = result.failed or [False] * len(samples)
+    for s, r, ok, bad in zip(samples, result.scores, result.correct, failed, strict=True):
+        s.reward, s.correct, s.valid = float(r), bool(ok), not bad
     return result
 
 
@@ -144,34 +147,43 @@ def split_informative_groups(
 ) -> tuple[list[Sample], list[Sample]]:
     """DAPO's dynamic-sampling filter: (groups whose rewards differ, groups whose rewards are
     all equal). An all-equal group has zero advantage everywhere: it adds no policy gradient,
-    only compute. Groups are contiguous runs of ``n``; order is kept."""
+    only compute; only valid samples' rewards count (an infrastructure failure's 0 is not a
+    reward). Groups are contiguous runs of ``n``; order is kept."""
     kept: list[Sample] = []
     dropped: list[Sample] = []
     for i in range(0, len(samples), n):
         group = samples[i : i + n]
-        (kept if len({s.reward for s in group}) > 1 else dropped).extend(group)
+        (kept if len({s.reward for s in group if s.valid}) > 1 else dropped).extend(group)
     return kept, dropped
 
 
 def advantages_for(samples: Sequence[Sample], n: int, mode: str) -> torch.Tensor:
-    """Group-relative advantages (GRPO or Dr.GRPO) for contiguous groups of ``n``."""
+    """Group-relative advantages (GRPO or Dr.GRPO) for contiguous groups of ``n``, over each
+    group's valid samples (:attr:`Sample.valid`)."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    return group_advantages(rewards, n, mode=mode)  # type: ignore[arg-type]
+    valid = torch.tensor([s.valid for s in samples], dtype=torch.bool)
+    return group_advantages(rewards, n, mode=mode, valid=valid)  # type: ignore[arg-type]
 
 
 def summarize_samples(samples: Sequence[Sample], n: int) -> dict[str, float]:
-    """Reward, accuracy, length and group-variance statistics of one step's samples."""
-    rewards = [s.reward for s in samples]
+    """Reward, accuracy, length and group-variance statistics of one step's samples; the
+    reward's over the valid samples (an infrastructure failure has none), and the share of
+    each outcome class (``outcome/<class>_frac``: :attr:`Sample.outcome`)."""
+    rewards = [s.reward for s in samples if s.valid] or [0.0]
     lengths = [len(s.completion_ids) for s in samples]
-    groups = [rewards[i : i + n] for i in range(0, len(rewards), n)]
+    groups = [{s.reward for s in samples[i : i + n] if s.valid}
+              for i in range(0, len(samples), n)]
+    outcomes = [s.outcome for s in samples]
     return {
+        **{f"outcome/{c}_frac": outcomes.count(c) / len(samples)
+           for c in ("success", "task_failure", "infra_failure")},
         "reward_mean": statistics.fmean(rewards),
         "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
         "accuracy": statistics.fmean(float(s.correct) for s in samples),
         "response_len_mean": statistics.fmean(lengths),
         "response_len_max": float(max(lengths)),
         "truncation_rate": statistics.fmean(float(s.truncated) for s in samples),
-        "zero_std_group_frac": statistics.fmean(float(len(set(g)) == 1) for g in groups),
+        "zero_std_group_frac": statistics.fmean(float(len(g) <= 1) for g in groups),
         "response_tokens": float(sum(lengths)),
         "prompt_tokens": float(sum(len(s.prompt_ids) for s in samples)),
     }

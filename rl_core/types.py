@@ -78,6 +78,16 @@ class Sample:
     # The prompt's images as encoded bytes (PNG, JPEG, ...), in the order of its image pads:
     # the record's, then any an episode's observations added (docs/vlm.md).
     images: tuple[bytes, ...] = field(default=(), repr=False)
+    # False: an infrastructure failure (an environment, sandbox or reward function that failed
+    # after its retries; docs/agents.md, 'Failures are not rewards'): its reward is not a
+    # score, so it takes no part in its group's statistics and trains on nothing.
+    valid: bool = True
+
+    @property
+    def outcome(self) -> str:
+        """``success`` (correct), ``task_failure`` (scored, not correct) or
+        ``infra_failure`` (not :attr:`valid`)."""
+        return "infra_failure" if not self.valid else "success" if self.correct else "task_failure"
 
     @property
     def truncated(self) -> bool:
@@ -112,6 +122,8 @@ class Sample:
             row["stale"] = True
         if self.meta.get("unused"):  # streamed, not trained when the run ended
             row["unused"] = True
+        if not self.valid:  # an infrastructure failure: masked out of the step
+            row["valid"] = False
         if (episode := self.meta.get("episode")) is not None:  # a multi-turn episode
             row.update(episode=episode["status"], turns=episode["turns"],
                        tool_calls=episode["tool_calls"])
@@ -182,6 +194,8 @@ class Batch:
             start = len(p) - 1
             mask = torch.ones(len(r), dtype=torch.bool) if s.loss_mask is None else (
                 torch.tensor(s.loss_mask, dtype=torch.bool))
+            if not s.valid:  # an infrastructure failure trains on nothing (no KL either)
+                mask = torch.zeros(len(r), dtype=torch.bool)
             resp[i, start : start + len(r)] = mask
             rlogp[i, start : start + len(r)] = torch.tensor(s.logprobs, dtype=torch.float32) * mask
         return cls(ids, attn, resp, rlogp, torch.as_tensor(advantages, dtype=torch.float32),

@@ -136,6 +136,12 @@ def test_http_samples_equal_the_in_process_plane(one, local, model_dir: Path) ->
     # different sampling seeds give different groups (the test above can fail)
     c = rollout_groups(http, RECORDS, PROMPTS, n=4, params=PARAMS, step=4, seed=7)
     assert _ids(c) != _ids(a)
+    # Each engine's queue and KV usage (SGLang's /v1/loads), as adaptive agent concurrency
+    # reads them; the same shape from the in-process engine.
+    for plane in (http, local):
+        (row,) = plane.loads()
+        assert set(row) == {"waiting", "running", "token_usage"}
+        assert row["waiting"] == 0 and 0.0 <= row["token_usage"] <= 1.0
 
 
 def test_the_update_sequence_pauses_loads_verifies_bumps_and_resumes(model_dir: Path) -> None:

@@ -4,7 +4,9 @@
 environment at once, each call bounded by ``env_timeout_s``. Samples are token-exact (model
 turns ``loss_mask`` 1, observations 0; ``text`` is the last model turn, ``meta["episode"]`` the
 trace); a failed environment is retried from ``reset`` up to ``retries`` times, then recorded as
-``failed``; seeds replay (docs/agents.md, 'What an episode is'). Never imports Prefect or MLflow.
+``failed`` (an infrastructure failure, masked out of the step); a :class:`CircuitBreaker` holds
+the calls while the environment fails; seeds replay (docs/agents.md, 'What an episode is').
+Never imports Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rl_core.agents.env import (
     Turn,
     check_messages,
 )
+from rl_core.agents.pacing import CircuitBreaker
 from rl_core.agents.trajectory import Trajectory
 from rl_core.data.records import Record
 from rl_core.engine.sampling import SamplingParams, sample_seed
@@ -65,10 +68,12 @@ class EpisodeRunner:
     """Runs episodes of ``make_env`` environments on ``plane`` (see the module docstring)."""
 
     def __init__(self, plane: RolloutPlane, chat: ChatTokens, make_env: Callable[[], Environment],
-                 limits: EpisodeLimits | None = None, *, retries: int = 1) -> None:
+                 limits: EpisodeLimits | None = None, *, retries: int = 1,
+                 breaker: CircuitBreaker | None = None) -> None:
         self.plane, self.chat, self.make_env = plane, chat, make_env
         self.limits = limits or EpisodeLimits()
         self.retries = retries
+        self.breaker = breaker or CircuitBreaker(enabled=False)
 
     def run(self, records: Sequence[Record], *, n: int, params: SamplingParams, step: int,
             seed: int) -> list[Sample]:
@@ -88,6 +93,21 @@ class EpisodeRunner:
     # ------------------------------------------------------------------ the rounds
 
     def _call(self, episodes: list[_Episode], fn: Callable[[_Episode], Any]) -> list[Any]:
+        """``fn(e)`` for every episode, as many at once as the breaker admits (all while it is
+        closed; one probe at a time, after its cool-down, while it is open); each outcome is
+        recorded in the breaker."""
+        out: list[Any] = [None] * len(episodes)
+        todo = list(range(len(episodes)))
+        while todo:
+            k = self.breaker.admit(len(todo))
+            admitted, todo = todo[:k], todo[k:]
+            for i, r in zip(admitted, self._call_now([episodes[i] for i in admitted], fn),
+                            strict=True):
+                out[i] = r
+                self.breaker.record(isinstance(r, EnvironmentFailure), str(r)[:200])
+        return out
+
+    def _call_now(self, episodes: list[_Episode], fn: Callable[[_Episode], Any]) -> list[Any]:
         """``fn(e)`` for every episode concurrently; an :class:`EnvironmentFailure` (also for
         a call that outlives ``env_timeout_s``) in place of a result that could not be had."""
         futures = [_ENV_POOL.submit(fn, e) for e in episodes]

@@ -14,6 +14,7 @@ from typing import Any
 
 from rl_core.agents import ChatTokens, EpisodeRunner, environment_factory, limits_from_config
 from rl_core.agents.episode import episode_metrics
+from rl_core.agents.pacing import AdaptiveConcurrency, CircuitBreaker, plane_loads
 from rl_core.data.records import Record
 from rl_core.engine.sampling import SamplingParams
 from rl_core.interfaces import RolloutPlane
@@ -51,10 +52,18 @@ class AgentEpisodes:
         self.gateway: Any = None
         self.factory: Any = None
         self.failed_streak = 0
+        b, c = agent.breaker, agent.concurrency
+        self.breaker = CircuitBreaker(failure_rate=b.failure_rate, window=b.window,
+                                      min_calls=min(b.min_calls, b.window),
+                                      cooldown_s=b.cooldown_s, max_pause_s=b.max_pause_s,
+                                      enabled=b.enabled)
+        self.concurrency = AdaptiveConcurrency(
+            plane_loads(plane), start=c.max_episodes, lo=min(c.min_episodes, c.max_episodes),
+            hi=c.max_episodes, max_waiting=c.max_waiting, kv_high=c.kv_high, enabled=c.adaptive)
         if agent.env is not None:
             self.factory = environment_factory(agent, tokenizer)
             self.runner = EpisodeRunner(plane, self.chat, self.factory, self.limits,
-                                        retries=agent.episode_retries)
+                                        retries=agent.episode_retries, breaker=self.breaker)
         else:
             from rl_core.agents.gateway import AgentGateway
 
@@ -71,13 +80,15 @@ class AgentEpisodes:
         from rl_core.agents.programs import run_programs
 
         return run_programs(self.gateway, self.program, records, n=n, params=params, step=step,
-                            seed=seed, limits=self.limits, retries=self.cfg.episode_retries)
+                            seed=seed, limits=self.limits, retries=self.cfg.episode_retries,
+                            concurrency=self.concurrency, breaker=self.breaker)
 
     def score(self, samples: Sequence[Sample], rewards: Scorer, *, pass_threshold: float,
               step: int | None = None, budget: bool = True) -> RewardResult:
         """Set each episode's ``reward`` and ``correct``: the environment's reward, plus
         ``reward.fn``'s score of the final answer when ``agent.score_final_answer`` (a failed
-        episode scores 0). The result holds the episodes' rewards and the reward function's
+        episode scores 0 and is not ``valid``: docs/agents.md, 'Failures are not rewards').
+        The result holds the episodes' rewards and the reward function's
         failure counts, if it ran."""
         result = None
         if self.cfg.score_final_answer:
@@ -88,6 +99,11 @@ class AgentEpisodes:
                                    columns=[s.columns for s in samples])
         for i, s in enumerate(samples):
             ep = s.meta["episode"]
+            # An episode whose environment or program failed after its retries, or whose final
+            # answer the reward function could not score, is an infrastructure failure: not a
+            # reward of 0 (masked out of its group's statistics and the loss).
+            s.valid = ep["status"] != "failed" and not (result is not None and result.failed
+                                                        and result.failed[i])
             if ep["status"] == "failed":
                 s.reward, s.correct = 0.0, False
             elif result is not None:
@@ -96,7 +112,9 @@ class AgentEpisodes:
             else:
                 s.reward = float(ep["env_reward"])
                 s.correct = bool(ep["info"].get("correct", s.reward >= pass_threshold))
-        out = RewardResult([s.reward for s in samples], [s.correct for s in samples])
+            ep["outcome"] = s.outcome
+        out = RewardResult([s.reward for s in samples], [s.correct for s in samples],
+                           failed=[not s.valid for s in samples])
         if result is not None:
             out.num_errors, out.num_timeouts, out.errors = (result.num_errors,
                                                             result.num_timeouts, result.errors)
@@ -106,7 +124,9 @@ class AgentEpisodes:
 
     def check(self, samples: Sequence[Sample]) -> dict[str, float]:
         """The episodes' metrics (:func:`episode_metrics`) and the failure budget."""
-        return {**episode_metrics(samples), **self.check_failures(samples)}
+        pacing = {**self.breaker.metrics(),
+                  **(self.concurrency.metrics() if self.gateway is not None else {})}
+        return {**episode_metrics(samples), **pacing, **self.check_failures(samples)}
 
     def check_failures(self, samples: Sequence[Sample]) -> dict[str, float]:
         """Count the step against ``agent.max_failed_steps``; raise when the budget is spent."""

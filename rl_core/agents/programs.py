@@ -18,6 +18,7 @@ from typing import Any
 
 from rl_core.agents.env import EpisodeLimits
 from rl_core.agents.gateway import AgentGateway, GatewaySession
+from rl_core.agents.pacing import AdaptiveConcurrency, CircuitBreaker
 from rl_core.data.records import Record
 from rl_core.engine.sampling import SamplingParams
 from rl_core.types import Sample
@@ -83,13 +84,19 @@ def _play(program: Program, session: GatewaySession, timeout_s: float, token: in
 def run_programs(gateway: AgentGateway, program: Program, records: Sequence[Record], *, n: int,
                  params: SamplingParams, step: int, seed: int,
                  limits: EpisodeLimits | None = None, retries: int = 1,
-                 concurrency: int = 64) -> list[Sample]:
+                 concurrency: int | AdaptiveConcurrency = 64,
+                 breaker: CircuitBreaker | None = None) -> list[Sample]:
     """``n`` episodes of ``program`` per task in EpisodeRunner.run's layout, at most
-    ``concurrency`` at once; a failed or hung attempt is retried with a fresh session up to
-    ``retries`` times, then recorded as ``failed``. Returns within about
-    ``(attempts / concurrency + 1) * timeout_s`` whatever the programs do."""
-    if n < 1 or concurrency < 1 or retries < 0:
+    ``concurrency`` at once (a number, or an :class:`AdaptiveConcurrency` cap that follows the
+    engines' load); a failed or hung attempt is retried with a fresh session up to ``retries``
+    times, then recorded as ``failed``. While ``breaker`` is open no attempt starts but one
+    probe at a time once the others have finished. Returns within about
+    ``(attempts / concurrency + 1) * timeout_s`` (plus the breaker's pause) whatever the
+    programs do."""
+    cap = concurrency if isinstance(concurrency, AdaptiveConcurrency) else None
+    if n < 1 or (cap is None and concurrency < 1) or retries < 0:
         raise ValueError("run_programs: n and concurrency must be >= 1, retries >= 0")
+    breaker = breaker or CircuitBreaker(enabled=False)
     lim = limits or EpisodeLimits()
     runs = [_Run(g, rec, j) for g, rec in enumerate(records) for j in range(n)]
     todo: deque[_Run] = deque(runs)
@@ -111,6 +118,7 @@ def run_programs(gateway: AgentGateway, program: Program, records: Sequence[Reco
     def finish(a: _Attempt, kind: str, value: Any) -> None:
         run = a.run
         a.session.close("the program returned" if kind == "ok" else f"attempt {kind}")
+        breaker.record(kind != "ok", f"{kind}: {str(value)[:200]}")
         if kind == "ok":
             run.reward = value
             return
@@ -125,7 +133,12 @@ def run_programs(gateway: AgentGateway, program: Program, records: Sequence[Reco
 
     try:
         while todo or running:
-            while todo and len(running) < concurrency:
+            limit = cap.update(len(running)) if cap is not None else concurrency
+            while todo and len(running) < limit:
+                if breaker.open:  # hold new attempts; one probe once the others are done
+                    if not running and breaker.admit(len(todo)):
+                        start(todo.popleft())
+                    break
                 start(todo.popleft())
             first = min(a.deadline for a in running.values())
             try:

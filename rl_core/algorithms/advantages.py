@@ -32,12 +32,16 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def group_advantages(
-    rewards: Tensor, group_size: int, mode: AdvantageMode = "grpo", eps: float = 1e-6
+    rewards: Tensor, group_size: int, mode: AdvantageMode = "grpo", eps: float = 1e-6,
+    valid: Tensor | None = None,
 ) -> Tensor:
     """Per-sample advantages: ``grpo`` (r - mean) / (unbiased std + eps), ``drgrpo`` r - mean
     (docs/training.md, "The loss, exactly"); a constant group gets exactly 0, never NaN.
-    (B,) in ``rewards``' float dtype (float32 for int/bool). ValueError on a bad shape,
-    B % group_size != 0, group_size < 2 for ``grpo`` or an unknown mode."""
+    ``valid`` (B,) bool: samples False (an infrastructure failure: docs/agents.md, 'Failures
+    are not rewards') take no part in their group's mean and std and get 0; a group with fewer
+    than two valid samples (``grpo``) or none gets 0 everywhere. (B,) in ``rewards``' float
+    dtype (float32 for int/bool). ValueError on a bad shape, B % group_size != 0,
+    group_size < 2 for ``grpo`` or an unknown mode."""
     if mode not in ADVANTAGE_MODES:
         raise ValueError(f"unknown advantage mode {mode!r}; allowed: {ADVANTAGE_MODES}")
     if mode == "grpo" and group_size < 2:
@@ -45,8 +49,28 @@ def group_advantages(
             f"grpo advantages need group_size >= 2 (the unbiased std of one sample is "
             f"undefined), got {group_size}")
     r = _grouped(rewards, group_size)
+    if valid is not None and not bool(valid.all()):
+        if valid.shape != rewards.shape:
+            raise ValueError(f"valid has shape {tuple(valid.shape)}, rewards {tuple(rewards.shape)}")
+        return _masked(r, valid.reshape(r.shape).to(torch.bool), mode, eps).reshape(-1)
     adv = r - r.mean(dim=1, keepdim=True)
     if mode == "grpo":
         adv = adv / (r.std(dim=1, keepdim=True) + eps)  # unbiased (Bessel-corrected), like verl
     constant = (r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)).expand_as(adv)
     return torch.where(constant, torch.zeros_like(adv), adv).reshape(-1)
+
+
+def _masked(r: Tensor, valid: Tensor, mode: AdvantageMode, eps: float) -> Tensor:
+    """:func:`group_advantages` over the valid samples of each (G, n) group only."""
+    v = valid.to(r.dtype)
+    count = v.sum(dim=1, keepdim=True)
+    mean = (r * v).sum(dim=1, keepdim=True) / count.clamp(min=1)
+    adv = (r - mean) * v
+    if mode == "grpo":
+        var = ((r - mean) ** 2 * v).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)
+        adv = adv / (var.sqrt() + eps)
+    big, small = torch.finfo(r.dtype).max, torch.finfo(r.dtype).min
+    constant = (torch.where(valid, r, small).amax(dim=1, keepdim=True)
+                == torch.where(valid, r, big).amin(dim=1, keepdim=True))
+    few = count < (2 if mode == "grpo" else 1)
+    return torch.where(constant | few | ~valid, torch.zeros_like(adv), adv)

@@ -152,6 +152,33 @@ class RewardConfig(Section):
         return self
 
 
+class BreakerConfig(Section):
+    """The circuit breaker over environment calls and agent programs (docs/agents.md,
+    'Failures are not rewards')."""
+    enabled: bool = Field(True, description="Pause the rollout while the environment fails.")
+    failure_rate: float = Field(0.5, gt=0.0, le=1.0, description="Open when this share of the "
+        "last `window` environment calls (or program attempts) failed.")
+    window: int = Field(20, ge=1, description="Calls the failure rate is taken over.")
+    min_calls: int = Field(10, ge=1, description="Calls in the window before it can open.")
+    cooldown_s: float = Field(5.0, gt=0.0, description="Wait before the first probe call "
+        "(doubling after each failed probe).")
+    max_pause_s: float = Field(300.0, gt=0.0, description="Paused longer than this in a row: "
+        "the step fails (EnvironmentUnavailableError), and Prefect retries it.")
+
+
+class ConcurrencyConfig(Section):
+    """Episodes in flight at once (agent programs), adapted to the engines' load."""
+    adaptive: bool = Field(True, description="Halve the cap when an engine queues requests or "
+        "its KV cache is fuller than `kv_high`; grow it by one while they keep up.")
+    max_episodes: int = Field(64, ge=1, description="The cap's upper bound (and its value when "
+        "not adaptive).")
+    min_episodes: int = Field(2, ge=1, description="The cap's lower bound.")
+    max_waiting: int = Field(0, ge=0, description="Requests an engine may queue (beyond those "
+        "it runs) before the cap shrinks.")
+    kv_high: float = Field(0.9, gt=0.0, le=1.0, description="KV cache usage that shrinks the "
+        "cap.")
+
+
 class AgentConfig(Section):
     """Multi-turn episodes (`rl_core.agents`, docs/agents.md). With neither `env` nor `program`
     set, rollouts are single completions."""
@@ -178,6 +205,10 @@ class AgentConfig(Section):
         "in a row (0: never).")
     score_final_answer: bool = Field(True, description="Add `reward.fn`'s score of the last model "
         "turn to the environment's reward (off for environments that score themselves).")
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig, description="The circuit "
+        "breaker that pauses episodes while their environment fails.")
+    concurrency: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig, description=""
+        "Agent-program episodes in flight, adapted to the engines' queue and KV cache.")
 
     @model_validator(mode="after")
     def _one_kind(self) -> AgentConfig:

@@ -103,7 +103,9 @@ class RewardSet:
         if len(results) == 1:
             first.components = {self.terms[0].name: list(first.raw)}
             return first
-        out = RewardResult(scores=[], correct=list(first.correct))
+        out = RewardResult(scores=[], correct=list(first.correct),
+                           failed=[any(r.failed[i] for r in results if r.failed)
+                                   for i in range(len(completions))])
         for i in range(len(completions)):
             if first.failed[i]:
                 out.scores.append(0.0)  # the task reward failed: the sample scores 0

@@ -136,6 +136,24 @@ class HttpPlane:
                 "restarts": sum(e.restarts for e in p.engines),
                 "weight_version": self._version, "memory_released": sorted(p.released)}
 
+    def loads(self) -> list[dict[str, float]]:
+        """Each engine in service's queue and KV usage (its ``/v1/loads``, SGLang's): what
+        adaptive agent concurrency reads (``rl_core.agents.pacing``). Bounded by the pool's
+        health timeout; an engine that does not answer is left out."""
+        client, out = self.client, []
+        timeout = self.pool.health_timeout_s
+        for url in self.pool.in_service_urls():
+            try:
+                body = client.run(client.aio.loads(url=url), timeout_s=timeout)
+            except Exception as e:  # noqa: BLE001 - a load probe never fails the caller
+                log.debug("loads of %s: %s", url, e)
+                continue
+            rows = body.get("loads", []) if isinstance(body, dict) else body or []
+            out += [{"waiting": float(r.get("num_waiting_reqs", 0)),
+                     "running": float(r.get("num_running_reqs", r.get("num_reqs", 0))),
+                     "token_usage": float(r.get("token_usage", 0.0))} for r in rows]
+        return out
+
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Engines free weights and KV cache (``tags``) while a colocated trainer runs."""
         self.pool.release_memory(tags)

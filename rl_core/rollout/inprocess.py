@@ -150,6 +150,13 @@ class InProcessPlane:
     def health(self) -> dict[str, Any]:
         return {"engines": 1, "weight_version": self.weight_version, **self.engine.load()}
 
+    def loads(self) -> list[dict[str, float]]:
+        """The engine's queue and KV usage (as ``HttpPlane.loads``)."""
+        load = self.engine.load()
+        return [{"waiting": float(load["num_waiting_reqs"]),
+                 "running": float(load["num_running_reqs"]),
+                 "token_usage": float(load["token_usage"])}]
+
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
         self.engine.release_memory(tags)
 
