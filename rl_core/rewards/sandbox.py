@@ -5,7 +5,8 @@ Shared by the ``python`` agent tool (:mod:`rl_core.agents.tools`), the code envi
 (:mod:`rl_core.agents.code_env`) and the ``code_tests`` reward (:mod:`rl_core.rewards.code`).
 Each run is a fresh ``bwrap`` with its own network, PID, IPC and UTS namespaces; only the system
 directories (``/usr`` and its links) and the interpreter's installation are mounted, read-only,
-plus a small tmpfs ``/tmp``. Limits are set inside, after the namespaces exist (``prlimit``:
+plus a small tmpfs ``/tmp``; the code runs with ``python -I -S`` (the standard library only: no
+site-packages, no ``.pth`` start-up code, no ``exit()`` builtin: ``sys.exit``). Limits are set inside, after the namespaces exist (``prlimit``:
 RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC, RLIMIT_FSIZE); as root the code also drops to an
 unprivileged uid of its own (``setpriv``, one per concurrent slot, so the process limit is per
 run). A run past its wall-clock bound, or past its output cap, is killed whole (the bwrap
@@ -121,7 +122,7 @@ class Sandbox:
                  max_queued: int = 1024, reserve_s: float = 0.5, python: str | None = None,
                  ro_paths: tuple[str, ...] = ()) -> None:
         self.limits = limits or SandboxLimits()
-        self.max_concurrent = max_concurrent or 2 * (os.cpu_count() or 1)
+        self.max_concurrent = max_concurrent or 4 * (os.cpu_count() or 1)  # benchmarks/sandbox_throughput.py
         if self.max_concurrent < 1 or max_queued < 0 or reserve_s < 0:
             raise ValueError("sandbox: max_concurrent must be >= 1, max_queued and reserve_s >= 0")
         self.max_queued, self.reserve_s = max_queued, float(reserve_s)
@@ -199,7 +200,7 @@ class Sandbox:
             if key not in _checked:
                 try:
                     done = subprocess.run([*argv, *self._inner(self.limits, 0), self.python,
-                                           "-I", "-c", "pass"], capture_output=True, timeout=60,
+                                           "-I", "-S", "-c", "pass"], capture_output=True, timeout=60,
                                           env={"PATH": _ENV["PATH"]}, stdin=subprocess.DEVNULL)
                     _checked[key] = "" if done.returncode == 0 else (
                         done.stderr.decode(errors="replace").strip()[-500:]
@@ -253,7 +254,7 @@ class Sandbox:
 
     def _run(self, code: str, limits: SandboxLimits, slot: int, cutoff: float,
              t0: float) -> Ran:
-        argv = [*self._bwrap_args(), *self._inner(limits, slot), self.python, "-I", "-"]
+        argv = [*self._bwrap_args(), *self._inner(limits, slot), self.python, "-I", "-S", "-"]
         self.stats["runs"] += 1
         start = time.monotonic()
         end = min(start + limits.wall_s, cutoff)
