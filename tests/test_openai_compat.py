@@ -32,6 +32,7 @@ from rl_core.agents.env import EpisodeLimits
 from rl_core.agents.gateway import AgentGateway
 from rl_core.data.records import Record
 from rl_core.engine.core import EmbeddedEngine
+from rl_core.engine.openai_stream import text_pieces
 from rl_core.engine.sampling import SamplingParams
 from rl_core.engine.server import ServerThread, create_app
 from rl_core.rollout.inprocess import InProcessPlane
@@ -163,6 +164,23 @@ def test_engine_completions_stream_and_top_logprobs(served) -> None:
         assert len(top) == 5 and max(top.values()) >= lp
         if token in top:  # the engine's own log-softmax: the same float, not a recomputation
             assert top[token] == lp
+
+
+def test_text_pieces_and_many_choices_stream_in_order(served) -> None:
+    engine, _, client = served
+    tok = engine.tokenizer
+    ids = tok.encode("héllo 日本")  # byte-level: a character spans tokens
+    pieces = text_pieces(tok, ids, "héllo 日本")
+    assert len(pieces) == len(ids) and "".join(pieces) == "héllo 日本"
+    assert pieces[:3] == ["h", "", "é"]  # the character goes with the token completing it
+    assert "".join(text_pieces(tok, [*ids, IM_END], "héllo 日")) == "héllo 日"  # cut at a stop
+    kw = dict(model="model", prompt=[[104, 105], [111, 107]], n=2, max_tokens=5, seed=9)
+    whole = client.completions.create(**kw).choices
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {c.index: c.text for c in whole} and len(texts) == 4
 
 
 def test_chat_top_logprobs_are_the_engines_log_softmax(served) -> None:

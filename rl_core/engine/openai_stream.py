@@ -21,28 +21,26 @@ from fastapi.responses import StreamingResponse
 
 __all__ = ["sse_response", "stream_chunks", "text_pieces"]
 
-# Tokens decoded before each one to place its text: enough for any multi-byte character or
-# a tokenizer's space handling to settle.
-_WINDOW = 6
-
-
 def text_pieces(tokenizer: Any, ids: Sequence[int], text: str, *,  # noqa: ANN401
                 skip_special_tokens: bool = True) -> list[str]:
     """``text`` cut into one piece per token of ``ids`` (the text those ids decode to, cut at
-    a stop): joined, the pieces are ``text`` exactly. A token that adds nothing visible (a
-    partial character, the stop token) gets an empty piece."""
+    a stop): joined, the pieces are ``text`` exactly. Incremental detokenization, as Hugging
+    Face's ``TextStreamer`` and vLLM do it: a token whose text is not complete yet (part of a
+    multi-byte character) gets an empty piece and the character goes with the token that
+    completes it; so does a token that shows nothing (a stop token)."""
     if not ids:
         return [text] if text else []
-    ends, at = [], 0
+    ends, at, prefix, read = [], 0, 0, 0
+
+    def decode(part: Sequence[int]) -> str:
+        return tokenizer.decode(list(part), skip_special_tokens=skip_special_tokens)
+
     for t in range(len(ids)):
-        start = max(0, t - _WINDOW)
         if tokenizer is not None:
-            window = tokenizer.decode(list(ids[start : t + 1]), skip_special_tokens=skip_special_tokens)
-            before = tokenizer.decode(list(ids[start:t]), skip_special_tokens=skip_special_tokens)
-            grown = len(window) - len(before) if window.startswith(before) else 0
-            if window.endswith("\ufffd"):  # a character still incomplete: wait for its bytes
-                grown = 0
-            at = min(len(text), at + max(0, grown))
+            new, old = decode(ids[prefix : t + 1]), decode(ids[prefix:read])
+            if len(new) > len(old) and not new.endswith("\ufffd"):
+                at = min(len(text), at + len(new) - len(old))
+                prefix, read = read, t + 1
         ends.append(at)
     ends[-1] = len(text)
     return [text[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
