@@ -19,7 +19,7 @@ import pytest
 import rl_core.rewards.sandbox as sandbox_mod
 from rl_core.agents import environment_factory, resolve_tools
 from rl_core.agents.code_env import CodeEnv
-from rl_core.agents.env import EnvironmentFailure, Turn
+from rl_core.agents.env import Environment, EnvironmentFailure, Turn
 from rl_core.data.records import Record
 from rl_core.rewards import RewardRunner
 from rl_core.rewards.code import code_tests, run_tests
@@ -244,6 +244,7 @@ def test_code_env_is_an_environment_kind_and_a_hang_is_the_codes_fault() -> None
     agent = SimpleNamespace(env="code", env_args={"limits": {"wall_s": 1.0, "cpu_s": 1}},
                             env_timeout_s=10.0)
     env = environment_factory(agent)()
+    assert isinstance(env, Environment) and isinstance(env, CodeEnv)
     env.reset(_task())
     out = env.step(Turn("```python\ndef add(a, b):\n    while True:\n        pass\n```", []))
     assert out.info["tests_passed"] == 0 and "0/3" in out.observation[0]["content"]

@@ -265,11 +265,14 @@ class Sandbox:
         except OSError as e:
             self.stats["errors"] += 1
             return Ran(None, "", f"could not start bwrap: {e}", "error", time.monotonic() - t0)
-        out, status = self._pump(proc, code.encode(), limits.output_bytes, end)
-        if status != "ok":
-            with contextlib.suppress(OSError):  # bwrap and its namespace's init: all of it
-                os.killpg(proc.pid, signal.SIGKILL)
-        returncode = proc.wait()
+        status = "error"
+        try:
+            out, status = self._pump(proc, code.encode(), limits.output_bytes, end)
+        finally:  # also when interrupted: never leave a sandbox behind
+            if status != "ok":
+                with contextlib.suppress(OSError):  # bwrap and its namespace's init: all of it
+                    os.killpg(proc.pid, signal.SIGKILL)
+            returncode = proc.wait()
         stdout, stderr = (b"".join(out[k]).decode(errors="replace") for k in ("out", "err"))
         if status == "timeout" and end < start + limits.wall_s:
             status = "deadline"  # cut short for the caller, not by its own limit
