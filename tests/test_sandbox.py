@@ -266,3 +266,31 @@ def test_code_reward_end_to_end_and_output_cannot_fake_a_pass() -> None:
     assert code_tests([None], ["while True: pass"], tests=[TESTS], tests_column="tests",
                       timeout_s=30.0, deadline=t0 + 2.0) == [0.0]
     assert time.monotonic() - t0 < 2.0
+
+
+def test_code_episodes_on_the_real_engine_feed_back_and_train_only_on_model_tokens(
+        demo_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from rl_core.agents.kind import AgentEpisodes
+    from rl_core.config import AgentConfig
+    from rl_core.engine.sampling import SamplingParams
+    from rl_core.rollout.inprocess import InProcessPlane
+
+    cfg = AgentConfig(env="code", env_args={"feedback": "count", "system_prompt": None},
+                      max_turns=2, max_tokens=400, env_timeout_s=10.0, score_final_answer=False)
+    plane = InProcessPlane(demo_model)
+    agents = AgentEpisodes(cfg, plane, AutoTokenizer.from_pretrained(demo_model))
+    try:
+        samples = agents.episodes([_task()], n=2, step=1, seed=0,
+                                  params=SamplingParams(temperature=1.0, max_new_tokens=12))
+        agents.score(samples, None, pass_threshold=1.0)  # type: ignore[arg-type]
+    finally:
+        agents.close()
+        plane.close()
+    for s in samples:  # the arithmetic model's attempt fails, reads the count, tries again
+        ep = s.meta["episode"]
+        assert ep["status"] == "ok" and ep["turns"] == 2, ep
+        assert ep["info"]["tests_total"] == 3 and ep["info"]["attempts"] == 2
+        assert s.reward == 0.0 and not s.correct
+        assert set(s.loss_mask) == {0, 1}  # the feedback's tokens are not trained on
