@@ -8,8 +8,8 @@ directories (``/usr`` and its links) and the interpreter's installation are moun
 plus a small tmpfs ``/tmp``; the code runs with ``python -I -S`` (the standard library only: no
 site-packages, no ``.pth`` start-up code, no ``exit()`` builtin: ``sys.exit``). Limits are set inside, after the namespaces exist (``prlimit``:
 RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC, RLIMIT_FSIZE); as root the code also drops to an
-unprivileged uid of its own (``setpriv``, one per concurrent slot, so the process limit is per
-run). A run past its wall-clock bound, or past its output cap, is killed whole (the bwrap
+unprivileged uid of its own (``setpriv``; drawn at random per run from a range no user has, so
+the process limit counts that run's processes only, across every process on the machine). A run past its wall-clock bound, or past its output cap, is killed whole (the bwrap
 process group; the PID namespace takes every descendant with it). The bound is the smaller of
 ``SandboxLimits.wall_s`` and what the caller's ``deadline`` leaves after ``reserve_s``: the
 caller (a reward, an environment step) always keeps time to answer.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import secrets
 import selectors
 import shutil
 import signal
@@ -41,7 +42,9 @@ __all__ = ["Ran", "Sandbox", "SandboxLimits", "SandboxUnavailable", "apply_memor
 
 _FIX = ("install bubblewrap: `make sandbox-deps` (as root it runs apt-get install -y bubblewrap), "
         "or your distribution's `bubblewrap` package")
-_UID_BASE = 2_000_000_000  # as root: slot i runs as uid/gid _UID_BASE + i (no such user)
+# As root each run's uid/gid is drawn from [_UID_BASE, _UID_BASE + _UID_SPAN): no such user. Two
+# of a thousand concurrent runs share one with odds ~2.5e-4, and then only share a process limit.
+_UID_BASE, _UID_SPAN = 2_000_000_000, 2_000_000_000
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 _MIN_RUN_S = 0.05  # a run is not started with less than this left before the caller's deadline
@@ -179,11 +182,11 @@ class Sandbox:
             args += ["--setenv", key, value]
         return [*args, "--"]
 
-    def _inner(self, limits: SandboxLimits, slot: int) -> list[str]:
-        """Inside the namespaces: drop to the slot's uid (as root), set the limits, exec."""
+    def _inner(self, limits: SandboxLimits) -> list[str]:
+        """Inside the namespaces: drop to a uid of the run's own (as root), set the limits."""
         drop = []
         if self._root:
-            uid = str(_UID_BASE + slot)
+            uid = str(_UID_BASE + secrets.randbelow(_UID_SPAN))
             drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                     "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
         cpu = int(limits.cpu_s)
@@ -199,7 +202,7 @@ class Sandbox:
         with _check_lock:
             if key not in _checked:
                 try:
-                    done = subprocess.run([*argv, *self._inner(self.limits, 0), self.python,
+                    done = subprocess.run([*argv, *self._inner(self.limits), self.python,
                                            "-I", "-S", "-c", "pass"], capture_output=True, timeout=60,
                                           env={"PATH": _ENV["PATH"]}, stdin=subprocess.DEVNULL)
                     _checked[key] = "" if done.returncode == 0 else (
@@ -245,16 +248,15 @@ class Sandbox:
                 return Ran(None, "", "no sandbox slot in time for the caller's deadline", "busy",
                            time.monotonic() - t0)
             try:
-                return self._run(code, limits, slot, cutoff, t0)
+                return self._run(code, limits, cutoff, t0)
             finally:
                 self._slots.put(slot)
         finally:
             with self._lock:
                 self._waiting -= 1
 
-    def _run(self, code: str, limits: SandboxLimits, slot: int, cutoff: float,
-             t0: float) -> Ran:
-        argv = [*self._bwrap_args(), *self._inner(limits, slot), self.python, "-I", "-S", "-"]
+    def _run(self, code: str, limits: SandboxLimits, cutoff: float, t0: float) -> Ran:
+        argv = [*self._bwrap_args(), *self._inner(limits), self.python, "-I", "-S", "-"]
         self.stats["runs"] += 1
         start = time.monotonic()
         end = min(start + limits.wall_s, cutoff)
