@@ -67,8 +67,8 @@ setup: $(CORE)
 
 setup-dev: $(DEV) sandbox-deps
 
-# The code sandbox (rl_core/sandbox.py: the `python` tool, `env: code`, the code rewards) runs
-# untrusted code in bubblewrap. Installed here when `bwrap` is missing and apt-get can run as
+# The code sandbox (rl_core/rewards/sandbox.py: the `python` tool, `env: code`, `code_tests`)
+# runs untrusted code in bubblewrap. Installed here when `bwrap` is missing and apt-get can run as
 # root (non-interactive, quiet, each apt call bounded); otherwise this says how. Never fails
 # the setup: without bwrap the sandbox refuses to start and names this fix (docs/agents.md).
 APT := DEBIAN_FRONTEND=noninteractive timeout 300 apt-get -qq -o Dpkg::Use-Pty=0
