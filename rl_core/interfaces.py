@@ -37,12 +37,15 @@ class RolloutPlane(Protocol):
     def generate(
         self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], *,
         partial: bool = False, images: Sequence[tuple[bytes, ...]] | None = None,
+        routing_keys: Sequence[str] | None = None,
     ) -> list[Sample]:
         """One sample per prompt, in order (a group is ``n`` copies of a prompt); ``images``:
         each prompt's images (encoded bytes; its image pads expanded), carried on its sample.
         ``partial``: a weight update may interrupt the call; an interrupted sample comes back
         aborted with its tokens so far, each sample tagged (``weight_version``) with the
-        version that produced its tokens (:mod:`rl_core.rollout.stream` continues it)."""
+        version that produced its tokens (:mod:`rl_core.rollout.stream` continues it).
+        ``routing_keys``: each prompt's session (an episode): prompts of one key go to one
+        engine, where the earlier turns' prefix is cached (session affinity)."""
 
     def paused(self) -> AbstractContextManager[list[Any]]:
         """Pause every engine, abort what is in flight and flush its cache; yield the

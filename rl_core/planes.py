@@ -162,6 +162,7 @@ def start_rollout(
                                device=(str(next(share.parameters()).device) if share is not None
                                        else resolve_device(r.device, "rollout.device")),
                                max_running_requests=r.max_running_requests,
+                               prefix_cache_tokens=r.prefix_cache_tokens,
                                trust_remote_code=cfg.model.trust_remote_code, share=share,
                                routed_experts=cfg.train.moe.routing_replay)
         plane.pause_mode = r.pause_mode
@@ -231,7 +232,7 @@ def rollout_engine_spec(cfg: ExperimentConfig, model_path: str | Path) -> Engine
     return EngineSpec("embedded", str(model_path), r.num_engines, threads=cfg.thread_budget()[0],
                       dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
                       max_running_requests=r.max_running_requests, env=cfg.cluster.env,
-                      device=device, gpus=gpus)
+                      device=device, gpus=gpus, prefix_cache_tokens=r.prefix_cache_tokens)
 
 
 def _gpu_count() -> int:
@@ -272,7 +273,8 @@ def start_engines(spec: EngineSpec, cfg: ExperimentConfig, log_dir: str | Path, 
         None if launcher else command, spec.num_engines, launcher=launcher, log_dir=log_dir,
         env=env, router=router, health_interval_s=r.health_interval_s,
         health_timeout_s=r.health_timeout_s, failure_threshold=r.health_failure_threshold,
-        startup_timeout_s=r.startup_timeout_s, client_kwargs=client_kwargs)
+        startup_timeout_s=r.startup_timeout_s, client_kwargs=client_kwargs,
+        router_policy=r.router_policy)
 
 
 def start_judge(cfg: ExperimentConfig, work_dir: str | Path,

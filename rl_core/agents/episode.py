@@ -161,7 +161,9 @@ class EpisodeRunner:
                                seed=sample_seed(seed, step, f"{rec.id}#{e.attempt}.{e.turns}", j)))
         t0 = time.monotonic()
         pictured = any(e.images for e in episodes)
-        outs = self.plane.generate(prompts, sps, **(
+        # Session affinity: every turn of an attempt to one engine (its prefix stays cached).
+        keys = [f"{step}:{e.key[1].id}:{e.key[2]}#{e.attempt}" for e in episodes]
+        outs = self.plane.generate(prompts, sps, routing_keys=keys, **(
             {"images": [tuple(e.images) for e in episodes]} if pictured else {}))
         seconds = time.monotonic() - t0
         for e, s in zip(episodes, outs, strict=True):
@@ -169,7 +171,10 @@ class EpisodeRunner:
             e.trace.append({"attempt": e.attempt, "role": "assistant", "text": s.text,
                             "tokens": len(s.completion_ids), "seconds": seconds,
                             "weight_version": s.weight_version,
-                            "finish_reason": s.finish_reason.get("type")})
+                            "finish_reason": s.finish_reason.get("type"),
+                            # which engine served the turn, and how much of it was cached
+                            "engine": s.meta.get("base_url"),
+                            "cached_tokens": int(s.meta.get("cached_tokens") or 0)})
             if len(e.ids) >= lim.max_tokens:
                 e.finish = "max_tokens"
 

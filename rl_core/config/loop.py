@@ -212,6 +212,12 @@ class RolloutConfig(Section):
         "on GPU i mod the count), else the CPU. On Ray an engine actor uses the GPU it is given "
         "(`cluster.gpus_per_engine`); `sglang` servers run on GPUs.")
     max_running_requests: int = Field(256, ge=1, description="Per engine (embedded, local).")
+    prefix_cache_tokens: int = Field(0, ge=0, description="The embedded/local engine's prefix "
+        "cache: finished requests' KV, up to this many tokens per engine, reused by prompts that "
+        "extend them (an agent's next turn); 0: off (SGLang keeps its own radix cache).")
+    router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random", "manual"] = (
+        Field("cache_aware", description="sglang-router's policy; `manual`: sticky by the "
+              "episode (session affinity, the routing-key header)."))
     request_batch_size: int = Field(
         16, ge=1, description="Samples per /generate request; 1 = one request per sample.")
     deterministic: bool | None = Field(

@@ -13,6 +13,7 @@ import torch
 
 from rl_core.engine import faults
 from rl_core.engine.lora import parse_adapter, read_adapter
+from rl_core.engine.requests import EngineRequestError
 from rl_core.models import read_weights
 from rl_core.weight_sync import process_group as pgroup
 from rl_core.weight_sync import shm
@@ -21,10 +22,6 @@ from rl_core.weight_sync.delta import apply_delta, is_delta
 __all__ = ["MEMORY_TAGS", "EngineControl", "EngineRequestError", "EngineStateError"]
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-
-
-class EngineRequestError(ValueError):
-    """A request or update the engine refuses; the HTTP server answers it with 400."""
 
 
 class EngineStateError(RuntimeError):

@@ -35,7 +35,13 @@ from rl_core.engine.control import (
 )
 from rl_core.engine.kv import make_kv_batch
 from rl_core.engine.lora import Adapters
-from rl_core.engine.requests import GenerateOutput, GenerateRequest, abort_reason, add_run
+from rl_core.engine.requests import (
+    GenerateOutput,
+    GenerateRequest,
+    abort_reason,
+    add_run,
+    check_request,
+)
 from rl_core.engine.routing import RoutingCapture
 from rl_core.engine.sampling import hit_stop, prompt_logprobs, sample_next
 from rl_core.engine.vision import RequestImages
@@ -72,6 +78,7 @@ class _Seq:
     recomputed: int = 0  # KV tokens recomputed after retractions
     spans: list[list[Any]] = field(default_factory=list)  # each token's weight version, run-length
     output_top: list[list[list[Any]]] = field(default_factory=list)  # top_logprobs_num > 0
+    cached: int = 0  # prompt tokens found in the prefix cache (SGLang's cached_tokens)
 
     def __post_init__(self, eos: frozenset[int]) -> None:
         p, self.rid = self.req.params, self.req.rid
@@ -97,7 +104,8 @@ class EmbeddedEngine(EngineControl):
                  num_threads: int | None = None, trust_remote_code: bool = False,
                  control_timeout_s: float = 60.0, weight_sync_timeout_s: float = 120.0,
                  on_step: Callable[[int], None] | None = None, kv_layout: str = "auto",
-                 model: torch.nn.Module | None = None, background: bool = True) -> None:
+                 model: torch.nn.Module | None = None, background: bool = True,
+                 prefix_cache_tokens: int = 0) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_path = self.tokenizer_path = str(model_path)
@@ -149,7 +157,7 @@ class EmbeddedEngine(EngineControl):
         self._admitting: list[_Seq] = []
         # The running batch's KV cache, row i = _running[i].
         self._kv = make_kv_batch(kv_layout, self.model, self.device, self.pad_token_id,
-                                 self.max_running_requests, self.model_path)
+                                 self.max_running_requests, self.model_path, prefix_cache_tokens)
         self.kv_layout = self._kv.layout
         self._pending: torch.Tensor | None = None  # (B,) sampled, not yet fed to the model
         self._paused = self._kv_released = self._stop = False
@@ -168,33 +176,7 @@ class EmbeddedEngine(EngineControl):
 
     def validate(self, req: GenerateRequest) -> None:
         """Raise :class:`EngineRequestError` (SGLang's messages) if ``req`` cannot run."""
-        ids, n_new = req.input_ids, req.params.max_new_tokens
-        if not ids:
-            raise EngineRequestError("input_ids cannot be empty.")
-        if bad := [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]:
-            raise EngineRequestError(f"The input_ids contain token id {bad[0]!r} outside the "
-                                     f"vocabulary [0, {self.vocab_size}).")
-        n_in, ctx = len(ids), self.context_length
-        if n_in >= ctx:
-            raise EngineRequestError(f"The input ({n_in} tokens) is longer than the model's "
-                                     f"context length ({ctx} tokens).")
-        if n_in + n_new > ctx:
-            raise EngineRequestError(
-                f"Requested token count exceeds the model's maximum context length of {ctx} "
-                f"tokens. You requested a total of {n_in + n_new} tokens: {n_in} tokens from the "
-                f"input messages and {n_new} tokens for the completion. Please reduce the number "
-                "of tokens in the input messages or the completion to fit within the limit.")
-        if n_in + n_new > self.max_total_tokens:
-            raise EngineRequestError(
-                f"The request needs {n_in + n_new} KV tokens ({n_in} input + {n_new} new) but "
-                f"the engine's KV budget is max_total_tokens={self.max_total_tokens}.")
-        start = req.logprob_start_len
-        if start < -1:
-            raise EngineRequestError(f"logprob_start_len must be -1 or >= 0, got {start}.")
-        if start > n_in:
-            raise EngineRequestError(
-                f"logprob_start_len={start} is higher than the number of input tokens {n_in}. "
-                "Please use a smaller logprob_start_len.")
+        check_request(req, self.vocab_size, self.context_length, self.max_total_tokens)
         if req.params.stop and self.tokenizer is None:
             raise EngineRequestError("stop strings need a tokenizer; this model has none.")
         if req.lora is not None:
@@ -202,6 +184,13 @@ class EmbeddedEngine(EngineControl):
         if req.return_routed_experts and not self._routing.enabled:
             raise EngineRequestError("return_routed_experts needs a mixture-of-experts model; "
                                      f"{self.model_path} has no expert routers")
+
+    @property
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """The prefix cache's counters (queried and hit prompt tokens, entries) and size."""
+        cache = self._kv.prefix
+        return {**cache.stats, "prefix_cache_tokens": cache.tokens,
+                "prefix_cache_entries": len(cache), "prefix_cache_max_tokens": cache.max_tokens}
 
     @property
     def lora_names(self) -> list[str]:
@@ -454,8 +443,14 @@ class EmbeddedEngine(EngineControl):
         keep_logits = 0
         if new[0].needs_input_logprobs:
             keep_logits = max(1, len(seqs[0]) - new[0].req.logprob_start_len)
+        hits = None  # cached prefixes; never for a request scoring its prompt or its routing
+        if self._kv.prefix.enabled and not keep_logits and not any(
+                s.req.return_routed_experts for s in new):
+            hits = [self._kv.prefix.lookup(q) for q in seqs]
+            for s, hit in zip(new, hits, strict=True):
+                s.cached = hit.length if hit is not None else 0
         last, prompt_logits = self._kv.prefill(seqs, [s.reserve for s in new], keep_logits,
-                                               [s.req.images for s in new])
+                                               [s.req.images for s in new], hits)
         last, prompt_logits = self._masked(last), self._masked(prompt_logits)
         self._routing.prefill(new, self._kv.token_rows([len(q) for q in seqs]))
         self.stats["prefill_batches"] += 1
@@ -533,6 +528,10 @@ class EmbeddedEngine(EngineControl):
         steps = zip(self._running, tokens.tolist(), logps.tolist(), strict=True)
         keep = [j for j, (s, token, logp) in enumerate(steps) if not self._accept(s, token, logp)]
         if len(keep) < len(self._running):
+            if self._kv.prefix.enabled:  # finished rows' KV, for prompts that extend them
+                done = set(range(len(self._running))) - set(keep)
+                self._kv.remember([(j, self._running[j].req.input_ids
+                                    + self._running[j].output_ids[:-1]) for j in sorted(done)])
             self._select(keep)
 
     def _select(self, keep: list[int]) -> None:
@@ -590,7 +589,7 @@ class EmbeddedEngine(EngineControl):
         out = GenerateOutput(
             rid=s.rid, output_ids=list(s.output_ids), output_logprobs=list(s.output_logprobs),
             input_logprobs=s.input_logprobs if s.req.logprob_start_len >= 0 else None,
-            finish_reason=reason, prompt_tokens=len(s.req.input_ids), cached_tokens=0,
+            finish_reason=reason, prompt_tokens=len(s.req.input_ids), cached_tokens=s.cached,
             completion_tokens=len(s.output_ids), weight_version=self.weight_version,
             e2e_latency=time.perf_counter() - s.submitted, num_retractions=s.retractions,
             weight_version_spans=[list(r) for r in s.spans], recomputed_tokens=s.recomputed,

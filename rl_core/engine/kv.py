@@ -4,7 +4,9 @@
 ``step`` decodes one token per row, ``select`` keeps some rows (returns their new order),
 ``clear``/``free`` empty it (``free`` drops the buffers), ``weights_changed`` drops anything
 derived from the weights, ``token_rows`` locates each prefilled sequence's tokens (for MoE
-routing capture). :class:`SlotBatch` (Llama/Qwen families) copies nothing per step;
+routing capture). :class:`SlotBatch` (Llama/Qwen families) copies nothing per step, and keeps
+finished rows' KV in its :class:`~rl_core.engine.prefix_cache.PrefixCache` for later prompts
+that start with them (``remember``; ``prefill`` computes only what follows a hit);
 :class:`PaddedBatch` runs any full-attention model (docs/rollout.md, "KV cache layouts").
 Both compute identical prompts of one prefill (a GRPO group's samples: the same ids and
 pictures) once and give each of them its own copy of the result (:func:`shared_rows`).
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from rl_core.engine.prefix_cache import PrefixCache, PrefixHit
 from rl_core.models.vlm import ImageInputs, concat_images, is_vision_model, mrope_positions
 
 __all__ = ["KV_LAYOUTS", "PaddedBatch", "SlotBatch", "make_kv_batch"]
@@ -32,9 +35,11 @@ _SLOT_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_mo
 
 
 def make_kv_batch(layout: str, model: torch.nn.Module, device: torch.device, pad_token_id: int,
-                  max_rows: int, model_path: str) -> SlotBatch | PaddedBatch:
+                  max_rows: int, model_path: str, prefix_cache_tokens: int = 0,
+                  ) -> SlotBatch | PaddedBatch:
     """The KV cache for ``layout``: "slots" (fast, Llama-family models), "padded" (any
-    full-attention model, through its own forward) or "auto" (slots when supported)."""
+    full-attention model, through its own forward) or "auto" (slots when supported).
+    ``prefix_cache_tokens`` > 0: a prefix cache of that many tokens (slots only)."""
     if not all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers):
         raise ValueError(f"{model_path}: sliding-window or hybrid KV caches are not supported by "
                          "the embedded engine (it pads and merges full-attention caches only)")
@@ -46,8 +51,11 @@ def make_kv_batch(layout: str, model: torch.nn.Module, device: torch.device, pad
     if layout == "padded" or why_not:
         if layout == "auto":
             log.info("%s: padded KV cache (%s)", model_path, why_not)
+        if prefix_cache_tokens:
+            log.warning("%s: the prefix cache needs the slots KV layout (%s); it is off",
+                        model_path, why_not or "kv_layout='padded'")
         return PaddedBatch(model, device, pad_token_id)
-    return SlotBatch(model, device, pad_token_id, max_rows)
+    return SlotBatch(model, device, pad_token_id, max_rows, prefix_cache_tokens)
 
 
 def shared_rows(seqs: list[list[int]], images: list[ImageInputs | None] | None
@@ -93,8 +101,9 @@ class SlotBatch:
     layout = "slots"
 
     def __init__(self, model: torch.nn.Module, device: torch.device, pad_token_id: int,
-                 max_rows: int) -> None:
+                 max_rows: int, prefix_cache_tokens: int = 0) -> None:
         self.model, self.inner = model, model.model
+        self.prefix = PrefixCache(prefix_cache_tokens)
         attn = self.inner.layers[0].self_attn
         self.head_dim, self.scaling = int(attn.head_dim), float(attn.scaling)
         self.q_size, self.kv_size = int(attn.q_proj.out_features), int(attn.k_proj.out_features)
@@ -135,28 +144,43 @@ class SlotBatch:
 
     def prefill(self, seqs: list[list[int]], reserves: list[int], keep_logits: int,
                 images: list[ImageInputs | None] | None = None,
+                prefixes: list[PrefixHit | None] | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Compute ``seqs`` into the slots after the batch; (last logits, prompt logits):
-        ``keep_logits`` > 0 (one sequence only) also returns its last positions' logits.
-        Text only: ``images`` must be None or all None (vision models run padded)."""
+        ``keep_logits`` > 0 (one sequence only, no prefix) also returns its last positions'
+        logits. ``prefixes``: each sequence's cached prefix (its K/V copied into the slot; only
+        the tokens after it are computed). Text only: ``images`` must be None or all None
+        (vision models run padded)."""
         assert not any(images or []), "SlotBatch runs text models only"
         firsts, where = shared_rows(seqs, None)  # identical prompts computed once
         self.shared = len(seqs) - len(firsts)
+        hits = [prefixes[u] if prefixes else None for u in firsts]
+        starts = [h.length if h is not None else 0 for h in hits]
+        assert not (keep_logits and any(starts)), "prompt logits need the whole prompt"
         lengths = [len(seqs[u]) for u in firsts]
         n, b, width = len(firsts), self.rows, max(lengths)
         self._reserve(b + len(seqs), width, max([*self.limits, *reserves]))
-        # Packed: the rows' tokens back to back, no padding, through every matrix product;
-        # ``index`` places each token in the right-padded (n, width) layout attention uses.
-        ids = torch.tensor([t for u in firsts for t in seqs[u]], dtype=torch.long)
-        positions = torch.cat([torch.arange(k) for k in lengths])
-        index = torch.cat([torch.arange(k) + i * width for i, k in enumerate(lengths)])
+        for i, hit in enumerate(hits):  # the cached prefix's K/V into the row's slot
+            if hit is not None:
+                for layer in range(len(self.k)):
+                    self.k[layer][b + i, :, : hit.length] = hit.keys[layer]
+                    self.v[layer][b + i, :, : hit.length] = hit.values[layer]
+        # Packed: the rows' tokens (after any prefix) back to back, no padding, through every
+        # matrix product; ``index`` places each in the right-padded (n, width) layout.
+        ids = torch.tensor([t for u, p in zip(firsts, starts, strict=True) for t in seqs[u][p:]],
+                           dtype=torch.long)
+        positions = torch.cat([torch.arange(p, k) for p, k in zip(starts, lengths, strict=True)])
+        index = torch.cat([torch.arange(p, k) + i * width
+                           for i, (p, k) in enumerate(zip(starts, lengths, strict=True))])
         h = self._forward(ids[None].to(self.device), positions[None].to(self.device),
-                          prefill_at=b, packing=(index.to(self.device), n, width))
+                          prefill_at=b, packing=(index.to(self.device), n, width),
+                          prefixed=any(starts))
         if keep_logits:  # one sequence: the packed row is the sequence
             prompt_logits = self.logits(h[0, width - keep_logits :])
             last = prompt_logits[-1:]
         else:
-            ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
+            computed = [k - p for p, k in zip(starts, lengths, strict=True)]
+            ends = torch.tensor(computed, device=self.device).cumsum(0) - 1
             prompt_logits, last = None, self.logits(h[0, ends])[where]
         self._staged = ([len(q) for q in seqs], list(reserves), where)
         return last, prompt_logits
@@ -200,6 +224,16 @@ class SlotBatch:
         self.pos, self.max_len = self.pos + 1, self.max_len + 1
         return self.logits(h[:, 0])
 
+    def remember(self, rows: list[tuple[int, list[int]]]) -> None:
+        """Keep each finished row's K/V in the prefix cache: ``(row, ids)``, ``ids`` the row's
+        computed tokens (its prompt and every output token but the pending one)."""
+        for r, ids in rows:
+            n = len(ids)
+            if n != int(self.pos[r]):  # not what the slot holds: never cache a guess
+                continue
+            self.prefix.insert(ids, [k[r, :, :n].clone() for k in self.k],
+                               [v[r, :, :n].clone() for v in self.v])
+
     def select(self, keep: list[int]) -> list[int]:
         """Keep rows ``keep``; rows past the new end fill the freed slots. The new order."""
         if not keep:
@@ -233,13 +267,16 @@ class SlotBatch:
         self.shared = 0  # rows of the last prefill that were another row's copy
 
     def free(self) -> None:
-        """Empty the batch and drop the KV buffers."""
+        """Empty the batch and drop the KV buffers and the prefix cache."""
         self.clear()
         self.k, self.v = [], []
+        self.prefix.clear()
 
     def weights_changed(self) -> None:
-        """Drop the packed weights (rebuilt from the model at the next forward)."""
+        """Drop the packed weights (rebuilt from the model at the next forward) and the
+        prefix cache (its K/V came from the old weights)."""
         self._packed = None
+        self.prefix.clear()
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head on final hidden states (..., hidden)."""
@@ -267,10 +304,11 @@ class SlotBatch:
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, *, prefill_at: int | None = None,
                  packing: tuple[torch.Tensor, int, int] | None = None,
-                 decode_mask: torch.Tensor | None = None) -> torch.Tensor:
+                 decode_mask: torch.Tensor | None = None, prefixed: bool = False) -> torch.Tensor:
         """Final hidden states for ``ids`` (n, T). Prefill (``prefill_at=b``, ``packing=(index,
         rows, width)``): ``ids`` (1, T) packed, attention on the right-padded (rows, width) layout
-        (token ``j`` at ``index[j]``), keys to slots ``b..``. Decode (``decode_mask`` (B, width),
+        (token ``j`` at ``index[j]``), keys to slots ``b..`` (``prefixed``: the slots already
+        hold cached prefixes, attended to as they are). Decode (``decode_mask`` (B, width),
         T = 1): keys to column ``pos`` of each slot, attention over ``[0, width)``."""
         (n, t), hd, packed = ids.shape, self.head_dim, self._weights()
         h = self.inner.embed_tokens(ids)
@@ -299,7 +337,10 @@ class SlotBatch:
             if decode_mask is None:
                 assert prefill_at is not None and packing is not None
                 index, rows_n, width = packing
-                q, k, v = (_unpack(x, index, rows_n, width) for x in (q, k, v))
+                at = slice(prefill_at, prefill_at + rows_n)
+                q = _unpack(q, index, rows_n, width)
+                k = _unpack(k, index, rows_n, width, self.k[i][at, :, :width] if prefixed else None)
+                v = _unpack(v, index, rows_n, width, self.v[i][at, :, :width] if prefixed else None)
                 self.k[i][prefill_at : prefill_at + rows_n, :, :width] = k
                 self.v[i][prefill_at : prefill_at + rows_n, :, :width] = v
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
@@ -341,10 +382,13 @@ class SlotBatch:
         return self._packed
 
 
-def _unpack(x: torch.Tensor, index: torch.Tensor, rows: int, width: int) -> torch.Tensor:
-    """Packed (1, heads, T, hd) to right-padded (rows, heads, width, hd); padding is zeros."""
+def _unpack(x: torch.Tensor, index: torch.Tensor, rows: int, width: int,
+            base: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed (1, heads, T, hd) to right-padded (rows, heads, width, hd); padding is zeros, or
+    ``base``'s (rows, heads, width, hd) values (cached prefixes) where no token goes."""
     heads, hd = x.shape[1], x.shape[3]
-    out = x.new_zeros(rows * width, heads, hd)
+    out = (x.new_zeros(rows * width, heads, hd) if base is None
+           else base.transpose(1, 2).reshape(rows * width, heads, hd).clone())
     out[index] = x[0].transpose(0, 1)
     return out.view(rows, width, heads, hd).transpose(1, 2)
 
@@ -384,11 +428,14 @@ class PaddedBatch:
     def __init__(self, model: torch.nn.Module, device: torch.device, pad_token_id: int) -> None:
         self.model, self.device, self.pad = model, device, pad_token_id
         self.vision = is_vision_model(model)  # M-RoPE: 3-row positions, images in prefill
+        self.prefix = PrefixCache(0)  # no prefix cache in this layout (make_kv_batch says so)
         self.clear()
 
     def prefill(self, seqs: list[list[int]], reserves: list[int], keep_logits: int,
                 images: list[ImageInputs | None] | None = None,
+                prefixes: list[PrefixHit | None] | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert not any(prefixes or []), "the padded layout has no prefix cache"
         firsts, where = shared_rows(seqs, images)  # identical prompts and pictures: once
         self._where, self.shared = where, len(seqs) - len(firsts)
         images = [images[u] for u in firsts] if images else None
@@ -490,6 +537,9 @@ class PaddedBatch:
         self.shared = 0  # rows of the last prefill that were another row's copy
 
     free = clear  # nothing is kept between batches
+
+    def remember(self, rows: list[tuple[int, list[int]]]) -> None:  # no prefix cache here
+        pass
 
     def weights_changed(self) -> None:  # the model's forward reads its weights directly
         pass

@@ -392,7 +392,7 @@ def server_info(eng: EmbeddedEngine) -> dict[str, Any]:
     state = {"max_total_num_tokens": eng.max_total_tokens, "memory_released": eng.memory_released,
              "num_running_reqs": load["num_running_reqs"],
              "num_waiting_reqs": load["num_waiting_reqs"],
-             "decode_steps": eng.stats["decode_steps"]}
+             "decode_steps": eng.stats["decode_steps"], **eng.prefix_cache_stats}
     return {"engine": "grpoflow-embedded", "model_path": eng.model_path,
             "tokenizer_path": eng.tokenizer_path if eng.tokenizer is not None else None,
             "skip_tokenizer_init": eng.tokenizer is None, "dtype": eng.dtype,
@@ -400,6 +400,7 @@ def server_info(eng: EmbeddedEngine) -> dict[str, Any]:
             "max_running_requests": eng.max_running_requests,
             "max_total_tokens": eng.max_total_tokens, "max_total_num_tokens": eng.max_total_tokens,
             "max_req_input_len": eng.context_length - 1, "tp_size": 1, "pp_size": 1, "dp_size": 1,
+            "disable_radix_cache": not eng.prefix_cache_stats["prefix_cache_max_tokens"],
             "ep_size": 1, "disaggregation_mode": "null", "enable_memory_saver": True,
             "weight_version": eng.weight_version, "eos_token_ids": eng.eos_token_ids,
             "internal_states": [state], "version": package_version()}

@@ -14,7 +14,8 @@ from typing import Any
 from rl_core.engine.sampling import SamplingParams
 from rl_core.models.vlm import ImageInputs
 
-__all__ = ["GenerateOutput", "GenerateRequest", "abort_reason", "add_run"]
+__all__ = ["EngineRequestError", "GenerateOutput", "GenerateRequest", "abort_reason", "add_run",
+           "check_request"]
 
 
 @dataclass
@@ -69,3 +70,40 @@ def abort_reason(message: str, status_code: int | None = None,
                  err_type: str | None = None) -> dict[str, Any]:
     """SGLang's ``finish_reason`` of an aborted request."""
     return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
+
+
+class EngineRequestError(ValueError):
+    """A request or update the engine refuses; the HTTP server answers it with 400."""
+
+
+def check_request(req: GenerateRequest, vocab_size: int, context_length: int,
+                  max_total_tokens: int) -> None:
+    """Raise :class:`EngineRequestError` (SGLang's messages) if ``req``'s ids, lengths or
+    ``logprob_start_len`` do not fit the engine."""
+    ids, n_new = req.input_ids, req.params.max_new_tokens
+    if not ids:
+        raise EngineRequestError("input_ids cannot be empty.")
+    if bad := [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]:
+        raise EngineRequestError(f"The input_ids contain token id {bad[0]!r} outside the "
+                                 f"vocabulary [0, {vocab_size}).")
+    n_in, ctx = len(ids), context_length
+    if n_in >= ctx:
+        raise EngineRequestError(f"The input ({n_in} tokens) is longer than the model's "
+                                 f"context length ({ctx} tokens).")
+    if n_in + n_new > ctx:
+        raise EngineRequestError(
+            f"Requested token count exceeds the model's maximum context length of {ctx} "
+            f"tokens. You requested a total of {n_in + n_new} tokens: {n_in} tokens from the "
+            f"input messages and {n_new} tokens for the completion. Please reduce the number "
+            "of tokens in the input messages or the completion to fit within the limit.")
+    if n_in + n_new > max_total_tokens:
+        raise EngineRequestError(
+            f"The request needs {n_in + n_new} KV tokens ({n_in} input + {n_new} new) but "
+            f"the engine's KV budget is max_total_tokens={max_total_tokens}.")
+    start = req.logprob_start_len
+    if start < -1:
+        raise EngineRequestError(f"logprob_start_len must be -1 or >= 0, got {start}.")
+    if start > n_in:
+        raise EngineRequestError(
+            f"logprob_start_len={start} is higher than the number of input tokens {n_in}. "
+            "Please use a smaller logprob_start_len.")

@@ -172,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--num-threads", type=int, default=None, help="torch intra-op threads")
     add("--kv-layout", default="auto", choices=["auto", "slots", "padded"],
         help="KV cache layout (auto: slots for Llama-family models, padded otherwise)")
+    add("--prefix-cache-tokens", type=int, default=0, help="keep finished requests' KV, up to "
+        "this many tokens, for later prompts that start with them (slots layout; 0: off)")
     add("--log-level", default="info")
     add("--control-timeout-s", type=float, default=60.0,
         help="bound on a control call's wait for the scheduler's next safe point")

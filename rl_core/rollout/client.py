@@ -27,6 +27,9 @@ from urllib.parse import quote
 import httpx
 
 from rl_core.errors import RolloutError, RolloutRequestError
+from rl_core.rollout.affinity import ROUTING_KEY_HEADER, affinity_order
+from rl_core.rollout.wire import error_message as _error_message
+from rl_core.rollout.wire import retry_rids as _retry_rids
 from rl_core.types import Sample
 
 __all__ = ["RolloutError", "RolloutRequestError", "RolloutUnavailableError", "SGLangClient",
@@ -67,31 +70,6 @@ def _images_payload(images: Sequence[Sequence[bytes]], *, single: bool) -> dict[
         return {}
     encoded = [[base64.b64encode(x).decode("ascii") for x in per] for per in images]
     return {"image_data": encoded[0] if single else encoded}
-
-
-def _error_message(resp: httpx.Response) -> str:
-    """The server's own words: SGLang sends ``message`` or ``error.message`` or plain text."""
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text.strip()[:500] or resp.reason_phrase
-    if isinstance(body, dict):
-        if isinstance(err := body.get("error"), dict) and err.get("message"):
-            return str(err["message"])
-        if key := next((k for k in ("message", "detail", "error") if body.get(k)), None):
-            return str(body[key])
-    return str(body)[:500]
-
-
-def _retry_rids(body: Any, attempt: int) -> Any:
-    """Fresh ids for a retry, with the original as prefix: the engine that timed out may
-    still hold the old one, and ``/abort_request`` matches by prefix."""
-    rid = body.get("rid") if isinstance(body, dict) else None
-    if isinstance(rid, str):
-        return {**body, "rid": f"{rid}-retry{attempt}"}
-    if isinstance(rid, list):
-        return {**body, "rid": [f"{r}-retry{attempt}" for r in rid]}
-    return body
 
 
 def _tags(tags: Sequence[str] | None) -> dict[str, Any]:
@@ -142,8 +120,14 @@ class SGLangClient:
             raise ValueError("SGLangClient needs at least one base URL")
         self._urls = urls
 
-    def _pick(self, avoid: set[str]) -> str:
+    def _pick(self, avoid: set[str], key: str | None = None) -> str:
+        """The next engine round-robin, or ``key``'s first live one (``affinity_order``)."""
         urls, now = self._urls, time.monotonic()
+        if key is not None:
+            order = affinity_order(key, urls)
+            live = [u for u in order if u not in avoid]
+            return next((u for u in live if self._down_until.get(u, 0.0) <= now),
+                        live[0] if live else order[0])
         for _ in range(len(urls)):
             url = urls[self._rr % len(urls)]
             self._rr += 1
@@ -162,10 +146,16 @@ class SGLangClient:
                              "which server the control call is for")
         return self._urls[0]
 
+    def route(self, key: str) -> str:
+        """The engine a request keyed ``key`` goes to now (session affinity)."""
+        return self._pick(set(), key)
+
     async def _request(self, method: str, path: str, *, json: Any = None, url: str | None = None,
                        retries: int | None = None, total_timeout_s: float | None = None,
-                       rid: str | None = None, limited: bool = False) -> tuple[httpx.Response, str]:
-        """One logical request: bounded attempts, failover when ``url`` is not pinned.
+                       rid: str | None = None, limited: bool = False,
+                       key: str | None = None) -> tuple[httpx.Response, str]:
+        """One logical request: bounded attempts, failover when ``url`` is not pinned (a
+        ``key``: to its engines in affinity order; sent as the router's routing key).
         Returns the response (status < 400) and the base URL that answered."""
         attempts = 1 + (self.max_retries if retries is None else retries)
         total = self.total_timeout_s if total_timeout_s is None else total_timeout_s
@@ -173,15 +163,16 @@ class SGLangClient:
         for attempt in range(attempts):
             if url is None and len(failed) >= len(self._urls):
                 failed.clear()  # every engine failed once: start another round
-            base = url if url is not None else self._pick(failed)
+            base = url if url is not None else self._pick(failed, key)
             t0 = time.monotonic()
             if rid is not None:
                 self._inflight[rid] = base
             body = json if attempt == 0 else _retry_rids(json, attempt)
             try:
                 async with self._sem if limited else contextlib.nullcontext():
-                    resp = await asyncio.wait_for(
-                        self._http.request(method, base + path, json=body), total)
+                    resp = await asyncio.wait_for(self._http.request(
+                        method, base + path, json=body,
+                        headers={ROUTING_KEY_HEADER: key} if key else None), total)
             except (httpx.TransportError, TimeoutError) as e:
                 what = "no answer within the total bound" if isinstance(e, TimeoutError) else e
                 reason = f"{type(e).__name__}: {what}" if str(what) else type(e).__name__
@@ -247,7 +238,7 @@ class SGLangClient:
     async def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
                        return_logprob: bool = True, rid: str | None = None,
                        lora_path: str | None = None, return_routed_experts: bool = False,
-                       image_data: Sequence[bytes] = ()) -> Sample:
+                       image_data: Sequence[bytes] = (), routing_key: str | None = None) -> Sample:
         """One sample for one prompt (one HTTP request, as slime sends them); ``lora_path``:
         the name of a loaded LoRA adapter to sample with (SGLang's field);
         ``return_routed_experts``: the sample carries its MoE routing (``routed_experts``);
@@ -261,7 +252,8 @@ class SGLangClient:
                    **({"lora_path": lora_path} if lora_path else {}),
                    **({"return_routed_experts": True} if return_routed_experts else {}),
                    **_images_payload([image_data], single=True)}
-        resp, base = await self._request("POST", "/generate", json=payload, rid=rid, limited=True)
+        resp, base = await self._request("POST", "/generate", json=payload, rid=rid, limited=True,
+                                         key=routing_key)
         body = resp.json()  # a list from a server that answers n>1 style even for one sample
         return _sample(input_ids, body[0] if isinstance(body, list) else body, base, rid,
                        image_data)
@@ -271,9 +263,11 @@ class SGLangClient:
                              return_logprob: bool = True, rid: Sequence[str] | None = None,
                              lora_path: str | None = None,
                              return_routed_experts: bool = False,
-                             image_data: Sequence[Sequence[bytes]] | None = None) -> list[Sample]:
+                             image_data: Sequence[Sequence[bytes]] | None = None,
+                             routing_key: str | None = None) -> list[Sample]:
         """One batched request: one sample per prompt, in order (retried as a whole);
-        ``image_data``: each prompt's images (as :meth:`generate`'s)."""
+        ``image_data``: each prompt's images (as :meth:`generate`'s); ``routing_key``: to that
+        key's engine (session affinity)."""
         if not (n := len(input_ids)) or any(len(p) == 0 for p in input_ids):
             raise ValueError("generate_batch: empty batch or empty prompt")
         rids = list(rid) if rid is not None else [uuid.uuid4().hex for _ in input_ids]
@@ -289,7 +283,8 @@ class SGLangClient:
                    **({"lora_path": [lora_path] * n} if lora_path else {}),
                    **({"return_routed_experts": True} if return_routed_experts else {}),
                    **_images_payload(image_data or [()] * n, single=False)}
-        resp, base = await self._request("POST", "/generate", json=payload, limited=True)
+        resp, base = await self._request("POST", "/generate", json=payload, limited=True,
+                                         key=routing_key)
         if not isinstance(body := resp.json(), list) or len(body) != n:
             raise RolloutError(
                 f"{base}/generate: expected a list of {n} results, got "

@@ -170,11 +170,14 @@ class HttpPlane:
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
         *, partial: bool = False, images: Sequence[tuple[bytes, ...]] | None = None,
+        routing_keys: Sequence[str] | None = None,
     ) -> list[Sample]:
         """One sample per prompt, in order, in concurrent requests of ``request_batch_size``
         (one sample each through the router: sglang-router 0.3 refuses per-sample parameters).
         ``partial``: a stream segment; an update may abort it (tokens kept), and each sample
-        is tagged with the version the engine served it with."""
+        is tagged with the version the engine served it with. ``routing_keys`` (session
+        affinity): each prompt goes to its key's engine (``rl_core.rollout.affinity``; through
+        the router, as its routing-key header), one request per engine's share."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -202,21 +205,34 @@ class HttpPlane:
             # batches, and so the last bits, stay those of the run without the restart)
             size = -(-len(prompts) // len(self.pool.engines))
         pics = list(images) if images is not None else [()] * len(prompts)
-        chunks = [(prompts[i : i + size], [sampling_payload(p) for p in params[i : i + size]],
-                   pics[i : i + size]) for i in range(0, len(prompts), size)]
-
+        keys = list(routing_keys) if routing_keys is not None else [None] * len(prompts)
+        if len(keys) != len(prompts):
+            raise ValueError(f"{len(keys)} routing keys for {len(prompts)} prompts")
+        groups = [list(range(len(prompts)))]
+        if routing_keys is not None and not self.pool.url:  # each engine's share together
+            by_engine: dict[str, list[int]] = {}
+            for i, key in enumerate(keys):
+                by_engine.setdefault(client.route(key), []).append(i)
+            groups = list(by_engine.values())
+            size = len(prompts) if self.deterministic else size
+        chunks = [g[i : i + size] for g in groups for i in range(0, len(g), size)]
         kw = {"lora_path": self.lora_name, "return_routed_experts": self.routed_experts}
 
-        async def one(p: Sequence[Sequence[int]], sp: list[dict[str, Any]],
-                      im: list[tuple[bytes, ...]]) -> list[Sample]:
+        async def one(idx: list[int]) -> list[Sample]:
+            p, im, key = [prompts[i] for i in idx], [pics[i] for i in idx], keys[idx[0]]
+            sp = [sampling_payload(params[i]) for i in idx]
             if len(p) == 1:
-                return [await client.aio.generate(p[0], sp[0], **kw, image_data=im[0])]
-            return await client.aio.generate_batch(p, sp, **kw, image_data=im)
+                return [await client.aio.generate(p[0], sp[0], **kw, image_data=im[0],
+                                                  routing_key=key)]
+            return await client.aio.generate_batch(p, sp, **kw, image_data=im, routing_key=key)
 
         async def run_all() -> list[list[Sample]]:
-            return list(await asyncio.gather(*(one(*chunk) for chunk in chunks)))
+            return list(await asyncio.gather(*(one(chunk) for chunk in chunks)))
 
-        samples = [s for chunk in client.run(run_all(), timeout_s=self.timeout_s) for s in chunk]
+        placed: dict[int, Sample] = {}
+        for idx, out in zip(chunks, client.run(run_all(), timeout_s=self.timeout_s), strict=True):
+            placed.update(zip(idx, out, strict=True))
+        samples = [placed[i] for i in range(len(prompts))]
         for s in samples:
             self._check(s, partial)
         return samples

@@ -59,11 +59,12 @@ class InProcessPlane:
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
         *, partial: bool = False, images: Sequence[tuple[bytes, ...]] | None = None,
+        routing_keys: Sequence[str] | None = None,
     ) -> list[Sample]:
         """One sample per prompt, in order, scheduled together by the engine (``partial``:
         a partial rollout's segment; an update's pause may abort it, and each sample is
         tagged with the version the engine served it with; ``images``: each prompt's, its
-        image pads already expanded)."""
+        image pads already expanded; ``routing_keys``: one engine, every key's)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -85,7 +86,8 @@ class InProcessPlane:
 
         return [Sample(list(p), o.output_ids, o.output_logprobs, o.finish_reason, version(o),
                        tok.decode(o.output_ids, skip_special_tokens=True)
-                       if tok is not None else "", meta={"id": o.rid, **_spans(o)},
+                       if tok is not None else "",
+                       meta={"id": o.rid, "cached_tokens": o.cached_tokens, **_spans(o)},
                        routed_experts=o.routed_experts, images=tuple(im))
                 for p, o, im in zip(prompts, outs, pics, strict=True)]
 

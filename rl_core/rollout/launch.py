@@ -152,6 +152,7 @@ class EngineSpec:
     env: Mapping[str, str | None] | None = None  # cluster.env (None removes a variable)
     device: str = "cpu"  # the embedded engine's: cpu, or cuda (engine i on GPU i mod count)
     gpus: int = 0  # GPUs this process sees, for cuda (0: each engine takes its device 0)
+    prefix_cache_tokens: int = 0  # the embedded engine's prefix cache (0: off)
 
     def command(self) -> tuple[EngineCommand, dict[str, str]]:
         """``(command(index, port), environment)`` of this spec's engines."""
@@ -162,7 +163,8 @@ class EngineSpec:
         command = embedded_engine_command(
             self.model_path, dtype=self.dtype, num_threads=self.threads,
             max_running_requests=self.max_running_requests,
-            trust_remote_code=self.trust_remote_code, device=self.device, gpus=self.gpus)
+            trust_remote_code=self.trust_remote_code, device=self.device, gpus=self.gpus,
+            prefix_cache_tokens=self.prefix_cache_tokens)
         return command, {"OMP_NUM_THREADS": str(self.threads), **platform_env("cpu", self.env)}
 
 
@@ -170,7 +172,7 @@ def embedded_engine_command(
     model_path: str | Path, *, dtype: str = "float32", num_threads: int | None = None,
     max_running_requests: int = 256, max_total_tokens: int | None = None,
     trust_remote_code: bool = False, weight_sync_timeout_s: float | None = None,
-    device: str = "cpu", gpus: int = 0,
+    device: str = "cpu", gpus: int = 0, prefix_cache_tokens: int = 0,
 ) -> EngineCommand:
     """``command(index, port)`` for the embedded engine, tied to this process's life
     (``--parent-pid``); ``weight_sync_timeout_s``: its bound on each weight-update collective;
@@ -188,7 +190,8 @@ def embedded_engine_command(
             cmd += ["--device", f"{device}:{index % gpus}" if device == "cuda" and gpus else device]
         for flag, value in (("--num-threads", num_threads),
                             ("--max-total-tokens", max_total_tokens),
-                            ("--weight-sync-timeout-s", weight_sync_timeout_s)):
+                            ("--weight-sync-timeout-s", weight_sync_timeout_s),
+                            ("--prefix-cache-tokens", prefix_cache_tokens)):
             if value:
                 cmd += [flag, str(value)]
         return cmd

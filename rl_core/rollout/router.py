@@ -27,8 +27,9 @@ __all__ = ["RouterError", "RouterProcess", "RouterPolicy"]
 
 log = logging.getLogger(__name__)
 
-RouterPolicy = Literal["round_robin", "cache_aware", "power_of_two", "random"]
-_POLICIES = ("round_robin", "cache_aware", "power_of_two", "random")
+# ``manual``: sticky by the request's routing-key header (rl_core.rollout.affinity).
+RouterPolicy = Literal["round_robin", "cache_aware", "power_of_two", "random", "manual"]
+_POLICIES = ("round_robin", "cache_aware", "power_of_two", "random", "manual")
 
 
 class RouterError(RuntimeError):
