@@ -4,7 +4,14 @@
 
 ``registry=True`` (the scheduled evaluation, docs/deployments.md): resolve candidate and
 champion -> evaluate each not yet evaluated on this set -> record -> decide -> promote.
+``registered_like="tinker-%"`` (the scheduled evaluation of Tinker tenants' sampler weights,
+docs/tinker.md): the newest version of each registered model so named -> evaluate each not
+yet evaluated on this set -> record (no aliases, no promotion).
 ``model`` may also be a registry URI, ``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``.
+
+A registered version is a logged Hugging Face model (a training run's) or a PEFT LoRA adapter
+(a Tinker tenant's ``save_weights_for_sampler``): the adapter is merged onto the config's
+``model.path``, the base model it was trained on, and then evaluated like any other.
 """
 
 from __future__ import annotations
@@ -28,16 +35,23 @@ from tasks.setup import bring_up, fetch_model, prepare_data
 
 __all__ = ["evaluate", "registry_evaluation_key"]
 
+LATEST = "latest"  # the alias recorded with a version evaluated as its model's newest
+
 
 @redacted_flow(name="evaluate")
 def evaluate(config: str | None = None, overrides: list[str] | None = None,
              model: str | None = None, work_dir: str | None = None, registry: bool = False,
-             step: int = 0) -> dict[str, Any]:
+             step: int = 0, registered_like: str | None = None) -> dict[str, Any]:
     """Evaluate ``model`` (default: ``model.path``) on the config's eval set; ``work_dir`` holds
     the engines' logs. ``registry=True``: evaluate ``model.name``'s candidate and champion and
-    promote the candidate when better (docs/deployments.md). ``step``: the model's training step."""
+    promote the candidate when better (docs/deployments.md). ``registered_like``: evaluate the
+    newest version of each registered model whose name matches this SQL LIKE pattern (e.g.
+    ``tinker-%``: Tinker tenants' sampler weights) and record it on the version.
+    ``step``: the model's training step."""
     if registry:
         return _evaluate_registry(config, overrides or [], work_dir)
+    if registered_like:
+        return _evaluate_latest(config, overrides or [], work_dir, registered_like)
     if model and model.startswith("models:/"):
         model = _registered_model_dir(load_config(config, overrides or []), model)
     extra = [f"model.path={model}"] if model else []
@@ -90,9 +104,26 @@ def _tracking_uri(cfg: ExperimentConfig) -> str:
     return uri
 
 
+def _fetch_version(cfg: ExperimentConfig, tracking_uri: str, name: str, version: str) -> str:
+    """Registered ``name`` v``version`` as a local Hugging Face directory: a logged model as
+    it is; a PEFT adapter merged onto the config's base model (``model.path``)."""
+    from tasks.evaluate import adapter_version, fetch_adapter_version
+    from tasks.tracking.registry import fetch_registered_model, registry_client
+
+    client = registry_client(tracking_uri)
+    source = client.get_model_version(name, version).source
+    if adapter_version(client, source):
+        base = fetch_model(cfg.model, cfg.data, cfg.storage.cache_dir)
+        get_run_logger().info("%s v%s is a LoRA adapter: merged onto model.path %s (%s)", name,
+                              version, cfg.model.path, base)
+        return fetch_adapter_version(tracking_uri, name, version, source, base,
+                                     cfg.storage.cache_dir)
+    return fetch_registered_model(tracking_uri, name, version, cfg.storage.cache_dir)
+
+
 def _registered_model_dir(cfg: ExperimentConfig, uri: str) -> str:
     """``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` as a local Hugging Face directory."""
-    from tasks.tracking.registry import fetch_registered_model, registry_client, resolve_aliases
+    from tasks.tracking.registry import registry_client, resolve_aliases
 
     tracking_uri = _tracking_uri(cfg)
     ref = uri.removeprefix("models:/")
@@ -104,7 +135,7 @@ def _registered_model_dir(cfg: ExperimentConfig, uri: str) -> str:
         version = found[alias].version
     else:
         name, _, version = ref.partition("/")
-    return fetch_registered_model(tracking_uri, name, version, cfg.storage.cache_dir)
+    return _fetch_version(cfg, tracking_uri, name, version)
 
 
 def _evaluate_registry(
@@ -113,7 +144,6 @@ def _evaluate_registry(
     from tasks.tracking.registry import (
         comparison_markdown,
         decide,
-        fetch_registered_model,
         promote,
         record_evaluation,
         recorded_evaluation,
@@ -144,7 +174,7 @@ def _evaluate_registry(
         recorded = recorded_evaluation(client, name, v.version, key)
         cached[v.version] = recorded is not None
         if recorded is None:
-            path = fetch_registered_model(uri, name, v.version, cfg.storage.cache_dir)
+            path = _fetch_version(cfg, uri, name, v.version)
             result = evaluate(config=config, overrides=overrides, model=path,
                               work_dir=str(base / f"v{v.version}"))
             recorded = record_evaluation(uri, v, key, result)
@@ -168,3 +198,75 @@ def _evaluate_registry(
         eval_key=key,
     )
     return summary
+
+
+def _evaluate_latest(config: str | None, overrides: list[str], work_dir: str | None,
+                     pattern: str) -> dict[str, Any]:
+    """The newest version of each registered model named like ``pattern``, each evaluated once
+    per held-out set (recorded as the registry evaluation records it: a nested run under the
+    version's run and ``eval.<key>.*`` tags on the version)."""
+    from tasks.tracking.registry import (
+        RegistryVersion,
+        record_evaluation,
+        recorded_evaluation,
+        registry_client,
+    )
+
+    log = get_run_logger()
+    cfg = load_config(config, overrides)
+    uri = _tracking_uri(cfg)
+    client = registry_client(uri)
+    like = pattern.replace("'", "''")
+    names = sorted(m.name for m in client.search_registered_models(
+        filter_string=f"name LIKE '{like}'", max_results=1000))
+    summary: dict[str, Any] = {"registered_like": pattern, "versions": {}, "scores": {},
+                               "evaluated_now": []}
+    if not names:
+        log.info("registry: no registered model is named like %r: nothing to evaluate", pattern)
+        return summary
+    data = prepare_data(cfg.data, cfg.storage.cache_dir, answer_kind(cfg.reward))
+    key = registry_evaluation_key(cfg, data.eval_digest)
+    base = Path(work_dir or Path(cfg.storage.root) / "evaluations"
+                / f"registered-{time.strftime('%Y%m%d-%H%M%S')}")
+    rows, failed = [], {}
+    for name in names:
+        quoted = name.replace("'", "''")
+        found = client.search_model_versions(f"name = '{quoted}'")
+        if not found:
+            continue  # registered, no version yet
+        mv = max(found, key=lambda m: int(m.version))
+        v = RegistryVersion(name, str(mv.version), LATEST, mv.run_id, mv.source)
+        ref = f"{name}/{v.version}"
+        recorded = recorded_evaluation(client, name, v.version, key)
+        if recorded is None:
+            try:  # one tenant's unusable version costs that version only
+                path = _fetch_version(cfg, uri, name, v.version)
+                result = evaluate(config=config, overrides=overrides, model=path,
+                                  work_dir=str(base / f"{name}-v{v.version}"))
+                recorded = record_evaluation(uri, v, key, result)
+            except Exception as exc:  # noqa: BLE001 - reported below, the run fails
+                failed[ref] = f"{type(exc).__name__}: {exc}"[:500]
+                log.error("registry: %s v%s not evaluated: %s", name, v.version, failed[ref])
+                rows.append(f"| {name} | {v.version} | failed: {failed[ref][:200]} |")
+                continue
+            summary["evaluated_now"].append(ref)
+        summary["versions"][name] = v.version
+        summary["scores"][ref] = recorded
+        log.info("registry: %s v%s: %s (%s)", name, v.version, _format_scores(recorded),
+                 "evaluated now" if ref in summary["evaluated_now"] else "recorded earlier")
+        rows.append(f"| {name} | {v.version} | {_format_scores(recorded)} |")
+    create_markdown_artifact(
+        "\n".join([f"# Registered models like `{pattern}`: newest versions (eval key {key})",
+                    "", "| model | version | scores |", "|---|---|---|", *rows]),
+        key=artifact_key("registered", pattern), description=f"newest versions of {pattern}")
+    summary["eval_key"] = key
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(rows)} registered versions like {pattern!r} "
+                           f"could not be evaluated (the others are recorded): {failed}")
+    return summary
+
+
+def _format_scores(scores: dict[str, float]) -> str:
+    """``pass_at_1=0.25, ...`` (the pass@ metrics first)."""
+    order = sorted(scores, key=lambda k: (not k.startswith("pass_at"), k))
+    return ", ".join(f"{k}={scores[k]:.4g}" for k in order[:6])

@@ -41,6 +41,7 @@ def _spec() -> dict:
 def test_the_deployments_file_names_real_flows_and_configs() -> None:
     import importlib
 
+    from grpoflow.tinker.serve import load_serve_config
     from rl_core.config import load_config
     from rl_core.sft import load_sft_config
 
@@ -53,6 +54,7 @@ def test_the_deployments_file_names_real_flows_and_configs() -> None:
         by_flow.setdefault(flow.name, []).append(d["name"])
         params = d["parameters"]
         configs = {"sft-train": [(params.get("config"), load_sft_config)],
+                   "tinker-service": [(params.get("config"), load_serve_config)],
                    "post-train": [(params.get("sft_config"), load_sft_config),
                                   (params.get("grpo_config"), load_config)]}.get(
             flow.name, [(params.get("config"), load_config)])
@@ -63,10 +65,11 @@ def test_the_deployments_file_names_real_flows_and_configs() -> None:
         assert not unknown, f"{d['name']}: {unknown} are not parameters of {flow.name}"
     assert by_flow == {
         "grpo-train": ["tiny-cpu", "qwen2.5-0.5b-gsm8k"],
-        "evaluate": ["nightly"],
+        "evaluate": ["nightly", "tinker-nightly"],
         "sft-train": ["tiny-cpu"],
         "post-train": ["tiny-cpu"],
         "prepare-data": ["tiny-cpu"],
+        "tinker-service": ["tiny-cpu"],
     }
     deployment = {(d["entrypoint"], d["name"]): d for d in spec["deployments"]}
     nightly = deployment["flows/evaluate.py:evaluate", "nightly"]

@@ -40,7 +40,7 @@ from rl_core.config.base import ConfigError, Section, read_config, validate_conf
 __all__ = ["TinkerServeConfig", "TinkerTrackingConfig", "api_keys_of", "build_app",
            "build_tracker", "load_serve_config", "resolve_models", "serve"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("grpoflow.tinker.serve")  # also as __main__ (supervised)
 
 EXAMPLE = "configs/tinker-tiny-cpu.yaml"
 
@@ -200,9 +200,12 @@ def _bounded(fn: Callable[[], Any], timeout: float, what: str) -> Any:  # noqa: 
 
 
 def serve(cfg: TinkerServeConfig,
-          backend_factory: Callable[[dict[str, Path]], Any] | None = None) -> int:
+          backend_factory: Callable[[dict[str, Path]], Any] | None = None, *,
+          ready_file: str | Path | None = None, stop_on_stdin_eof: bool = False) -> int:
     """Prepare the models, load the backend (both bounded by ``startup_timeout_s``), and
-    serve until interrupted; the exit code."""
+    serve until interrupted; the exit code. ``ready_file``: the base URL is written there once
+    the service answers; ``stop_on_stdin_eof``: a graceful stop when stdin closes (the parent
+    that holds its other end ended: flows/tinker_service.py)."""
     import uvicorn
 
     keys = api_keys_of(cfg)  # a bad key fails before minutes of model preparation
@@ -237,8 +240,22 @@ def serve(cfg: TinkerServeConfig,
                          "" if keys or cfg.tenants else " (any is accepted: set tenants)",
                          "" if cfg.tracking.backend == "none" else
                          f"; lineage in MLflow experiment {cfg.tracking.experiment!r}")
+                if ready_file is not None:
+                    _write_atomically(Path(ready_file), url + "\n")
+
+        def watch_stdin() -> None:
+            import sys
+
+            with contextlib.suppress(OSError, ValueError):
+                while sys.stdin.buffer.read(4096):
+                    pass
+            log.info("stdin closed (the supervising process ended): stopping")
+            server.should_exit = True  # as a signal would, without re-raising one at exit
+            app.state.tinker.futures.wake_all()
 
         threading.Thread(target=announce, name="tinker-announce", daemon=True).start()
+        if stop_on_stdin_eof:
+            threading.Thread(target=watch_stdin, name="tinker-stdin", daemon=True).start()
         with contextlib.suppress(KeyboardInterrupt):  # re-raised after a graceful shutdown
             server.run()
     finally:
@@ -268,15 +285,17 @@ def _hash_key_main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    import sys
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
-    raise SystemExit(_hash_key_main(sys.argv[1:]))
 
-
-def serve_from_cli(config: str | None, overrides: list[str]) -> int:
+def serve_from_cli(config: str | None, overrides: list[str], **hooks: Any) -> int:  # noqa: ANN401
     """``grpoflow serve-tinker CONFIG [overrides]``: the service's log on stderr (secrets
-    redacted), then :func:`serve` until Ctrl-C."""
+    redacted), then :func:`serve` (with ``hooks``: ``ready_file``, ``stop_on_stdin_eof``)
+    until Ctrl-C."""
     from rl_core.secrets import RedactFilter
 
     cfg = load_serve_config(config, overrides)
@@ -288,4 +307,20 @@ def serve_from_cli(config: str | None, overrides: list[str]) -> int:
         handler.addFilter(RedactFilter())
         service_log.addHandler(handler)
     service_log.setLevel(cfg.log_level.upper())
-    return serve(cfg)
+    return serve(cfg, **hooks)
+
+
+def _supervised_main(argv: list[str]) -> int:
+    """``python -m grpoflow.tinker.serve supervised READY_FILE CONFIG [overrides]``: the
+    service as a supervisor runs it (flows/tinker_service.py): the base URL written to
+    READY_FILE once it answers, a graceful stop when stdin closes."""
+    ready, config, *overrides = argv
+    return serve_from_cli(config, overrides, ready_file=ready, stop_on_stdin_eof=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["supervised"] and len(sys.argv) >= 4:
+        raise SystemExit(_supervised_main(sys.argv[2:]))
+    raise SystemExit(_hash_key_main(sys.argv[1:]))
