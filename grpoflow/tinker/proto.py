@@ -130,8 +130,9 @@ def _datum(pb: Any, d: Any, i: int) -> Datum:  # noqa: ANN401
         if len(raw) % 4:
             raise WireError(f"datum {i}: token bytes are not int32")
         tokens.extend(np.frombuffer(raw, dtype="<i4").tolist())
-    if d.model_input_spans or d.loss_fn_input_spans:
-        raise WireError(f"datum {i}: provenance spans (stable_reinforce) are not supported")
+    # Provenance spans (which sampled sequence each token came from) are read only by
+    # stable_reinforce, which this server refuses by name; tinker-cookbook 0.6.1 attaches them
+    # to every RL datum whatever the loss, as Tinker accepts, so they are ignored here.
     inputs = {name: _tensor(pb, t, f"datum {i} {name}") for name, t in d.loss_fn_inputs.items()}
     return Datum(tokens=tokens, inputs=inputs)
 
