@@ -89,14 +89,16 @@ def sl_command(python: Path, url: str, log_path: Path, steps: int) -> list[str]:
 
 
 def rl_command(python: Path, url: str, log_path: Path, steps: int, groups: int = 8,
-               group_size: int = 8, max_tokens: int = 16) -> list[str]:
+               group_size: int = 8, max_tokens: int = 16,
+               learning_rate: float = 2e-3) -> list[str]:
     """The cookbook's arithmetic RL recipe on one-digit sums (scripts/cookbook_arithmetic_rl.py:
     the stock ``math_rl/train.py env=arithmetic`` asks for sums up to 200, which the tiny model
     never gets right, so no group has a signal): its ArithmeticEnv and ``rl.train.main``.
     ``groups`` groups of ``group_size`` episodes a step (one sample request each)."""
     return [str(python), str(ROOT / "scripts" / "cookbook_arithmetic_rl.py"), f"base_url={url}",
             f"model_name={MODEL_NAME}", f"log_path={log_path}", "loss_fn=importance_sampling",
-            f"group_size={group_size}", f"groups_per_batch={groups}", "learning_rate=2e-3",
+            f"group_size={group_size}", f"groups_per_batch={groups}",
+            f"learning_rate={learning_rate}",
             "lora_rank=8", f"max_tokens={max_tokens}", f"max_steps={steps}"]
 
 
@@ -180,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sl-steps", type=int, default=30)
     ap.add_argument("--rl-steps", type=int, default=30)
     ap.add_argument("--groups", type=int, default=8, help="RL groups (of 8) a step")
+    ap.add_argument("--rl-lr", type=float, default=2e-3, help="RL learning rate")
     ap.add_argument("--only", choices=["sl", "rl"], help="run one recipe")
     args = ap.parse_args(argv)
     python = build_env(args.venv)
@@ -193,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         env = recipe_env(args.work / "hf", url)
         for kind, cmd, key in (
                 ("sl", sl_command(python, url, args.work / "sl", args.sl_steps), "train_mean_nll"),
-                ("rl", rl_command(python, url, args.work / "rl", args.rl_steps, args.groups),
+                ("rl", rl_command(python, url, args.work / "rl", args.rl_steps, args.groups,
+                                  learning_rate=args.rl_lr),
                  "env/all/reward/total")):
             if args.only and kind != args.only:
                 continue

@@ -1,0 +1,141 @@
+"""tinker-cookbook's own recipes against a real ``grpoflow serve-tinker`` process (issue 38).
+
+The cookbook (``tinker-cookbook==0.6.1`` with the real ``tinker==0.38.0``) lives in its own
+venv, built as a user would install it by scripts/tinker_cookbook_env.sh (idempotent: kept in
+``$GRPOFLOW_TEST_CACHE/tinker-cookbook-venv``, else ``.cache/tinker-cookbook-venv``; about 35 s
+the first time with a warm package cache). The service serves the demo's tiny model under a
+name the cookbook's registry knows (configs/tinker-cookbook-cpu.yaml), and the recipes run in
+subprocesses from that venv exactly as scripts/cookbook_recipes.py runs them (docs/tinker.md,
+"Running tinker-cookbook recipes"):
+
+* SL: ``tinker_cookbook.recipes.chat_sl.train`` on the cookbook's example conversations: the
+  training NLL falls;
+* RL: scripts/cookbook_arithmetic_rl.py (the cookbook's arithmetic recipe on one-digit sums,
+  its ArithmeticEnv and ``rl.train.main``): the short run checks the loop's mechanics
+  (sampling, groups with a signal, importance-sampling updates, metrics); the soak run is to
+  check that the mean reward rises (not yet seen: see its xfail reason).
+
+Every process started here is reaped (the server by its context manager, the recipes by
+``subprocess.run`` with a timeout).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.timeout(1800)]
+
+
+def _load_helper():  # noqa: ANN202 - a module
+    spec = importlib.util.spec_from_file_location("cookbook_recipes",
+                                                  ROOT / "scripts" / "cookbook_recipes.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+cb = _load_helper()
+
+
+@pytest.fixture(scope="module")
+def cookbook_python() -> Path:
+    """The cookbook venv's python (built once; the script is idempotent)."""
+    kept = os.environ.get("GRPOFLOW_TEST_CACHE")
+    venv = Path(kept) / "tinker-cookbook-venv" if kept else cb.DEFAULT_VENV
+    done = subprocess.run(["bash", str(cb.ENV_SCRIPT), str(venv)], capture_output=True,
+                          text=True, timeout=900, check=False)
+    if done.returncode:
+        pytest.fail(f"building the tinker-cookbook venv failed:\n{done.stdout[-2000:]}"
+                    f"{done.stderr[-3000:]}")
+    return venv / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def service(demo_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """``grpoflow serve-tinker configs/tinker-cookbook-cpu.yaml`` with the demo model under
+    the cookbook's name, tracking off; the recipes' environment (its offline hub cache)."""
+    work = tmp_path_factory.mktemp("cookbook")
+    cb.alias_tokenizer(demo_model, cb.MODEL_NAME, work / "hf")
+    overrides = [f"base_models={{{cb.MODEL_NAME}: {demo_model}}}", f"root={work / 'root'}",
+                 "tracking.backend=none", "api_keys_env=null"]
+    with cb.serve_tinker(ROOT / "configs" / "tinker-cookbook-cpu.yaml", overrides,
+                         work / "serve.log", cb.free_port(), timeout=300) as url:
+        yield url, work, cb.recipe_env(work / "hf", url)
+
+
+def _run(cmd: list[str], env: dict[str, str], log: Path, log_path: Path,
+         timeout: float) -> list[dict]:
+    cb.run_recipe(cmd, env, log, timeout=timeout)
+    return cb.metrics(log_path)
+
+
+def test_alias_tokenizer_resolves_offline(demo_model, tmp_path, cookbook_python):
+    """The cookbook's own get_tokenizer(name) reads the served model's tokenizer offline."""
+    cb.alias_tokenizer(demo_model, cb.MODEL_NAME, tmp_path / "hf")
+    code = ("from tinker_cookbook.tokenizer_utils import get_tokenizer; "
+            "from tinker_cookbook import model_info; "
+            f"t = get_tokenizer({cb.MODEL_NAME!r}); "
+            f"print(model_info.get_recommended_renderer_name({cb.MODEL_NAME!r}), "
+            "t.encode('<|im_end|>', add_special_tokens=False), len(t))")
+    out = subprocess.run([str(cookbook_python), "-c", code], capture_output=True, text=True,
+                         env=cb.recipe_env(tmp_path / "hf", "http://127.0.0.1:9"), timeout=120,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    from transformers import AutoTokenizer
+
+    want = AutoTokenizer.from_pretrained(str(demo_model))
+    assert out.stdout.split()[0] == "qwen3_instruct"
+    assert f"[{want.convert_tokens_to_ids('<|im_end|>')}]" in out.stdout
+    assert out.stdout.split()[-1] == str(len(want))
+
+
+def test_sl_recipe_loss_falls(service, cookbook_python):
+    """The stock chat SL recipe, 6 steps of 8 conversations: the train NLL falls."""
+    url, work, env = service
+    rows = _run(cb.sl_command(cookbook_python, url, work / "sl", 6), env, work / "sl.log",
+                work / "sl", timeout=600)
+    nll = [r["train_mean_nll"] for r in rows if "train_mean_nll" in r]
+    assert len(nll) == 6, nll
+    assert max(nll[-2:]) < nll[0] - 1.0, nll  # 8.3 -> about 6 on the tiny model
+    assert (work / "sl" / "checkpoints.jsonl").read_text().count("tinker://") >= 2  # final
+
+
+def test_rl_recipe_runs(service, cookbook_python):
+    """The arithmetic RL recipe, 2 short steps (4 groups of 4, the second sampled after the
+    first's update): sampling, rewards with a signal, importance-sampling updates, the
+    cookbook's metrics. The sampler is not seeded (the recipe sends no seed): the assertions
+    hold unless 16 episodes of a model that solves ~30% are all wrong (p < 0.01)."""
+    url, work, env = service
+    rows = _run(cb.rl_command(cookbook_python, url, work / "rl", 2, groups=4, group_size=4,
+                              max_tokens=12), env, work / "rl.log", work / "rl", timeout=900)
+    steps = [r for r in rows if "env/all/reward/total" in r]
+    assert len(steps) == 2, rows
+    for r in steps:
+        assert r["env/all/total_episodes"] == 16
+        assert 0 < r["env/all/ac_tokens_per_turn"] <= 12
+        assert -0.1 - 1e-9 <= r["env/all/reward/total"] <= 1.0
+    assert any(r["env/all/correct"] > 0 for r in steps), steps  # the tiny model solves some
+    assert any(r["env/all/by_group/frac_mixed"] > 0 for r in steps), steps  # a signal
+
+
+@pytest.mark.soak
+@pytest.mark.xfail(strict=False, reason="not yet seen to pass: the only run so far was stopped "
+                   "after 6 of its 16 steps on a loaded machine (~3 min a step), with no rise "
+                   "(0.18, 0.19, 0.20, 0.15, 0.08, 0.15); docs/tinker.md")
+def test_rl_recipe_reward_rises(service, cookbook_python):
+    """The arithmetic RL recipe, 16 steps of 4 groups of 8: the mean reward of the last
+    four steps is above that of the first four."""
+    url, work, env = service
+    rows = _run(cb.rl_command(cookbook_python, url, work / "rl-soak", 16, groups=4),
+                env, work / "rl-soak.log", work / "rl-soak", timeout=3600)
+    reward = [r["env/all/reward/total"] for r in rows if "env/all/reward/total" in r]
+    assert len(reward) == 16, reward
+    assert sum(reward[-4:]) / 4 > sum(reward[:4]) / 4 + 0.05, reward
