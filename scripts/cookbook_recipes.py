@@ -37,7 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV_SCRIPT = ROOT / "scripts" / "tinker_cookbook_env.sh"
-DEFAULT_VENV = ROOT / ".cache" / "tinker-cookbook-venv"
+DEFAULT_VENV = Path(os.environ.get("TINKER_COOKBOOK_VENV")
+                    or ROOT / ".cache" / "tinker-cookbook-venv")
 MODEL_NAME = "Qwen/Qwen3-4B-Instruct-2507"  # in the cookbook's registry; renderer qwen3_instruct
 API_KEY = "tml-cookbook-local"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -71,7 +72,14 @@ def recipe_env(hf_home: Path, url: str) -> dict[str, str]:
     return {**os.environ, "TINKER_API_KEY": API_KEY, "TINKER_BASE_URL": url,
             "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1", "TINKER_TELEMETRY": "0", "OMP_NUM_THREADS": "1",
-            "TOKENIZERS_PARALLELISM": "false", "PYTHONHASHSEED": "0"}
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONHASHSEED": "0",
+            # bytecode is written once (the installs do not compile it), as the Makefile does
+            "PYTHONDONTWRITEBYTECODE": "",
+            # the cookbook fetches a pricing table from its docs site at start-up (and only
+            # warns when it fails): a dead loopback proxy keeps every byte on this machine
+            "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
+            "https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9",
+            "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
 
 
 def sl_command(python: Path, url: str, log_path: Path, steps: int) -> list[str]:

@@ -1,12 +1,12 @@
 """tinker-cookbook's own recipes against a real ``grpoflow serve-tinker`` process (issue 38).
 
 The cookbook (``tinker-cookbook==0.6.1`` with the real ``tinker==0.38.0``) lives in its own
-venv, built as a user would install it by scripts/tinker_cookbook_env.sh (idempotent: kept in
-``$GRPOFLOW_TEST_CACHE/tinker-cookbook-venv``, else ``.cache/tinker-cookbook-venv``; about 35 s
-the first time with a warm package cache). The service serves the demo's tiny model under a
-name the cookbook's registry knows (configs/tinker-cookbook-cpu.yaml), and the recipes run in
-subprocesses from that venv exactly as scripts/cookbook_recipes.py runs them (docs/tinker.md,
-"Running tinker-cookbook recipes"):
+venv, built as a user would install it by scripts/tinker_cookbook_env.sh (idempotent;
+``$TINKER_COOKBOOK_VENV``, else ``.cache/tinker-cookbook-venv``; 35-150 s the first time).
+The service serves the demo's tiny model under a name the cookbook's registry knows
+(configs/tinker-cookbook-cpu.yaml), and the recipes run in subprocesses from that venv
+exactly as scripts/cookbook_recipes.py runs them (docs/tinker.md, "Running tinker-cookbook
+recipes"):
 
 * SL: ``tinker_cookbook.recipes.chat_sl.train`` on the cookbook's example conversations: the
   training NLL falls;
@@ -47,13 +47,16 @@ cb = _load_helper()
 
 @pytest.fixture(scope="module")
 def cookbook_python() -> Path:
-    """The cookbook venv's python (built once; the script is idempotent)."""
-    kept = os.environ.get("GRPOFLOW_TEST_CACHE")
-    venv = Path(kept) / "tinker-cookbook-venv" if kept else cb.DEFAULT_VENV
+    """The cookbook venv's python. ``make test`` builds it before the suite, outside the
+    tests' loopback-only network namespace (the build needs the package index); here the
+    idempotent script only checks its stamp, or builds it where the index is reachable."""
+    venv = Path(os.environ.get("TINKER_COOKBOOK_VENV") or cb.DEFAULT_VENV)
     done = subprocess.run(["bash", str(cb.ENV_SCRIPT), str(venv)], capture_output=True,
                           text=True, timeout=900, check=False)
     if done.returncode:
-        pytest.fail(f"building the tinker-cookbook venv failed:\n{done.stdout[-2000:]}"
+        pytest.fail(f"the tinker-cookbook venv ({venv}) is not built and building it failed "
+                    "(no package index inside the tests' network namespace?): run "
+                    f"scripts/tinker_cookbook_env.sh first\n{done.stdout[-2000:]}"
                     f"{done.stderr[-3000:]}")
     return venv / "bin" / "python"
 
