@@ -21,7 +21,7 @@ from rl_core.data.records import Record
 from rl_core.engine.sampling import SamplingParams, sample_seed
 from rl_core.interfaces import RolloutPlane
 from rl_core.rewards import RewardResult, Scorer
-from rl_core.types import Batch, Sample
+from rl_core.types import Batch, Sample, expand_segments
 
 __all__ = ["AdvantageSource", "EpisodeKind", "GroupRelative", "SingleTurn", "advantages_for", "rollout_groups", "score_samples",
            "split_informative_groups", "summarize_samples"]
@@ -99,8 +99,14 @@ class GroupRelative:
     def score(self, samples: Sequence[Sample]) -> dict[str, float]:
         return {}
 
-    def batch(self, samples: Sequence[Sample], pad_id: int) -> Batch:
-        return Batch.from_samples(samples, advantages_for(samples, self.n, self.mode), pad_id)
+    def batch(self, samples: Sequence[Sample], pad_id: int, segments: bool = True) -> Batch:
+        """``segments``: an episode's earlier segments as rows of their own, with its
+        advantage (:func:`~rl_core.types.expand_segments`; docs/agents.md, 'Reasoning
+        templates')."""
+        advantages = advantages_for(samples, self.n, self.mode)
+        if segments:
+            return Batch.from_samples(*expand_segments(samples, advantages), pad_id)
+        return Batch.from_samples(samples, advantages, pad_id)
 
     def close(self) -> None:
         pass

@@ -108,7 +108,9 @@ class Distillation:
         return {**metrics, "time/teacher": time.perf_counter() - started}
 
     def batch(self, samples: Sequence[Sample], pad_id: int) -> Batch:
-        out = self.task.batch(samples, pad_id)
+        # The teacher scored each episode's last segment only: earlier segments (docs/agents.md,
+        # 'Reasoning templates') are not rows here.
+        out = self.task.batch(samples, pad_id, segments=False)
         out.advantages = distill_advantages(out, samples, self.cfg)
         return out
 

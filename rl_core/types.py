@@ -18,8 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Batch", "Sample", "decode_routed_experts", "encode_routed_experts",
-           "pad_routed_experts"]
+__all__ = ["TEMPLATE_SEGMENTS", "Batch", "Sample", "decode_routed_experts",
+           "encode_routed_experts", "expand_segments", "pad_routed_experts"]
+
+# ``Sample.meta`` key: an episode's earlier segments, each a Sample of its own (docs/agents.md,
+# 'Reasoning templates': ``agent.template_mismatch: new_sample``).
+TEMPLATE_SEGMENTS = "template_segments"
 
 
 def encode_routed_experts(ids: np.ndarray | torch.Tensor) -> str:
@@ -203,6 +207,22 @@ class Batch:
                    routed_experts=_routed_layout(samples, rlogp.shape[1]),
                    images=[tuple(s.images) for s in samples]
                    if any(s.images for s in samples) else None)
+
+
+def expand_segments(samples: Sequence[Sample], advantages: Sequence[float] | torch.Tensor
+                    ) -> tuple[list[Sample], torch.Tensor]:
+    """``samples`` and, after them, every episode's earlier segments
+    (``meta[TEMPLATE_SEGMENTS]``) as rows of their own, each with its episode's advantage,
+    reward and validity: the group's statistics saw the episode once, and every token it
+    generated trains with that advantage. Without segments: the input as it is."""
+    adv = torch.as_tensor(advantages, dtype=torch.float32)
+    extra = [(i, seg) for i, s in enumerate(samples) for seg in s.meta.get(TEMPLATE_SEGMENTS, ())]
+    if not extra:
+        return list(samples), adv
+    for i, seg in extra:
+        seg.reward, seg.correct, seg.valid = samples[i].reward, samples[i].correct, samples[i].valid
+    rows = [*samples, *(seg for _, seg in extra)]
+    return rows, torch.cat([adv, adv[torch.tensor([i for i, _ in extra])]])
 
 
 def _routed_layout(samples: Sequence[Sample], columns: int) -> torch.Tensor | None:

@@ -264,7 +264,8 @@ def check_layout(samples: list, records: list[Record], n: int, step: int) -> Non
 
 
 EPISODE_KEYS = {"status", "finish", "turns", "attempts", "errors", "env_reward", "tool_calls",
-                "info", "masked_tokens", "trace", "seconds", "started_at"}
+                "info", "masked_tokens", "trace", "seconds", "started_at", "template_checks",
+                "template_mismatches", "segments"}
 
 
 def check_token_exact(sample: Any, chat: ChatTokens, ref: Any, step: int, seed: int,

@@ -6,7 +6,9 @@ turns ``loss_mask`` 1, observations 0; ``text`` is the last model turn, ``meta["
 trace); a failed environment is retried from ``reset`` up to ``retries`` times, then recorded as
 ``failed`` (an infrastructure failure, masked out of the step); a :class:`CircuitBreaker` holds
 the calls while the environment fails; seeds replay (docs/agents.md, 'What an episode is').
-Never imports Prefect or MLflow.
+Each next prompt is compared with the template's rendering of the conversation; where they
+differ (a reasoning template), ``template_mismatch`` keeps the recorded tokens or starts a new
+segment (docs/agents.md, 'Reasoning templates'). Never imports Prefect or MLflow.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rl_core.agents.chat import ChatTokens
+from rl_core.agents.chat import TEMPLATE_MISMATCH, ChatTokens
 from rl_core.agents.env import (
     Environment,
     EnvironmentFailure,
@@ -59,6 +61,7 @@ class _Episode(Trajectory):
     finish: str = ""  # done | max_turns | max_tokens | timeout | failed
     started: float = 0.0  # monotonic, for the bounds
     started_at: float = 0.0  # wall clock, for traces
+    messages: list[Message] = field(default_factory=list)  # the conversation so far
 
     def __post_init__(self) -> None:
         Trajectory.__init__(self)
@@ -69,7 +72,11 @@ class EpisodeRunner:
 
     def __init__(self, plane: RolloutPlane, chat: ChatTokens, make_env: Callable[[], Environment],
                  limits: EpisodeLimits | None = None, *, retries: int = 1,
-                 breaker: CircuitBreaker | None = None) -> None:
+                 breaker: CircuitBreaker | None = None,
+                 template_mismatch: str = "keep_prefix") -> None:
+        if template_mismatch not in TEMPLATE_MISMATCH:
+            raise ValueError(f"template_mismatch={template_mismatch!r}: one of {TEMPLATE_MISMATCH}")
+        self.template_mismatch = template_mismatch
         self.plane, self.chat, self.make_env = plane, chat, make_env
         self.limits = limits or EpisodeLimits()
         self.retries = retries
@@ -142,7 +149,9 @@ class EpisodeRunner:
                 self._fail(e, "reset", out)
                 continue
             try:
-                e.prompt_ids, e.images = self.chat.with_images(self.chat.prompt_ids(out), out)
+                ids, text = self.chat.prompt(out)
+                e.prompt_ids, e.images = self.chat.with_images(ids, out)
+                e.rendered, e.root, e.history, e.messages = text, len(e.prompt_ids), 0, list(out)
             except ValueError as exc:
                 self._fail(e, "reset", EnvironmentFailure("malformed", str(exc)))
                 continue
@@ -155,7 +164,7 @@ class EpisodeRunner:
         prompts, sps = [], []
         for e in episodes:
             g, rec, j = e.key
-            budget = lim.max_tokens - len(e.ids)
+            budget = lim.max_tokens - e.used
             prompts.append(e.prompt_ids + e.ids)
             sps.append(replace(params, max_new_tokens=max(1, min(params.max_new_tokens, budget)),
                                seed=sample_seed(seed, step, f"{rec.id}#{e.attempt}.{e.turns}", j)))
@@ -175,7 +184,7 @@ class EpisodeRunner:
                             # which engine served the turn, and how much of it was cached
                             "engine": s.meta.get("base_url"),
                             "cached_tokens": int(s.meta.get("cached_tokens") or 0)})
-            if len(e.ids) >= lim.max_tokens:
+            if e.used >= lim.max_tokens:
                 e.finish = "max_tokens"
 
     def _env_turn(self, episodes: list[_Episode]) -> None:
@@ -209,17 +218,47 @@ class EpisodeRunner:
             elif time.monotonic() - e.started > lim.timeout_s:
                 e.finish = "timeout"
             else:
-                obs = self.chat.observation_ids(r.observation, e.ids) if r.observation else []
                 try:
-                    obs, images = self.chat.with_images(obs, r.observation or [])
-                except ValueError as exc:
+                    obs, images, rendered, split = self._next_prompt(e, r.observation or [])
+                except Exception as exc:  # noqa: BLE001 (the template refused these messages)
                     self._fail(e, "step", EnvironmentFailure("malformed", str(exc)))
                     continue
-                if len(e.ids) + len(obs) >= lim.max_tokens:
+                if (max(0, len(obs) - e.root) if split else e.used + len(obs)) >= lim.max_tokens:
                     e.finish = "max_tokens"  # no room for the observation and another turn
                     continue
                 e.trace[-1]["tokens"] = len(obs)
-                e.observe(obs, images)
+                if split:
+                    e.trace[-1]["segment"] = len(e.segments) + 1  # the new segment's prompt
+                    e.split(obs, rendered, images)
+                else:
+                    e.observe(obs, images)
+                    e.rendered = rendered
+
+    def _next_prompt(self, e: _Episode, observation: list[Message]
+                     ) -> tuple[list[int], list[bytes], str | None, bool]:
+        """What follows the last model turn: (ids, their images, the chain's text after them,
+        whether they start a new segment). The recorded chain plus the template's tokens for
+        ``observation``, unless the template renders the conversation differently and
+        ``template_mismatch`` is ``new_sample``: then the whole conversation's rendering."""
+        chat = self.chat
+        if not observation:  # the next turn follows this one: no longer a chat of messages,
+            e.rendered = None  # so nothing is compared from here on
+            return [], [], None, False
+        e.messages += [{"role": "assistant", "content": chat.content(e.last_turn)}, *observation]
+        obs, obs_text = chat.observation(observation, e.last_turn)
+        if e.rendered is None:
+            return (*chat.with_images(obs, observation), None, False)
+        chain = e.rendered + chat.decode(e.last_turn) + obs_text
+        full = chat.render(e.messages, generation_prompt=True)
+        e.checks += 1
+        if chain != full:  # re-rendering would not give the tokens the model saw
+            e.mismatches += 1
+            e.trace[-1]["template_mismatch"] = True
+            if self.template_mismatch == "new_sample":
+                ids, images = chat.with_images(chat.encode(full), e.messages)
+                return ids, images, full, True
+        obs, images = chat.with_images(obs, observation)
+        return obs, images, chain, False
 
     def _fail(self, e: _Episode, where: str, failure: EnvironmentFailure) -> None:
         message = f"attempt {e.attempt + 1}: {where}: {failure.kind}: {failure}"
@@ -229,6 +268,7 @@ class EpisodeRunner:
             e.attempt += 1
             e.restart(e.prompt_ids)
             e.turns, e.reward, e.info, e.finish = 0, 0.0, {}, "retry"
+            e.checks = e.mismatches = 0
         else:
             e.finish = "failed"  # recorded, trained on nothing
 
@@ -274,6 +314,9 @@ def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         "episode_tool_call_frac": sum(e["tool_calls"] > 0 for e in eps) / n,
         "episode_tool_calls_mean": sum(e["tool_calls"] for e in eps) / n,
         "episode_masked_token_frac": sum(e["masked_tokens"] for e in eps) / tokens,
+        # prompts whose template rendering differed from the recorded chain, of those compared
+        "agent/template_mismatch_frac": sum(e.get("template_mismatches", 0) for e in eps)
+        / max(1, sum(e.get("template_checks", 0) for e in eps)),
         **{f"episode_finish_{k}_frac": sum(e["finish"] == k for e in eps) / n
            for k in ("done", "max_turns", "max_tokens", "timeout")},
     }

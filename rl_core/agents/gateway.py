@@ -4,7 +4,10 @@
 records its episode token-exactly in EpisodeRunner's layout and owns the sampling (the run's
 settings, replayable seeds, ``max_tokens`` clamped to the episode's budget). A streamed request
 gets the finished turn as server-sent events, so the trajectory is the same either way; a
-session serves one model, the policy, under any ``model`` name.
+session serves one model, the policy, under any ``model`` name. A request that extends the
+conversation is compared with the template's rendering of its messages; where they differ (a
+reasoning template), ``template_mismatch`` keeps the recorded tokens or starts a new segment
+(docs/agents.md, 'Reasoning templates').
 :func:`~rl_core.agents.programs.run_programs` plays ``program(client, task) -> reward`` on it
 (docs/agents.md, 'Black-box agents').
 Never imports Prefect or MLflow; never re-tokenizes a model turn; never calls the plane from
@@ -29,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rl_core.agents.batcher import Batcher, Done, request_error
-from rl_core.agents.chat import ChatTokens
+from rl_core.agents.chat import TEMPLATE_MISMATCH, ChatTokens
 from rl_core.agents.env import EpisodeLimits
 from rl_core.agents.trajectory import Trajectory
 from rl_core.data.records import Record
@@ -38,7 +41,6 @@ from rl_core.engine.routes_openai import (
     OpenAIError,
     OpenAIRequest,
     chat_choice,
-    chat_prompt_ids,
     completion_choice,
     completion_text,
     envelope,
@@ -77,11 +79,16 @@ class _Plan:
     prompt: list[int]  # what the engine is asked to continue
     extend: bool  # True: the chain's ids + ``obs``; False: a new chain from ``prompt``
     obs: list[int]
-    messages: list[dict[str, Any]]  # the new messages (all of them for a new chain)
+    messages: list[dict[str, Any]]  # the new messages (all of them for a new chain or segment)
     conv: list[tuple[str, Any]] | None = None  # chat: the request's messages, by role/content
     setup: str = ""  # chat: tools and template arguments the chain was rendered with
     text_prompt: str | None = None  # completions with a text prompt
     note: str = ""  # why a new chain started
+    rendered: str | None = None  # chat: the chain's text once the prompt is in it
+    checked: bool = False  # compared with the template's rendering of the messages
+    mismatch: bool = False  # ... and it differed
+    split: bool = False  # a new segment from that rendering (template_mismatch: new_sample)
+    used: int = 0  # tokens counted against agent.max_tokens before the turn
 
 
 def _keys(messages: Sequence[dict[str, Any]]) -> list[tuple[str, Any]]:
@@ -155,24 +162,31 @@ class GatewaySession(Trajectory):
         setup = json.dumps([req.tools, req.template_kwargs], sort_keys=True, default=str)
         n = len(self.conv or [])
         note = "first request" if not self.chains else "history rewritten"
+        template = {"tools": req.tools, "template_kwargs": req.template_kwargs}
         if self.conv and setup == self.setup and len(keys) > n and keys[:n] == self.conv:
             new = req.messages[n:]
             try:
-                obs = chat.observation_ids(new, self.last_turn)
-            except Exception as e:  # noqa: BLE001 (a template that renders earlier turns
-                # anew, or cannot render these messages: the full render below says which)
+                obs, obs_text = chat.observation(new, self.last_turn, **template)
+                full = chat.render(req.messages, generation_prompt=True, **template)
+            except Exception as e:  # noqa: BLE001 (a template that loses earlier turns, or
+                # cannot render these messages: the full render below says which)
                 note = f"the chat template cannot extend this conversation: {e}"
             else:
-                return _Plan(self.prompt_ids + self.ids + obs, True, obs, new, keys, setup)
-        if req.tools or req.template_kwargs:
-            prompt = chat_prompt_ids(chat.tokenizer, req.messages, req.tools, req.template_kwargs)
-        else:
-            try:
-                prompt = chat.prompt_ids(req.messages)
-            except Exception as e:  # the template's own checks (role order, fields)
-                raise OpenAIError(f"the chat template could not render these messages: "
-                                  f"{type(e).__name__}: {e}", param="messages") from None
-        return _Plan(prompt, False, [], req.messages, keys, setup, note=note)
+                chain = None if self.rendered is None else self.rendered + obs_text
+                if chain == full or self.gateway.template_mismatch == "keep_prefix":
+                    return _Plan(self.prompt_ids + self.ids + obs, True, obs, new, keys, setup,
+                                 rendered=chain, checked=True, mismatch=chain != full,
+                                 used=self.used + len(obs))
+                prompt = chat.encode(full)  # new_sample: go on from the template's rendering
+                return _Plan(prompt, True, [], req.messages, keys, setup, rendered=full,
+                             checked=True, mismatch=True, split=True,
+                             used=max(0, len(prompt) - self.root))
+        try:
+            prompt, text = chat.prompt(req.messages, **template)
+        except Exception as e:  # the template's own checks (role order, fields)
+            raise OpenAIError(f"the chat template could not render these messages: "
+                              f"{type(e).__name__}: {e}", param="messages") from None
+        return _Plan(prompt, False, [], req.messages, keys, setup, note=note, rendered=text)
 
     def _plan_completion(self, req: OpenAIRequest) -> _Plan:
         tok = self.gateway.chat.tokenizer
@@ -182,11 +196,12 @@ class GatewaySession(Trajectory):
             full = self.prompt_ids + self.ids
             if self.chains and len(prompt) >= len(full) and prompt[: len(full)] == full:
                 obs = list(prompt[len(full):])
-                return _Plan(list(prompt), True, obs, [])
+                return _Plan(list(prompt), True, obs, [], used=self.used + len(obs))
             return _Plan(list(prompt), False, [], [], note=note)
         if self.text_so_far is not None and prompt.startswith(self.text_so_far):
             obs = list(tok(prompt[len(self.text_so_far):], add_special_tokens=False)["input_ids"])
-            return _Plan(self.prompt_ids + self.ids + obs, True, obs, [], text_prompt=prompt)
+            return _Plan(self.prompt_ids + self.ids + obs, True, obs, [], text_prompt=prompt,
+                         used=self.used + len(obs))
         return _Plan(list(tok.encode(prompt)), False, [], [], text_prompt=prompt, note=note)
 
     def _prepare(self, req: OpenAIRequest) -> tuple[_Plan, SamplingParams, int]:
@@ -197,7 +212,7 @@ class GatewaySession(Trajectory):
             raise self._refuse("max_turns", f"the episode allows agent.max_turns="
                                f"{lim.max_turns} model requests and has used them all")
         plan = self._plan_chat(req) if req.kind == "chat" else self._plan_completion(req)
-        used = len(self.ids) + len(plan.obs) if plan.extend else 0
+        used = plan.used
         budget = lim.max_tokens - used
         if budget < 1:
             raise self._refuse("max_tokens", f"the episode's token budget (agent.max_tokens="
@@ -222,23 +237,37 @@ class GatewaySession(Trajectory):
         s = done.sample
         if not plan.extend:
             self.chains += 1
-            self.restart(plan.prompt)
+            self.restart(plan.prompt, plan.rendered)
             self.setup = plan.setup
             self.trace.append({"attempt": self.attempt, "role": "prompt", "request": number,
                                "session": self.sid, "chain": self.chains, "note": plan.note,
                                "messages": plan.messages, "tokens": len(plan.prompt)})
+        elif plan.split:
+            self.split(plan.prompt, plan.rendered)
+            self.trace.append({"attempt": self.attempt, "role": "prompt", "request": number,
+                               "session": self.sid, "chain": self.chains,
+                               "segment": len(self.segments) + 1, "note": "the chat template "
+                               "renders the conversation differently from the recorded tokens: "
+                               "a new segment", "messages": plan.messages,
+                               "tokens": len(plan.prompt)})
         elif plan.obs or plan.messages:
             self.observe(plan.obs)
+            self.rendered = plan.rendered
             self.trace.append({"attempt": self.attempt, "role": "observation",
                                "request": number, "messages": plan.messages,
-                               "tokens": len(plan.obs)})
+                               "tokens": len(plan.obs), **({"template_mismatch": True}
+                                                           if plan.mismatch else {})})
+        self.checks += plan.checked
+        self.mismatches += plan.mismatch
         ids = self.model_turn(s, text)
         self.tool_calls += calls
         if req.kind == "chat":
             self.conv = [*(plan.conv or []), ("assistant", text)]
             self.text_so_far = None
+            self.rendered = None if self.rendered is None else (
+                self.rendered + self.gateway.chat.decode(ids))
         else:
-            self.conv = None
+            self.conv = self.rendered = None
             self.text_so_far = None if plan.text_prompt is None else plan.text_prompt + text
         self.trace.append({
             "attempt": self.attempt, "role": "assistant", "request": number,
@@ -247,7 +276,7 @@ class GatewaySession(Trajectory):
             "queued_s": done.queued_s, "generate_s": done.generate_s, "batch": done.batch,
             "weight_version": s.weight_version, "seed": seed,
             "finish_reason": s.finish_reason.get("type"), "tool_calls": calls})
-        if len(self.ids) >= self.limits.max_tokens:
+        if self.used >= self.limits.max_tokens:
             self.limit = self.limit or "max_tokens"
 
     # -- the episode's sample -------------------------------------------------------------
@@ -279,15 +308,21 @@ class GatewaySession(Trajectory):
 class AgentGateway:
     """OpenAI-compatible sessions in front of ``plane``. ``start()`` binds ``host:port`` (0: a
     free port); ``batch_wait_s``/``max_batch`` shape the worker's batches; ``request_timeout_s``
-    bounds one request's wait; bodies over ``max_request_bytes`` get 413."""
+    bounds one request's wait; bodies over ``max_request_bytes`` get 413; ``template_mismatch``
+    (``keep_prefix`` | ``new_sample``): what a session does when the template renders its
+    conversation differently from the recorded tokens."""
 
     def __init__(self, plane: RolloutPlane, chat: ChatTokens, *, host: str = "127.0.0.1",
                  port: int = 0, model_name: str = "grpoflow-policy", batch_wait_s: float = 0.01,
                  max_batch: int = 256, request_timeout_s: float = 600.0,
-                 max_request_bytes: int = MAX_REQUEST_BYTES, max_sessions: int = 4096) -> None:
+                 max_request_bytes: int = MAX_REQUEST_BYTES, max_sessions: int = 4096,
+                 template_mismatch: str = "keep_prefix") -> None:
         if max_batch < 1 or max_sessions < 1 or not request_timeout_s > 0 or batch_wait_s < 0:
             raise ValueError("AgentGateway: max_batch and max_sessions must be >= 1, "
                              "request_timeout_s > 0 and batch_wait_s >= 0")
+        if template_mismatch not in TEMPLATE_MISMATCH:
+            raise ValueError(f"template_mismatch={template_mismatch!r}: one of {TEMPLATE_MISMATCH}")
+        self.template_mismatch = template_mismatch
         self.plane, self.chat, self.model_name = plane, chat, model_name
         self.request_timeout_s, self.max_sessions = request_timeout_s, max_sessions
         self._batcher = Batcher(plane, batch_wait_s, max_batch)

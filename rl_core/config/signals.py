@@ -209,6 +209,12 @@ class AgentConfig(Section):
         "breaker that pauses episodes while their environment fails.")
     concurrency: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig, description=""
         "Agent-program episodes in flight, adapted to the engines' queue and KV cache.")
+    template_mismatch: Literal["keep_prefix", "new_sample"] = Field("keep_prefix", description=""
+        "When the chat template renders the conversation differently from the tokens the model "
+        "saw (a reasoning template that drops earlier `<think>` blocks): `keep_prefix` goes on "
+        "from the recorded tokens plus the template's tokens for the new messages; `new_sample` "
+        "ends the episode's sample there as a segment (trained with the episode's advantage) "
+        "and goes on from the template's rendering (docs/agents.md, 'Reasoning templates').")
 
     @model_validator(mode="after")
     def _one_kind(self) -> AgentConfig:
