@@ -34,7 +34,7 @@ LOOPBACK ?= scripts/loopback.sh
 WRITE_BYTECODE := PYTHONDONTWRITEBYTECODE=
 PYTEST := AWS_EC2_METADATA_DISABLED=true $(WRITE_BYTECODE) $(LOOPBACK) $(BIN)/python -m pytest
 
-.PHONY: setup setup-dev sandbox-deps run test test-random soak lint clean screenshots
+.PHONY: setup setup-dev sandbox-deps cookbook-venv run test test-random soak lint clean screenshots
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -65,7 +65,13 @@ $(DEV): pyproject.toml | $(BIN)/python
 
 setup: $(CORE)
 
-setup-dev: $(DEV) sandbox-deps
+setup-dev: $(DEV) sandbox-deps cookbook-venv
+
+# The tinker-cookbook recipes' own venv (tests/test_tinker_cookbook.py drives serve-tinker from
+# it, as a user's install would; docs/tinker.md). Built here, outside the tests' loopback-only
+# namespace; idempotent (a stamp of its requirement set), 35-150 s the first time.
+cookbook-venv: $(DEV)
+	bash scripts/tinker_cookbook_env.sh
 
 # The code sandbox (rl_core/rewards/sandbox.py: the `python` tool, `env: code`, `code_tests`)
 # runs untrusted code in bubblewrap. Installed here when `bwrap` is missing and apt-get can run as
