@@ -39,7 +39,8 @@ def template(question: str) -> tuple[int, str, int]:
 
 def frontier_reward(k: int, m: int) -> float:
     """``4 k (m - k) / (m (m - 1))``: unbiased for ``4 p (1 - p)`` given ``k`` of ``m`` right
-    (peak 1 at a solve rate of 1/2); 0 when ``m`` < 2 (one attempt estimates nothing)."""
+    (peak 1 at a solve rate of 1/2; an estimate from few attempts may exceed it, e.g. 4/3 for
+    2 of 4); 0 when ``m`` < 2 (one attempt estimates nothing)."""
     return 4.0 * k * (m - k) / (m * (m - 1)) if m >= 2 else 0.0
 
 
