@@ -20,7 +20,6 @@ from rl_core.data.records import Record
 from rl_core.engine.core import EmbeddedEngine, GenerateRequest
 from rl_core.engine.prefix_cache import PrefixCache
 from rl_core.engine.sampling import SamplingParams
-from rl_core.rollout.affinity import affinity_order
 from rl_core.rollout.client import SGLangClient
 from rl_core.rollout.http import HttpPlane
 from rl_core.rollout.launch import embedded_engine_command
@@ -115,15 +114,20 @@ def test_new_weights_and_a_flush_empty_the_cache(engines) -> None:
 
 def test_a_key_keeps_its_engine_until_that_engine_is_down() -> None:
     urls = [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
-    keys = [f"1:t{i}:{j}#0" for i in range(16) for j in range(4)]
-    first = {k: affinity_order(k, urls)[0] for k in keys}
-    assert first == {k: affinity_order(k, list(reversed(urls)))[0] for k in keys}  # any order
-    assert len(set(first.values())) == 4  # keys spread over every engine
+    keys = [f"1:t{i}:{j}#0" for i in range(8) for j in range(4)]
     client = SGLangClient(urls)
-    assert all(client.route(k) == first[k] for k in keys)
+    first = {k: client.route(k) for k in keys}
+    counts = [list(first.values()).count(u) for u in urls]
+    assert counts == [8, 8, 8, 8]  # new sessions spread evenly (round-robin)
+    for _ in range(3):  # later turns, in any order: each to its session's engine
+        assert all(client.route(k) == first[k] for k in reversed(keys))
     client._down_until[urls[0]] = time.monotonic() + 60  # engine 0 failed a request
-    for k in keys:  # only its keys move, each to its own second choice
-        assert client.route(k) == (first[k] if first[k] != urls[0] else affinity_order(k, urls)[1])
+    moved = {k: client.route(k) for k in keys}
+    for k in keys:  # only its sessions move, to live engines, and stay there
+        assert (moved[k] == first[k]) == (first[k] != urls[0]) and moved[k] != urls[0]
+    del client._down_until[urls[0]]
+    assert all(client.route(k) == moved[k] for k in keys)
+    assert len(client._sticky) == len(keys)
 
 
 class Chatter:

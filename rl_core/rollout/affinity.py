@@ -1,25 +1,40 @@
 """Session affinity: every turn of an episode to the same engine, so its prefix stays cached.
 
-:func:`affinity_order` ranks engines for a routing key by rendezvous (highest-random-weight)
-hashing: a key's first choice never changes while its engine lives, and when it dies only that
-engine's keys move (to each key's next choice). The client routes a keyed request to the first
-live engine of its order and sends the key as SGLang's router header (``X-SMG-Routing-Key``,
-read by the router's ``manual`` policy); docs/rollout.md, "Prefix cache and session affinity".
+:class:`StickyRoutes` remembers which engine each routing key (an episode's session) went to.
+A key's first request goes where the client's round-robin puts it (so new sessions spread
+evenly over the engines), and every later one follows it there while that engine is live;
+when it fails (the client marks it down) the key moves to the next live engine and stays there.
+The client also sends the key as SGLang's router header (``X-SMG-Routing-Key``, which the
+router's ``manual`` policy routes by); docs/rollout.md, "Prefix cache and session affinity".
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable
 
-__all__ = ["ROUTING_KEY_HEADER", "affinity_order"]
+__all__ = ["ROUTING_KEY_HEADER", "StickyRoutes"]
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 
 
-def affinity_order(key: str, urls: Sequence[str]) -> list[str]:
-    """``urls`` in ``key``'s order of preference (the same on every call and process)."""
-    def weight(url: str) -> bytes:
-        return hashlib.blake2b(f"{key}\x00{url}".encode(), digest_size=8).digest()
+class StickyRoutes:
+    """Key -> engine URL, least recently used keys forgotten beyond ``capacity``."""
 
-    return sorted(urls, key=weight, reverse=True)
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self._routes: OrderedDict[str, str] = OrderedDict()
+
+    def route(self, key: str, usable: Callable[[str], bool], pick: Callable[[], str]) -> str:
+        """``key``'s engine if ``usable``, else ``pick()``'s (remembered from now on)."""
+        url = self._routes.get(key)
+        if url is None or not usable(url):
+            url = pick()
+        self._routes[key] = url
+        self._routes.move_to_end(key)
+        if len(self._routes) > self.capacity:
+            self._routes.popitem(last=False)
+        return url
+
+    def __len__(self) -> int:
+        return len(self._routes)

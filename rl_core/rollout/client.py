@@ -27,7 +27,7 @@ from urllib.parse import quote
 import httpx
 
 from rl_core.errors import RolloutError, RolloutRequestError
-from rl_core.rollout.affinity import ROUTING_KEY_HEADER, affinity_order
+from rl_core.rollout.affinity import ROUTING_KEY_HEADER, StickyRoutes
 from rl_core.rollout.wire import error_message as _error_message
 from rl_core.rollout.wire import retry_rids as _retry_rids
 from rl_core.types import Sample
@@ -102,6 +102,7 @@ class SGLangClient:
         self.update_flush_cache = True
         self._sem, self._rr = asyncio.Semaphore(max_concurrency), 0
         self._down_until: dict[str, float] = {}  # base URL -> end of its cooldown
+        self._sticky = StickyRoutes()  # session affinity: routing key -> its engine
         self._inflight: dict[str, str] = {}  # rid -> base URL serving it
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s,
@@ -121,13 +122,13 @@ class SGLangClient:
         self._urls = urls
 
     def _pick(self, avoid: set[str], key: str | None = None) -> str:
-        """The next engine round-robin, or ``key``'s first live one (``affinity_order``)."""
+        """The next engine round-robin, or the one ``key``'s session sticks to (rl_core.rollout
+        .affinity: its first request's round-robin pick, while that engine is live)."""
         urls, now = self._urls, time.monotonic()
         if key is not None:
-            order = affinity_order(key, urls)
-            live = [u for u in order if u not in avoid]
-            return next((u for u in live if self._down_until.get(u, 0.0) <= now),
-                        live[0] if live else order[0])
+            return self._sticky.route(key, lambda u: u in urls and u not in avoid
+                                      and self._down_until.get(u, 0.0) <= now,
+                                      lambda: self._pick(avoid))
         for _ in range(len(urls)):
             url = urls[self._rr % len(urls)]
             self._rr += 1
