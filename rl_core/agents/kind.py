@@ -15,6 +15,7 @@ from typing import Any
 from rl_core.agents import ChatTokens, EpisodeRunner, environment_factory, limits_from_config
 from rl_core.agents.episode import episode_metrics
 from rl_core.agents.pacing import AdaptiveConcurrency, CircuitBreaker, plane_loads
+from rl_core.agents.roles import RoleEpisodeRunner, role_metrics, role_runner
 from rl_core.data.records import Record
 from rl_core.engine.sampling import SamplingParams
 from rl_core.interfaces import RolloutPlane
@@ -48,7 +49,7 @@ class AgentEpisodes:
         self.cfg, self.plane = agent, plane
         self.chat = ChatTokens(tokenizer, vision)  # vision: image observations (docs/vlm.md)
         self.limits = limits_from_config(agent)
-        self.runner: EpisodeRunner | None = None
+        self.runner: EpisodeRunner | RoleEpisodeRunner | None = None
         self.gateway: Any = None
         self.factory: Any = None
         self.failed_streak = 0
@@ -62,14 +63,18 @@ class AgentEpisodes:
             hi=c.max_episodes, max_waiting=c.max_waiting, kv_high=c.kv_high, enabled=c.adaptive)
         if agent.env is not None:
             self.factory = environment_factory(agent, tokenizer)
-            self.runner = EpisodeRunner(plane, self.chat, self.factory, self.limits,
-                                        retries=agent.episode_retries, breaker=self.breaker)
+            # an environment that declares roles: a sample per role (docs/agents.md)
+            self.runner = role_runner(agent, plane, self.chat, self.factory, self.limits) or \
+                EpisodeRunner(plane, self.chat, self.factory, self.limits,
+                              retries=agent.episode_retries, breaker=self.breaker,
+                              template_mismatch=agent.template_mismatch)
         else:
             from rl_core.agents.gateway import AgentGateway
 
             module, _, attr = agent.program.partition(":")
             self.program = getattr(importlib.import_module(module), attr)
-            self.gateway = AgentGateway(plane, self.chat).start()
+            self.gateway = AgentGateway(plane, self.chat,
+                                        template_mismatch=agent.template_mismatch).start()
 
     def episodes(self, records: Sequence[Record], prompt_ids: Sequence[Sequence[int]] = (), *,
                  n: int, params: SamplingParams, step: int, seed: int) -> list[Sample]:
@@ -126,7 +131,8 @@ class AgentEpisodes:
         """The episodes' metrics (:func:`episode_metrics`) and the failure budget."""
         pacing = {**self.breaker.metrics(),
                   **(self.concurrency.metrics() if self.gateway is not None else {})}
-        return {**episode_metrics(samples), **pacing, **self.check_failures(samples)}
+        return {**episode_metrics(samples), **role_metrics(samples), **pacing,
+                **self.check_failures(samples)}
 
     def check_failures(self, samples: Sequence[Sample]) -> dict[str, float]:
         """Count the step against ``agent.max_failed_steps``; raise when the budget is spent."""
