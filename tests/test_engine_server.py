@@ -597,3 +597,22 @@ def test_serve_loads_in_the_background_and_answers_503_until_ready(dirs):
 
 def test_cli_exits_1_when_the_model_cannot_load(tmp_path):
     assert main(["--model", str(tmp_path / "missing"), "--port", str(free_port())]) == 1
+
+
+def test_a_slow_load_logs_every_threads_stack_once_and_a_fast_one_nothing(caplog) -> None:
+    """The load watchdog reads stacks holding the GIL (faulthandler's reads them without it,
+    while the loading thread imports; a restart under load crashed with SIGSEGV after one)."""
+    import threading
+
+    from rl_core.engine.server import _stacks_if_not_done
+
+    slow = _stacks_if_not_done(threading.Event(), 0.01)
+    slow.join(30)
+    assert not slow.is_alive()
+    assert "still loading after" in caplog.text and "thread MainThread" in caplog.text
+    caplog.clear()
+    done = threading.Event()
+    done.set()
+    fast = _stacks_if_not_done(done, 0.01)
+    fast.join(30)
+    assert not fast.is_alive() and "still loading" not in caplog.text

@@ -321,7 +321,9 @@ def test_two_engines_behind_the_router_share_work_and_survive_a_kill(
         while time.monotonic() < deadline and not (victim.restarts and victim.in_service):
             time.sleep(0.2)
         assert victim.in_service, f"engine not back; see {victim.log_path}"
-        assert http.health()["restarts"] == 1
+        # At least one restart: on a loaded machine a restart's own start can fail and be
+        # retried (the pool's max_failed_recoveries), which is the pool doing its job.
+        assert http.health()["restarts"] >= 1
         # back at the current version with the trainer's weights (re-synced from disk)
         assert http.client.weight_version(url=victim.url) == "1"
         http.verify(1, weights_checksum(trainer.export_weights()))

@@ -10,11 +10,12 @@ reaches the scheduler. Never unpickles request data; binds 127.0.0.1 unless told
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import logging
 import os
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,24 @@ def serve_in_thread(engine: EmbeddedEngine, host: str = "127.0.0.1", port: int =
 LOAD_STACKS_AFTER_S = 60.0
 
 
+def _stacks_if_not_done(done: threading.Event, after_s: float) -> threading.Thread:
+    """If ``done`` is not set within ``after_s``, log every thread's stack once (holding the
+    GIL, unlike faulthandler's watchdog, which reads other threads' frames without it while
+    they import: a starved start must not be made to crash by its own diagnostics)."""
+    def watch() -> None:
+        if done.wait(after_s):
+            return
+        names = {t.ident: t.name for t in threading.enumerate()}
+        stacks = [f"thread {names.get(tid, tid)}:\n" + "".join(traceback.format_stack(frame))
+                  for tid, frame in sys._current_frames().items()]
+        log.warning("the engine is still loading after %.0fs; every thread's stack:\n%s",
+                    after_s, "\n".join(stacks))
+
+    watcher = threading.Thread(target=watch, name="grpoflow-load-watch", daemon=True)
+    watcher.start()
+    return watcher
+
+
 def build_server(model_path: str | Path, host: str = "127.0.0.1", port: int = 30000, *,
                  log_level: str = "info", max_request_bytes: int = MAX_REQUEST_BYTES,
                  **engine_kw: Any) -> Any:
@@ -102,6 +121,8 @@ def build_server(model_path: str | Path, host: str = "127.0.0.1", port: int = 30
     app.state.load_error = None
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
 
+    loaded = threading.Event()
+
     def load() -> None:
         try:
             app.state.engine = EmbeddedEngine(model_path, **engine_kw)
@@ -111,11 +132,11 @@ def build_server(model_path: str | Path, host: str = "127.0.0.1", port: int = 30
             app.state.load_error = e
             server.should_exit = True
         finally:
-            faulthandler.cancel_dump_traceback_later()
+            loaded.set()
 
     # A load still running after a minute: every thread's stack into the log, to tell a
     # hang from a starved start (docs/testing.md, "A restarted engine that takes minutes").
-    faulthandler.dump_traceback_later(LOAD_STACKS_AFTER_S, exit=False)
+    _stacks_if_not_done(loaded, LOAD_STACKS_AFTER_S)
     threading.Thread(target=load, name="grpoflow-engine-load", daemon=True).start()
     return server
 
