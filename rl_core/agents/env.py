@@ -9,13 +9,16 @@ Never imports Prefect or MLflow.
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from rl_core.data.records import Record
 
 __all__ = ["EnvironmentFailure", "Environment", "EpisodeLimits", "Message", "StepResult", "Turn",
-           "check_messages"]
+           "bounded_calls", "check_messages"]
 
 Message = dict[str, Any]  # an OpenAI-style chat message: {"role": ..., "content": ...}
 _ROLES = {"system", "user", "assistant", "tool"}
@@ -84,6 +87,31 @@ class Environment(Protocol):
 
     def step(self, turn: Turn) -> StepResult:
         """React to the model's turn."""
+
+
+# Environment calls run here; a hung call keeps its thread (Python cannot stop a thread), so
+# the pool is large enough that a few stuck environments do not stall the rest.
+_ENV_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="grpoflow-env")
+
+
+def bounded_calls(items: Sequence[Any], fn: Callable[[Any], Any], timeout_s: float) -> list[Any]:
+    """``fn(item)`` for every item concurrently, all within ``timeout_s`` (``agent.env_timeout_s``):
+    each result, or an :class:`EnvironmentFailure` where the call raised or outlived the bound.
+    What both episode runners (single- and multi-role) call their environments through."""
+    futures = [_ENV_POOL.submit(fn, x) for x in items]
+    deadline = time.monotonic() + timeout_s
+    out: list[Any] = []
+    for f in futures:
+        try:
+            out.append(f.result(timeout=max(0.0, deadline - time.monotonic())))
+        except concurrent.futures.TimeoutError:
+            out.append(EnvironmentFailure(
+                "timeout", f"no answer within agent.env_timeout_s={timeout_s:g}s"))
+        except EnvironmentFailure as e:
+            out.append(e)
+        except Exception as e:  # noqa: BLE001 - the environment's own bug
+            out.append(EnvironmentFailure("error", f"{type(e).__name__}: {e}"))
+    return out
 
 
 def check_messages(messages: object, where: str) -> list[Message]:

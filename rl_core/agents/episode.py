@@ -13,7 +13,6 @@ segment (docs/agents.md, 'Reasoning templates'). Never imports Prefect or MLflow
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +27,7 @@ from rl_core.agents.env import (
     Message,
     StepResult,
     Turn,
+    bounded_calls,
     check_messages,
 )
 from rl_core.agents.pacing import CircuitBreaker
@@ -42,9 +42,6 @@ __all__ = ["EpisodeRunner", "episode_metrics"]
 
 log = logging.getLogger(__name__)
 log.addFilter(RedactFilter())  # environment errors may quote what they were given (keys, URLs)
-# Environment calls run here; a hung call keeps its thread (Python cannot stop a thread), so
-# the pool is large enough that a few stuck environments do not stall the rest.
-_ENV_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="grpoflow-env")
 
 
 @dataclass(eq=False)
@@ -115,22 +112,8 @@ class EpisodeRunner:
         return out
 
     def _call_now(self, episodes: list[_Episode], fn: Callable[[_Episode], Any]) -> list[Any]:
-        """``fn(e)`` for every episode concurrently; an :class:`EnvironmentFailure` (also for
-        a call that outlives ``env_timeout_s``) in place of a result that could not be had."""
-        futures = [_ENV_POOL.submit(fn, e) for e in episodes]
-        deadline = time.monotonic() + self.limits.env_timeout_s
-        out: list[Any] = []
-        for f in futures:
-            try:
-                out.append(f.result(timeout=max(0.0, deadline - time.monotonic())))
-            except concurrent.futures.TimeoutError:
-                out.append(EnvironmentFailure(
-                    "timeout", f"no answer within agent.env_timeout_s={self.limits.env_timeout_s:g}s"))
-            except EnvironmentFailure as e:
-                out.append(e)
-            except Exception as e:  # the environment's own bug
-                out.append(EnvironmentFailure("error", f"{type(e).__name__}: {e}"))
-        return out
+        """``fn(e)`` for every episode concurrently, bounded (:func:`bounded_calls`)."""
+        return bounded_calls(episodes, fn, self.limits.env_timeout_s)
 
     def _start(self, episodes: list[_Episode]) -> None:
         """Reset each episode's environment, retrying those whose reset fails."""

@@ -20,7 +20,6 @@ self-play'). Never imports Prefect or MLflow.
 
 from __future__ import annotations
 
-import concurrent.futures
 import importlib
 import logging
 import statistics
@@ -37,6 +36,7 @@ from rl_core.agents.env import (
     Message,
     StepResult,
     Turn,
+    bounded_calls,
     check_messages,
 )
 from rl_core.agents.trajectory import Trajectory
@@ -48,7 +48,6 @@ from rl_core.types import Sample
 __all__ = ["RoleEpisodeRunner", "RoleStep", "declared_roles", "role_metrics", "role_runner"]
 
 log = logging.getLogger(__name__)
-_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpoflow-roles")
 
 
 @dataclass
@@ -149,22 +148,8 @@ class RoleEpisodeRunner:
     # ------------------------------------------------------------------ the rounds
 
     def _calls(self, plays: list[_Play], fn: Callable[[_Play], Any]) -> list[Any]:
-        """``fn(p)`` for every episode at once, each bounded by ``env_timeout_s``; an
-        :class:`EnvironmentFailure` where it raised or hung."""
-        futures = [_POOL.submit(fn, p) for p in plays]
-        deadline = time.monotonic() + self.limits.env_timeout_s
-        out: list[Any] = []
-        for f in futures:
-            try:
-                out.append(f.result(timeout=max(0.0, deadline - time.monotonic())))
-            except concurrent.futures.TimeoutError:
-                out.append(EnvironmentFailure(
-                    "timeout", f"no answer within agent.env_timeout_s={self.limits.env_timeout_s:g}s"))
-            except EnvironmentFailure as e:
-                out.append(e)
-            except Exception as e:  # noqa: BLE001 (the environment's own bug)
-                out.append(EnvironmentFailure("error", f"{type(e).__name__}: {e}"))
-        return out
+        """``fn(p)`` for every episode at once, bounded (:func:`bounded_calls`)."""
+        return bounded_calls(plays, fn, self.limits.env_timeout_s)
 
     def _start(self, plays: list[_Play]) -> None:
         def reset(p: _Play) -> list[Message]:
