@@ -114,8 +114,8 @@ def test_sl_recipe_loss_falls(service, cookbook_python):
 def test_rl_recipe_runs(service, cookbook_python):
     """The arithmetic RL recipe, 2 short steps (4 groups of 4, the second sampled after the
     first's update): sampling, rewards with a signal, importance-sampling updates, the
-    cookbook's metrics. The sampler is not seeded (the recipe sends no seed): the assertions
-    hold unless 16 episodes of a model that solves ~30% are all wrong (p < 0.01)."""
+    cookbook's metrics. The sampler is not seeded (the recipe sends no seed), so nothing here
+    depends on what it draws."""
     url, work, env = service
     rows = _run(cb.rl_command(cookbook_python, url, work / "rl", 2, groups=4, group_size=4,
                               max_tokens=12), env, work / "rl.log", work / "rl", timeout=900)
