@@ -138,6 +138,20 @@ def _registered_model_dir(cfg: ExperimentConfig, uri: str) -> str:
     return _fetch_version(cfg, tracking_uri, name, version)
 
 
+def _score_version(cfg: ExperimentConfig, config: str | None, overrides: list[str], uri: str,
+                   client: Any, v: Any, key: str, work: Path) -> tuple[dict[str, float], bool]:  # noqa: ANN401
+    """Version ``v``'s scores on held-out set ``key``: recorded earlier, or fetched, evaluated
+    in ``work`` and recorded now; (scores, evaluated now)."""
+    from tasks.tracking.registry import record_evaluation, recorded_evaluation
+
+    recorded = recorded_evaluation(client, v.name, v.version, key)
+    if recorded is not None:
+        return recorded, False
+    path = _fetch_version(cfg, uri, v.name, v.version)
+    result = evaluate(config=config, overrides=overrides, model=path, work_dir=str(work))
+    return record_evaluation(uri, v, key, result), True
+
+
 def _evaluate_registry(
     config: str | None, overrides: list[str], work_dir: str | None
 ) -> dict[str, Any]:
@@ -145,8 +159,6 @@ def _evaluate_registry(
         comparison_markdown,
         decide,
         promote,
-        record_evaluation,
-        recorded_evaluation,
         registry_client,
         resolve_aliases,
     )
@@ -171,13 +183,9 @@ def _evaluate_registry(
     scores: dict[str, dict[str, float]] = {}
     cached: dict[str, bool] = {}
     for v in {v.version: v for v in versions.values()}.values():
-        recorded = recorded_evaluation(client, name, v.version, key)
-        cached[v.version] = recorded is not None
-        if recorded is None:
-            path = _fetch_version(cfg, uri, name, v.version)
-            result = evaluate(config=config, overrides=overrides, model=path,
-                              work_dir=str(base / f"v{v.version}"))
-            recorded = record_evaluation(uri, v, key, result)
+        recorded, now = _score_version(cfg, config, overrides, uri, client, v, key,
+                                       base / f"v{v.version}")
+        cached[v.version] = not now
         scores[v.version] = recorded
         log.info("registry: %s v%s (%s): %s", name, v.version, v.alias,
                  "recorded earlier" if cached[v.version] else "evaluated now")
@@ -207,8 +215,6 @@ def _evaluate_latest(config: str | None, overrides: list[str], work_dir: str | N
     version's run and ``eval.<key>.*`` tags on the version)."""
     from tasks.tracking.registry import (
         RegistryVersion,
-        record_evaluation,
-        recorded_evaluation,
         registry_client,
     )
 
@@ -237,18 +243,15 @@ def _evaluate_latest(config: str | None, overrides: list[str], work_dir: str | N
         mv = max(found, key=lambda m: int(m.version))
         v = RegistryVersion(name, str(mv.version), LATEST, mv.run_id, mv.source)
         ref = f"{name}/{v.version}"
-        recorded = recorded_evaluation(client, name, v.version, key)
-        if recorded is None:
-            try:  # one tenant's unusable version costs that version only
-                path = _fetch_version(cfg, uri, name, v.version)
-                result = evaluate(config=config, overrides=overrides, model=path,
-                                  work_dir=str(base / f"{name}-v{v.version}"))
-                recorded = record_evaluation(uri, v, key, result)
-            except Exception as exc:  # noqa: BLE001 - reported below, the run fails
-                failed[ref] = f"{type(exc).__name__}: {exc}"[:500]
-                log.error("registry: %s v%s not evaluated: %s", name, v.version, failed[ref])
-                rows.append(f"| {name} | {v.version} | failed: {failed[ref][:200]} |")
-                continue
+        try:  # one tenant's unusable version costs that version only
+            recorded, now = _score_version(cfg, config, overrides, uri, client, v, key,
+                                           base / f"{name}-v{v.version}")
+        except Exception as exc:  # noqa: BLE001 - reported below, the run fails
+            failed[ref] = f"{type(exc).__name__}: {exc}"[:500]
+            log.error("registry: %s v%s not evaluated: %s", name, v.version, failed[ref])
+            rows.append(f"| {name} | {v.version} | failed: {failed[ref][:200]} |")
+            continue
+        if now:
             summary["evaluated_now"].append(ref)
         summary["versions"][name] = v.version
         summary["scores"][ref] = recorded
