@@ -316,7 +316,7 @@ def test_gateway_records_the_same_trajectory_streamed_or_not(gateway) -> None:
 
 
 def test_openai_agents_sdk_runs_and_streams(gateway) -> None:
-    agents = pytest.importorskip("agents")
+    import agents  # the dev extra installs it: a missing one fails, not skips
     agents.set_tracing_disabled(True)
 
     @agents.function_tool
@@ -357,7 +357,7 @@ def test_openai_agents_sdk_runs_and_streams(gateway) -> None:
 
 
 def test_langchain_chat_openai_invoke_and_stream(gateway) -> None:
-    lc = pytest.importorskip("langchain_openai")
+    import langchain_openai as lc  # the dev extra installs it
 
     def program(stream: bool, tools: bool) -> Any:
         out: dict[str, Any] = {}

@@ -30,9 +30,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
-tinker = pytest.importorskip("tinker")
-
+import tinker  # the dev extra installs it: a missing one fails, not skips
 from test_deployments import (  # noqa: E402
     BIN,
     _client,

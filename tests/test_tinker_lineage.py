@@ -19,11 +19,10 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
-
-tinker = pytest.importorskip("tinker")
-httpx = pytest.importorskip("httpx")
+import tinker  # the dev extra installs it: a missing one fails, not skips
 
 # grpoflow.tinker.lineage is imported here, not in a test: its first import sets up Prefect's
 # logging, which replaces the root logger's handlers (caplog's among them)

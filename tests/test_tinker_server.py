@@ -31,10 +31,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tinker  # the dev extra installs it: a missing one fails, not skips
 import torch
-
-tinker = pytest.importorskip("tinker")
-
 from conftest import EOS_ID  # noqa: E402
 from engine_helpers import save_tiny_model  # noqa: E402
 
