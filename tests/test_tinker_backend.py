@@ -136,6 +136,9 @@ def test_cross_entropy_learns_and_engine_logprobs_match_trainer(backend, tmp_pat
     short = backend.sample("tiny", adapter, PROMPT, 1, SamplingParams(max_tokens=2,
                                                                      temperature=0.0))[0]
     assert short.tokens == TARGET[:2] and short.stop_reason == "length"
+    no_stop = backend.sample("tiny", adapter, PROMPT, 1, SamplingParams(8, 0.0, ignore_eos=True))
+    assert no_stop[0].tokens[:len(TARGET)] == TARGET and len(no_stop[0].tokens) == 8
+    assert no_stop[0].stop_reason == "length"  # the SDK's stop=[]: not even EOS ends it
     seeded = SamplingParams(max_tokens=6, temperature=1.5, seed=7)
     first = backend.sample("tiny", None, PROMPT, 3, seeded)
     assert len(first) == 3 and all(len(s.logprobs) == len(s.tokens) for s in first)
@@ -256,6 +259,11 @@ def _reference(model_dir, adapter_dir, data, loss_fn, config):
             total = total - torch.min(ratio * adv, torch.clamp(ratio, lo, hi) * adv).sum()
         elif loss_fn == "cispo":
             total = total - (torch.clamp(ratio, lo, hi).detach() * logp * adv).sum()
+        elif loss_fn == "gspo":  # tinker-docs losses/gspo, written out per datum
+            marked = torch.as_tensor(d.inputs["sequence_ratio_mask"]) != 0
+            seq = torch.exp((logp.detach() - q)[marked].mean())
+            tok = seq * torch.exp(logp - logp.detach())
+            total = total - torch.min(tok * adv, torch.clamp(tok, lo, hi) * adv).sum()
         else:  # dro
             total = total - (logp * adv - 0.5 * config["beta"] * (logp - q) ** 2).sum()
     total.backward()
@@ -267,7 +275,8 @@ def _reference(model_dir, adapter_dir, data, loss_fn, config):
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 @pytest.mark.parametrize(("loss_fn", "config"), [
     ("importance_sampling", {}), ("ppo", {}),
-    ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}), ("dro", {"beta": 0.3})])
+    ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}), ("dro", {"beta": 0.3}),
+    ("gspo", {"clip_low_threshold": 0.97, "clip_high_threshold": 1.03})])
 def test_rl_losses_match_a_torch_reference(backend, model_dir, tmp_path, loss_fn, config):
     mid = f"ref-{loss_fn}"
     warm(backend, mid, seed=2, steps=2)
@@ -280,6 +289,8 @@ def test_rl_losses_match_a_torch_reference(backend, model_dir, tmp_path, loss_fn
         adv = rng.normal(size=len(s)).astype(np.float32)
         adv[0] = 0.0  # a prompt position: no loss
         data.append(rl_datum(s, s[1:] + [EOS_ID], lp + rng.uniform(-0.4, 0.4, len(s)), adv))
+        if loss_fn == "gspo":  # the ratio over all but the first two positions
+            data[-1].inputs["sequence_ratio_mask"] = (np.arange(len(s)) > 1).astype(np.float32)
     backend.save_sampler_weights(mid, tmp_path / "a")
     _, metrics = backend.forward_backward(mid, data, loss_fn, config)
     loss, grads = _reference(model_dir, tmp_path / "a", data, loss_fn, config)
@@ -289,6 +300,8 @@ def test_rl_losses_match_a_torch_reference(backend, model_dir, tmp_path, loss_fn
     assert set(mine) == set(grads)
     for k in grads:
         torch.testing.assert_close(mine[k], grads[k], rtol=1e-4, atol=1e-6)
+    if loss_fn in ("ppo", "cispo", "gspo"):
+        assert 0 <= metrics["clipped_frac:mean"] <= 1
     if loss_fn in ("ppo", "cispo"):
         assert 0 < metrics["clipped_frac:mean"] < 1
 
@@ -322,6 +335,39 @@ def test_ppo_clipping(backend):
             assert not grads_zero(backend, mid)
             assert m["loss:sum"] == pytest.approx(-1.5 * adv.sum(), rel=1e-4)
             assert m["clipped_frac:mean"] == (0.0 if config else 1.0)
+
+
+def test_gspo_by_hand():
+    """GSPO-token on small tensors, value and gradient worked out by hand: two datums (3 and
+    2 positions), each one sequence ratio s over its masked positions, clipped as a whole."""
+    from rl_core.tinker.losses import compute_loss, loss_settings
+
+    logp = torch.tensor([-1.0, -2.0, -0.5, -0.7, -0.3], requires_grad=True)
+    # datum a: masked log-ratios 0.05, 0.15 (position 0 unmasked, its 4 ignored): s = e^0.1
+    # datum b: both log-ratios log 1.5: s = 1.5, above hi = 1.2
+    q = torch.tensor([-5.0, -2.05, -0.65, -0.7 - math.log(1.5), -0.3 - math.log(1.5)])
+    mask = torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0])
+    adv = torch.tensor([0.0, 1.0, -2.0, 1.0, -1.0])
+    settings = loss_settings("gspo", None)
+    assert settings == {"lo": 0.8, "hi": 1.2}
+    loss, stats = compute_loss("gspo", logp, {"logprobs": q, "advantages": adv,
+                                              "sequence_ratio_mask": mask}, settings, [3, 2])
+    loss.backward()
+    s_a = math.exp(0.1)
+    # a: s_a in [0.8, 1.2], unclipped: -(s_a * 1 + s_a * -2). b: A = 1 > 0 takes the clipped
+    # 1.2 (no gradient), A = -1 < 0 the unclipped 1.5 * -1.
+    want = -(s_a - 2 * s_a) - (1.2 * 1.0 - 1.5)
+    assert float(loss) == pytest.approx(want, rel=1e-6)
+    # d/dlogp_t = -A_t * s where the unclipped term is taken, 0 where the clipped one is
+    torch.testing.assert_close(logp.grad, torch.tensor([0.0, -s_a, 2 * s_a, 0.0, 1.5]))
+    m = stats.metrics("gspo")
+    assert m["tokens:sum"] == 4 and m["ratio:mean"] == pytest.approx((2 * s_a + 3.0) / 4)
+    assert m["clipped_frac:mean"] == 0.5  # b's two tokens lie outside [0.8, 1.2]
+    none = torch.zeros(2)  # a datum whose mask marks nothing: s = 1
+    loss, _ = compute_loss("gspo", torch.zeros(2), {"logprobs": torch.full((2,), -3.0),
+                                                    "advantages": torch.ones(2),
+                                                    "sequence_ratio_mask": none}, settings)
+    assert float(loss) == -2.0
 
 
 def test_save_load_resumes_exactly(backend, tmp_path):
@@ -406,4 +452,10 @@ def test_refused_requests_name_the_problem_and_change_nothing(backend):
         backend.sample("tiny", None, PROMPT, 0, SamplingParams())
     with pytest.raises(TinkerError, match="empty"):
         backend.compute_logprobs("tiny", None, [])
+    with pytest.raises(TinkerError, match=r"needs loss_fn_inputs \['sequence_ratio_mask'\]"):
+        backend.forward_backward("err", [rl_datum([5, 6], [6, 7], [0, 0], [1, 1])], "gspo")
+    with pytest.raises(TinkerError, match="stable_reinforce' is not served: Tinker has not "
+                                          "published its objective"):
+        backend.forward_backward("err", [rl_datum([5, 6], [6, 7], [0, 0], [1, 1])],
+                                 "stable_reinforce")
     assert grads_zero(backend, "err")  # the good datums of refused requests left no gradient

@@ -25,6 +25,7 @@ against the engine's (a sampler's prompt log-probs, its samples' log-probs).
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from pathlib import Path
@@ -425,6 +426,9 @@ def test_sampling(server, alice):
     by_str = sampler.sample(prompt, 1, tinker.SamplingParams(max_tokens=8, temperature=0,
                                                              stop=text)).result()
     assert by_str.sequences[0].tokens == SEQ[2:5] and by_str.sequences[0].stop_reason == "stop"
+    empty = sampler.sample(prompt, 1, tinker.SamplingParams(max_tokens=8, temperature=0,
+                                                            stop=[])).result().sequences[0]
+    assert (empty.tokens, empty.stop_reason) == (greedy.tokens, greedy.stop_reason)  # no stop
 
     lps = sampler.compute_logprobs(tinker.ModelInput.from_ints(SEQ)).result()
     assert lps[0] is None and len(lps) == len(SEQ)
@@ -493,6 +497,35 @@ def test_session_end_releases_models(server):
     assert (root / tc.model_id / "weights" / "kept" / "tinker_state.json").is_file()  # stays
 
 
+def test_gspo_through_the_sdk(server, alice):
+    """forward_backward(gspo) from the real SDK: each datum's sequence ratio (here 1.1 on the
+    masked positions, set through the sampler log-probs) clipped by loss_fn_config's bounds."""
+    tc = alice.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+    [lp] = [o["logprobs"].to_numpy() for o in
+            tc.forward([ce_datum(SEQ)], "cross_entropy").result().loss_fn_outputs]
+    n = len(SEQ) - 1
+    mask = np.array([0.0] * 2 + [1.0] * (n - 2), np.float32)
+    adv = mask * np.linspace(0.5, 1.5, n, dtype=np.float32)
+    q = (lp - mask * math.log(1.1)).astype(np.float32)  # mask 0: q = logp, ratio 1, no signal
+    datum = tinker.Datum(model_input=tinker.ModelInput.from_ints(SEQ[:-1]),
+                         loss_fn_inputs={"target_tokens": SEQ[1:], "logprobs": q.tolist(),
+                                         "advantages": adv.tolist(),
+                                         "sequence_ratio_mask": mask.tolist()})
+    out = tc.forward_backward([datum], "gspo").result()
+    assert out.metrics["loss:sum"] == pytest.approx(-1.1 * adv.sum(), rel=1e-4)
+    assert out.metrics["ratio:mean"] == pytest.approx(1.1, rel=1e-4)
+    assert out.metrics["clipped_frac:mean"] == 0.0 and out.metrics["tokens:sum"] == n - 2
+    np.testing.assert_allclose(out.loss_fn_outputs[0]["logprobs"].to_numpy(), lp, atol=1e-5)
+    tight = tc.forward_backward([datum], "gspo", {"clip_low_threshold": 0.95,
+                                                  "clip_high_threshold": 1.05}).result()
+    assert tight.metrics["loss:sum"] == pytest.approx(-1.05 * adv.sum(), rel=1e-4)
+    assert tight.metrics["clipped_frac:mean"] == 1.0
+    no_mask = tinker.Datum(model_input=datum.model_input, loss_fn_inputs={
+        k: v for k, v in datum.loss_fn_inputs.items() if k != "sequence_ratio_mask"})
+    with pytest.raises(tinker.RequestFailedError, match="sequence_ratio_mask"):
+        tc.forward_backward([no_mask], "gspo").result()
+
+
 def test_bad_key_and_unknown_base_model(server, alice):
     with (tinker.ServiceClient(base_url=server["url"], api_key="tml-not-a-key") as sc,
           pytest.raises(tinker.AuthenticationError)):
@@ -501,7 +534,7 @@ def test_bad_key_and_unknown_base_model(server, alice):
         alice.create_lora_training_client(base_model="Qwen/Qwen3-4B").result()
     tc = alice.create_lora_training_client(base_model=BASE, rank=2).result()
     with pytest.raises(tinker.RequestFailedError, match="not supported") as exc:
-        tc.forward_backward([ce_datum(SEQ)], "gspo").result()
+        tc.forward_backward([ce_datum(SEQ)], "stable_reinforce").result()
     assert exc.value.category == tinker.types.RequestErrorCategory.User
     bad = tinker.Datum(model_input=tinker.ModelInput.from_ints([1, 2, 3]),
                        loss_fn_inputs={"target_tokens": [1, 2], "weights": [1.0, 1.0]})

@@ -13,10 +13,18 @@ from typing import Literal
 
 import numpy as np
 
-__all__ = ["AdamParams", "Datum", "LOSSES", "SampledSequence", "SamplingParams", "TinkerError"]
+__all__ = ["AdamParams", "Datum", "LOSSES", "REFUSED_LOSSES", "SampledSequence",
+           "SamplingParams", "TinkerError"]
 
 # The losses forward_backward takes (tinker's names); docs/tinker.md gives each formula.
-LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+# Tinker's other names, each with why it is refused and what to use instead.
+REFUSED_LOSSES = {
+    "stable_reinforce": "Tinker has not published its objective, and it trains on sampler "
+                        "records (sampling with record_stability_info=True, provenance spans "
+                        "on each datum) that this server does not keep; use ppo, cispo or "
+                        "gspo (docs/tinker.md)",
+}
 
 
 class TinkerError(ValueError):
@@ -49,7 +57,9 @@ class AdamParams:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """tinker.SamplingParams: ``stop`` as token ids or strings; ``seed`` None: random."""
+    """tinker.SamplingParams: ``stop`` as token ids or strings; ``seed`` None: random.
+    ``ignore_eos``: EOS does not end a sample either (the SDK's ``stop=[]``, "no stop at all";
+    the HTTP layer passes ``stop=[]`` as ``stop=()`` without it today: docs/tinker.md)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -57,6 +67,7 @@ class SamplingParams:
     top_k: int = -1
     seed: int | None = None
     stop: tuple[int, ...] | tuple[str, ...] = ()
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,7 @@ class LoraBackend:
                          ) -> tuple[list[np.ndarray], dict[str, float]]:
         """Each datum's log-probs of its ``target_tokens`` under ``model_id`` (float32, the
         targets' shape) and the metrics (``loss:sum``, ``tokens:sum``; RL losses also
-        ``ratio:mean``, ppo/cispo ``clipped_frac:mean``). Unless ``forward_only``, the summed
+        ``ratio:mean``, ppo/cispo/gspo ``clipped_frac:mean``). Unless ``forward_only``, the summed
         loss's gradient is added to the adapter's (kept until :meth:`optim_step`). Every
         datum is checked before any computation, so a refused request changes nothing."""
         ad = self._adapter(model_id)
@@ -210,7 +210,8 @@ class LoraBackend:
                 flat = torch.cat([lp.reshape(-1) for lp in logps])
                 inputs = {k: torch.cat([items[i].inputs[k].reshape(-1) for i in chunk])
                           for k in items[chunk[0]].inputs}
-                loss, part = compute_loss(loss_fn, flat, inputs, settings)
+                loss, part = compute_loss(loss_fn, flat, inputs, settings,
+                                          [lp.numel() for lp in logps])
                 if not forward_only:
                     loss.backward()
             stats.add(part)
@@ -346,6 +347,7 @@ class LoraBackend:
             reqs = [GenerateRequest(f"tinker-{rid}-{i}", [int(t) for t in prompt], EngineParams(
                 temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                 max_new_tokens=params.max_tokens, stop=strings, stop_token_ids=ids,
+                ignore_eos=params.ignore_eos,
                 seed=None if params.seed is None else params.seed + i),
                 return_logprob=True, lora=lora) for i in range(num_samples)]
         except ValueError as e:

@@ -12,6 +12,16 @@ with them. Every loss is a plain sum over tokens and datums (no normalisation).
 * ``dro``: ``-sum(logp * A - beta / 2 * (logp - sampler_logp) ** 2)`` as Tinker's docs write
   it (every position, no advantage mask); ``loss_fn_config["beta"]`` is required (the docs
   state no default).
+* ``gspo``: Tinker's GSPO-token (tinker-docs ``losses/gspo``): per datum, the sequence ratio
+  ``s = exp(mean over sequence_ratio_mask != 0 of (logp - sampler_logp))`` (the value of
+  :func:`rl_core.algorithms.losses.gspo_ratio`), every token's ratio
+  ``s_t = stopgrad(s) * exp(logp - stopgrad(logp))`` (s's value, its own token's gradient), then
+  ppo's clipped objective on ``s_t``: ``-sum(min(s_t * A, clip(s_t, lo, hi) * A))``.
+  ``sequence_ratio_mask`` is required; ``lo``/``hi`` as ppo's (0.8 / 1.2 by default: an
+  assumption, docs/tinker.md). A datum whose mask marks nothing gets ``s = 1``.
+
+``stable_reinforce`` is refused: Tinker has not published its objective, and it reads sampler
+records (``record_stability_info``) that this server does not keep (docs/tinker.md).
 
 Positions where the advantage is 0 (prompt padding in the cookbook) contribute exactly 0 to
 the importance-sampling losses, with a zero gradient even where the ratio would overflow.
@@ -20,23 +30,28 @@ Unknown ``loss_fn_config`` keys are ignored, as a client may send keys another l
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
-from rl_core.tinker import LOSSES, TinkerError
+from rl_core.algorithms.losses import gspo_ratio
+from rl_core.tinker import LOSSES, REFUSED_LOSSES, TinkerError
 
 __all__ = ["CLIP_DEFAULTS", "LossStats", "compute_loss", "loss_settings", "required_inputs"]
 
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 _REQUIRED = {"cross_entropy": ("target_tokens", "weights"), "importance_sampling": _RL_INPUTS,
-             "ppo": _RL_INPUTS, "cispo": _RL_INPUTS, "dro": _RL_INPUTS}
-CLIP_DEFAULTS = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
+             "ppo": _RL_INPUTS, "cispo": _RL_INPUTS, "dro": _RL_INPUTS,
+             "gspo": (*_RL_INPUTS, "sequence_ratio_mask")}
+CLIP_DEFAULTS = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0), "gspo": (0.8, 1.2)}
 
 
 def required_inputs(loss_fn: str) -> tuple[str, ...]:
     """The ``loss_fn_inputs`` keys ``loss_fn`` needs; TinkerError for an unknown loss."""
+    if loss_fn in REFUSED_LOSSES:
+        raise TinkerError(f"loss_fn {loss_fn!r} is not served: {REFUSED_LOSSES[loss_fn]}")
     if loss_fn not in _REQUIRED:
         raise TinkerError(f"unknown loss_fn {loss_fn!r}; this server implements "
                           f"{sorted(_REQUIRED)} (Tinker's names: {list(LOSSES)})")
@@ -98,10 +113,27 @@ class LossStats:
         return out
 
 
+def sequence_ratios(logp: torch.Tensor, q: torch.Tensor, mask: torch.Tensor,
+                    lengths: Sequence[int]) -> torch.Tensor:
+    """GSPO-token's per-token ratio on flattened datums of ``lengths``: each datum's sequence
+    ratio (geometric mean of ``exp(logp - q)`` over its ``mask != 0`` positions, 1 where none)
+    as the value, each token's own ``logp`` as the gradient, at every position."""
+    if sum(lengths) != logp.numel():
+        raise ValueError(f"lengths {list(lengths)} do not add up to {logp.numel()} positions")
+    rows = [pad_sequence(list(torch.split(x, list(lengths))), batch_first=True)
+            for x in (logp.detach(), q, mask)]
+    seq = gspo_ratio(rows[0], rows[1], rows[2]).detach()  # (B, T): s_i on every position
+    valid = pad_sequence([torch.ones(n, dtype=torch.bool, device=logp.device) for n in lengths],
+                         batch_first=True)
+    return seq[valid] * torch.exp(logp - logp.detach())
+
+
 def compute_loss(loss_fn: str, logp: torch.Tensor, inputs: Mapping[str, torch.Tensor],
-                 settings: Mapping[str, float]) -> tuple[torch.Tensor, LossStats]:
+                 settings: Mapping[str, float], lengths: Sequence[int] | None = None
+                 ) -> tuple[torch.Tensor, LossStats]:
     """The summed loss of ``loss_fn`` (a scalar that back-propagates into ``logp``) and its
-    stats; ``logp`` and every input are float32 tensors of one shape (flattened datums)."""
+    stats; ``logp`` and every input are float32 tensors of one shape (flattened datums, of
+    ``lengths`` positions each: gspo's sequence ratio is per datum; None: one datum)."""
     if loss_fn == "cross_entropy":
         w = inputs["weights"]
         loss = -(logp * w).sum()
@@ -114,8 +146,11 @@ def compute_loss(loss_fn: str, logp: torch.Tensor, inputs: Mapping[str, torch.Te
         loss = -(logp * adv - 0.5 * beta * (logp - q) ** 2).sum()
         ratio = torch.exp((logp.detach() - q)[active])
         return loss, LossStats(float(loss.detach()), tokens, float(ratio.sum()))
-    # exp of 0 where inactive: no overflow, so no inf * 0 = nan in value or gradient
-    ratio = torch.exp(torch.where(active, logp - q, torch.zeros_like(logp)))
+    if loss_fn == "gspo":
+        ratio = sequence_ratios(logp, q, inputs["sequence_ratio_mask"],
+                                [logp.numel()] if lengths is None else lengths)
+    else:  # exp of 0 where inactive: no overflow, so no inf * 0 = nan in value or gradient
+        ratio = torch.exp(torch.where(active, logp - q, torch.zeros_like(logp)))
     clipped = 0
     if loss_fn == "importance_sampling":
         loss = -(ratio * adv).sum()
@@ -123,7 +158,7 @@ def compute_loss(loss_fn: str, logp: torch.Tensor, inputs: Mapping[str, torch.Te
         lo, hi = settings["lo"], settings["hi"]
         clipped_ratio = ratio.clamp(lo, hi)
         clipped = int(((ratio.detach() < lo) | (ratio.detach() > hi))[active].sum())
-        if loss_fn == "ppo":
+        if loss_fn in ("ppo", "gspo"):
             loss = -torch.minimum(ratio * adv, clipped_ratio * adv).sum()
         else:  # cispo
             loss = -(clipped_ratio.detach() * logp * adv).sum()
