@@ -393,7 +393,8 @@ def test_checkpoints_resume_and_rest(server, alice):
 def test_sampling(server, alice):
     backend = server["backend"]
     tc = alice.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
-    train(tc, [ce_datum(SEQ)], 5, 2e-2)  # enough for greedy decoding to continue SEQ
+    # enough for greedy decoding to continue SEQ, then end it with EOS
+    train(tc, [ce_datum(SEQ + [EOS_ID])], 5, 2e-2)
     sampler = tc.save_weights_and_get_sampling_client().result()
     assert sampler.get_base_model() == BASE
     prompt = tinker.ModelInput.from_ints(SEQ[:2])
@@ -428,7 +429,10 @@ def test_sampling(server, alice):
     assert by_str.sequences[0].tokens == SEQ[2:5] and by_str.sequences[0].stop_reason == "stop"
     empty = sampler.sample(prompt, 1, tinker.SamplingParams(max_tokens=8, temperature=0,
                                                             stop=[])).result().sequences[0]
-    assert (empty.tokens, empty.stop_reason) == (greedy.tokens, greedy.stop_reason)  # no stop
+    # the SDK's stop=[]: no stop at all, EOS included: greedy goes on to max_tokens
+    assert greedy.stop_reason == "stop" and len(greedy.tokens) < 8, greedy  # at EOS
+    assert (len(empty.tokens), empty.stop_reason) == (8, "length"), empty
+    assert empty.tokens[:6] == SEQ[2:]
 
     lps = sampler.compute_logprobs(tinker.ModelInput.from_ints(SEQ)).result()
     assert lps[0] is None and len(lps) == len(SEQ)

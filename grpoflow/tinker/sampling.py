@@ -90,10 +90,12 @@ class SamplingOps:
             raise ApiError(400, "the prompt is empty")
         sp = body.sampling_params
         stop = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ())
+        # the SDK: None keeps the implicit EOS stop; [] disables every stop, EOS included
+        no_stop = sp.stop is not None and not isinstance(sp.stop, str) and not stop
         params = SamplingParams(
             max_tokens=DEFAULT_MAX_TOKENS if sp.max_tokens is None else sp.max_tokens,
             temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed,
-            stop=stop)
+            stop=stop, ignore_eos=no_stop)
         if self.scheduler.queue_depth(base) >= self.max_queued:
             raise ApiError(429, f"{base}'s queue is full ({self.max_queued} requests); "
                            "retry shortly")
