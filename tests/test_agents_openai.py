@@ -504,6 +504,63 @@ def test_gateway_over_http_plane_matches_in_process(remote, local, ref) -> None:
         check_token_exact(s, remote.chat, ref, 2, 9, log)
 
 
+TOPK_PARAMS = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
+
+
+def top_k_turns(base_url: str, k: int) -> list[Any]:
+    """A chat turn and a completion (its prompt the chat's tokens so far) with ``k``
+    alternatives per token (none: k=0)."""
+    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=WAIT)
+    tops = {"logprobs": True, "top_logprobs": k} if k else {"logprobs": True}
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    chat = client.chat.completions.create(model="model", messages=USER, temperature=0, max_tokens=5,
+                                          **tops, extra_body=extra).choices[0]
+    prompt = [*chat.model_extra["prompt_token_ids"], *chat.model_extra["token_ids"], 33]
+    text = client.completions.create(model="model", prompt=prompt, temperature=0, max_tokens=5,
+                                     logprobs=k, extra_body=extra).choices[0]
+    return [chat, text]
+
+
+def test_gateway_top_logprobs_are_the_engines(served, local, remote) -> None:
+    """``top_logprobs`` (chat) and ``logprobs=k`` (completions) through a session, on the
+    in-process and the HTTP plane: the engine's own route's numbers for the same greedy
+    request; the recorded trajectory is the one a session without them records."""
+    _, server, _ = served
+    want = top_k_turns(f"{server.url}/v1", 4)
+    assert all(len(t.logprobs.content if i == 0 else t.logprobs.top_logprobs) == 5
+               for i, t in enumerate(want))
+    for gateway in (local, remote):
+        samples = []
+        for k in (4, 0):
+            session = gateway.open_session(RECORDS[0], params=TOPK_PARAMS, limits=LIMITS, seed=5)
+            try:
+                got = top_k_turns(session.base_url, k)
+            finally:
+                gateway.discard([session])
+            samples.append(session.sample())
+            if not k:
+                break
+            for g, w in zip(got, want, strict=True):
+                assert g.model_extra["prompt_token_ids"] == w.model_extra["prompt_token_ids"]
+                assert g.model_extra["token_ids"] == w.model_extra["token_ids"]
+            (chat, text), (wchat, wtext) = got, want
+            for e, we in zip(chat.logprobs.content, wchat.logprobs.content, strict=True):
+                assert [a.token for a in e.top_logprobs] == [a.token for a in we.top_logprobs]
+                torch.testing.assert_close(torch.tensor([a.logprob for a in e.top_logprobs]),
+                                           torch.tensor([a.logprob for a in we.top_logprobs]),
+                                           atol=1e-5, rtol=0)
+                assert abs(e.logprob - we.logprob) <= 1e-5
+            for alts, walts in zip(text.logprobs.top_logprobs, wtext.logprobs.top_logprobs,
+                                   strict=True):
+                assert len(alts) == 4 and list(alts) == list(walts)
+                torch.testing.assert_close(torch.tensor(list(alts.values())),
+                                           torch.tensor(list(walts.values())), atol=1e-5, rtol=0)
+        with_k, without = samples
+        assert with_k.prompt_ids == without.prompt_ids
+        assert with_k.completion_ids == without.completion_ids
+        assert with_k.logprobs == without.logprobs and with_k.loss_mask == without.loss_mask
+
+
 def test_failing_and_hanging_programs_cost_their_episode_only(local) -> None:
     release = threading.Event()
     flaky_seen: set[str] = set()
@@ -640,10 +697,6 @@ def test_session_routes_and_refusals(local) -> None:
             client.chat.completions.create(model="model", messages=[{"role": "user", "content": "x"}],
                                            n=2)
         assert info.value.body["param"] == "n"
-        with pytest.raises(openai.BadRequestError) as info:  # the plane has no alternatives
-            client.chat.completions.create(model="model", messages=[
-                {"role": "user", "content": "x"}], logprobs=True, top_logprobs=2)
-        assert info.value.body["param"] == "top_logprobs"
         # Completions: token ids that extend the recorded ids are observations (mask 0).
         a = client.completions.create(model="model", prompt=[104, 105], max_tokens=3,
                                       extra_body={"return_token_ids": True}).choices[0]

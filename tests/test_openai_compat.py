@@ -6,8 +6,9 @@ The embedded engine's ``/v1`` routes and the agent gateway run as real uvicorn s
 127.0.0.1 over the tiny chat model of tests/test_agents_openai.py (after the generation
 prompt it prefers one token that reads as a whole Hermes tool call, then the end of turn).
 Pinned here: a streamed answer is the unstreamed one chunk by chunk (text, log-probs, tool
-calls, ``finish_reason``, the usage chunk, ``[DONE]``), and a gateway session records the
-same trajectory whether its program streams or not; ``top_logprobs`` / ``logprobs=k`` are the
+calls, ``finish_reason``, the usage chunk, ``[DONE]``), a gateway session streams token by
+token (its chunks arrive while the engine is held mid-turn) and records the same trajectory
+whether its program streams or not; ``top_logprobs`` / ``logprobs=k`` are the
 engine's own log-softmax (the sampled token's log-prob is among them, bit for bit, and they
 match ``transformers``); a request without ``tools`` never gets ``tool_calls``; ``model``
 picks the base model or a LoRA adapter, and an unknown name is ``NotFoundError``.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from test_agents_openai import IM_END, TOOL, TOOL_TEXT, save_chat_model
 from rl_core.agents.chat import ChatTokens
 from rl_core.agents.env import EpisodeLimits
 from rl_core.agents.gateway import AgentGateway
+from rl_core.agents.gateway_stream import LiveText
 from rl_core.data.records import Record
 from rl_core.engine.core import EmbeddedEngine
 from rl_core.engine.openai_stream import text_pieces
@@ -389,16 +392,119 @@ def test_langchain_chat_openai_invoke_and_stream(gateway) -> None:
         assert a_out["usage"]["output_tokens"] == b_out["usage"]["output_tokens"] == 2
 
 
-def test_gateway_refuses_top_logprobs_and_accepts_any_model_name(gateway) -> None:
-    session = gateway.open_session(TASK, params=GREEDY, limits=LIMITS)
-    try:
+class PlainPlane:
+    """A plane that only samples (no top-k alternatives, no per-token hook)."""
+
+    def __init__(self, plane: InProcessPlane) -> None:
+        self.plane = plane
+
+    def generate(self, prompts: Any, params: Any) -> list:
+        return self.plane.generate(prompts, params)
+
+
+def test_gateway_top_logprobs_need_a_plane_with_them_and_any_model_name_goes(gateway) -> None:
+    with AgentGateway(PlainPlane(gateway.plane), gateway.chat) as plain:
+        session = plain.open_session(TASK, params=GREEDY, limits=LIMITS)
         client = openai.OpenAI(base_url=session.base_url, api_key="x", max_retries=0,
                                timeout=WAIT)
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model="policy", prompt="x", max_tokens=2, logprobs=2)
         assert info.value.body["param"] == "logprobs"
+        # without a token hook, stream=true still works: the finished turn as events
+        got = collect_chat(client.chat.completions.create(
+            model="policy", messages=USER, logprobs=True, stream=True))
+        assert got["content"] == TOOL_TEXT and len(got["logprobs"]) == 2
+    session = gateway.open_session(TASK, params=GREEDY, limits=LIMITS)
+    try:
+        client = openai.OpenAI(base_url=session.base_url, api_key="x", max_retries=0,
+                               timeout=WAIT)
+        r = client.completions.create(model="policy", prompt="x", max_tokens=2, logprobs=2)
+        assert all(len(alts) == 2 for alts in r.choices[0].logprobs.top_logprobs)
         # the session serves one model, the policy: a program's own model name is kept
         r = client.chat.completions.create(model="gpt-4o", messages=USER, logprobs=True)
         assert r.model == "gpt-4o" and r.choices[0].logprobs.content
     finally:
         gateway.discard([session])
+
+
+LONG = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_gateway_streams_token_by_token(gateway, kind) -> None:
+    """Generation held after its 4th token (the engine's step hook): the client has the
+    first 3 tokens' chunks (each goes out when the next is sampled) before the turn is over;
+    released, the stream ends as the unstreamed answer and records the same trajectory."""
+    engine, held, release, seen = gateway.plane.engine, threading.Event(), threading.Event(), []
+
+    def hold(step: int) -> None:  # decode step 3: 4 tokens sampled
+        if step == hold.at:
+            held.set()
+            seen.append(release.wait(WAIT))  # True: released by the test, not the timeout
+
+    def ask(stream: bool) -> tuple[Any, Any]:
+        session = gateway.open_session(TASK, params=LONG, limits=LIMITS, seed=1)
+        client = openai.OpenAI(base_url=session.base_url, api_key="x", max_retries=0,
+                               timeout=WAIT)
+        kw: dict[str, Any] = {"model": "policy", "stream": stream, "max_tokens": 8}
+        try:
+            if kind == "chat":
+                out = client.chat.completions.create(
+                    messages=USER, tools=[CALCULATOR], logprobs=True, top_logprobs=2, **kw)
+            else:
+                out = client.completions.create(prompt="What is", logprobs=2, **kw)
+            if not stream:
+                return out, session
+            entries, text, finish = [], [], None
+            for chunk in out:
+                for c in chunk.choices:
+                    piece = c.delta.content if kind == "chat" else c.text
+                    text.append(piece or "")
+                    lp = c.logprobs
+                    if lp is not None:
+                        entries += (lp.content if kind == "chat" else [
+                            (t, v, a) for t, v, a in zip(lp.tokens, lp.token_logprobs,
+                                                         lp.top_logprobs, strict=True)])
+                    finish = c.finish_reason or finish
+                if len(entries) == 3 and not release.is_set():
+                    # generation stops after the 4th token until the test releases it, so
+                    # these chunks came while the turn was being generated
+                    assert held.wait(WAIT)
+                    release.set()
+            return ("".join(text), entries, finish), session
+        finally:
+            gateway.discard([session])
+
+    whole, plain = ask(False)
+    hold.at = engine.stats["decode_steps"] + 3
+    engine.on_step = hold
+    try:
+        (text, entries, finish), streamed = ask(True)
+    finally:
+        engine.on_step = None
+    assert seen == [True]
+    (c,) = whole.choices
+    if kind == "chat":
+        assert text == c.message.content and finish == c.finish_reason
+        assert [e.model_dump() for e in entries] == [e.model_dump() for e in c.logprobs.content]
+    else:
+        lp = c.logprobs
+        assert text == c.text and finish == c.finish_reason
+        assert entries == list(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True))
+    assert len(entries) == 8
+    same_samples(plain.sample(), streamed.sample())
+
+
+def test_live_text_holds_back_stop_strings_and_the_last_token(gateway) -> None:
+    tok = gateway.chat.tokenizer
+    ids = tok.encode("ab STOP cd", add_special_tokens=False)
+    live = LiveText(tok, ["STOP"])
+    sent = "".join(live.push(t) for t in ids)
+    assert sent == "ab "  # "S", "ST", "STO" might begin the stop string; then it is there
+    assert live.rest("ab ") == ""
+    live = LiveText(tok, ["P c"])  # a stop string within the text decoded so far
+    assert "".join(live.push(t) for t in ids) == "ab STO"
+    assert live.rest("ab STO") == ""
+    live = LiveText(tok, [])
+    assert "".join(live.push(t) for t in ids) == "ab STOP c"  # one token behind
+    assert live.rest("ab STOP cd") == "d"

@@ -1,13 +1,18 @@
 """The gateway's batcher: the one thread that calls ``plane.generate`` for every session, so
-a wave of agent requests becomes one plane call."""
+a wave of agent requests becomes one plane call. A request's top-k alternatives and its
+per-token hook (a streamed turn) go to the plane only where it takes them (:func:`plane_takes`):
+the HTTP plane returns alternatives, the in-process plane both."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import inspect
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rl_core.engine.routes_openai import OpenAIError
 from rl_core.engine.sampling import SamplingParams
@@ -15,13 +20,25 @@ from rl_core.errors import RolloutRequestError
 from rl_core.interfaces import RolloutPlane
 from rl_core.types import Sample
 
-__all__ = ["Batcher", "Done", "request_error"]
+__all__ = ["Batcher", "Done", "plane_takes", "request_error"]
+
+Hook = Callable[[int, float, list[list[Any]] | None], None]
+
+
+def plane_takes(plane: RolloutPlane, name: str) -> bool:
+    """Whether ``plane.generate`` takes the keyword ``name`` (``top_logprobs``, ``on_token``)."""
+    try:
+        return name in inspect.signature(plane.generate).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 @dataclass(eq=False)
 class _Job:
     prompt: list[int]
     params: SamplingParams
+    top: int = 0  # top-k alternatives per token, for the client only
+    hook: Hook | None = None  # a streamed turn: each token as it is sampled
     future: cf.Future = field(default_factory=cf.Future)
     submitted: float = field(default_factory=time.monotonic)
 
@@ -56,10 +73,13 @@ class Batcher:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> cf.Future:
+    def submit(self, prompt: list[int], params: SamplingParams, *, top: int = 0,
+               hook: Hook | None = None) -> cf.Future:
+        """Queue a generation; ``top``: alternatives per token (the plane must take
+        ``top_logprobs``); ``hook``: called per token where the plane takes ``on_token``."""
         if self._closed.is_set():
             raise OpenAIError("the gateway is shutting down", 503, code="gateway_closed")
-        job = _Job(prompt, params)
+        job = _Job(prompt, params, top, hook)
         self._queue.put(job)
         return job.future
 
@@ -99,10 +119,18 @@ class Batcher:
             if batch:
                 self._run(batch)
 
+    def _generate(self, batch: list[_Job]) -> list[Sample]:
+        kw: dict[str, Any] = {}
+        if any(j.top for j in batch):
+            kw["top_logprobs"] = [j.top for j in batch]
+        if any(j.hook for j in batch) and plane_takes(self.plane, "on_token"):
+            kw["on_token"] = [j.hook for j in batch]
+        return self.plane.generate([j.prompt for j in batch], [j.params for j in batch], **kw)
+
     def _run(self, batch: list[_Job]) -> None:
         t0 = time.monotonic()
         try:
-            samples = self.plane.generate([j.prompt for j in batch], [j.params for j in batch])
+            samples = self._generate(batch)
             if len(samples) != len(batch):
                 raise RuntimeError(f"the plane answered {len(samples)} samples for "
                                    f"{len(batch)} prompts")
@@ -125,7 +153,7 @@ class Batcher:
     def _run_alone(self, job: _Job) -> None:
         t0 = time.monotonic()
         try:
-            (s,) = self.plane.generate([job.prompt], [job.params])
+            (s,) = self._generate([job])
         except Exception as e:
             job.future.set_exception(e)
             return

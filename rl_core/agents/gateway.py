@@ -3,8 +3,11 @@
 :class:`AgentGateway` serves ``/sessions/{sid}/v1`` in front of any ``RolloutPlane``; a session
 records its episode token-exactly in EpisodeRunner's layout and owns the sampling (the run's
 settings, replayable seeds, ``max_tokens`` clamped to the episode's budget). A streamed request
-gets the finished turn as server-sent events, so the trajectory is the same either way; a
-session serves one model, the policy, under any ``model`` name. A request that extends the
+gets its chunks as the plane samples the tokens where the plane reports each one
+(agents/gateway_stream.py), else the finished turn as events; either way the turn is recorded
+from the finished generation, so the trajectory is the same. Top-k alternatives come from the
+plane and go to the client only. A session serves one model, the policy, under any ``model``
+name. A request that extends the
 conversation is compared with the template's rendering of its messages; where they differ (a
 reasoning template), ``template_mismatch`` keeps the recorded tokens or starts a new segment
 (docs/agents.md, 'Reasoning templates').
@@ -31,9 +34,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rl_core.agents.batcher import Batcher, Done, request_error
+from rl_core.agents.batcher import Batcher, Done, plane_takes, request_error
 from rl_core.agents.chat import TEMPLATE_MISMATCH, ChatTokens
 from rl_core.agents.env import EpisodeLimits
+from rl_core.agents.gateway_stream import TokenFeed, consume, live_response
 from rl_core.agents.trajectory import Trajectory
 from rl_core.data.records import Record
 from rl_core.engine.protocol import MAX_REQUEST_BYTES
@@ -326,6 +330,9 @@ class AgentGateway:
         self.plane, self.chat, self.model_name = plane, chat, model_name
         self.request_timeout_s, self.max_sessions = request_timeout_s, max_sessions
         self._batcher = Batcher(plane, batch_wait_s, max_batch)
+        # what the plane can do beyond sampling: top-k alternatives, each token as sampled
+        self._tops = plane_takes(plane, "top_logprobs")
+        self._live = plane_takes(plane, "on_token")
         self._sessions: dict[str, GatewaySession] = {}
         self._lock = threading.Lock()
         self._server = ServerThread(self._app(max_request_bytes), host=host, port=port)
@@ -442,11 +449,10 @@ class AgentGateway:
                 raise OpenAIError("a session records one trajectory: ask for one completion "
                                   "of one prompt per request (n=1); more samples are more "
                                   "episodes", param="n")
-            if req.top_logprobs:
-                raise OpenAIError("top-k alternatives are not available through an agent "
-                                  "session (the rollout plane returns the sampled tokens' "
-                                  "log-probs only): leave top_logprobs / logprobs=k out, or ask "
-                                  "the engine's own /v1 routes", param="top_logprobs"
+            if req.top_logprobs and not self._tops:
+                raise OpenAIError("top-k alternatives are not available through this rollout "
+                                  "plane (it returns the sampled tokens' log-probs only): leave "
+                                  "top_logprobs / logprobs=k out", param="top_logprobs"
                                   if req.kind == "chat" else "logprobs",
                                   code="unsupported_parameter")
             # One request of a session at a time, so each extends what the last recorded.
@@ -461,10 +467,13 @@ class AgentGateway:
                                       code="timeout")
                 await asyncio.sleep(0.05)  # rare: an agent's concurrent requests, one session
             session._busy = True
+            response: Response | None = None
             try:
-                return await self._generate(session, req, t0)
-            finally:
-                session._busy = False
+                response = await self._generate(session, req, t0)
+                return response
+            finally:  # a live stream frees the session when it ends
+                if not getattr(response, "holds_session", False):
+                    session._busy = False
         except OpenAIError as e:
             return e.response()
 
@@ -472,7 +481,10 @@ class AgentGateway:
                         t0: float) -> Response:
         with session.lock:
             plan, params, number = session._prepare(req)
-        future = self._batcher.submit(plan.prompt, params)
+        loop = asyncio.get_running_loop()
+        # stream=true on a plane that reports each token: the chunks go out as it samples
+        feed = TokenFeed(loop) if req.stream and self._live else None
+        future = self._batcher.submit(plan.prompt, params, top=req.top_logprobs, hook=feed)
         waiting = asyncio.wrap_future(future)
         # Consumed here if nobody waits for it any more (the handler gave up).
         waiting.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -480,53 +492,89 @@ class AgentGateway:
         # Wait for the generation, the session's close or the deadline, whichever is first,
         # without polling: periodic wake-ups of many handlers steal the cores the engine's
         # OpenMP threads spin on.
-        loop = asyncio.get_running_loop()
         closed: asyncio.Future = loop.create_future()
         waker = (loop, closed)
         with session.lock:
             session._wakers.append(waker)
-        try:
+
+        async def outcome(timeout: float) -> Done:
             if not session.closed:
-                await asyncio.wait({waiting, closed}, timeout=max(0.0, end - time.monotonic()),
+                await asyncio.wait({waiting, closed}, timeout=timeout,
                                    return_when=asyncio.FIRST_COMPLETED)
-        finally:
+            if not waiting.done():
+                with session.lock:
+                    session._check_open()
+                raise OpenAIError(f"no generation within request_timeout_s="
+                                  f"{self.request_timeout_s:g}s", 504, code="timeout")
+            try:
+                return waiting.result()
+            except OpenAIError:
+                raise
+            except Exception as e:
+                if request_error(e):
+                    raise OpenAIError(f"the rollout plane refused the request: {e}",
+                                      code="invalid_request") from None
+                raise OpenAIError(f"the rollout plane failed: {type(e).__name__}: {e}", 502,
+                                  code="rollout_failed") from None
+
+        tok = self.chat.tokenizer
+        head = envelope(req, f"{session.sid}-{number}", req.model or self.model_name, [], 0, 0)
+
+        def finish(done: Done) -> tuple[dict[str, Any], list[int]]:
+            """Check and record the turn; its response body and completion ids."""
+            s = done.sample
+            if s.aborted:  # a weight update cut it short: not a turn of this policy
+                raise OpenAIError(f"the generation was aborted "
+                                  f"({s.finish_reason.get('message')}); the episode cannot go "
+                                  "on", 503, code="aborted")
+            text = completion_text(tok, s.completion_ids, s.finish_reason,
+                                   skip_special_tokens=req.skip_special_tokens)
+            # top-k alternatives go to the client only; the trajectory never holds them
+            top = s.meta.get("output_top_logprobs") if req.top_logprobs else None
+            if req.kind == "chat":
+                choice = chat_choice(0, tok, s.completion_ids, s.logprobs, s.finish_reason, req,
+                                     key=str(params.seed), prompt_ids=plan.prompt, text=text,
+                                     top=top)
+                calls = len(choice["message"].get("tool_calls") or [])
+            else:
+                choice = completion_choice(0, tok, s.completion_ids, s.logprobs, s.finish_reason,
+                                           req, prompt_ids=plan.prompt, text=text, top=top)
+                calls = 0
+            with session.lock:
+                session._check_open()  # closed meanwhile: these tokens are not the episode's
+                session._record(plan, req, done, text, number, calls, params.seed,
+                                time.monotonic() - t0)
+            body = envelope(req, f"{session.sid}-{number}", head["model"], [choice],
+                            len(plan.prompt), len(s.completion_ids), s.weight_version)
+            return {**body, "created": head["created"]}, list(s.completion_ids)
+
+        def release() -> None:
             with session.lock:
                 session._wakers.remove(waker)
-        if not waiting.done():
-            with session.lock:
-                session._check_open()
-            raise OpenAIError(f"no generation within request_timeout_s="
-                              f"{self.request_timeout_s:g}s", 504, code="timeout")
+            session._busy = False
+
+        live = False
         try:
-            done: Done = waiting.result()
-        except OpenAIError:
-            raise
-        except Exception as e:
-            if request_error(e):
-                raise OpenAIError(f"the rollout plane refused the request: {e}",
-                                  code="invalid_request") from None
-            raise OpenAIError(f"the rollout plane failed: {type(e).__name__}: {e}", 502,
-                              code="rollout_failed") from None
-        s = done.sample
-        if s.aborted:  # a weight update cut it short: not a turn of this policy, not recorded
-            raise OpenAIError(f"the generation was aborted ({s.finish_reason.get('message')}); "
-                              "the episode cannot go on", 503, code="aborted")
-        tok = self.chat.tokenizer
-        text = completion_text(tok, s.completion_ids, s.finish_reason,
-                               skip_special_tokens=req.skip_special_tokens)
-        if req.kind == "chat":
-            choice = chat_choice(0, tok, s.completion_ids, s.logprobs, s.finish_reason, req,
-                                 key=str(params.seed), prompt_ids=plan.prompt, text=text)
-            calls = len(choice["message"].get("tool_calls") or [])
-        else:
-            choice = completion_choice(0, tok, s.completion_ids, s.logprobs, s.finish_reason,
-                                       req, prompt_ids=plan.prompt, text=text)
-            calls = 0
-        with session.lock:
-            session._check_open()  # closed meanwhile: these tokens are not the episode's
-            session._record(plan, req, done, text, number, calls, params.seed,
-                            time.monotonic() - t0)
-        body = envelope(req, f"{session.sid}-{number}", req.model or self.model_name, [choice],
-                        len(plan.prompt), len(s.completion_ids), s.weight_version)
-        # stream=true: the same finished turn as events, so the trajectory is the same
-        return respond(req, body, tok, [s.completion_ids])
+            if feed is None:
+                done = await outcome(max(0.0, end - time.monotonic()))
+            else:
+                first = asyncio.ensure_future(feed.queue.get())
+                turn = asyncio.ensure_future(outcome(max(0.0, end - time.monotonic())))
+                turn.add_done_callback(consume)
+                await asyncio.wait({first, turn}, return_when=asyncio.FIRST_COMPLETED)
+                if first.done():  # a token before the turn is over: stream it as it goes
+                    turn.cancel()
+                    response = await live_response(
+                        feed, first.result(), req, tok, head, params.stop, outcome, finish, end,
+                        release)
+                    live = response.holds_session = True  # type: ignore[attr-defined]
+                    return response
+                first.cancel()
+                done = turn.result()
+            body, ids = finish(done)
+            # stream=true without a token hook: the finished turn as events
+            return respond(req, body, tok, [ids])
+        finally:
+            if not live:
+                with session.lock:
+                    session._wakers.remove(waker)

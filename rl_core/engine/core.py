@@ -28,11 +28,7 @@ import torch
 from transformers import AutoTokenizer
 
 from rl_core.engine import faults
-from rl_core.engine.control import (
-    EngineControl,
-    EngineRequestError,
-    EngineStateError,
-)
+from rl_core.engine.control import EngineControl, EngineRequestError, EngineStateError
 from rl_core.engine.kv import make_kv_batch
 from rl_core.engine.lora import Adapters
 from rl_core.engine.requests import (
@@ -507,6 +503,8 @@ class EmbeddedEngine(EngineControl):
         s.output_ids.append(token)
         s.output_logprobs.append(logp)
         add_run(s.spans, self.weight_version)
+        if (hook := s.req.on_token) is not None:  # a streamed request: each token as sampled
+            hook(token, logp, s.output_top[-1] if s.req.top_logprobs_num else None)
         self.stats["tokens"] += 1
         p, n = s.req.params, len(s.output_ids)
         if token in s.stop_ids:

@@ -44,7 +44,7 @@ _SAMPLING_IGNORED = {"custom_params", "stream_interval"}
 _SAMPLING_KNOWN = _SAMPLING_IMPLEMENTED | set(_SAMPLING_DEFAULT_ONLY) | _SAMPLING_IGNORED
 # Top-level /generate fields refused unless at their default.
 _GENERATE_DEFAULT_ONLY: dict[str, Any] = {
-    "input_embeds": None, "stream": False, "top_logprobs_num": 0, "token_ids_logprob": None,
+    "input_embeds": None, "stream": False, "token_ids_logprob": None,
     "video_data": None, "audio_data": None,
     "return_hidden_states": False}
 
@@ -167,6 +167,7 @@ class ItemOpts:
     skip_special_tokens: bool
     no_stop_trim: bool
     return_text_in_logprobs: bool
+    top_logprobs_num: int = 0
 
 
 def _sampling_params(d: Any, defaults: Mapping[str, Any],
@@ -299,6 +300,10 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine, max_samples: in
     starts = _per_item(field(body, "logprob_start_len", lambda v: is_int(v) or isinstance(v, list),
                              "an int"), batch, "logprob_start_len", n, -1)
     text_in_lp = bool(body.get("return_text_in_logprobs") or False)
+    tops = _per_item(field(body, "top_logprobs_num", lambda v: is_int(v) or isinstance(v, list),
+                           "an int"), batch, "top_logprobs_num", n, 0)
+    if not all(is_int(k) and 0 <= k <= engine.vocab_size for k in tops):
+        raise BadRequest(f"top_logprobs_num must be an int in [0, {engine.vocab_size}]")
     routed = _per_item(field(body, "return_routed_experts", lambda v: isinstance(v, bool | list),
                              "a bool or list"), batch, "return_routed_experts", n, False)
     loras = _per_item(body.get("lora_path"), batch, "lora_path", n, None)
@@ -324,9 +329,11 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine, max_samples: in
             seeded = n > 1 and params.seed is not None
             p = replace(params, seed=params.seed + j) if seeded else params
             reqs.append(GenerateRequest(sample_rid, list(prompt), p, want_lp, start, loras[i],
-                                        bool(routed[i]), images=pixels))
+                                        bool(routed[i]), images=pixels,
+                                        top_logprobs_num=tops[i] if want_lp else 0))
             opts.append(ItemOpts(list(prompt), want_lp, start, **text_opts,
-                                 return_text_in_logprobs=text_in_lp))
+                                 return_text_in_logprobs=text_in_lp,
+                                 top_logprobs_num=tops[i] if want_lp else 0))
     return single and n == 1, reqs, opts  # SGLang answers a list for n > 1
 
 
@@ -358,6 +365,10 @@ def response_item(out: GenerateOutput, o: ItemOpts, tokenizer: Any) -> dict[str,
 
         meta["output_token_logprobs"] = items(out.output_logprobs, out.output_ids)
         meta["output_token_logprobs_length"] = len(out.output_ids)
+        if o.top_logprobs_num:  # SGLang's: per output position, [[logprob, token_id, text]]
+            meta["output_top_logprobs"] = [items([v for v, _ in top], [int(t) for _, t in top])
+                                           for top in out.output_top_logprobs or []]
+            meta["input_top_logprobs"] = []
         meta["input_token_logprobs"] = []
         if out.input_logprobs is not None and (k := o.logprob_start_len) >= 0:
             prompt = o.prompt[k : k + len(out.input_logprobs)]

@@ -8,6 +8,7 @@ each version produced (docs/training.md, "Fully asynchronous rollouts").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,10 @@ class GenerateRequest:
     # engine/vision.py); None: a text prompt.
     images: ImageInputs | None = None
     top_logprobs_num: int = 0  # SGLang's: the k most likely tokens at each output position
+    # Called on the scheduler's thread with each token as it is sampled (token id, log-prob,
+    # its top_logprobs_num alternatives or None), before the request may finish; it must be
+    # quick and must not raise (the rollout plane streams a turn through it).
+    on_token: Callable[[int, float, list[list[Any]] | None], None] | None = None
 
 
 @dataclass

@@ -44,7 +44,7 @@ from rl_core.engine.tool_parser import parse_tool_calls
 __all__ = ["OPENAI_TIMEOUT_S", "OpenAIError", "OpenAIRequest", "chat_choice", "chat_prompt_ids",
            "completion_choice", "completion_text", "envelope", "message_images", "normalize_messages",
            "openai_error", "parse_openai_request", "read_openai_body", "respond", "router",
-           "served_names", "tool_call_id"]
+           "served_names", "token_logprobs", "tool_call_id"]
 
 router = APIRouter()
 
@@ -271,15 +271,15 @@ def _token_entry(tokenizer: Any, t: int, lp: float) -> dict[str, Any]:
     return {"token": token, "logprob": float(lp), "bytes": list(token.encode())}
 
 
-def _token_logprobs(tokenizer: Any, ids: Sequence[int], logprobs: Sequence[float],
-                    top: Sequence[Sequence[Sequence[Any]]] | None = None) -> list[dict[str, Any]]:
+def token_logprobs(tokenizer: Any, ids: Sequence[int], logprobs: Sequence[float],
+                   top: Sequence[Sequence[Sequence[Any]]] | None = None) -> list[dict[str, Any]]:
     """Chat's ``logprobs.content``: each token's entry with its ``top_logprobs`` (``top``:
-    the engine's ``[[logprob, id], ...]`` per token)."""
+    the engine's ``[[logprob, id], ...]`` per token, or SGLang's ``[logprob, id, text]``)."""
     out = []
     for k, (t, lp) in enumerate(zip(ids, logprobs, strict=True)):
         alts = top[k] if top is not None and k < len(top) else []
         out.append({**_token_entry(tokenizer, t, lp),
-                    "top_logprobs": [_token_entry(tokenizer, int(i), v) for v, i in alts]})
+                    "top_logprobs": [_token_entry(tokenizer, int(i), v) for v, i, *_ in alts]})
     return out
 
 
@@ -310,7 +310,7 @@ def chat_choice(index: int, tokenizer: Any, ids: Sequence[int], logprobs: Sequen
     choice: dict[str, Any] = {"index": index, "message": message, "finish_reason": reason,
                               "logprobs": None, "matched_stop": finish_reason.get("matched")}
     if req.logprobs:
-        choice["logprobs"] = {"content": _token_logprobs(tokenizer, ids, logprobs, top),
+        choice["logprobs"] = {"content": token_logprobs(tokenizer, ids, logprobs, top),
                               "refusal": None}
     if req.return_token_ids:
         choice["token_ids"] = list(ids)
@@ -332,7 +332,7 @@ def completion_choice(index: int, tokenizer: Any, ids: Sequence[int], logprobs: 
                               "finish_reason": _finish(finish_reason),
                               "matched_stop": finish_reason.get("matched")}
     if req.logprobs:
-        entries = _token_logprobs(tokenizer, ids, logprobs, top)
+        entries = token_logprobs(tokenizer, ids, logprobs, top)
         offsets, at = [], 0
         for e in entries:
             offsets.append(at)

@@ -239,12 +239,14 @@ class SGLangClient:
     async def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
                        return_logprob: bool = True, rid: str | None = None,
                        lora_path: str | None = None, return_routed_experts: bool = False,
-                       image_data: Sequence[bytes] = (), routing_key: str | None = None) -> Sample:
+                       image_data: Sequence[bytes] = (), routing_key: str | None = None,
+                       top_logprobs_num: int = 0) -> Sample:
         """One sample for one prompt (one HTTP request, as slime sends them); ``lora_path``:
         the name of a loaded LoRA adapter to sample with (SGLang's field);
         ``return_routed_experts``: the sample carries its MoE routing (``routed_experts``);
         ``image_data``: the prompt's images (encoded bytes, sent as SGLang's base64 strings;
-        the prompt's image pads already expanded: :func:`_images_payload`)."""
+        the prompt's image pads already expanded: :func:`_images_payload`);
+        ``top_logprobs_num``: SGLang's k alternatives per token (``meta["output_top_logprobs"]``)."""
         if not input_ids:
             raise ValueError("generate: input_ids is empty")
         rid = rid or uuid.uuid4().hex
@@ -252,6 +254,7 @@ class SGLangClient:
                    "sampling_params": dict(sampling_params), "return_logprob": return_logprob,
                    **({"lora_path": lora_path} if lora_path else {}),
                    **({"return_routed_experts": True} if return_routed_experts else {}),
+                   **({"top_logprobs_num": top_logprobs_num} if top_logprobs_num else {}),
                    **_images_payload([image_data], single=True)}
         resp, base = await self._request("POST", "/generate", json=payload, rid=rid, limited=True,
                                          key=routing_key)
@@ -265,10 +268,11 @@ class SGLangClient:
                              lora_path: str | None = None,
                              return_routed_experts: bool = False,
                              image_data: Sequence[Sequence[bytes]] | None = None,
-                             routing_key: str | None = None) -> list[Sample]:
+                             routing_key: str | None = None,
+                             top_logprobs_num: Sequence[int] | None = None) -> list[Sample]:
         """One batched request: one sample per prompt, in order (retried as a whole);
         ``image_data``: each prompt's images (as :meth:`generate`'s); ``routing_key``: to that
-        key's engine (session affinity)."""
+        key's engine (session affinity); ``top_logprobs_num``: each prompt's k alternatives."""
         if not (n := len(input_ids)) or any(len(p) == 0 for p in input_ids):
             raise ValueError("generate_batch: empty batch or empty prompt")
         rids = list(rid) if rid is not None else [uuid.uuid4().hex for _ in input_ids]
@@ -283,6 +287,8 @@ class SGLangClient:
                    "sampling_params": sampling_params, "return_logprob": return_logprob,
                    **({"lora_path": [lora_path] * n} if lora_path else {}),
                    **({"return_routed_experts": True} if return_routed_experts else {}),
+                   **({"top_logprobs_num": list(top_logprobs_num)} if any(top_logprobs_num or ())
+                      else {}),
                    **_images_payload(image_data or [()] * n, single=False)}
         resp, base = await self._request("POST", "/generate", json=payload, limited=True,
                                          key=routing_key)

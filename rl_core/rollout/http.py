@@ -170,14 +170,17 @@ class HttpPlane:
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
         *, partial: bool = False, images: Sequence[tuple[bytes, ...]] | None = None,
-        routing_keys: Sequence[str] | None = None,
+        routing_keys: Sequence[str] | None = None, top_logprobs: Sequence[int] | None = None,
     ) -> list[Sample]:
         """One sample per prompt, in order, in concurrent requests of ``request_batch_size``
         (one sample each through the router: sglang-router 0.3 refuses per-sample parameters).
         ``partial``: a stream segment; an update may abort it (tokens kept), and each sample
         is tagged with the version the engine served it with. ``routing_keys`` (session
         affinity): each prompt goes to its key's engine (``rl_core.rollout.affinity``; through
-        the router, as its routing-key header), one request per engine's share."""
+        the router, as its routing-key header), one request per engine's share.
+        ``top_logprobs``: each prompt's k alternatives per token (SGLang's ``top_logprobs_num``,
+        in ``meta["output_top_logprobs"]``: ``[[logprob, token_id, text], ...]`` per token);
+        they never change what is sampled."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -218,13 +221,18 @@ class HttpPlane:
         chunks = [g[i : i + size] for g in groups for i in range(0, len(g), size)]
         kw = {"lora_path": self.lora_name, "return_routed_experts": self.routed_experts}
 
+        tops = list(top_logprobs) if top_logprobs is not None else [0] * len(prompts)
+        if len(tops) != len(prompts):
+            raise ValueError(f"{len(tops)} top_logprobs for {len(prompts)} prompts")
+
         async def one(idx: list[int]) -> list[Sample]:
             p, im, key = [prompts[i] for i in idx], [pics[i] for i in idx], keys[idx[0]]
             sp = [sampling_payload(params[i]) for i in idx]
             if len(p) == 1:
                 return [await client.aio.generate(p[0], sp[0], **kw, image_data=im[0],
-                                                  routing_key=key)]
-            return await client.aio.generate_batch(p, sp, **kw, image_data=im, routing_key=key)
+                                                  routing_key=key, top_logprobs_num=tops[idx[0]])]
+            return await client.aio.generate_batch(p, sp, **kw, image_data=im, routing_key=key,
+                                                   top_logprobs_num=[tops[i] for i in idx])
 
         async def run_all() -> list[list[Sample]]:
             return list(await asyncio.gather(*(one(chunk) for chunk in chunks)))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,10 @@ from rl_core.engine.sampling import SamplingParams
 from rl_core.types import Sample
 from rl_core.weight_sync import WeightSyncError, served_version
 
-__all__ = ["InProcessPlane", "shared_view"]
+__all__ = ["InProcessPlane", "TokenHook", "shared_view"]
+
+# A streamed request's hook: (token id, log-prob, its top-k alternatives or None) per token.
+TokenHook = Callable[[int, float, list[list[Any]] | None], None]
 
 
 def shared_view(model: torch.nn.Module) -> torch.nn.Module:
@@ -59,12 +62,18 @@ class InProcessPlane:
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
         *, partial: bool = False, images: Sequence[tuple[bytes, ...]] | None = None,
-        routing_keys: Sequence[str] | None = None,
+        routing_keys: Sequence[str] | None = None, top_logprobs: Sequence[int] | None = None,
+        on_token: Sequence[TokenHook | None] | None = None,
     ) -> list[Sample]:
         """One sample per prompt, in order, scheduled together by the engine (``partial``:
         a partial rollout's segment; an update's pause may abort it, and each sample is
         tagged with the version the engine served it with; ``images``: each prompt's, its
-        image pads already expanded; ``routing_keys``: one engine, every key's)."""
+        image pads already expanded; ``routing_keys``: one engine, every key's).
+        ``top_logprobs``: each prompt's k alternatives per token, in
+        ``meta["output_top_logprobs"]`` (``[[logprob, token_id], ...]`` per token, as the HTTP
+        plane's); ``on_token``: each prompt's hook, called with every token as it is sampled
+        (token id, log-prob, alternatives or None), on the thread that drives the engine.
+        Neither changes what is sampled."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -74,9 +83,15 @@ class InProcessPlane:
                                   "its weights until an update succeeds")
         batch = uuid.uuid4().hex[:12]
         pics = list(images) if images is not None else [()] * len(prompts)
+        tops = list(top_logprobs) if top_logprobs is not None else [0] * len(prompts)
+        hooks = list(on_token) if on_token is not None else [None] * len(prompts)
+        if not len(tops) == len(hooks) == len(prompts):
+            raise ValueError(f"{len(tops)} top_logprobs and {len(hooks)} token hooks for "
+                             f"{len(prompts)} prompts")
         reqs = [GenerateRequest(f"{batch}-{i}", list(p), sp, return_logprob=True,
                                 lora=self.lora_name, return_routed_experts=self.routed_experts,
-                                images=self._pixels(p, im))
+                                images=self._pixels(p, im), top_logprobs_num=tops[i],
+                                on_token=hooks[i])
                 for i, (p, sp, im) in enumerate(zip(prompts, params, pics, strict=True))]
         outs = self.engine.generate_sync(reqs, timeout=self.timeout_s)
         tok = self.engine.tokenizer
@@ -87,7 +102,9 @@ class InProcessPlane:
         return [Sample(list(p), o.output_ids, o.output_logprobs, o.finish_reason, version(o),
                        tok.decode(o.output_ids, skip_special_tokens=True)
                        if tok is not None else "",
-                       meta={"id": o.rid, "cached_tokens": o.cached_tokens, **_spans(o)},
+                       meta={"id": o.rid, "cached_tokens": o.cached_tokens, **_spans(o),
+                             **({"output_top_logprobs": o.output_top_logprobs}
+                                if o.output_top_logprobs is not None else {})},
                        routed_experts=o.routed_experts, images=tuple(im))
                 for p, o, im in zip(prompts, outs, pics, strict=True)]
 
