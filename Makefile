@@ -1,5 +1,6 @@
 # The two commands of the README: `make run` (set up + GRPO demo) and `make test`.
-# Both create .venv when missing and are idempotent. Prerequisites: Linux, Python 3.11, make.
+# Both create .venv when missing and are idempotent. Prerequisites: Linux, Python 3.11 (or 3.12:
+# PYTHON=python3.12), make.
 #
 # `make run` installs what the demo needs (the core dependencies); `make test` and
 # `make soak` install everything the tests use (the `dev` extra: Ray, megatron-core, moto,
@@ -18,7 +19,9 @@ TORCH  ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # A local CPU wheel of it in pip's find-links (PIP_FIND_LINKS), where the machine has one:
 # uv installs it in ~3 s (pip unpacks it in ~20 s, on one core).
-TORCH_WHEEL ?= $(firstword $(wildcard $(addsuffix /$(subst ==,-,$(TORCH))+cpu-cp311-*.whl,\
+# Its tag follows PYTHON (python3.11 -> cp311, python3.12 -> cp312).
+PYTAG  := cp$(subst .,,$(subst python,,$(notdir $(PYTHON))))
+TORCH_WHEEL ?= $(firstword $(wildcard $(addsuffix /$(subst ==,-,$(TORCH))+cpu-$(PYTAG)-*.whl,\
   $(PIP_FIND_LINKS))))
 CONFIG ?= configs/tiny-cpu.yaml
 PYTEST_ARGS ?=
