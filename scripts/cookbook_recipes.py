@@ -98,16 +98,20 @@ def sl_command(python: Path, url: str, log_path: Path, steps: int) -> list[str]:
 
 def rl_command(python: Path, url: str, log_path: Path, steps: int, groups: int = 8,
                group_size: int = 8, max_tokens: int = 16,
-               learning_rate: float = 2e-3) -> list[str]:
+               learning_rate: float = 2e-3, eval_group_size: int = 0,
+               extra: tuple[str, ...] = ()) -> list[str]:
     """The cookbook's arithmetic RL recipe on one-digit sums (scripts/cookbook_arithmetic_rl.py:
     the stock ``math_rl/train.py env=arithmetic`` asks for sums up to 200, which the tiny model
     never gets right, so no group has a signal): its ArithmeticEnv and ``rl.train.main``.
-    ``groups`` groups of ``group_size`` episodes a step (one sample request each)."""
+    ``groups`` groups of ``group_size`` episodes a step (one sample request each);
+    ``eval_group_size`` > 0: the held-out test set (all 100 sums, that many samples each)
+    scored at step 0 and after the last step; ``extra``: more of the script's ``key=value``."""
     return [str(python), str(ROOT / "scripts" / "cookbook_arithmetic_rl.py"), f"base_url={url}",
             f"model_name={MODEL_NAME}", f"log_path={log_path}", "loss_fn=importance_sampling",
             f"group_size={group_size}", f"groups_per_batch={groups}",
             f"learning_rate={learning_rate}",
-            "lora_rank=8", f"max_tokens={max_tokens}", f"max_steps={steps}"]
+            "lora_rank=8", f"max_tokens={max_tokens}", f"max_steps={steps}",
+            f"eval_group_size={eval_group_size}", *extra]
 
 
 def stock_rl_command(python: Path, url: str, log_path: Path, steps: int) -> list[str]:

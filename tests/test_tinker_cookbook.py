@@ -13,7 +13,8 @@ recipes"):
 * RL: scripts/cookbook_arithmetic_rl.py (the cookbook's arithmetic recipe on one-digit sums,
   its ArithmeticEnv and ``rl.train.main``): the short run checks the loop's mechanics
   (sampling, groups with a signal, importance-sampling updates, metrics); the soak run is to
-  check that the mean reward rises (not yet seen: see its xfail reason).
+  check that it learns, on a fixed held-out set against a no-learning control (not yet seen:
+  see its xfail reason).
 
 Every process started here is reaped (the server by its context manager, the recipes by
 ``subprocess.run`` with a timeout).
@@ -131,17 +132,40 @@ def test_rl_recipe_runs(service, cookbook_python):
         assert 0.0 <= r["env/all/by_group/frac_mixed"] <= 1.0
 
 
+def _held_out(rows: list[dict]) -> list[tuple[int, float]]:
+    """The recipe's test-set evaluations: (step, fraction of the 100 sums' samples correct)."""
+    return [(r["step"], r["test/env/all/correct"]) for r in rows if "test/env/all/correct" in r]
+
+
+STEPS, GROUPS, LR = 12, 16, 1e-3  # 16 groups of 8 episodes a step
+
+
 @pytest.mark.soak
-@pytest.mark.xfail(strict=False, reason="no learning shown: at 2e-3 no rise in 6 steps; at 5e-4 "
-                   "the last four steps beat the first four by 0.15-0.17, but so does the same "
-                   "recipe with no learning (+0.18: the batches' fixed order), so this criterion "
-                   "must compare with a no-learning control; docs/tinker.md")
-def test_rl_recipe_reward_rises(service, cookbook_python):
-    """The arithmetic RL recipe, 16 steps of 4 groups of 8: the mean reward of the last
-    four steps is above that of the first four."""
+@pytest.mark.xfail(strict=False, reason="no learning shown yet (/tmp/cookbook_rl_results.md): "
+                   "8 groups of 8 at lr 5e-3 and 2e-3 collapsed (held-out 0.21 -> 0.01 and 0.22 "
+                   "-> 0.10 in 20 steps: one short answer for every sum); these settings are "
+                   "the next candidate, measured on a loaded machine")
+def test_rl_recipe_learns_held_out(service, cookbook_python):
+    """The arithmetic RL recipe learns, measured on a fixed held-out set rather than on its
+    training batches (which come in a fixed order: a no-learning run's training reward rose
+    as much as a learning one's). The recipe's own test-set evaluator scores every sum x + y,
+    x, y in 0..9, four samples each at temperature 1 (400 samples; binomial std <= 0.025, of
+    a difference <= 0.035), at step 0 (the base model) and after the last step:
+
+    * the run (STEPS steps of GROUPS groups of 8 at LR) gains more than 0.10;
+    * a no-learning control (lr 1e-12, same measurement) moves less than 0.10, and ends
+      more than 0.10 below the run.
+    """
     url, work, env = service
-    rows = _run(cb.rl_command(cookbook_python, url, work / "rl-soak", 16, groups=4),
-                env, work / "rl-soak.log", work / "rl-soak", timeout=3600)
-    reward = [r["env/all/reward/total"] for r in rows if "env/all/reward/total" in r]
-    assert len(reward) == 16, reward
-    assert sum(reward[-4:]) / 4 > sum(reward[:4]) / 4 + 0.05, reward
+    rows = _run(cb.rl_command(cookbook_python, url, work / "rl-learn", STEPS, groups=GROUPS,
+                              learning_rate=LR, eval_group_size=4),
+                env, work / "rl-learn.log", work / "rl-learn", timeout=3600)
+    control = _run(cb.rl_command(cookbook_python, url, work / "rl-control", 2,
+                                 learning_rate=1e-12, eval_group_size=4),
+                   env, work / "rl-control.log", work / "rl-control", timeout=1800)
+    (s0, before), (s1, after) = _held_out(rows)
+    (c0, c_before), (c1, c_after) = _held_out(control)
+    assert (s0, s1, c0, c1) == (0, STEPS, 0, 2)
+    assert abs(c_after - c_before) < 0.10, (c_before, c_after)
+    assert after > before + 0.10, (before, after, control)
+    assert after > c_after + 0.10, (after, c_after)
