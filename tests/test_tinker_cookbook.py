@@ -13,8 +13,7 @@ recipes"):
 * RL: scripts/cookbook_arithmetic_rl.py (the cookbook's arithmetic recipe on one-digit sums,
   its ArithmeticEnv and ``rl.train.main``): the short run checks the loop's mechanics
   (sampling, groups with a signal, importance-sampling updates, metrics); the soak run is to
-  check that it learns, on a fixed held-out set against a no-learning control (not yet seen:
-  see its xfail reason).
+  checks that it learns: on a fixed held-out set, against a no-learning control.
 
 Every process started here is reaped (the server by its context manager, the recipes by
 ``subprocess.run`` with a timeout).
@@ -137,14 +136,14 @@ def _held_out(rows: list[dict]) -> list[tuple[int, float]]:
     return [(r["step"], r["test/env/all/correct"]) for r in rows if "test/env/all/correct" in r]
 
 
-STEPS, GROUPS, LR = 12, 16, 1e-3  # 16 groups of 8 episodes a step
+STEPS, GROUPS, LR = 6, 16, 1e-3  # 16 groups of 8 episodes a step; ~80 s on an idle machine
 
 
 @pytest.mark.soak
-@pytest.mark.xfail(strict=False, reason="no learning shown yet (/tmp/cookbook_rl_results.md): "
-                   "8 groups of 8 at lr 5e-3 and 2e-3 collapsed (held-out 0.21 -> 0.01 and 0.22 "
-                   "-> 0.10 in 20 steps: one short answer for every sum); these settings are "
-                   "the next candidate, measured on a loaded machine")
+@pytest.mark.xfail(strict=False, reason="these settings learned twice outside pytest (held-out "
+                   "0.245 -> 0.428 and 0.223 -> 0.415; control 0.193 -> 0.230), but this test "
+                   "has not yet been run to the end twice (a loaded machine): drop the mark "
+                   "when it has")
 def test_rl_recipe_learns_held_out(service, cookbook_python):
     """The arithmetic RL recipe learns, measured on a fixed held-out set rather than on its
     training batches (which come in a fixed order: a no-learning run's training reward rose
@@ -160,12 +159,12 @@ def test_rl_recipe_learns_held_out(service, cookbook_python):
     rows = _run(cb.rl_command(cookbook_python, url, work / "rl-learn", STEPS, groups=GROUPS,
                               learning_rate=LR, eval_group_size=4),
                 env, work / "rl-learn.log", work / "rl-learn", timeout=3600)
-    control = _run(cb.rl_command(cookbook_python, url, work / "rl-control", 2,
+    control = _run(cb.rl_command(cookbook_python, url, work / "rl-control", 2, groups=GROUPS,
                                  learning_rate=1e-12, eval_group_size=4),
                    env, work / "rl-control.log", work / "rl-control", timeout=1800)
     (s0, before), (s1, after) = _held_out(rows)
     (c0, c_before), (c1, c_after) = _held_out(control)
     assert (s0, s1, c0, c1) == (0, STEPS, 0, 2)
     assert abs(c_after - c_before) < 0.10, (c_before, c_after)
-    assert after > before + 0.10, (before, after, control)
+    assert after > before + 0.10, (before, after)
     assert after > c_after + 0.10, (after, c_after)
