@@ -149,9 +149,10 @@ def free_port() -> int:
 @contextlib.contextmanager
 def serve_tinker(config: Path, overrides: list[str], log: Path, port: int,
                  timeout: float = 600.0) -> Iterator[str]:
-    """``grpoflow serve-tinker config`` in its own process (the project's venv), up when its
-    health check answers (bounded by ``timeout``); killed and reaped on exit. Yields the URL."""
-    exe = ROOT / ".venv" / "bin" / "grpoflow"
+    """``grpoflow serve-tinker config`` in its own process (this interpreter's venv: the
+    project's), up when its health check answers (bounded by ``timeout``); killed and reaped
+    on exit. Yields the URL."""
+    exe = Path(sys.executable).parent / "grpoflow"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "grpoflow.cli"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TINKER_TELEMETRY": "0"}
     url = f"http://127.0.0.1:{port}"
