@@ -140,10 +140,6 @@ STEPS, GROUPS, LR = 6, 16, 1e-3  # 16 groups of 8 episodes a step; ~80 s on an i
 
 
 @pytest.mark.soak
-@pytest.mark.xfail(strict=False, reason="these settings learned twice outside pytest (held-out "
-                   "0.245 -> 0.428 and 0.223 -> 0.415; control 0.193 -> 0.230), but this test "
-                   "has not yet been run to the end twice (a loaded machine): drop the mark "
-                   "when it has")
 def test_rl_recipe_learns_held_out(service, cookbook_python):
     """The arithmetic RL recipe learns, measured on a fixed held-out set rather than on its
     training batches (which come in a fixed order: a no-learning run's training reward rose
