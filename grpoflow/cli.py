@@ -164,12 +164,13 @@ def cmd_post_train(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from rl_core.report import format_eval
 
-    registered = args.registry or (args.model or "").startswith("models:/")
+    registered = args.registry or args.registered_like or (args.model or "").startswith("models:/")
     model = [f"model.path={args.model}"] if args.model and not registered else []
     config, overrides = _checked(args, model, model=not registered)  # the registry's model
     evaluate = _flow("flows.evaluate:evaluate", args.debug)
-    if args.registry:
-        out = evaluate(config=config, overrides=overrides, registry=True)
+    if args.registry or args.registered_like:
+        out = evaluate(config=config, overrides=overrides, registry=args.registry,
+                       registered_like=args.registered_like)
         print(json.dumps(out, indent=2, default=str))
         return 0
     result = evaluate(config=config, overrides=overrides, model=args.model)
@@ -392,15 +393,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("evaluate", help="evaluate a model on the held-out set")
     _config_args(p)
-    p.add_argument(
-        "--model",
-        help="HF directory, hub id or registry URI models:/NAME@ALIAS (default: model.path)",
-    )
-    p.add_argument(
-        "--registry",
-        action="store_true",
-        help="evaluate the registry's candidate and champion and promote (needs tracking.uri)",
-    )
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--model", help="HF directory, hub id or registry URI models:/NAME@ALIAS "
+                       "(default: model.path)")
+    which.add_argument("--registry", action="store_true", help="evaluate the registry's "
+                       "candidate and champion and promote (needs tracking.uri)")
+    which.add_argument("--registered-like", metavar="PATTERN", help="evaluate the newest version "
+                       "of every registered model named like PATTERN (SQL LIKE, e.g. 'tinker-%%'; "
+                       "needs tracking.uri); versions already scored on this data are not rerun")
     p.add_argument("--show", type=int, default=4, help="sample generations to print")
     p.set_defaults(func=cmd_evaluate)
 

@@ -137,7 +137,7 @@ def service(demo_model: Path, tmp_path: Path):
 @pytest.mark.usefixtures("prefect_harness")
 @pytest.mark.timeout(300)
 def test_a_tenants_sampler_weights_are_evaluated_like_any_registered_version(
-        service, demo_model: Path, tiny_cache: Path, tmp_path: Path) -> None:
+        service, demo_model: Path, tiny_cache: Path, tmp_path: Path, capsys) -> None:
     import torch
     from mlflow import MlflowClient
     from safetensors.torch import load_file
@@ -181,8 +181,15 @@ def test_a_tenants_sampler_weights_are_evaluated_like_any_registered_version(
     assert tenant["logprobs"][0] is None
     assert mine == pytest.approx(tenant["logprobs"][1:], abs=1e-4)
 
-    # the schedule again: nothing evaluated twice
-    again = evaluate(config=DEMO, overrides=overrides, registered_like="tinker-%")
+    # the schedule again, from the CLI (`grpoflow evaluate --registered-like`): nothing
+    # evaluated twice
+    import json
+
+    from grpoflow.cli import main as cli_main
+
+    capsys.readouterr()
+    assert cli_main(["evaluate", DEMO, "--registered-like", "tinker-%", *overrides]) == 0
+    again = json.loads(capsys.readouterr().out)
     assert again["evaluated_now"] == [] and again["versions"] == {name: "1"}
     assert again["scores"][f"{name}/1"]["pass_at_1"] == pytest.approx(
         out["scores"][f"{name}/1"]["pass_at_1"], abs=1e-6)
@@ -190,7 +197,6 @@ def test_a_tenants_sampler_weights_are_evaluated_like_any_registered_version(
                               filter_string="tags.`grpoflow.kind` = 'registry-evaluation'")
     assert len(runs) == 1
     # a version that does not fit the base costs that version only, and fails the run
-    import json
     import shutil
 
     broken = tmp_path / "broken"
