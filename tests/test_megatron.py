@@ -304,12 +304,21 @@ def ray_session():
     ray.shutdown()
 
 
-def start_group(path: Path, ranks: int = 2, **megatron):
-    from rl_core.training.distributed import TrainerGroup
+@pytest.fixture(scope="module")
+def ranks(ray_session):
+    """Two megatron rank processes that every layout's group forms on in turn
+    (tests/rank_pool.py): the first group starts them, the others reuse them."""
+    from rank_pool import RankPool
 
-    return TrainerGroup.start(
-        path, train_cfg(**megatron), ALGO, num_ranks=ranks, temperature=0.7, timeout_s=180
-    )
+    pool = RankPool()
+    yield pool
+    pool.close()
+
+
+def start_group(pool, path: Path, **megatron):
+    """A two-rank group on the pool's processes (released or shut down at the block's end)."""
+    return pool.group(path, train_cfg(**megatron), ALGO, num_ranks=2, temperature=0.7,
+                      timeout_s=180)
 
 
 LAYOUTS = {
@@ -325,13 +334,12 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_parallel_ranks_equal_the_torch_backend(ray_session, tied_dir, tmp_path, layout) -> None:
+def test_parallel_ranks_equal_the_torch_backend(ranks, tied_dir, tmp_path, layout) -> None:
     batch = batch_of(n=9)
     ref = torch_trainer(tied_dir)
     megatron = LAYOUTS[layout]
-    group = start_group(tied_dir, **megatron)
     tp = megatron.get("tp", 1)
-    try:
+    with start_group(ranks, tied_dir, **megatron) as group:
         dp = 2 // (tp * megatron.get("pp", 1))
         assert group._dp_size == dp and sum(group._reports) == dp
         want = ref.compute_logprobs(batch)
@@ -348,5 +356,3 @@ def test_parallel_ranks_equal_the_torch_backend(ray_session, tied_dir, tmp_path,
             group.load_state(tmp_path / "ckpt")
             assert group.train_step(batch)["loss"] == straight["loss"]
             weights_equal(after, group.export_weights())
-    finally:
-        group.shutdown()

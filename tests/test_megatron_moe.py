@@ -221,6 +221,17 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def ranks(ray_session):
+    """Two megatron rank processes that every test's group forms on in turn
+    (tests/rank_pool.py): the first group starts them, the others reuse them."""
+    from rank_pool import RankPool
+
+    pool = RankPool()
+    yield pool
+    pool.close()
+
+
 @pytest.mark.parametrize("layout", [
     {"ep": 2},  # all-to-all dispatcher (the default)
     {"ep": 2, "moe_dispatcher": "allgather", "distributed_optimizer": True},
@@ -230,18 +241,15 @@ def ray_session():
     # ... and the experts split over the same two ranks (EP across TP: "parallel folding")
     {"tp": 2, "sequence_parallel": True, "ep": 2},
 ], ids=["ep2-alltoall", "ep2-allgather-distopt", "tp2-sp", "tp2-sp-ep2"])  # fmt: skip
-def test_expert_parallel_equals_one_rank(ray_session, megatron_trainer, moe_dir, tmp_path,
+def test_expert_parallel_equals_one_rank(ranks, megatron_trainer, moe_dir, tmp_path,
                                          layout) -> None:
-    from rl_core.training.distributed import TrainerGroup
-
     batch = batch_of(n=9)
     one = megatron_trainer(moe_dir)
     want = one.compute_logprobs(batch)
     batch.old_logp = want
     m_one = one.train_step(batch)
-    group = TrainerGroup.start(moe_dir, train_cfg(**layout), ALGO, num_ranks=2, temperature=0.7,
-                               timeout_s=180)
-    try:
+    with ranks.group(moe_dir, train_cfg(**layout), ALGO, num_ranks=2, temperature=0.7,
+                     timeout_s=180) as group:
         dp = 2 // layout.get("tp", 1)
         assert group._dp_size == dp and sum(group._reports) == dp
         batch2 = batch_of(n=9)
@@ -260,8 +268,6 @@ def test_expert_parallel_equals_one_rank(ray_session, megatron_trainer, moe_dir,
         group.load_state(tmp_path / "ckpt")
         assert group.train_step(batch2)["loss"] == straight["loss"]
         weights_equal(after, group.export_weights())
-    finally:
-        group.shutdown()
     batch3 = batch_of(n=9)
     batch3.old_logp = want
     if layout.get("distributed_optimizer"):  # its format reshards across DP only
@@ -283,13 +289,11 @@ def test_expert_parallel_equals_one_rank(ray_session, megatron_trainer, moe_dir,
     weights_equal(other.export_weights(), after, atol=TOL)
 
 
-def test_sequence_parallel_replays_and_balances_as_one_rank(ray_session, megatron_trainer,
+def test_sequence_parallel_replays_and_balances_as_one_rank(ranks, megatron_trainer,
                                                             moe_dir) -> None:
     """Under TP=2 with sequence parallelism each rank routes half of the sequence: given
     experts are cut the same way (replayed log-probs and a replayed, load-balanced update
     equal one rank's), and the counts and the balance loss's ``f`` cover both halves."""
-    from rl_core.training.distributed import TrainerGroup
-
     moe = MoeConfig(routing_replay=True, aux_loss_coef=0.1)
     batch = batch_of(n=6, seed=5)
     b, length = batch.input_ids.shape
@@ -303,18 +307,16 @@ def test_sequence_parallel_replays_and_balances_as_one_rank(ray_session, megatro
     assert (want - free).abs().max() > 1e-3  # the given routing changes the numbers
     batch.old_logp = want
     m_one = one.train_step(batch)
-    group = TrainerGroup.start(
+    with ranks.group(
         moe_dir, train_cfg(tp=2, sequence_parallel=True).model_copy(update={"moe": moe}), ALGO,
-        num_ranks=2, temperature=0.7, timeout_s=180)
-    try:
+        num_ranks=2, temperature=0.7, timeout_s=180,
+    ) as group:
         batch2 = batch_of(n=6, seed=5)
         batch2.routed_experts = routed.to(torch.int16)
         assert (group.compute_logprobs(batch2) - want).abs().max() < TOL
         batch2.old_logp = want
         m_sp = group.train_step(batch2)
         weights_equal(one.export_weights(), group.export_weights(), atol=TOL)
-    finally:
-        group.shutdown()
     assert m_sp["moe/replayed_tokens"] == m_one["moe/replayed_tokens"] == 1.0
     for key in ("loss", *ROUTER_METRICS):
         assert m_sp[key] == pytest.approx(m_one[key], abs=TOL), key

@@ -312,6 +312,14 @@ class TrainerRank:
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    def release(self) -> None:
+        """Leave the trainer's groups and drop it, the process kept for another group's
+        :meth:`setup` (megatron's parallel state too: a kept one would hold dead groups)."""
+        if self.trainer is not None and hasattr(self.trainer, "shutdown"):
+            self.trainer.shutdown()
+        self.shutdown()
+        self.trainer, self._store = None, None
+
 
 class TrainerGroup:
     """Data-parallel trainer ranks behind the single-rank trainer's interface."""
@@ -334,11 +342,14 @@ class TrainerGroup:
         scheduling_strategies: Sequence[Any] | None = None, timeout_s: float = 300.0,
         data_parallel: DataParallel | None = None, trust_remote_code: bool = False,
         env: Mapping[str, str] | None = None, num_cpus_per_rank: float | None = None,
-        num_gpus_per_rank: float | None = None, freeze_vision: bool = True) -> TrainerGroup:
+        num_gpus_per_rank: float | None = None, freeze_vision: bool = True,
+        actors: Sequence[Any] | None = None) -> TrainerGroup:
         """Start ``num_ranks`` rank actors (one Ray scheduling strategy each, or None), form
         their process group, load the model. ``data_parallel``: default FSDP2 on GPUs, else
         DDP (and for QLoRA: FSDP2 cannot shard 4-bit weights). ``timeout_s`` bounds every call
-        and collective; ``num_cpus/gpus_per_rank`` default to its threads and one GPU on GPUs."""
+        and collective; ``num_cpus/gpus_per_rank`` default to its threads and one GPU on GPUs.
+        ``actors``: the rank actors of a group of ``num_ranks`` handed back by :meth:`release`,
+        to form this one on (no new processes; their placement options stay)."""
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         if scheduling_strategies is not None and len(scheduling_strategies) != num_ranks:
@@ -352,7 +363,10 @@ class TrainerGroup:
         if mode == "fsdp2" and train_cfg.lora.quantize:
             raise ValueError("train.lora.quantize (QLoRA) with FSDP2: FSDP2 does not shard "
                              "bitsandbytes' 4-bit weights; use data_parallel='ddp'")
-        remote, actors = ray.remote(TrainerRank), []
+        if actors is not None and len(actors) != num_ranks:
+            raise ValueError(f"{len(actors)} rank actors for {num_ranks} ranks")
+        reused, actors = actors is not None, list(actors or [])
+        remote = ray.remote(TrainerRank)
         # What a rank reserves (a placement slot may hold half a device when the planes are
         # colocated); its thread budget is num_threads_per_rank either way.
         cpus = num_threads_per_rank if num_cpus_per_rank is None else num_cpus_per_rank
@@ -360,7 +374,7 @@ class TrainerGroup:
         base: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus, "max_restarts": 0}
         if env:
             base["runtime_env"] = {"env_vars": dict(env)}
-        for r, strategy in enumerate(scheduling_strategies or [None] * num_ranks):
+        for r, strategy in enumerate([] if reused else scheduling_strategies or [None] * num_ranks):
             options = base if strategy is None else {**base, "scheduling_strategy": strategy}
             actors.append(remote.options(**options).remote(r, num_ranks, num_threads_per_rank))
         group = cls(actors, timeout_s=timeout_s, max_response_len=max_response_len)
@@ -378,7 +392,7 @@ class TrainerGroup:
                 a.setup.remote(address, port, timeout_s, trainer_args, trainer_kwargs)
                 for a in actors])
         except BaseException:
-            group.shutdown()
+            group.shutdown()  # reused actors too: a half-formed group leaves them unusable
             raise
         first = infos[0]
         group.needs_old_logp, group.has_ref_model = first["needs_old_logp"], first["has_ref_model"]
@@ -490,6 +504,18 @@ class TrainerGroup:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
         self._actors, self._broken = [], "shut down"
+
+    def release(self) -> list[Any]:
+        """Leave the process group on every rank and hand back the rank actors, alive, for
+        :meth:`start`'s ``actors`` (another configuration without new processes). A broken
+        group, or a rank that fails to leave, is shut down instead (raises)."""
+        try:
+            self._on_all("release", timeout_s=30.0)
+        except BaseException:
+            self.shutdown()
+            raise
+        actors, self._actors, self._broken = self._actors, [], "released"
+        return actors
 
     def _on_all(self, method: str, *args: Any, **call_kwargs: Any) -> list[Any]:
         """``TrainerRank.<method>(*args)`` on every rank; :meth:`_call`'s results."""
