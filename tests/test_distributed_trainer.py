@@ -16,6 +16,7 @@ import ray
 import torch
 from conftest import PAD_ID, make_batch
 from engine_helpers import save_tiny_model
+from rank_pool import RankPool
 
 from rl_core.config import AlgorithmConfig, TrainConfig
 from rl_core.training.distributed import (
@@ -50,6 +51,15 @@ def ray_session():
 
 
 @pytest.fixture(scope="module")
+def ranks(ray_session):
+    """Rank processes that the groups of this module's tests form on in turn, while they
+    have as many ranks (tests/rank_pool.py)."""
+    pool = RankPool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
 
@@ -73,12 +83,10 @@ def random_batch(n: int, seed: int) -> Batch:
     return make_batch(prompts, responses, logps, torch.randn(n, generator=g), PAD_ID)
 
 
-def start_group(path, train: TrainConfig, algo: AlgorithmConfig, **kw) -> TrainerGroup:
-    # The product's default bound (300 s): the first call's budget also covers starting the
-    # rank processes (Ray workers importing torch and transformers), which took over 120 s
-    # under a loaded CI machine (a QLoRA group timed out there with both ranks still loading).
-    kw = {"num_ranks": 2, "num_threads_per_rank": 1, "timeout_s": 300.0, **kw}
-    return TrainerGroup.start(path, train, algo, **kw)
+# The product's default bound (300 s): the first call's budget also covers starting the
+# rank processes (Ray workers importing torch and transformers), which took over 120 s
+# under a loaded CI machine (a QLoRA group timed out there with both ranks still loading).
+GROUP = {"num_ranks": 2, "num_threads_per_rank": 1, "timeout_s": 300.0}
 
 
 def assert_weights_close(got: dict, expected: dict, atol: float) -> None:
@@ -147,7 +155,7 @@ def test_logprob_shards_are_equal_in_size_and_in_order():
     ids=["ddp-2-ranks", "fsdp2-3-ranks-tied"],
 )
 def test_ranks_make_the_single_rank_update(
-    ray_session, model_dir, tied_model_dir, tmp_path, data_parallel, num_ranks, tied
+    ranks, model_dir, tied_model_dir, tmp_path, data_parallel, num_ranks, tied
 ):
     path = tied_model_dir if tied else model_dir
     # Two mini-batches of micro-batches of 2; KL on (reference log-probs) and TIS on (old
@@ -159,16 +167,14 @@ def test_ranks_make_the_single_rank_update(
     )  # fmt: skip
     algo = AlgorithmConfig(kl_coef=0.05, tis_cap=2.0)
     single = TorchTrainer(path, train, algo)
-    group = start_group(path, train, algo, num_ranks=num_ranks, data_parallel=data_parallel)
-    try:
+    with ranks.group(path, train, algo, **{**GROUP, "num_ranks": num_ranks},
+                     data_parallel=data_parallel) as group:
         assert group.needs_old_logp == single.needs_old_logp
         assert group.has_ref_model and group.ref_model is not None
         check_logprobs(group, single)
         check_training(group, single, algo)
         check_checkpoints(group, single, tmp_path)
         check_weight_source(group, tmp_path)
-    finally:
-        group.shutdown()
 
 
 def check_logprobs(group: TrainerGroup, single: TorchTrainer, atol: float = 1e-6) -> None:
@@ -315,10 +321,10 @@ def test_weights_cross_the_object_store_as_numpy(ray_session, dtype):
     torch.testing.assert_close(got, t, atol=0, rtol=0)
 
 
-def test_killed_rank_fails_the_next_call_naming_it(ray_session, model_dir):
-    group = start_group(model_dir, TrainConfig(lr=1e-3), AlgorithmConfig())
+def test_killed_rank_fails_the_next_call_naming_it(ranks, model_dir):
     batch = random_batch(4, seed=3)
-    try:
+    # On the kept ranks (or fresh ones): the broken group is shut down, not kept.
+    with ranks.group(model_dir, TrainConfig(lr=1e-3), AlgorithmConfig(), **GROUP) as group:
         group.train_step(batch)
         ray.kill(group.actors[1], no_restart=True)
         started = time.monotonic()
@@ -329,15 +335,13 @@ def test_killed_rank_fails_the_next_call_naming_it(ray_session, model_dir):
         # The group stays unusable until it is rebuilt, and says so at once.
         with pytest.raises(TrainerRankError, match="unusable"):
             group.export_weights()
-    finally:
-        group.shutdown()
     assert group.num_ranks == 0
 
 
 @pytest.mark.parametrize(("data_parallel", "quantize"), [("ddp", None), ("fsdp2", None),
                                                          ("ddp", "nf4")],
                          ids=["ddp", "fsdp2", "ddp-qlora"])
-def test_lora_ranks_make_the_single_rank_update(ray_session, model_dir, tmp_path, data_parallel,
+def test_lora_ranks_make_the_single_rank_update(ranks, model_dir, tmp_path, data_parallel,
                                                 quantize):
     """LoRA (train.lora; QLoRA: a 4-bit base) on two DDP or FSDP2 ranks: the same log-probs (the reference: the base with
     the adapter disabled), the same adapter after a step, an adapter-only checkpoint the
@@ -350,8 +354,7 @@ def test_lora_ranks_make_the_single_rank_update(ray_session, model_dir, tmp_path
                         lora=LoraConfig(rank=4, quantize=quantize))
     algo = AlgorithmConfig(kl_coef=0.05)
     single = TorchTrainer(model_dir, train, algo)
-    group = start_group(model_dir, train, algo, num_ranks=2, data_parallel=data_parallel)
-    try:
+    with ranks.group(model_dir, train, algo, **GROUP, data_parallel=data_parallel) as group:
         check_logprobs(group, single, atol=1e-5 if quantize else 1e-6)
         expected = single.train_step(prepare(single, random_batch(6, seed=3)))
         got = group.train_step(prepare(group, random_batch(6, seed=3)))
@@ -367,5 +370,3 @@ def test_lora_ranks_make_the_single_rank_update(ray_session, model_dir, tmp_path
         merged = AutoModelForCausalLM.from_pretrained(group.save_pretrained(tmp_path / "hf"))
         want = AutoModelForCausalLM.from_pretrained(single.save_pretrained(tmp_path / "one"))
         assert_weights_close(merged.state_dict(), want.state_dict(), atol=1e-5)
-    finally:
-        group.shutdown()
