@@ -54,9 +54,10 @@ RESTART_BOUND_S = 300
 
 
 def _http(model: Path, tmp: Path, n: int = 1, transport: str = "disk",
-          router: bool | None = None) -> tuple[HttpPlane, object]:  # fmt: skip
+          router: bool | None = None, ports: list[int] | None = None,
+          ) -> tuple[HttpPlane, object]:  # fmt: skip
     pool = EnginePool(
-        embedded_engine_command(model, num_threads=1), n, log_dir=tmp / "engines",
+        embedded_engine_command(model, num_threads=1), n, log_dir=tmp / "engines", ports=ports,
         router=n > 1 if router is None else router,
         router_policy="round_robin", health_interval_s=0.5, health_timeout_s=10,
         failure_threshold=2, startup_timeout_s=RESTART_BOUND_S,
@@ -77,12 +78,27 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def one(model_dir: Path, tmp_path_factory):
-    plane, sync = _http(model_dir, tmp_path_factory.mktemp("one"))
+def one_started(model_dir: Path, tmp_path_factory):
+    """One engine process for the module, asked to start on a port another socket holds (what
+    a restart reusing its predecessor's port meets): ``(plane, sync, taken, port)``, ``port``
+    the one it serves on after ``start``. No test kills it; the tests that change its weights
+    or memory put them back."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        plane, sync = _http(model_dir, tmp_path_factory.mktemp("one"), ports=[taken])
     try:
-        yield plane, sync
+        yield plane, sync, taken, plane.pool.engines[0].port
     finally:
         plane.close()
+
+
+@pytest.fixture(scope="module")
+def one(one_started):
+    return one_started[:2]
 
 
 @pytest.fixture(scope="module")
@@ -381,12 +397,13 @@ def test_distributed_sync_broadcasts_to_every_engine_and_brings_back_a_killed_on
 
 
 def test_colocated_engines_release_memory_for_training_and_take_it_back_to_sync(
-    model_dir: Path, tmp_path: Path, local
+    one, model_dir: Path, local
 ) -> None:
     """Time-shared devices: after the rollout the engine frees weights and KV cache; the
     monitor does not mistake it for a dead engine; the sync takes the weights back first and
     the engine serves the trainer's new weights. Sampling never runs on released engines."""
-    http, sync = _http(model_dir, tmp_path)
+    http, sync = one
+    restarts = http.pool.engines[0].restarts
     try:
         url = http.pool.engine_urls[0]
         trainer = _trainer(model_dir)
@@ -398,7 +415,7 @@ def test_colocated_engines_release_memory_for_training_and_take_it_back_to_sync(
         assert http.memory_released == {"weights", "kv_cache"}
         assert released() == {"weights": True, "kv_cache": True}
         time.sleep(2.5)  # five monitor passes at 0.5 s, failure threshold 2
-        assert http.pool.engines[0].restarts == 0 and http.pool.engines[0].in_service
+        assert http.pool.engines[0].restarts == restarts and http.pool.engines[0].in_service
         http.resume_memory(["weights"])  # what Planes.sync_weights does
         sync_weights(trainer, http, sync, 1)
         http.resume_memory(["kv_cache"])
@@ -409,8 +426,9 @@ def test_colocated_engines_release_memory_for_training_and_take_it_back_to_sync(
         http.release_memory()  # a rollout on released engines takes the memory back first
         assert _ids(http.generate(PROMPTS, GREEDY)) == want
         assert not http.memory_released
-    finally:
-        http.close()
+    finally:  # the module's engine as the other tests expect it
+        if http.memory_released:
+            http.resume_memory(sorted(http.memory_released))
 
 
 def test_engines_die_with_the_process_that_started_them(model_dir: Path, tmp_path: Path) -> None:
@@ -449,24 +467,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_an_engine_whose_port_was_taken_starts_again_on_another(model_dir: Path,
-                                                                   tmp_path: Path) -> None:
+def test_an_engine_whose_port_was_taken_starts_again_on_another(one_started) -> None:
     """A port is free when chosen but another process may take it before the engine binds
-    (a restart reuses its predecessor's): the pool starts the engine again on a new port."""
-    import socket
-
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        taken = holder.getsockname()[1]
-        pool = EnginePool(embedded_engine_command(model_dir, num_threads=1), 1,
-                          log_dir=tmp_path / "engines", ports=[taken], monitor=False,
-                          startup_timeout_s=120)
-        try:
-            pool.start()
-            (engine,) = pool.engines
-            assert engine.port != taken and engine.in_service
-            assert "address already in use" in engine.log_path.read_text()
-            assert pool.client.server_info(url=engine.url)["internal_states"]
-        finally:
-            pool.stop()
+    (a restart reuses its predecessor's): the pool starts the engine again on a new port
+    (the module's engine was asked to start on a port a socket held)."""
+    http, _, taken, port = one_started
+    (engine,) = http.pool.engines
+    assert port != taken and engine.in_service
+    assert "address already in use" in engine.log_path.read_text()
+    assert http.client.server_info(url=engine.url)["internal_states"]
