@@ -225,11 +225,11 @@ def test_training_survives_engine_kills_hangs_and_reward_faults(
 ) -> None:
     """The synchronous loop, and the stream (rounds of partial rollouts in flight across
     weight updates: a kill or a hang lands on half-generated samples, every wait bounded)."""
-    steps, groups, n = 5, 8, 4
+    steps, groups, n = 4, 8, 4
     run_dir = tmp_path / "chaos"
     log = tmp_path / "reward-faults.log"
     monkeypatch.setenv(LOG_ENV, str(log))
-    # by call number (16 evaluation calls, then 5 x 8 x 4 training calls): one of each kind, in
+    # by call number (16 evaluation calls, then 4 x 8 x 4 training calls): one of each kind, in
     # the steps the engine faults land in too; each hang costs reward.timeout_s
     monkeypatch.setenv(PLAN_ENV, "40:raise,70:hang,75:oom,140:raise")
     overrides = _overrides(
@@ -241,7 +241,7 @@ def test_training_survives_engine_kills_hangs_and_reward_faults(
         *(STREAM if mode == "stream" else ()),
     )  # fmt: skip
     chaos = EngineChaos(run_dir / "metrics.jsonl", seed=SEED, num_engines=2, last_step=steps,
-                        plan={2: "kill", 4: "hang"})  # fmt: skip
+                        plan={2: "kill", 3: "hang"})  # fmt: skip
     t0 = time.monotonic()
     summary, seen = _train(overrides, monkeypatch, chaos)
     seconds = time.monotonic() - t0
