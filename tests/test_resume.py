@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -78,7 +79,7 @@ def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout_s: 
 
 def _in_process(tmp: Path, cache: Path, run_name: str, *extra: str) -> list[str]:
     """The overrides only, for a flow run in this process (on the in-process plane)."""
-    return [*_argv(tmp, cache, run_name, *extra)[6:], "rollout.engine=local"]
+    return [*_argv(tmp, cache, run_name, *extra)[6:], *_CLEAN]
 
 
 def _straight(tmp: Path, cache: Path, *extra: str) -> Path:
@@ -94,17 +95,23 @@ def _straight(tmp: Path, cache: Path, *extra: str) -> Path:
 @pytest.fixture(scope="module")
 def clean_local(prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path_factory) -> Path:
     """The uninterrupted run on the in-process plane, shared by the tests that compare a
-    killed, a resumed or a rebuilt run with it."""
-    return _straight(tmp_path_factory.mktemp("clean"), tiny_cache, "rollout.engine=local")
+    killed, a resumed or a rebuilt run with it: 16 prompts, 8 per step (epochs of 2 steps;
+    where a run checkpoints does not change what it trains)."""
+    return _straight(tmp_path_factory.mktemp("clean"), tiny_cache, *_CLEAN)
+
+
+_CLEAN = ["rollout.engine=local", "data.max_train_examples=16"]
 
 
 @pytest.mark.parametrize(
     "variant",
     [
+        # 16 prompts, 8 per step, a checkpoint every 3 steps: the step-3 checkpoint falls in
+        # the middle of epoch 1 (steps 3-4), where a resume must go on with its second half.
         "mid-epoch",
-        # 16 prompts, 8 per step: the step-2 checkpoint falls exactly on the end of epoch 0,
-        # where a resume must start epoch 1, neither repeating epoch 0 nor skipping 1.
-        # Checkpoints in S3, resumed on another machine.
+        # A checkpoint every 2 steps: the step-2 checkpoint falls exactly on the end of
+        # epoch 0, where a resume must start epoch 1, neither repeating epoch 0 nor skipping
+        # 1. Checkpoints in S3, resumed on another machine.
         "epoch-boundary-s3",
     ],
 )
@@ -114,19 +121,18 @@ def test_sigkill_mid_step_then_resume_is_exact(
 ) -> None:
     # Both variants on the in-process plane (the exact resume over HTTP, with samples in
     # flight, is the streamed run's test below).
-    extra: list[str] = []
     elsewhere = tmp_path  # where the resume runs: the same machine, or another one
     bucket = None
     if variant == "epoch-boundary-s3":
         bucket = request.getfixturevalue("s3_bucket")  # also points boto3 at the server
-        extra = ["data.max_train_examples=16", f"checkpoint.uri=s3://{bucket}/checkpoints",
-                 "rollout.engine=local"]
+        extra = [*_CLEAN, f"checkpoint.uri=s3://{bucket}/checkpoints"]
         elsewhere = tmp_path / "another-machine"
+        ckpt = 2
     else:
-        extra = ["rollout.engine=local"]
+        extra = [*_CLEAN, "checkpoint.every=3"]
+        ckpt = 3
     env = _env()
-    # mid-epoch: the lost-trainer test's uninterrupted run (made once per module)
-    straight_dir = clean_local if bucket is None else _straight(tmp_path, tiny_cache, *extra)
+    straight_dir = clean_local  # the uninterrupted run (made once per module)
 
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
@@ -134,7 +140,7 @@ def test_sigkill_mid_step_then_resume_is_exact(
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
-        # Step 3 is logged after the step-2 checkpoint: step 4 is now in flight.
+        # Step 3 is logged after the step-2 (step-3) checkpoint: step 4 is now in flight.
         _wait_for_step(killed / "metrics.jsonl", 3, proc, timeout_s=300)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -143,7 +149,7 @@ def test_sigkill_mid_step_then_resume_is_exact(
             proc.kill()
     if bucket is None:
         assert [p.name for p in sorted((killed / "checkpoints").glob("step-*"))
-                if (p / "MANIFEST.json").is_file()] == ["step-000002"]
+                if (p / "MANIFEST.json").is_file()] == [f"step-{ckpt:06d}"]
     else:
         from rl_core.checkpoint import latest_checkpoint
 
@@ -151,25 +157,24 @@ def test_sigkill_mid_step_then_resume_is_exact(
             f"s3://{bucket}/checkpoints/killed/step-000002"
         )
 
-    if bucket:  # another machine, by the CLI (`--resume --json`)
-        resumed = subprocess.run(
-            [*_argv(elsewhere, tiny_cache, "killed", *extra), "--resume", "--json"], env=env,
-            cwd=ROOT, timeout=600, capture_output=True, text=True,
-        )
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-        summary = json.loads(resumed.stdout[resumed.stdout.index("{"):])
+    if bucket:  # another machine, by the command line's code (`--resume --json`), in this
+        # process (one process start-up less)
+        rc, out, err = _cli([*_argv(elsewhere, tiny_cache, "killed", *extra), "--resume",
+                             "--json"], request.getfixturevalue("capsys"))
+        assert rc == 0, err[-3000:]
+        summary = json.loads(out[out.index("{"):])
     else:  # the same flow in this process (one process start-up less)
         from flows.grpo_train import grpo_train
 
         summary = grpo_train(config=DEMO, overrides=_argv(elsewhere, tiny_cache, "killed",
                                                           *extra)[6:],
                              show_progress=False, resume="always")
-    assert summary["resumed_from_step"] == 2
+    assert summary["resumed_from_step"] == ckpt
     killed = elsewhere / "killed"
 
     # The same prompts, samples and rewards after the checkpoint, and no step twice.
     straight, again = _ledger(straight_dir), _ledger(killed)
-    after = list(range(3, STEPS + 1))
+    after = list(range(ckpt + 1, STEPS + 1))
     assert sorted(again) == (after if bucket else list(range(1, STEPS + 1)))
     for step in after:
         assert again[step] == straight[step], f"step {step} differs after resume"
@@ -197,53 +202,71 @@ def test_sigkill_mid_step_then_resume_is_exact(
         assert torch.equal(a[name], b[name]), name
 
 
+def _cli(argv: list[str], capsys) -> tuple[int, str, str]:  # noqa: ANN001
+    """``grpoflow`` in this process (``main(argv)``: the command line's code without the
+    process start-up and its reaper); rc, stdout, stderr. The environment is left as found."""
+    from grpoflow.cli import main
+
+    before = dict(os.environ)
+    log = logging.getLogger("rl_core")
+    level = log.level
+    try:
+        rc = main(argv[3:])  # after `python -m grpoflow.cli`
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+        for handler in [h for h in log.handlers if h.get_name() == "grpoflow-cli"]:
+            log.removeHandler(handler)  # it writes to this test's captured stderr
+        log.setLevel(level)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
 def test_resume_without_checkpoint_fails_clearly(
-    prefect_harness, tiny_cache: Path, tmp_path: Path
+    prefect_harness, tiny_cache: Path, tmp_path: Path, capsys
 ) -> None:
-    out = subprocess.run(
-        [*_argv(tmp_path, tiny_cache, "nothing-here"), "--resume"], env=_env(), cwd=ROOT,
-        timeout=300, capture_output=True, text=True,
-    )
-    assert out.returncode != 0
-    assert "no complete checkpoint under" in out.stderr
-
-
+    rc, _, err = _cli([*_argv(tmp_path, tiny_cache, "nothing-here"), "--resume"], capsys)
+    assert rc != 0
+    assert "no complete checkpoint under" in err
 
 
 def test_a_lost_trainer_is_rebuilt_from_the_checkpoint(
     prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, monkeypatch,
     clean_local: Path,
 ) -> None:
-    """train-step-4 fails (its task never retries): the planes are rebuilt from the step-2
-    checkpoint and the run ends exactly where an uninterrupted run ends. train-step-2 fails
-    (no checkpoint yet): the run starts over from the base model at step 1, and its logs and
-    sample ledger start over with it (no step counted twice)."""
+    """One run, two lost trainers (their tasks never retry). train-step-2 fails (no
+    checkpoint yet): the run starts over from the base model at step 1, and its logs and
+    sample ledger start over with it (no step counted twice). Later train-step-4 fails: the
+    planes are rebuilt from the step-2 checkpoint. The run ends exactly where an
+    uninterrupted run ends."""
     from flows.grpo_train import grpo_train
     from rl_core.training.torch_trainer import TorchTrainer
 
     a = load_file(clean_local / "model" / "model.safetensors")
     real_step = TorchTrainer.train_step
+    # calls: 1 (step 1), 2 (step 2: lost; from the base model), 3-5 (steps 1-3),
+    # 6 (step 4: lost; from the step-2 checkpoint), 7-8 (steps 3-4)
+    fail_at, calls = (2, 6), {"n": 0}
 
-    for fail_at in (4, 2):
-        calls = {"n": 0}
+    def flaky(self, batch):  # noqa: ANN001
+        calls["n"] += 1
+        if calls["n"] in fail_at:
+            raise RuntimeError("trainer rank lost (injected)")
+        return real_step(self, batch)
 
-        def flaky(self, batch, fail_at=fail_at, calls=calls):  # noqa: ANN001
-            calls["n"] += 1
-            if calls["n"] == fail_at:
-                raise RuntimeError("trainer rank lost (injected)")
-            return real_step(self, batch)
-
-        monkeypatch.setattr(TorchTrainer, "train_step", flaky)
-        name = f"flaky-{fail_at}"
-        recovered = grpo_train(config=DEMO, overrides=_in_process(tmp_path, tiny_cache, name),
-                               show_progress=False)
-        assert recovered["plane_restarts"] == 1
-        b = load_file(Path(recovered["model_dir"]) / "model.safetensors")
-        assert all(torch.equal(a[k], b[k]) for k in a), fail_at
-        assert _ledger(tmp_path / name) == _ledger(clean_local), fail_at
-        steps = [json.loads(x)["step"] for x in (tmp_path / name / "metrics.jsonl").read_text()
-                 .splitlines()]  # fmt: skip
-        assert steps == sorted(set(steps)), f"a step logged twice: {steps}"
+    monkeypatch.setattr(TorchTrainer, "train_step", flaky)
+    name = "flaky"
+    recovered = grpo_train(config=DEMO, overrides=[*_in_process(tmp_path, tiny_cache, name),
+                                                   "train.max_plane_restarts=2"],
+                           show_progress=False)
+    assert calls["n"] == 8, calls  # each failure cost one rebuild and the steps it names
+    assert recovered["plane_restarts"] == 2
+    b = load_file(Path(recovered["model_dir"]) / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert _ledger(tmp_path / name) == _ledger(clean_local)
+    steps = [json.loads(x)["step"] for x in (tmp_path / name / "metrics.jsonl").read_text()
+             .splitlines()]  # fmt: skip
+    assert steps == sorted(set(steps)), f"a step logged twice: {steps}"
 
 
 def test_a_step_that_keeps_failing_fails_the_run_naming_task_and_step(
