@@ -330,7 +330,7 @@ def _run(tmp: Path, cache: Path, name: str, *extra: str, resume: str = "never") 
 
 def test_lora_grpo_flow_resumes_exactly(prefect_harness, tiny_cache: Path,
                                         tmp_path: Path) -> None:
-    args = ["train.steps=4", "checkpoint.every=2"]
+    args = ["train.steps=3", "checkpoint.every=2"]  # the resumed run: step 3 again
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     first = _run(tmp_path, tiny_cache, "first", *args, "tracking.backend=mlflow",
                  f"tracking.uri={uri}", "tracking.system_metrics=false")
