@@ -30,7 +30,7 @@ from tasks.tracking import outbox, sender  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "tiny-cpu.yaml")
-STEPS = 8
+STEPS = 6  # 2 before the outage, 3-5 during it (6 waits for the restart)
 
 
 class Server:
