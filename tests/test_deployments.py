@@ -125,6 +125,10 @@ def prefect_server(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
         "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
         "PREFECT_WORKER_QUERY_SECONDS": "1",
         "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
+        # as the session's harness (tests/conftest.py): nothing here reads stored events or
+        # uses automations, and storing every task-run event costs the server CPU
+        "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": "false",
+        "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false",
     }
     server = _Proc(
         "server",
