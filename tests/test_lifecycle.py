@@ -231,11 +231,16 @@ def test_a_stopped_train_leaves_nothing_running(demo_model: Path, tiny_cache: Pa
             "train.steps=50", "train.prompts_per_step=4", "rollout.n_samples=4",
             "rollout.engine=embedded", "rollout.num_engines=2", "eval.every=0", "eval.num_examples=8",
             "eval.pass_k_examples=0", "train.num_threads=1", "tracking.backend=none"]
-    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    # stderr to a file, not a pipe nobody reads until the end (a full pipe would block the run)
+    errors = tmp_path / "stderr.txt"
+    with errors.open("w") as err:
+        proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
     tree: list[psutil.Process] = []
     try:
-        _wait_for_step(tmp_path / "stopped" / "metrics.jsonl", 1, proc, timeout_s=400)
+        try:
+            _wait_for_step(tmp_path / "stopped" / "metrics.jsonl", 1, proc, timeout_s=400)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}:\n{errors.read_text()[-3000:]}") from None
         tree = psutil.Process(proc.pid).children(recursive=True)
         lines = [" ".join(p.cmdline()) for p in tree]
         # What the run had started: the Prefect API server, the router, the engines, the reaper.
@@ -245,9 +250,9 @@ def test_a_stopped_train_leaves_nothing_running(demo_model: Path, tiny_cache: Pa
         proc.send_signal(sig)
         rc = proc.wait(timeout=90)
         if sig == signal.SIGTERM:
-            assert rc == 143, proc.stderr.read()[-3000:] if proc.stderr else rc
+            assert rc == 143, errors.read_text()[-3000:]
             assert time.monotonic() - t0 < 60
-            assert "stopped by SIGTERM" in (proc.stderr.read() if proc.stderr else "")
+            assert "stopped by SIGTERM" in errors.read_text()
         else:
             assert rc == -signal.SIGKILL
         log = tmp_path / "reaper.log"
