@@ -26,6 +26,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -63,6 +64,35 @@ def _is_loopback(ip: str) -> bool:
     return addr.is_loopback
 
 
+def _listening_sockets(pid: int) -> dict[int, tuple[str, int]]:
+    """The listening TCP sockets of ``pid``'s network namespace: inode -> (ip, port), the
+    address as psutil gives it (``/proc/<pid>/net/tcp`` and ``tcp6``, state 0A)."""
+    out = {}
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] != "0A":  # TCP_LISTEN
+                continue
+            ip, port = fields[1].split(":")
+            raw = bytes.fromhex(ip)  # 32-bit words, each in host byte order
+            if sys.byteorder == "little":
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            out[int(fields[9])] = (socket.inet_ntop(family, raw), int(port, 16))
+    return out
+
+
+def _who(proc: psutil.Process) -> str:
+    try:
+        return f"pid {proc.pid} {' '.join(proc.cmdline()[:4])[:160]}"
+    except psutil.Error:
+        return f"pid {proc.pid}"
+
+
 @dataclass
 class ListenWatch:
     """Samples, every ``interval_s``, the TCP sockets the test process and all its
@@ -95,21 +125,34 @@ class ListenWatch:
             self.sample()
 
     def sample(self) -> None:
+        """What ``psutil.Process.net_connections`` finds listening, read from ``/proc`` with
+        each network namespace's TCP tables parsed once per sample, not once per process
+        (psutil's way cost ~4 ms of CPU per process and sample: a fifth of a core for a
+        run on Ray)."""
         me = psutil.Process()
         try:
             procs = [me, *me.children(recursive=True)]
         except psutil.Error:
             return
+        tables: dict[str, dict[int, tuple[str, int]]] = {}  # netns -> socket inode -> address
         for proc in procs:
-            try:
-                conns = proc.net_connections(kind="inet")
-                who = f"pid {proc.pid} {' '.join(proc.cmdline()[:4])[:160]}"
-            except psutil.Error:
-                continue  # a process that ended between the listing and the look
-            for c in conns:
-                key = (c.laddr.ip, c.laddr.port)
-                if c.status == psutil.CONN_LISTEN and key not in self.before:
-                    self.seen.setdefault(key, who)
+            try:  # a process that ends between the listing and the look is skipped
+                ns = os.readlink(f"/proc/{proc.pid}/ns/net")
+                if ns not in tables:
+                    tables[ns] = _listening_sockets(proc.pid)
+                if not (table := tables[ns]):
+                    continue
+                fds = os.listdir(f"/proc/{proc.pid}/fd")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    link = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
+                except OSError:
+                    continue
+                key = table.get(int(link[8:-1])) if link.startswith("socket:[") else None
+                if key is not None and key not in self.before and key not in self.seen:
+                    self.seen[key] = _who(proc)
         self._plane_ports()
         self.samples += 1
 
