@@ -153,7 +153,8 @@ def test_cross_entropy_learns_and_engine_logprobs_match_trainer(backend, tmp_pat
     trainer2, _ = backend.forward_backward("ce", [ce_datum()], "cross_entropy", forward_only=True)
     np.testing.assert_allclose(backend.compute_logprobs("tiny", adapter, full)[1:], trainer2[0],
                                atol=1e-4, rtol=0)
-    assert backend.loaded_adapters("tiny") == [str(adapter.resolve())]
+    loaded = backend.loaded_adapters("tiny")  # the module's backend: other tests' adapters too
+    assert loaded.count(str(adapter.resolve())) == 1 and loaded[-1] == str(adapter.resolve())
 
 
 def test_engine_unloads_least_recently_used_adapter(backend, tmp_path, monkeypatch):
