@@ -14,6 +14,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
+
 from rl_core.training.distributed import TrainerGroup
 
 
@@ -50,3 +52,13 @@ class RankPool:
                 with contextlib.suppress(Exception):
                     ray.kill(actor, no_restart=True)
         self._idle.clear()
+
+
+@pytest.fixture(scope="module", name="ranks")
+def kept_ranks(ray_session):  # noqa: ANN001, ANN201 - the importing module's own Ray fixture
+    """The module's :class:`RankPool` as fixture ``ranks`` (import ``kept_ranks`` into a test
+    module with a module-scoped ``ray_session`` fixture): its first group starts the rank
+    processes, the others reuse them; the kept ones end with the module."""
+    pool = RankPool()
+    yield pool
+    pool.close()

@@ -16,7 +16,7 @@ import ray
 import torch
 from conftest import PAD_ID, make_batch
 from engine_helpers import save_tiny_model
-from rank_pool import RankPool
+from rank_pool import kept_ranks  # noqa: F401 - the module-scoped `ranks` fixture
 
 from rl_core.config import AlgorithmConfig, TrainConfig
 from rl_core.training.distributed import (
@@ -48,15 +48,6 @@ def ray_session():
     ray.init(num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False)
     yield
     ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def ranks(ray_session):
-    """Rank processes that the groups of this module's tests form on in turn, while they
-    have as many ranks (tests/rank_pool.py)."""
-    pool = RankPool()
-    yield pool
-    pool.close()
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import PAD_ID, make_batch, tiny_qwen2
+from rank_pool import kept_ranks  # noqa: F401 - the module-scoped `ranks` fixture
 
 from rl_core.config import AlgorithmConfig, ConfigError, MegatronConfig, TrainConfig, load_config
 from rl_core.training.megatron.convert import hf_to_mcore, mcore_to_hf, merge_tp
@@ -302,17 +303,6 @@ def ray_session():
     ray.init(num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False)
     yield
     ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def ranks(ray_session):
-    """Two megatron rank processes that every layout's group forms on in turn
-    (tests/rank_pool.py): the first group starts them, the others reuse them."""
-    from rank_pool import RankPool
-
-    pool = RankPool()
-    yield pool
-    pool.close()
 
 
 def start_group(pool, path: Path, **megatron):

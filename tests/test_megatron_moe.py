@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import EOS_ID, PAD_ID, TINY_VOCAB
+from rank_pool import kept_ranks  # noqa: F401 - the module-scoped `ranks` fixture
 from test_megatron import ALGO, batch_of, train_cfg, weights_equal
 
 from rl_core.config import AlgorithmConfig, ConfigError, MoeConfig, load_config
@@ -219,17 +220,6 @@ def ray_session():
     ray.init(num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False)
     yield
     ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def ranks(ray_session):
-    """Two megatron rank processes that every test's group forms on in turn
-    (tests/rank_pool.py): the first group starts them, the others reuse them."""
-    from rank_pool import RankPool
-
-    pool = RankPool()
-    yield pool
-    pool.close()
 
 
 @pytest.mark.parametrize("layout", [
