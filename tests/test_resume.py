@@ -77,6 +77,11 @@ def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout_s: 
     raise AssertionError(f"step {step} not logged within {timeout_s}s")
 
 
+# The in-process plane on 16 prompts (8 a step: epochs of 2 steps), for the clean run and the
+# runs compared with it.
+_CLEAN = ["rollout.engine=local", "data.max_train_examples=16"]
+
+
 def _in_process(tmp: Path, cache: Path, run_name: str, *extra: str) -> list[str]:
     """The overrides only, for a flow run in this process (on the in-process plane)."""
     return [*_argv(tmp, cache, run_name, *extra)[6:], *_CLEAN]
@@ -98,9 +103,6 @@ def clean_local(prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path_fa
     killed, a resumed or a rebuilt run with it: 16 prompts, 8 per step (epochs of 2 steps;
     where a run checkpoints does not change what it trains)."""
     return _straight(tmp_path_factory.mktemp("clean"), tiny_cache, *_CLEAN)
-
-
-_CLEAN = ["rollout.engine=local", "data.max_train_examples=16"]
 
 
 @pytest.mark.parametrize(
