@@ -339,7 +339,7 @@ BAD_BODIES = [
     ({"input_ids": [5], "sampling_params": {"temperature": -1}}, "temperature"),
     ({"input_ids": [5], "sampling_params": {"bogus": 1}}, "unknown sampling parameters"),
     ({"input_ids": [5], "sampling_params": {"frequency_penalty": 0.5}}, "not supported"),
-    ({"input_ids": [5], "stream": True}, "stream is not supported"),
+    ({"input_ids": [5], "stream": "yes"}, "stream must be a bool"),
     ({"input_ids": [[5], [6]], "rid": ["x"]}, "rids length mismatch"),
     ({"input_ids": [[5], [6]], "sampling_params": [{}]}, "sampling_params should be equal"),
     ({"input_ids": [5], "return_logprob": True, "logprob_start_len": 4}, "logprob_start_len=4"),

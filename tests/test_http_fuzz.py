@@ -415,7 +415,12 @@ def test_generate_schema_property(
     body = _mutate(base, mutations)
     r = srv.post("/generate", body)
     assert r.status_code in (200, 400), (body, r.status_code, r.text)
-    payload = r.json()
+    if r.headers["content-type"].startswith("text/event-stream"):  # "stream": true
+        events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+        assert events[-1] == "[DONE]", r.text
+        payload = [p for p in map(json.loads, events[:-1]) if p["meta_info"]["finish_reason"]]
+    else:
+        payload = r.json()
     if r.status_code == 400:
         assert _message(r)
     else:

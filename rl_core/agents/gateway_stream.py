@@ -8,7 +8,9 @@ holds back whatever may start a stop string, and never splits a character. When 
 done the rest goes out as the unstreamed answer would stream it (engine/openai_stream.py: the
 remaining text, the tool calls whole, the ``finish_reason``, the usage), after the turn is
 recorded exactly as an unstreamed one. An error after the first chunk is an ``error`` event
-(what SGLang and OpenAI send mid-stream), and the turn is not recorded. Never re-tokenizes.
+(what SGLang and OpenAI send mid-stream), and the turn is not recorded. The session is freed
+when the stream ends however it ends, a client gone before its first byte included
+(:class:`~rl_core.engine.generate_stream.GuardedStream`). Never re-tokenizes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
+from rl_core.engine.generate_stream import GuardedStream
 from rl_core.engine.openai_stream import stream_chunks, text_pieces
 from rl_core.engine.routes_openai import (
     OpenAIError,
@@ -151,10 +154,17 @@ async def live_response(
     """The streamed turn from its ``first`` token on. ``outcome(timeout)``: waits for the
     generation, the session's close or ``timeout`` (whichever first) and returns the done
     generation, else raises :class:`OpenAIError`; ``finish(done)`` checks and records the turn and returns its body
-    and completion ids (raising :class:`OpenAIError`); ``release()`` runs when the stream
-    ends, however it ends."""
+    and completion ids (raising :class:`OpenAIError`); ``release()`` runs once when the
+    stream ends, however it ends (its client gone before the first byte included)."""
     text = LiveText(tokenizer, stop, skip_special_tokens=req.skip_special_tokens)
     chunks = _Chunks(req, tokenizer, head)
+    released = False
+
+    def release_once() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            release()
 
     async def events() -> AsyncIterator[str]:
         try:
@@ -184,8 +194,7 @@ async def live_response(
             yield _event({"error": {"message": str(e), "type": e.type, "param": e.param,
                                     "code": e.code}})
         finally:
-            release()
+            release_once()
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return GuardedStream(events(), release_once)

@@ -44,7 +44,7 @@ _SAMPLING_IGNORED = {"custom_params", "stream_interval"}
 _SAMPLING_KNOWN = _SAMPLING_IMPLEMENTED | set(_SAMPLING_DEFAULT_ONLY) | _SAMPLING_IGNORED
 # Top-level /generate fields refused unless at their default.
 _GENERATE_DEFAULT_ONLY: dict[str, Any] = {
-    "input_embeds": None, "stream": False, "token_ids_logprob": None,
+    "input_embeds": None, "token_ids_logprob": None,
     "video_data": None, "audio_data": None,
     "return_hidden_states": False}
 
@@ -241,6 +241,7 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine, max_samples: in
     for key, default in _GENERATE_DEFAULT_ONLY.items():
         if body.get(key) not in (None, default):
             raise EngineRequestError(f"{key} is not supported by the embedded engine")
+    field(body, "stream", lambda v: isinstance(v, bool), "a bool")  # engine/generate_stream.py
     text, input_ids = body.get("text"), body.get("input_ids")
     if text is not None and input_ids is not None:
         raise EngineRequestError("Only one of text or input_ids should be provided, not both.")

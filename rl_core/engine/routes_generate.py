@@ -1,7 +1,8 @@
 """The ``/generate`` route of the embedded engine's SGLang-compatible server.
 
 A body (one prompt, a batch, ``n`` samples each) becomes engine requests that are queued all
-or none; the answer keeps request order (prompt-major for ``n > 1``). A client that goes away
+or none; the answer keeps request order (prompt-major for ``n > 1``); ``"stream": true``
+answers with SGLang's server-sent events (engine/generate_stream.py). A client that goes away
 has its requests aborted, as SGLang does. Never imports Prefect or MLflow.
 """
 
@@ -14,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from rl_core.engine.core import EngineRequestError
+from rl_core.engine.generate_stream import stream_generate
 from rl_core.engine.lora import AdapterError
 from rl_core.engine.protocol import Engine, error, parse_generate, read_body, response_item
 
@@ -25,6 +27,8 @@ async def generate(request: Request, eng: Engine) -> Any:
     body = await read_body(request)
     try:
         single, reqs, opts = parse_generate(body, eng, request.app.state.max_request_samples)
+        if body.get("stream"):
+            return stream_generate(eng, reqs, opts, single)
         futures = eng.submit_all(reqs)  # all or none: a bad item rejects the batch
     except (EngineRequestError, AdapterError) as e:
         return error(str(e))

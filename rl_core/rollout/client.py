@@ -28,6 +28,7 @@ import httpx
 
 from rl_core.errors import RolloutError, RolloutRequestError
 from rl_core.rollout.affinity import ROUTING_KEY_HEADER, StickyRoutes
+from rl_core.rollout.wire import StreamedGenerate, TokenHook
 from rl_core.rollout.wire import error_message as _error_message
 from rl_core.rollout.wire import retry_rids as _retry_rids
 from rl_core.types import Sample
@@ -153,10 +154,11 @@ class SGLangClient:
 
     async def _request(self, method: str, path: str, *, json: Any = None, url: str | None = None,
                        retries: int | None = None, total_timeout_s: float | None = None,
-                       rid: str | None = None, limited: bool = False,
-                       key: str | None = None) -> tuple[httpx.Response, str]:
+                       rid: str | None = None, limited: bool = False, key: str | None = None,
+                       stream: StreamedGenerate | None = None) -> tuple[httpx.Response, str]:
         """One logical request: bounded attempts, failover when ``url`` is not pinned (a
-        ``key``: to its engines in affinity order; sent as the router's routing key).
+        ``key``: to its engines in affinity order; sent as the router's routing key; a
+        ``stream``: read as server-sent events, its hooks fed as they come).
         Returns the response (status < 400) and the base URL that answered."""
         attempts = 1 + (self.max_retries if retries is None else retries)
         total = self.total_timeout_s if total_timeout_s is None else total_timeout_s
@@ -170,10 +172,12 @@ class SGLangClient:
                 self._inflight[rid] = base
             body = json if attempt == 0 else _retry_rids(json, attempt)
             try:
+                headers = {ROUTING_KEY_HEADER: key} if key else None
                 async with self._sem if limited else contextlib.nullcontext():
-                    resp = await asyncio.wait_for(self._http.request(
-                        method, base + path, json=body,
-                        headers={ROUTING_KEY_HEADER: key} if key else None), total)
+                    resp = await asyncio.wait_for(
+                        stream.send(self._http, method, base + path, body, headers) if stream
+                        else self._http.request(method, base + path, json=body,
+                                                headers=headers), total)
             except (httpx.TransportError, TimeoutError) as e:
                 what = "no answer within the total bound" if isinstance(e, TimeoutError) else e
                 reason = f"{type(e).__name__}: {what}" if str(what) else type(e).__name__
@@ -240,13 +244,15 @@ class SGLangClient:
                        return_logprob: bool = True, rid: str | None = None,
                        lora_path: str | None = None, return_routed_experts: bool = False,
                        image_data: Sequence[bytes] = (), routing_key: str | None = None,
-                       top_logprobs_num: int = 0) -> Sample:
+                       top_logprobs_num: int = 0, on_token: TokenHook | None = None) -> Sample:
         """One sample for one prompt (one HTTP request, as slime sends them); ``lora_path``:
         the name of a loaded LoRA adapter to sample with (SGLang's field);
         ``return_routed_experts``: the sample carries its MoE routing (``routed_experts``);
         ``image_data``: the prompt's images (encoded bytes, sent as SGLang's base64 strings;
         the prompt's image pads already expanded: :func:`_images_payload`);
-        ``top_logprobs_num``: SGLang's k alternatives per token (``meta["output_top_logprobs"]``)."""
+        ``top_logprobs_num``: SGLang's k alternatives per token (``meta["output_top_logprobs"]``);
+        ``on_token``: streamed (SGLang's ``stream``), called per token as it arrives, the same
+        sample returned (:class:`~rl_core.rollout.wire.StreamedGenerate`)."""
         if not input_ids:
             raise ValueError("generate: input_ids is empty")
         rid = rid or uuid.uuid4().hex
@@ -255,9 +261,11 @@ class SGLangClient:
                    **({"lora_path": lora_path} if lora_path else {}),
                    **({"return_routed_experts": True} if return_routed_experts else {}),
                    **({"top_logprobs_num": top_logprobs_num} if top_logprobs_num else {}),
+                   **({"stream": True} if on_token else {}),
                    **_images_payload([image_data], single=True)}
+        stream = StreamedGenerate([on_token], single=True) if on_token else None
         resp, base = await self._request("POST", "/generate", json=payload, rid=rid, limited=True,
-                                         key=routing_key)
+                                         key=routing_key, stream=stream)
         body = resp.json()  # a list from a server that answers n>1 style even for one sample
         return _sample(input_ids, body[0] if isinstance(body, list) else body, base, rid,
                        image_data)
@@ -269,10 +277,12 @@ class SGLangClient:
                              return_routed_experts: bool = False,
                              image_data: Sequence[Sequence[bytes]] | None = None,
                              routing_key: str | None = None,
-                             top_logprobs_num: Sequence[int] | None = None) -> list[Sample]:
+                             top_logprobs_num: Sequence[int] | None = None,
+                             on_token: Sequence[TokenHook | None] | None = None) -> list[Sample]:
         """One batched request: one sample per prompt, in order (retried as a whole);
         ``image_data``: each prompt's images (as :meth:`generate`'s); ``routing_key``: to that
-        key's engine (session affinity); ``top_logprobs_num``: each prompt's k alternatives."""
+        key's engine (session affinity); ``top_logprobs_num``: each prompt's k alternatives;
+        ``on_token``: each prompt's hook (any: the batch is streamed, as :meth:`generate`)."""
         if not (n := len(input_ids)) or any(len(p) == 0 for p in input_ids):
             raise ValueError("generate_batch: empty batch or empty prompt")
         rids = list(rid) if rid is not None else [uuid.uuid4().hex for _ in input_ids]
@@ -289,9 +299,11 @@ class SGLangClient:
                    **({"return_routed_experts": True} if return_routed_experts else {}),
                    **({"top_logprobs_num": list(top_logprobs_num)} if any(top_logprobs_num or ())
                       else {}),
+                   **({"stream": True} if any(on_token or ()) else {}),
                    **_images_payload(image_data or [()] * n, single=False)}
+        stream = StreamedGenerate(on_token, single=False, n=n) if any(on_token or ()) else None
         resp, base = await self._request("POST", "/generate", json=payload, limited=True,
-                                         key=routing_key)
+                                         key=routing_key, stream=stream)
         if not isinstance(body := resp.json(), list) or len(body) != n:
             raise RolloutError(
                 f"{base}/generate: expected a list of {n} results, got "

@@ -20,6 +20,7 @@ from typing import Any
 from rl_core.engine.sampling import SamplingParams
 from rl_core.rollout.client import RolloutError
 from rl_core.rollout.pool import EnginePool
+from rl_core.rollout.wire import TokenHook
 from rl_core.types import Sample
 from rl_core.weight_sync import WeightSyncError, served_version
 
@@ -171,6 +172,7 @@ class HttpPlane:
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
         *, partial: bool = False, images: Sequence[tuple[bytes, ...]] | None = None,
         routing_keys: Sequence[str] | None = None, top_logprobs: Sequence[int] | None = None,
+        on_token: Sequence[TokenHook | None] | None = None,
     ) -> list[Sample]:
         """One sample per prompt, in order, in concurrent requests of ``request_batch_size``
         (one sample each through the router: sglang-router 0.3 refuses per-sample parameters).
@@ -180,7 +182,9 @@ class HttpPlane:
         the router, as its routing-key header), one request per engine's share.
         ``top_logprobs``: each prompt's k alternatives per token (SGLang's ``top_logprobs_num``,
         in ``meta["output_top_logprobs"]``: ``[[logprob, token_id, text], ...]`` per token);
-        they never change what is sampled."""
+        they never change what is sampled. ``on_token``: each prompt's hook, called with every
+        token as its request streams it (SGLang's ``stream``: token id, log-prob, alternatives
+        or None), on the client's thread; the samples are those of the unstreamed call."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -222,17 +226,21 @@ class HttpPlane:
         kw = {"lora_path": self.lora_name, "return_routed_experts": self.routed_experts}
 
         tops = list(top_logprobs) if top_logprobs is not None else [0] * len(prompts)
-        if len(tops) != len(prompts):
-            raise ValueError(f"{len(tops)} top_logprobs for {len(prompts)} prompts")
+        hooks = list(on_token) if on_token is not None else [None] * len(prompts)
+        if not len(tops) == len(hooks) == len(prompts):
+            raise ValueError(f"{len(tops)} top_logprobs and {len(hooks)} token hooks for "
+                             f"{len(prompts)} prompts")
 
         async def one(idx: list[int]) -> list[Sample]:
             p, im, key = [prompts[i] for i in idx], [pics[i] for i in idx], keys[idx[0]]
             sp = [sampling_payload(params[i]) for i in idx]
             if len(p) == 1:
                 return [await client.aio.generate(p[0], sp[0], **kw, image_data=im[0],
-                                                  routing_key=key, top_logprobs_num=tops[idx[0]])]
+                                                  routing_key=key, top_logprobs_num=tops[idx[0]],
+                                                  on_token=hooks[idx[0]])]
             return await client.aio.generate_batch(p, sp, **kw, image_data=im, routing_key=key,
-                                                   top_logprobs_num=[tops[i] for i in idx])
+                                                   top_logprobs_num=[tops[i] for i in idx],
+                                                   on_token=[hooks[i] for i in idx])
 
         async def run_all() -> list[list[Sample]]:
             return list(await asyncio.gather(*(one(chunk) for chunk in chunks)))
