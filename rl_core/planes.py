@@ -163,6 +163,7 @@ def start_rollout(
                                        else resolve_device(r.device, "rollout.device")),
                                max_running_requests=r.max_running_requests,
                                prefix_cache_tokens=r.prefix_cache_tokens,
+                               max_loras_per_batch=r.max_loras_per_batch,
                                trust_remote_code=cfg.model.trust_remote_code, share=share,
                                routed_experts=cfg.train.moe.routing_replay)
         plane.pause_mode = r.pause_mode

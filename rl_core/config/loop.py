@@ -215,6 +215,11 @@ class RolloutConfig(Section):
     prefix_cache_tokens: int = Field(0, ge=0, description="The embedded/local engine's prefix "
         "cache: finished requests' KV, up to this many tokens per engine, reused by prompts that "
         "extend them (an agent's next turn); 0: off (SGLang keeps its own radix cache).")
+    max_loras_per_batch: int = Field(1, ge=1, description="LoRA adapters one running batch of "
+        "the local engine serves (SGLang's --max-loras-per-batch; embedded engine processes: "
+        "the same flag, not yet passed by their launcher): 1 merges the batch's adapter into "
+        "the weights (no cost per token); N > 1 runs rows of up to N adapters and the base "
+        "model together, each adapter applied unmerged to its rows (docs/lora.md).")
     router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random", "manual"] = (
         Field("cache_aware", description="sglang-router's policy; `manual`: sticky by the "
               "episode (session affinity, the routing-key header)."))

@@ -30,7 +30,7 @@ from transformers import AutoTokenizer
 from rl_core.engine import faults
 from rl_core.engine.control import EngineControl, EngineRequestError, EngineStateError
 from rl_core.engine.kv import make_kv_batch
-from rl_core.engine.lora import Adapters
+from rl_core.engine.lora import WAIT, Adapters
 from rl_core.engine.requests import (
     GenerateOutput,
     GenerateRequest,
@@ -92,7 +92,8 @@ class EmbeddedEngine(EngineControl):
     """A continuous-batching generation engine in this process (see the module docstring).
     ``max_total_tokens`` defaults to ``max(65536, context_length)``; the timeouts bound a
     control call's wait for a safe point and each weight-update collective; ``on_step(n)``
-    runs on the scheduler after decode step ``n`` (for tests); ``kv_layout``: auto/slots/padded."""
+    runs on the scheduler after decode step ``n`` (for tests); ``kv_layout``: auto/slots/padded;
+    ``max_loras_per_batch``: LoRA adapters one batch serves (1: merged; N: unmerged, lora.py)."""
 
     def __init__(self, model_path: str | Path, *, dtype: str = "float32",
                  max_running_requests: int = 256, max_total_tokens: int | None = None,
@@ -101,7 +102,7 @@ class EmbeddedEngine(EngineControl):
                  control_timeout_s: float = 60.0, weight_sync_timeout_s: float = 120.0,
                  on_step: Callable[[int], None] | None = None, kv_layout: str = "auto",
                  model: torch.nn.Module | None = None, background: bool = True,
-                 prefix_cache_tokens: int = 0) -> None:
+                 prefix_cache_tokens: int = 0, max_loras_per_batch: int = 1) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_path = self.tokenizer_path = str(model_path)
@@ -141,7 +142,6 @@ class EmbeddedEngine(EngineControl):
         self.weight_version, self.control_timeout_s = INITIAL_WEIGHT_VERSION, control_timeout_s
         self.weight_sync_timeout_s, self.on_step = weight_sync_timeout_s, on_step
         self._weights = ServedWeights(self.model)
-        self._lora = Adapters(self._weights.named, lambda: self._kv.weights_changed())
         self._routing = RoutingCapture(self.model)
         # Scheduler state. Only the scheduler thread touches the running batch; the waiting
         # queue, the rid index and the control queue are shared under ``_cond``.
@@ -154,6 +154,7 @@ class EmbeddedEngine(EngineControl):
         # The running batch's KV cache, row i = _running[i].
         self._kv = make_kv_batch(kv_layout, self.model, self.device, self.pad_token_id,
                                  self.max_running_requests, self.model_path, prefix_cache_tokens)
+        self._lora = Adapters(self._weights.named, self._kv, self.model, max_loras_per_batch)
         self.kv_layout = self._kv.layout
         self._pending: torch.Tensor | None = None  # (B,) sampled, not yet fed to the model
         self._paused = self._kv_released = self._stop = False
@@ -410,22 +411,21 @@ class EmbeddedEngine(EngineControl):
         with self._cond:
             new: list[_Seq] = []
             reserved, prefill_tokens = sum(s.reserve for s in self._running), 0
+            batch = {s.req.lora for s in self._running}  # the adapters it serves (None: base)
             while self._waiting and len(self._running) + len(new) < self.max_running_requests:
                 s = self._waiting[0]
-                if s.req.lora != self._lora.active:  # one adapter per batch, in arrival order
-                    if self._running or new:
-                        break
-                    if s.req.lora is not None and s.req.lora not in self._lora.loaded:
-                        self._waiting.popleft()  # unloaded since it was queued
-                        self._finish(s, abort_reason(f"LoRA {s.req.lora!r} unloaded", 400))
-                        continue
-                    self._lora.activate(s.req.lora)
+                if (why := self._lora.admit(s.req.lora, batch)) == WAIT:
+                    break
+                if why is not None:  # its adapter was unloaded since it was queued
+                    self._finish(self._waiting.popleft(), abort_reason(why, 400))
+                    continue
                 n = len(s.req.input_ids) + len(s.output_ids)
                 if reserved + s.reserve > self.max_total_tokens:
                     break
                 if new and (prefill_tokens + n > MAX_PREFILL_TOKENS or s.needs_input_logprobs):
                     break
                 new.append(self._waiting.popleft())
+                batch.add(s.req.lora)
                 reserved, prefill_tokens = reserved + s.reserve, prefill_tokens + n
                 if s.needs_input_logprobs:
                     break  # prefilled alone: its logits are kept for every scored position
@@ -433,7 +433,7 @@ class EmbeddedEngine(EngineControl):
         return new
 
     def _prefill(self, new: list[_Seq]) -> None:
-        seqs = [s.req.input_ids + s.output_ids for s in new]
+        seqs, loras = [s.req.input_ids + s.output_ids for s in new], [s.req.lora for s in new]
         # Logits only where needed: the last position, or (a request scoring its prompt,
         # always prefilled alone, see _admit) every position from logprob_start_len on.
         keep_logits = 0
@@ -442,11 +442,12 @@ class EmbeddedEngine(EngineControl):
         hits = None  # cached prefixes; never for a request scoring its prompt or its routing
         if self._kv.prefix.enabled and not keep_logits and not any(
                 s.req.return_routed_experts for s in new):
-            hits = [self._kv.prefix.lookup(q) for q in seqs]
+            hits = [self._kv.prefix.lookup(q) if self._lora.shares_kv(lora) else None
+                    for q, lora in zip(seqs, loras, strict=True)]
             for s, hit in zip(new, hits, strict=True):
                 s.cached = hit.length if hit is not None else 0
         last, prompt_logits = self._kv.prefill(seqs, [s.reserve for s in new], keep_logits,
-                                               [s.req.images for s in new], hits)
+                                               [s.req.images for s in new], hits, loras)
         last, prompt_logits = self._masked(last), self._masked(prompt_logits)
         self._routing.prefill(new, self._kv.token_rows([len(q) for q in seqs]))
         self.stats["prefill_batches"] += 1

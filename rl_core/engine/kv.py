@@ -9,13 +9,17 @@ finished rows' KV in its :class:`~rl_core.engine.prefix_cache.PrefixCache` for l
 that start with them (``remember``; ``prefill`` computes only what follows a hit);
 :class:`PaddedBatch` runs any full-attention model (docs/rollout.md, "KV cache layouts").
 Both compute identical prompts of one prefill (a GRPO group's samples: the same ids and
-pictures) once and give each of them its own copy of the result (:func:`shared_rows`).
+pictures) once and give each of them its own copy of the result (:func:`shared_rows`). Each row
+carries its LoRA adapter's name: with ``lora`` set (several adapters per batch,
+engine/lora.py) every forward binds them, so each row's tokens get its own adapter.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +28,9 @@ from transformers.cache_utils import DynamicLayer
 
 from rl_core.engine.prefix_cache import PrefixCache, PrefixHit
 from rl_core.models.vlm import ImageInputs, concat_images, is_vision_model, mrope_positions
+
+if TYPE_CHECKING:
+    from rl_core.engine.lora import RowAdapters
 
 __all__ = ["KV_LAYOUTS", "PaddedBatch", "SlotBatch", "make_kv_batch"]
 
@@ -58,16 +65,17 @@ def make_kv_batch(layout: str, model: torch.nn.Module, device: torch.device, pad
     return SlotBatch(model, device, pad_token_id, max_rows, prefix_cache_tokens)
 
 
-def shared_rows(seqs: list[list[int]], images: list[ImageInputs | None] | None
-                ) -> tuple[list[int], list[int]]:
+def shared_rows(seqs: list[list[int]], images: list[ImageInputs | None] | None,
+                loras: Sequence[str | None] | None = None) -> tuple[list[int], list[int]]:
     """(the first row of each distinct sequence, each row's index into those): rows with the
-    same ids and the same pictures (pixels and grids equal) are one prefill row."""
+    same ids, the same pictures (pixels and grids equal) and the same LoRA adapter are one
+    prefill row."""
     firsts: list[int] = []
     where: list[int] = []
-    seen: dict[tuple[int, ...], list[int]] = {}
+    seen: dict[tuple[Any, ...], list[int]] = {}
     for i, q in enumerate(seqs):
         im = images[i] if images else None
-        same = seen.setdefault(tuple(q), [])
+        same = seen.setdefault((loras[i] if loras else None, *q), [])
         for u in same:
             other = images[firsts[u]] if images else None
             if _same_images(im, other):
@@ -85,6 +93,14 @@ def _same_images(a: ImageInputs | None, b: ImageInputs | None) -> bool:
         return a is b
     return a is b or (a.tokens == b.tokens and torch.equal(a.grid_thw, b.grid_thw)
                       and torch.equal(a.pixel_values, b.pixel_values))
+
+
+def _bind(lora: RowAdapters | None, names: list[str | None] | None,
+          counts: list[int] | None = None) -> contextlib.AbstractContextManager[None]:
+    """The rows' adapters bound for the forwards inside (nothing without ``lora``)."""
+    if lora is None or names is None:
+        return contextlib.nullcontext()
+    return lora.bind(names, counts)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -111,6 +127,7 @@ class SlotBatch:
         self._packed: list[Any] | None = None
         self.device, self.pad, self.max_rows = device, pad_token_id, max_rows
         self.k, self.v = [], []  # per layer: (slots, kv_heads, columns, head_dim) tensors
+        self.lora: RowAdapters | None = None
         self.clear()
 
     @staticmethod
@@ -145,14 +162,17 @@ class SlotBatch:
     def prefill(self, seqs: list[list[int]], reserves: list[int], keep_logits: int,
                 images: list[ImageInputs | None] | None = None,
                 prefixes: list[PrefixHit | None] | None = None,
+                loras: list[str | None] | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Compute ``seqs`` into the slots after the batch; (last logits, prompt logits):
         ``keep_logits`` > 0 (one sequence only, no prefix) also returns its last positions'
         logits. ``prefixes``: each sequence's cached prefix (its K/V copied into the slot; only
-        the tokens after it are computed). Text only: ``images`` must be None or all None
-        (vision models run padded)."""
+        the tokens after it are computed); ``loras``: each sequence's adapter. Text only:
+        ``images`` must be None or all None (vision models run padded)."""
         assert not any(images or []), "SlotBatch runs text models only"
-        firsts, where = shared_rows(seqs, None)  # identical prompts computed once
+        loras = loras or [None] * len(seqs)
+        firsts, where = shared_rows(seqs, None, loras)  # identical prompts computed once
+        names = [loras[u] for u in firsts]
         self.shared = len(seqs) - len(firsts)
         hits = [prefixes[u] if prefixes else None for u in firsts]
         starts = [h.length if h is not None else 0 for h in hits]
@@ -172,17 +192,19 @@ class SlotBatch:
         positions = torch.cat([torch.arange(p, k) for p, k in zip(starts, lengths, strict=True)])
         index = torch.cat([torch.arange(p, k) + i * width
                            for i, (p, k) in enumerate(zip(starts, lengths, strict=True))])
-        h = self._forward(ids[None].to(self.device), positions[None].to(self.device),
-                          prefill_at=b, packing=(index.to(self.device), n, width),
-                          prefixed=any(starts))
-        if keep_logits:  # one sequence: the packed row is the sequence
-            prompt_logits = self.logits(h[0, width - keep_logits :])
-            last = prompt_logits[-1:]
-        else:
-            computed = [k - p for p, k in zip(starts, lengths, strict=True)]
-            ends = torch.tensor(computed, device=self.device).cumsum(0) - 1
-            prompt_logits, last = None, self.logits(h[0, ends])[where]
-        self._staged = ([len(q) for q in seqs], list(reserves), where)
+        computed = [k - p for p, k in zip(starts, lengths, strict=True)]
+        with _bind(self.lora, names, computed):
+            h = self._forward(ids[None].to(self.device), positions[None].to(self.device),
+                              prefill_at=b, packing=(index.to(self.device), n, width),
+                              prefixed=any(starts))
+        with _bind(self.lora, names):  # logits: each distinct row's positions
+            if keep_logits:  # one sequence: the packed row is the sequence
+                prompt_logits = self.logits(h[0, width - keep_logits :])
+                last = prompt_logits[-1:]
+            else:
+                ends = torch.tensor(computed, device=self.device).cumsum(0) - 1
+                prompt_logits, last = None, self.logits(h[0, ends])[where]
+        self._staged = ([len(q) for q in seqs], list(reserves), where, loras)
         return last, prompt_logits
 
     def token_rows(self, lengths: list[int]) -> list[slice]:
@@ -198,9 +220,10 @@ class SlotBatch:
         """Append staged rows ``keep`` (indices into the last prefill) to the batch: each
         row's slot gets its prefill row's keys and values (a shared one's, copied)."""
         assert self._staged is not None
-        (lengths, reserves, where), self._staged = self._staged, None
+        (lengths, reserves, where, loras), self._staged = self._staged, None
         if not keep:
             return
+        self.row_loras += [loras[i] for i in keep]
         b, src = self.rows, [where[i] for i in keep]
         if src != list(range(len(keep))):  # compact (and copy shared rows) towards slot b
             cols = max(lengths[i] for i in keep)
@@ -220,16 +243,19 @@ class SlotBatch:
         width = self.max_len + 1
         cols = torch.arange(width, device=self.device)
         mask = cols[None, :] <= self.pos[:, None]  # (B, width): columns each row may see
-        h = self._forward(tokens[:, None].to(self.device), self.pos[:, None], decode_mask=mask)
-        self.pos, self.max_len = self.pos + 1, self.max_len + 1
-        return self.logits(h[:, 0])
+        with _bind(self.lora, self.row_loras):
+            h = self._forward(tokens[:, None].to(self.device), self.pos[:, None],
+                              decode_mask=mask)
+            self.pos, self.max_len = self.pos + 1, self.max_len + 1
+            return self.logits(h[:, 0])
 
     def remember(self, rows: list[tuple[int, list[int]]]) -> None:
         """Keep each finished row's K/V in the prefix cache: ``(row, ids)``, ``ids`` the row's
-        computed tokens (its prompt and every output token but the pending one)."""
+        computed tokens (its prompt and every output token but the pending one). Several
+        adapters per batch: only the base model's rows (the cache holds no adapter's KV)."""
         for r, ids in rows:
             n = len(ids)
-            if n != int(self.pos[r]):  # not what the slot holds: never cache a guess
+            if n != int(self.pos[r]) or (self.lora and self.row_loras[r]):  # never a guess
                 continue
             self.prefix.insert(ids, [k[r, :, :n].clone() for k in self.k],
                                [v[r, :, :n].clone() for v in self.v])
@@ -253,6 +279,7 @@ class SlotBatch:
         idx = torch.tensor(order, dtype=torch.long, device=self.device)
         self.pos = self.pos[idx]
         self.limits = [self.limits[o] for o in order]
+        self.row_loras = [self.row_loras[o] for o in order]
         self.rows, self.max_len = size, int(self.pos.max())
         self._rows_index = torch.arange(size, device=self.device)
         return order
@@ -262,7 +289,8 @@ class SlotBatch:
         self.rows, self.max_len = 0, 0
         self.pos = torch.zeros(0, dtype=torch.long, device=self.device)
         self.limits: list[int] = []
-        self._staged: tuple[list[int], list[int], list[int]] | None = None
+        self.row_loras: list[str | None] = []  # each row's adapter (None: the base model)
+        self._staged: tuple[list[int], list[int], list[int], list[str | None]] | None = None
         self._rows_index = self.pos
         self.shared = 0  # rows of the last prefill that were another row's copy
 
@@ -280,7 +308,13 @@ class SlotBatch:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head on final hidden states (..., hidden)."""
-        return _matmul(h, self._weights()[-1])
+        return self._mm(h, self._weights()[-1], self.model.lm_head)
+
+    def _mm(self, x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor | None],
+            *linears: torch.nn.Module) -> torch.Tensor:
+        """:func:`_matmul`, plus the bound rows' adapters on ``linears`` (packed side by side)."""
+        out = _matmul(x, packed)
+        return out if self.lora is None else self.lora.apply(linears, x, out)
 
     def _reserve(self, rows: int, columns: int, column_cap: int) -> None:
         """Grow the buffers to hold ``rows`` slots of ``columns`` (geometrically, capped)."""
@@ -325,7 +359,7 @@ class SlotBatch:
         for i, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
             qkv_w, o_w, gate_up_w, down_w = packed[i]
-            qkv = _matmul(layer.input_layernorm(h), qkv_w)
+            qkv = self._mm(layer.input_layernorm(h), qkv_w, attn.q_proj, attn.k_proj, attn.v_proj)
             q = qkv[..., : self.q_size].view(n, t, -1, hd)
             k = qkv[..., self.q_size : self.q_size + self.kv_size].view(n, t, -1, hd)
             v = qkv[..., self.q_size + self.kv_size :].view(n, t, -1, hd)
@@ -357,14 +391,16 @@ class SlotBatch:
                 scores = torch.baddbmm(bias, qg, keys.transpose(1, 2), alpha=self.scaling)
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
                 o = torch.bmm(probs, values).view(n, -1, 1, hd).transpose(1, 2).reshape(n, t, -1)
-            h = h.add_(_matmul(o, o_w))
+            h = h.add_(self._mm(o, o_w, attn.o_proj))
             if gate_up_w is None:  # an MoE block: the model's router and experts
                 h = h.add_(layer.mlp(layer.post_attention_layernorm(h)))
                 continue
-            gate_up = _matmul(layer.post_attention_layernorm(h), gate_up_w)
+            mlp = layer.mlp
+            gate_up = self._mm(layer.post_attention_layernorm(h), gate_up_w, mlp.gate_proj,
+                               mlp.up_proj)
             half = gate_up.shape[-1] // 2
-            act = layer.mlp.act_fn(gate_up[..., :half]).mul_(gate_up[..., half:])
-            h = h.add_(_matmul(act, down_w))
+            act = mlp.act_fn(gate_up[..., :half]).mul_(gate_up[..., half:])
+            h = h.add_(self._mm(act, down_w, mlp.down_proj))
         return self.inner.norm(h)
 
     def _weights(self) -> list[Any]:
@@ -429,15 +465,18 @@ class PaddedBatch:
         self.model, self.device, self.pad = model, device, pad_token_id
         self.vision = is_vision_model(model)  # M-RoPE: 3-row positions, images in prefill
         self.prefix = PrefixCache(0)  # no prefix cache in this layout (make_kv_batch says so)
+        self.lora: RowAdapters | None = None
         self.clear()
 
     def prefill(self, seqs: list[list[int]], reserves: list[int], keep_logits: int,
                 images: list[ImageInputs | None] | None = None,
                 prefixes: list[PrefixHit | None] | None = None,
+                loras: list[str | None] | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert not any(prefixes or []), "the padded layout has no prefix cache"
-        firsts, where = shared_rows(seqs, images)  # identical prompts and pictures: once
-        self._where, self.shared = where, len(seqs) - len(firsts)
+        loras = loras or [None] * len(seqs)
+        firsts, where = shared_rows(seqs, images, loras)  # identical prompts and pictures: once
+        self._where, self.shared, self._loras = where, len(seqs) - len(firsts), loras
         images = [images[u] for u in firsts] if images else None
         seqs = [seqs[u] for u in firsts]
         width = max(len(q) for q in seqs)
@@ -456,9 +495,10 @@ class PaddedBatch:
         else:
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             next_pos = positions[:, -1] + 1
-        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                         position_ids=positions.to(self.device), use_cache=True,
-                         logits_to_keep=max(1, keep_logits), **extra)
+        with _bind(self.lora, [loras[u] for u in firsts]):
+            out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                             position_ids=positions.to(self.device), use_cache=True,
+                             logits_to_keep=max(1, keep_logits), **extra)
         self._staged = (out.past_key_values, mask, next_pos)
         return out.logits[where, -1, :], (out.logits[0] if keep_logits else None)
 
@@ -474,6 +514,7 @@ class PaddedBatch:
         (cache, mask, next_pos), self._staged = self._staged, None
         if not keep:
             return
+        self.row_loras += [self._loras[i] for i in keep]
         src = [self._where[i] for i in keep]
         idx = torch.tensor(src, dtype=torch.long)
         if src != list(range(mask.shape[0])):  # some rows left, or shared rows copied
@@ -504,9 +545,10 @@ class PaddedBatch:
         # transformers 5 names the cache `cache` (`past_key_values` warns on every call of
         # the VLM classes); text models keep the name every version takes
         kv = {"cache": self.cache} if self.vision else {"past_key_values": self.cache}
-        out = self.model(input_ids=tokens[:, None].to(self.device),
-                         attention_mask=self.mask.to(self.device),
-                         position_ids=positions.to(self.device), use_cache=True, **kv)
+        with _bind(self.lora, self.row_loras):
+            out = self.model(input_ids=tokens[:, None].to(self.device),
+                             attention_mask=self.mask.to(self.device),
+                             position_ids=positions.to(self.device), use_cache=True, **kv)
         self.cache = out.past_key_values
         self.next_pos = self.next_pos + 1
         return out.logits[:, -1, :]
@@ -520,6 +562,7 @@ class PaddedBatch:
         idx = torch.tensor(keep, dtype=torch.long)
         self.cache.batch_select_indices(idx.to(self.device))
         self.mask, self.next_pos, self.rows = self.mask[idx], self.next_pos[idx], len(keep)
+        self.row_loras = [self.row_loras[j] for j in keep]
         lead = int((self.mask.cumsum(-1) == 0).sum(-1).min())
         if lead:
             for layer in self.cache.layers:
@@ -534,6 +577,8 @@ class PaddedBatch:
         self.next_pos: torch.Tensor | None = None  # (B,) position of the pending token
         self._staged: tuple[DynamicCache, torch.Tensor, torch.Tensor] | None = None
         self._where: list[int] = []  # each row of the last prefill -> its computed row
+        self._loras: list[str | None] = []  # each row of the last prefill: its adapter
+        self.row_loras: list[str | None] = []  # each row's adapter (None: the base model)
         self.shared = 0  # rows of the last prefill that were another row's copy
 
     free = clear  # nothing is kept between batches

@@ -195,6 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="KV cache layout (auto: slots for Llama-family models, padded otherwise)")
     add("--prefix-cache-tokens", type=int, default=0, help="keep finished requests' KV, up to "
         "this many tokens, for later prompts that start with them (slots layout; 0: off)")
+    add("--max-loras-per-batch", type=int, default=1, help="LoRA adapters one running batch "
+        "serves (SGLang's flag): 1 merges the batch's adapter into the weights; N > 1 applies "
+        "up to N unmerged, per row (docs/lora.md)")
     add("--log-level", default="info")
     add("--control-timeout-s", type=float, default=60.0,
         help="bound on a control call's wait for the scheduler's next safe point")
