@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
+from rl_core.agents.roles import role_adapters
 from rl_core.cluster.platform import platform_env
 from rl_core.config import (
     ConfigError,
@@ -50,6 +51,7 @@ from rl_core.sft import Example, SFTDataConfig
 from rl_core.teacher import Distillation, check_tokenizers, teacher_examples
 from rl_core.weight_sync import sync_weights
 from rl_core.weight_sync.probe import TOLERANCE, ProbeBatch, WeightProbe
+from rl_core.weight_sync.roles import RoleAdapterSync
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +170,9 @@ def start_rollout(
                                routed_experts=cfg.train.moe.routing_replay)
         plane.pause_mode = r.pause_mode
         lora = cfg.train.lora.name if cfg.train.lora.enabled else None
+        if adapters := role_adapters(cfg):  # train.lora.per_role: an adapter per role
+            return plane, RoleAdapterSync(plane, {role: TensorSync(plane, name)
+                                                  for role, name in adapters.items()})
         return plane, (SharedSync(trainer) if share is not None else TensorSync(plane, lora))
     from rl_core.rollout.http import HttpPlane
 
@@ -215,6 +220,10 @@ def start_rollout(
                                  cfg.train.lora.name if cfg.train.lora.enabled else None,
                                  DeltaEncoder(r.weight_sync_delta_full_every)
                                  if r.weight_sync_delta else None)
+            if adapters := role_adapters(cfg):  # train.lora.per_role: an adapter per role
+                transport = RoleAdapterSync(plane, {role: DiskSync(
+                    plane, work_dir / "weight_sync" / role, r.weight_sync_timeout_s, name)
+                    for role, name in adapters.items()})
     pool.resync = transport.resync  # a restarted engine serves the current weights first
     return plane.start(), transport
 
@@ -357,6 +366,8 @@ def bring_up_planes(cfg: ExperimentConfig, model_path: str | Path, train_records
         eval_records, eval_prompts, skip_eval = _encode_within_limit(tokenizer, eval_records, cfg,
                                                                      vision)
         rollout, transport = start_rollout(cfg, model_path, work_dir, placement, trainer)
+        if trainer is None and isinstance(transport, RoleAdapterSync):  # a per-role export
+            transport.serve_exported(model_path)
         if cfg.teacher.enabled and with_trainer:
             teacher = start_teacher(cfg, tokenizer, str(model_path), work_dir)
             advantage = Distillation(teacher, cfg.teacher, advantage)
@@ -458,7 +469,7 @@ def _start_trainer(cfg: ExperimentConfig, model_path: str | Path, placement: Any
         from rl_core.training.torch_trainer import TorchTrainer
 
         return TorchTrainer(model_path, train, cfg.algorithm, **kw,
-                            freeze_vision=cfg.model.freeze_vision)
+                            freeze_vision=cfg.model.freeze_vision, roles=tuple(role_adapters(cfg)))
     from rl_core.cluster.platform import detect_platform
     from rl_core.training.distributed import TrainerGroup
 

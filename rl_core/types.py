@@ -151,6 +151,9 @@ class Batch:
     # Per row, its images as encoded bytes, in the order of its image pads (a vision-language
     # model's trainer turns them into pixels); None: no row has any.
     images: list[tuple[bytes, ...]] | None = None
+    # Per row, the role whose adapter trains on it (``train.lora.per_role``; docs/lora.md);
+    # None: one policy for every row.
+    roles: list[str] | None = None
 
     @property
     def size(self) -> int:
@@ -162,7 +165,7 @@ class Batch:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "images":
+            if f.name in ("images", "roles"):
                 out[f.name] = None if value is None else [value[i] for i in index.tolist()]
             elif value is None or value.dim() == 1:
                 out[f.name] = None if value is None else value[index]

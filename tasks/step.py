@@ -174,7 +174,13 @@ def compute_advantages(planes: PlanesHandle, batch: StepSamples) -> Batch:
     not a task: it is milliseconds of deterministic arithmetic, and each task run costs the
     Prefect API server CPU that the step's compute shares (docs/benchmarks.md)."""
     p = get_planes(planes)
-    return p.advantage.batch(batch.samples, p.pad_token_id)
+    out = p.advantage.batch(batch.samples, p.pad_token_id)
+    if p.config.train.lora.per_role:  # each row trains its role's adapter (docs/lora.md)
+        roles = [s.meta.get("role", "") for s in batch.samples]
+        if len(roles) != out.size:
+            raise ValueError(f"train.lora.per_role: {out.size} rows for {len(roles)} samples")
+        out.roles = roles
+    return out
 
 
 def score_advantages(planes: PlanesHandle, batch: StepSamples, step: int) -> StepSamples:

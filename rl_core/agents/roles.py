@@ -1,4 +1,5 @@
-"""Multi-role episodes (self-play, proposer/solver, debate): one policy, a chain per role.
+"""Multi-role episodes (self-play, proposer/solver, debate): a chain per role, one policy or
+an adapter per role (``train.lora.per_role``: :func:`role_adapters`).
 
 An environment declares its roles with a class attribute (``roles = ("proposer", "solver")``);
 ``reset(task)`` opens the first role's conversation, and each ``step(turn)`` may answer with a
@@ -45,7 +46,8 @@ from rl_core.engine.sampling import SamplingParams, sample_seed
 from rl_core.interfaces import RolloutPlane
 from rl_core.types import Sample
 
-__all__ = ["RoleEpisodeRunner", "RoleStep", "declared_roles", "role_metrics", "role_runner"]
+__all__ = ["RoleEpisodeRunner", "RoleStep", "declared_roles", "role_adapters", "role_metrics",
+           "role_runner"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,20 @@ def declared_roles(spec: str | None) -> tuple[tuple[str, ...], Any]:
                                                            for r in roles)):
         raise ValueError(f"agent.env={spec!r}: roles must be distinct non-empty names, got {roles}")
     return (roles, target) if len(roles) > 1 else ((), None)
+
+
+def role_adapters(cfg: Any) -> dict[str, str]:  # noqa: ANN401 (an ExperimentConfig)
+    """``train.lora.per_role``: each role of ``agent.env`` -> its adapter's name
+    (``<train.lora.name>-<role>``); {} when off. An ``agent.env`` without roles is an error."""
+    lora = cfg.train.lora
+    if not (lora.enabled and lora.per_role):
+        return {}
+    roles, _ = declared_roles(cfg.agent.env)
+    if not roles:
+        raise ValueError(f"train.lora.per_role=true trains an adapter per role, but agent.env="
+                         f"{cfg.agent.env!r} declares no roles (a class attribute `roles` of two "
+                         "names or more; docs/agents.md)")
+    return {role: f"{lora.name}-{role}" for role in roles}
 
 
 def role_runner(agent: Any, plane: RolloutPlane, chat: ChatTokens,  # noqa: ANN401 (AgentConfig)
@@ -202,7 +218,7 @@ class RoleEpisodeRunner:
                                seed=sample_seed(seed, step, f"{rec.id}#{p.attempt}.{p.turns}", j)))
         keys = [f"{step}:{p.key[1].id}:{p.key[2]}#{p.attempt}" for p in plays]
         t0 = time.monotonic()
-        outs = self.plane.generate(prompts, sps, routing_keys=keys)
+        outs = self._generate(plays, prompts, sps, keys)
         seconds = time.monotonic() - t0
         for p, s in zip(plays, outs, strict=True):
             chain = p.chains[p.acting]
@@ -214,6 +230,30 @@ class RoleEpisodeRunner:
                             "finish_reason": s.finish_reason.get("type")})
             if len(chain.ids) >= lim.max_tokens:
                 p.finish = "max_tokens"
+
+    def _generate(self, plays: list[_Play], prompts: list[list[int]],
+                  sps: list[SamplingParams], keys: list[str]) -> list[Sample]:
+        """One sample per acting role's prompt. With per-role adapters (the plane's
+        ``role_adapters``, set by their weight sync: docs/lora.md) each role's turns are one
+        request batch sent to its adapter (the plane's ``lora_name`` while it runs)."""
+        adapters = getattr(self.plane, "role_adapters", None)
+        if not adapters:
+            return self.plane.generate(prompts, sps, routing_keys=keys)
+        outs: list[Any] = [None] * len(plays)
+        before = self.plane.lora_name
+        try:
+            for role in self.roles:
+                idx = [i for i, p in enumerate(plays) if p.acting == role]
+                if not idx:
+                    continue
+                self.plane.lora_name = adapters[role]
+                got = self.plane.generate([prompts[i] for i in idx], [sps[i] for i in idx],
+                                          routing_keys=[keys[i] for i in idx])
+                for i, s in zip(idx, got, strict=True):
+                    outs[i] = s
+        finally:
+            self.plane.lora_name = before
+        return outs
 
     def _env_turn(self, plays: list[_Play]) -> None:
         def step(p: _Play) -> StepResult:

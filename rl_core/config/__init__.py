@@ -244,6 +244,16 @@ class ExperimentConfig(Section):
         if (sync := self.rollout.weight_sync) != "disk":
             raise ValueError(f"train.lora.rank > 0 with rollout.weight_sync={sync!r}: adapters "
                              "travel as PEFT files (SGLang's /load_lora_adapter); use disk")
+        if self.train.lora.per_role:
+            why = [w for bad, w in (
+                (self.agent.env is None, "agent.env is not set (the roles are the environment's: "
+                 "an agent.env whose class declares `roles`)"),
+                (self.cluster.mode != "local", f"cluster.mode={self.cluster.mode!r} (trainer "
+                 "ranks train one adapter; use cluster.mode=local)"),
+                (self.rollout.engine == "sglang", "rollout.engine=sglang (several adapters on "
+                 "SGLang engines are not wired or tested yet; use local or embedded)")) if bad]
+            if why:
+                raise ValueError("train.lora.per_role=true: " + "; ".join(why))
 
     def _check_delta(self) -> None:
         r, why = self.rollout, []

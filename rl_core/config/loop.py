@@ -342,6 +342,9 @@ class LoraConfig(Section):
         "the frozen base in 4 bits (bitsandbytes; `pip install 'grpoflow[qlora]'`); the "
         "engines serve the full-precision base + the adapter. None: full-precision base.")
     double_quant: bool = Field(True, description="QLoRA: quantize the 4-bit scales too.")
+    per_role: bool = Field(False, description="Multi-role episodes (an agent.env that declares "
+        "roles): one adapter per role, `<name>-<role>`, each sampling its role's turns and "
+        "trained on its role's samples only (docs/lora.md). False: one adapter for every role.")
 
     @property
     def enabled(self) -> bool:
@@ -352,6 +355,9 @@ class LoraConfig(Section):
         if self.quantize and not self.enabled:
             raise ValueError(f"train.lora.quantize={self.quantize!r} quantizes the base under "
                              "an adapter, but train.lora.rank is 0; set train.lora.rank > 0")
+        if self.per_role and not self.enabled:
+            raise ValueError("train.lora.per_role=true trains an adapter per role, but "
+                             "train.lora.rank is 0; set train.lora.rank > 0")
         return self
 
 

@@ -3,14 +3,15 @@
 :func:`apply_lora` wraps the model (only the adapters train). The weights' three forms, each
 from the full state_dict: :func:`adapter_tensors` (peft's names: sync, checkpoint, checksum),
 :func:`merged_tensors` (the HF export) and :func:`model_keys` (for restores). QLoRA:
-:func:`quantization`, the 4-bit base's ``BitsAndBytesConfig``. docs/lora.md.
+:func:`quantization`, the 4-bit base's ``BitsAndBytesConfig``. ``train.lora.per_role``: one
+adapter per role (:func:`role_adapter_names`), each form taken per adapter name. docs/lora.md.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,11 @@ from safetensors.torch import save_file
 
 from rl_core.config import LoraConfig
 
-__all__ = ["ADAPTER_DIR", "adapter_config", "adapter_tensors", "apply_lora", "merged_tensors",
-           "model_keys", "quantization", "write_adapter"]
+__all__ = ["ADAPTER_DIR", "ROLE_ADAPTERS_DIR", "adapter_config", "adapter_tensors", "apply_lora",
+           "base_tensors", "merged_tensors", "model_keys", "quantization", "role_adapter_names", "write_adapter"]
 
 ADAPTER_DIR = "adapter"  # beside the merged model in an export
+ROLE_ADAPTERS_DIR = "adapters"  # train.lora.per_role: adapters/<role>/ in an export or checkpoint
 _PREFIX, _ADAPTER = "base_model.model.", "default"
 
 
@@ -53,8 +55,16 @@ def unpacked_4bit(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
-    """``model`` with LoRA adapters on ``cfg.target_modules`` (B = 0: it starts as the base)."""
+def role_adapter_names(cfg: LoraConfig, roles: Sequence[str]) -> dict[str, str]:
+    """``train.lora.per_role``: each role's adapter name (on the engines and in the trainer's
+    peft model): ``<train.lora.name>-<role>``."""
+    return {role: f"{cfg.name}-{role}" for role in roles}
+
+
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig,
+               adapters: Sequence[str] = (_ADAPTER,)) -> torch.nn.Module:
+    """``model`` with LoRA adapters on ``cfg.target_modules`` (B = 0: it starts as the base);
+    ``adapters``: their names, one set per name (the first is active)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -73,7 +83,10 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     with warnings.catch_warnings():  # peft asks transformers a deprecated question
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
                                 category=FutureWarning)
-        return get_peft_model(model, peft_cfg)
+        wrapped = get_peft_model(model, peft_cfg, adapter_name=adapters[0])
+        for name in adapters[1:]:  # per role: one more set, same config (peft's add_adapter)
+            wrapped.add_adapter(name, peft_cfg)
+        return wrapped
 
 
 def scaling(cfg: LoraConfig) -> float:
@@ -81,23 +94,32 @@ def scaling(cfg: LoraConfig) -> float:
     return cfg.alpha / (math.sqrt(cfg.rank) if cfg.use_rslora else cfg.rank)
 
 
-def adapter_config(model: Any) -> dict[str, Any]:
+def adapter_config(model: Any, adapter: str = _ADAPTER) -> dict[str, Any]:
     """The adapter's ``adapter_config.json`` content (JSON types only)."""
-    raw = model.peft_config[_ADAPTER].to_dict()
+    raw = model.peft_config[adapter].to_dict()
     return {k: (sorted(v) if isinstance(v, set) else getattr(v, "value", v))
             for k, v in raw.items()}
 
 
-def adapter_tensors(full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The LoRA tensors of a wrapped model's state_dict, under peft's saved names."""
-    marker = f".{_ADAPTER}.weight"
+def adapter_tensors(full: Mapping[str, torch.Tensor],
+                    adapter: str = _ADAPTER) -> dict[str, torch.Tensor]:
+    """The LoRA tensors of adapter ``adapter`` in a wrapped model's state_dict, under peft's
+    saved names (which do not name the adapter)."""
+    marker = f".{adapter}.weight"
     return {k.replace(marker, ".weight"): v.detach() for k, v in full.items()
             if (".lora_A." in k or ".lora_B." in k) and k.endswith(marker)}
 
 
-def model_keys(adapter: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def model_keys(adapter: Mapping[str, torch.Tensor], name: str = _ADAPTER
+               ) -> dict[str, torch.Tensor]:
     """Inverse of :func:`adapter_tensors`: the wrapped model's state_dict names."""
-    return {k.removesuffix(".weight") + f".{_ADAPTER}.weight": v for k, v in adapter.items()}
+    return {k.removesuffix(".weight") + f".{name}.weight": v for k, v in adapter.items()}
+
+
+def base_tensors(full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base model's own weights in a wrapped model's state_dict, under the base's names."""
+    return {k.removeprefix(_PREFIX).replace(".base_layer.", "."): v.detach().clone()
+            for k, v in full.items() if ".lora_" not in k}
 
 
 def merged_tensors(full: Mapping[str, torch.Tensor], cfg: LoraConfig,
@@ -105,13 +127,7 @@ def merged_tensors(full: Mapping[str, torch.Tensor], cfg: LoraConfig,
     """The base model's weights with each adapter merged in, under the base model's names;
     ``base``: the base's own weights by those names (QLoRA: the full-precision ones), else
     the wrapped model's."""
-    out: dict[str, torch.Tensor] = {}
-    if base is not None:
-        out = {k: v.detach().clone() for k, v in base.items()}
-    for k, v in full.items() if base is None else ():
-        if ".lora_" in k:
-            continue
-        out[k.removeprefix(_PREFIX).replace(".base_layer.", ".")] = v.detach().clone()
+    out = base_tensors(full) if base is None else {k: v.detach().clone() for k, v in base.items()}
     lora = adapter_tensors(full)
     for k, a in lora.items():
         if ".lora_A." not in k:
@@ -123,10 +139,11 @@ def merged_tensors(full: Mapping[str, torch.Tensor], cfg: LoraConfig,
     return out
 
 
-def write_adapter(model: Any, path: str | Path, tensors: Mapping[str, torch.Tensor]) -> None:
+def write_adapter(model: Any, path: str | Path, tensors: Mapping[str, torch.Tensor],
+                  adapter: str = _ADAPTER) -> None:
     """A PEFT adapter directory: ``adapter_config.json`` + ``adapter_model.safetensors``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.peft_config[_ADAPTER].save_pretrained(str(path))
+    model.peft_config[adapter].save_pretrained(str(path))
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
               str(path / "adapter_model.safetensors"), metadata={"format": "pt"})

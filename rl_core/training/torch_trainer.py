@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -68,7 +69,7 @@ class TorchTrainer(WeightSource):
         self, model_path: str | Path, train: TrainConfig, algorithm: AlgorithmConfig, *,
         temperature: float = 1.0, max_response_len: int | None = None, dtype: str = "float32",
         trust_remote_code: bool = False, device: str = "cpu", pack_length: int | None = None,
-        freeze_vision: bool = True,
+        freeze_vision: bool = True, roles: Sequence[str] = (),
     ) -> None:
         self.train_cfg, self.algo = train, algorithm
         # Rows without a shared prompt packed first-fit into rows of this many tokens (SFT's
@@ -84,6 +85,9 @@ class TorchTrainer(WeightSource):
         self.model_path, self._trust_remote_code = str(model_path), trust_remote_code
         self._dtype = torch_dtype(dtype)
         self.lora = train.lora if train.lora.enabled else None
+        # train.lora.per_role: role -> its adapter's name (one adapter each; docs/lora.md)
+        self.role_adapters = _role_adapters(self.lora, roles)
+        self._export_role: str | None = None  # whose adapter export_weights gives (per role)
         quant = lora_lib.quantization(train.lora, torch_dtype(dtype))  # QLoRA: a 4-bit base
         self.model = load_policy_model(
             model_path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
@@ -100,7 +104,9 @@ class TorchTrainer(WeightSource):
         if self.vision is not None and freeze_vision:
             freeze_vision_tower(self.model)
         if self.lora is not None:
-            self.model = lora_lib.apply_lora(self.model, self.lora)
+            self.model = lora_lib.apply_lora(self.model, self.lora,
+                                             *([list(self.role_adapters.values())]
+                                               if self.role_adapters else []))
         self.model.train()
         self.ref_model = (copy.deepcopy(self.model).eval().requires_grad_(False)
                           if algorithm.kl_coef > 0 and self.lora is None else None)
@@ -117,8 +123,56 @@ class TorchTrainer(WeightSource):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(train))
 
     def _trained(self) -> list[torch.nn.Parameter]:
-        """The parameters the optimizer updates (LoRA: the adapters only)."""
+        """The parameters the optimizer updates (LoRA: the adapters only; per role: every
+        role's, though peft marks only the active adapter's ``requires_grad``)."""
+        if self.role_adapters:
+            return [p for n, p in self.model.named_parameters() if ".lora_" in n]
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------ per-role adapters (train.lora)
+
+    def _by_role(self, batch: Batch, rows: torch.Tensor) -> list[tuple[str | None, torch.Tensor]]:
+        """``rows`` split by the role whose adapter scores and trains them, in the roles'
+        order (``batch.roles``; a batch without them: the first role's); one part, role None,
+        without per-role adapters."""
+        if not self.role_adapters:
+            return [(None, rows)]
+        first = next(iter(self.role_adapters))
+        if batch.roles is None:
+            return [(first, rows)]
+        groups: dict[str, list[int]] = {}
+        for i in rows.tolist():
+            role = batch.roles[i]
+            if role not in self.role_adapters:
+                raise ValueError(f"row {i} is role {role!r}, which has no adapter "
+                                 f"(train.lora.per_role: {sorted(self.role_adapters)})")
+            groups.setdefault(role, []).append(i)
+        return [(r, torch.tensor(groups[r], dtype=torch.long)) for r in self.role_adapters
+                if r in groups]
+
+    def _use_role(self, role: str | None) -> None:
+        """Make ``role``'s adapter the active one (None: nothing to switch)."""
+        if role is not None:
+            self.model.set_adapter(self.role_adapters[role])
+
+    @contextlib.contextmanager
+    def exporting(self, role: str) -> Any:
+        """Within it, :meth:`export_weights`, :meth:`adapter_config` and :meth:`write_weights`
+        give ``role``'s adapter (``train.lora.per_role``: the per-role weight sync)."""
+        if role not in self.role_adapters:
+            raise ValueError(f"no adapter for role {role!r} (train.lora.per_role: "
+                             f"{sorted(self.role_adapters)})")
+        before, self._export_role = self._export_role, role
+        try:
+            yield
+        finally:
+            self._export_role = before
+
+    def _export_adapter(self) -> str:
+        """The peft name of the adapter a sync or write gives now."""
+        if not self.role_adapters:
+            return lora_lib._ADAPTER
+        return self.role_adapters[self._export_role or next(iter(self.role_adapters))]
 
     # ------------------------------------------------- data-parallel hooks (one rank: no-ops)
 
@@ -181,22 +235,26 @@ class TorchTrainer(WeightSource):
         """Per-token log-probs (B, L-1) under the policy or the reference policy."""
         if reference and self.lora is not None:
             with self.model.disable_adapter():  # the base model is the reference
-                return self._logprobs(self.model, batch)
+                return self._logprobs(self.model, batch, per_role=False)
         model = self.ref_model if reference else self.model
         if model is None:
             raise ValueError("no reference model: algorithm.kl_coef is 0")
         return self._logprobs(model, batch)
 
-    def _logprobs(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    def _logprobs(self, model: torch.nn.Module, batch: Batch,
+                  per_role: bool = True) -> torch.Tensor:
+        """Per-role adapters: each row under its role's adapter (``per_role``)."""
         was_training = model.training
         model.eval()
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
         mb = self.train_cfg.micro_batch_size
-        for start in range(0, batch.size, mb):
-            index = torch.arange(start, min(start + mb, batch.size))
-            part = batch.select(index)
-            _, logp = self._forward(model, part)
-            out[index, : logp.shape[1]] = torch.where(part.response_mask, logp.cpu(), 0.0)
+        rows = torch.arange(batch.size)
+        for role, own in self._by_role(batch, rows) if per_role else [(None, rows)]:
+            self._use_role(role)
+            for index in own.split(mb):
+                part = batch.select(index)
+                _, logp = self._forward(model, part)
+                out[index, : logp.shape[1]] = torch.where(part.response_mask, logp.cpu(), 0.0)
         model.train(was_training)
         return out
 
@@ -228,9 +286,13 @@ class TorchTrainer(WeightSource):
     def _update(self, batch: Batch, mini: MiniBatch, norm_const: float) -> MiniResult:
         """One optimizer step on ``mini``, micro-batch by micro-batch."""
         self.optimizer.zero_grad(set_to_none=True)
-        micros = mini.rows.split(self.train_cfg.micro_batch_size)
+        # per-role adapters: each micro-batch's rows of each role under that role's adapter
+        # (an adapter gets gradients from its own role's rows only; one step over all)
+        micros = [part for micro in mini.rows.split(self.train_cfg.micro_batch_size)
+                  for part in self._by_role(batch, micro)]
         metrics = []
-        for i, micro in enumerate(micros):
+        for i, (role, micro) in enumerate(micros):
+            self._use_role(role)
             part = batch.select(micro)
             with self._grad_sync(i == len(micros) - 1):
                 loss, m = self._micro_loss(part, norm_const, mini)
@@ -276,12 +338,12 @@ class TorchTrainer(WeightSource):
         LoRA, the adapter's tensors by peft's names."""
         full = self._full_state_dict()
         if self.lora is not None:
-            return lora_lib.adapter_tensors(full)
+            return lora_lib.adapter_tensors(full, self._export_adapter())
         return {k: v.detach() for k, v in full.items()}
 
     def adapter_config(self) -> dict[str, Any]:
         """LoRA: the adapter's ``adapter_config.json`` (the in-process sync sends it along)."""
-        return lora_lib.adapter_config(self.model)
+        return lora_lib.adapter_config(self.model, self._export_adapter())
 
     def _write_hf(self, path: Path, weights: dict[str, torch.Tensor]) -> None:
         """HF format (config + safetensors; LoRA: a PEFT adapter directory) from the sending
@@ -289,7 +351,7 @@ class TorchTrainer(WeightSource):
         if self._sends_weights:
             path.mkdir(parents=True, exist_ok=True)
             if self.lora is not None:
-                lora_lib.write_adapter(self.model, path, weights)
+                lora_lib.write_adapter(self.model, path, weights, self._export_adapter())
             else:
                 self.model.save_pretrained(path, state_dict=weights, safe_serialization=True)
         self._barrier()
@@ -310,15 +372,28 @@ class TorchTrainer(WeightSource):
                     self.model_path, dtype=self._dtype,
                     trust_remote_code=self._trust_remote_code)
                 own = base.state_dict()
-            base.save_pretrained(path, state_dict=lora_lib.merged_tensors(full, self.lora, own),
-                                 safe_serialization=True)
-            lora_lib.write_adapter(self.model, path / lora_lib.ADAPTER_DIR,
-                                   lora_lib.adapter_tensors(full))
+            if self.role_adapters:  # per role: the base itself, each role's adapter beside it
+                base.save_pretrained(path, safe_serialization=True, state_dict=(
+                    own if own is not None else lora_lib.base_tensors(full)))
+                for role, name in self.role_adapters.items():
+                    lora_lib.write_adapter(self.model, path / lora_lib.ROLE_ADAPTERS_DIR / role,
+                                           lora_lib.adapter_tensors(full, name), name)
+            else:
+                base.save_pretrained(path, safe_serialization=True,
+                                     state_dict=lora_lib.merged_tensors(full, self.lora, own))
+                lora_lib.write_adapter(self.model, path / lora_lib.ADAPTER_DIR,
+                                       lora_lib.adapter_tensors(full))
         self._barrier()
         return path
 
     def _loadable(self, path: Path) -> dict[str, torch.Tensor]:
         """What :meth:`save_state` wrote in ``path/model``, by the model's state_dict names."""
+        if self.role_adapters:  # model/adapters/<role>/, one PEFT directory each
+            out: dict[str, torch.Tensor] = {}
+            for role, name in self.role_adapters.items():
+                own = read_weights(path / "model" / lora_lib.ROLE_ADAPTERS_DIR / role)
+                out.update(lora_lib.model_keys(own, name))
+            return out
         named = read_weights(path / "model")
         return lora_lib.model_keys(named) if self.lora is not None else named
 
@@ -333,7 +408,11 @@ class TorchTrainer(WeightSource):
     def save_state(self, path: str | Path) -> Path:
         """Model (``path/model``, HF format), optimizer and scheduler (``trainer_state.pt``)."""
         path = Path(path)
-        self.write_weights(path / "model")  # LoRA: the adapter only
+        for role in self.role_adapters:  # per role: model/adapters/<role>/
+            with self.exporting(role):
+                self.write_weights(path / "model" / lora_lib.ROLE_ADAPTERS_DIR / role)
+        if not self.role_adapters:
+            self.write_weights(path / "model")  # LoRA: the adapter only
         state = {"optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict(), "global_step": self.global_step}
         torch.save(state, path / "trainer_state.pt")
@@ -416,6 +495,20 @@ def grpo_micro_loss(
         seq_mask_threshold=algo.seq_mask_threshold, seq_mask_metric=algo.seq_mask_metric,
         global_tokens=mini.tokens, global_seqs=mini.seqs,
     )
+
+
+def _role_adapters(lora: Any, roles: Sequence[str]) -> dict[str, str]:  # noqa: ANN401
+    """``train.lora.per_role``: each role's adapter name, the roles checked; else {}."""
+    if lora is None or not lora.per_role:
+        return {}
+    if len(roles) < 2:
+        raise ValueError(f"train.lora.per_role=true trains an adapter per role, but the trainer "
+                         f"was given roles {tuple(roles)}: set agent.env to an environment whose "
+                         "class declares two roles or more (docs/agents.md)")
+    if bad := [r for r in roles if not re.fullmatch(r"[A-Za-z0-9_-]+", r)]:
+        raise ValueError(f"train.lora.per_role: roles {bad} cannot name adapters (letters, "
+                         "digits, _ and - only)")
+    return lora_lib.role_adapter_names(lora, roles)
 
 
 def check_loaded(path: Path, missing: Sequence[str], unexpected: Sequence[str]) -> None:
