@@ -8,8 +8,8 @@ accumulate in the adapter's own parameters until its :meth:`~LoraBackend.optim_s
 one optimizer per adapter), so adapters never see each other's gradients.
 
 Sampling and prompt scoring run on an :class:`~rl_core.engine.core.EmbeddedEngine` per base
-model (its own copy of the weights; rows of up to ``MAX_LORAS_PER_BATCH`` adapters share a
-batch, each applied unmerged: ``max_loras_per_batch``, docs/lora.md), from an adapter
+model (its own copy of the weights; it merges the adapter in for a batch: the engine's
+``max_loras_per_batch`` is ``MAX_LORAS_PER_BATCH``, docs/lora.md), from an adapter
 directory in PEFT's format as :meth:`~LoraBackend.save_sampler_weights` writes it. A
 :meth:`~LoraBackend.save_state` directory is one too (plus ``tinker_state.json`` and the
 optimizer state), so both kinds of checkpoint can be sampled (docs/tinker-protocol.md §11.1).
@@ -48,7 +48,11 @@ from rl_core.tinker.losses import LossStats, compute_loss, loss_settings, requir
 __all__ = ["LORA_ALPHA", "LoraBackend"]
 
 LORA_ALPHA = 32
-MAX_LORAS_PER_BATCH = 4  # the engine's max_loras_per_batch (engine_kwargs may override it)
+# The engine's max_loras_per_batch (engine_kwargs may override it). The service hands an engine
+# one request at a time (grpoflow/tinker/futures.py), so a batch never holds two tenants'
+# adapters and N > 1 would only add its per-token cost (docs/benchmarks.md): raise it once
+# requests of several tenants reach the engine together.
+MAX_LORAS_PER_BATCH = 1
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
