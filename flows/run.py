@@ -135,7 +135,7 @@ class Run:
         run_id = tracking and tracking.run_id
         try:
             step = self._start(trainee, self.resume_from) + 1
-            evals = self.dir.read_evals() or [self.evaluate(trainee, step - 1, tracking)]
+            evals = self._evals_up_to(trainee, step - 1, tracking)
             while step <= total:
                 try:
                     done = trainee.steps(step, self._stop(step))
@@ -154,11 +154,19 @@ class Run:
                     self.say(f"{exc}; rebuilding the planes from {latest or 'the base model'} "
                              f"(restart {restarts} of {cfg.train.max_plane_restarts})")
                     step = self._start(trainee, latest) + 1
-                    evals = self.dir.read_evals()
+                    evals = self._evals_up_to(trainee, step - 1, tracking)
                     continue
                 for n, (metrics, scored) in enumerate(done, start=step):
+                    # The step's lines reach the run directory before its checkpoint commits:
+                    # a kill between the two resumes from the checkpoint before, which drops
+                    # them and redoes the step; the other order lost the step's lines for good.
+                    self.dir.log_metrics(n, metrics)
+                    if scored is not None:
+                        self.dir.log_samples(n, scored.ledger())
                     if due(cfg.checkpoint.every, n):
-                        metrics.update(trainee.checkpoint(n, run_id, False))
+                        timing = trainee.checkpoint(n, run_id, False)
+                        metrics.update(timing)
+                        self.dir.amend_metrics(n, timing)
                         log_checkpoint(tracking, n, self.ckpt_root)
                     self.record_step(n, metrics, scored, tracking, trainee)
                     if due(cfg.eval.every, n) and n != total:
@@ -174,6 +182,14 @@ class Run:
             return model_dir, evals, restarts
         finally:
             trainee.close()
+
+    def _evals_up_to(self, trainee: Trainee, step: int, tracking: Any) -> list[dict[str, Any]]:  # noqa: ANN401
+        """The evaluations logged up to ``step``, the one due at ``step`` made if it is missing
+        (step 0's; or a kill after step's checkpoint and before its evaluation)."""
+        evals = self.dir.read_evals()
+        missing = not evals or (due(self.cfg.eval.every, step) and step != self.cfg.train.steps
+                                and evals[-1]["step"] != step)
+        return [*evals, self.evaluate(trainee, step, tracking)] if missing else evals
 
     def _stop(self, step: int) -> int:
         """The last step before the next checkpoint or evaluation is due (or the end)."""
@@ -212,18 +228,16 @@ class Run:
 
     def record_step(self, step: int, metrics: dict[str, float], scored: Any, tracking: Any,
                     trainee: Trainee) -> None:  # noqa: ANN401
-        """A finished step: metrics (and a GRPO step's ``scored`` samples: ledger, sample
-        tables, episode traces) to the run directory and MLflow, its line to the console, the
-        progress bar and artifact on."""
+        """A finished step, already in the run directory: metrics (and a GRPO step's
+        ``scored`` samples: sample tables, episode traces) to MLflow, its line to the console,
+        the progress bar and artifact on."""
         steps, kind = self.cfg.train.steps, trainee.kind
-        self.dir.log_metrics(step, metrics)
         if scored is None:
             log_step(tracking, step, metrics)
         else:
             log_step(tracking, step, metrics, sample_rows(scored.samples, trainee.tokenizer))
             log_traces(tracking, step, scored.samples, self.cfg.tracking.traces_per_step,
                        getattr(scored, "dropped", ()))
-            self.dir.log_samples(step, scored.ledger())
         self.say(format_step(step, steps, metrics, kind))
         if self._bar is None:
             self._bar = tqdm(desc=kind, unit="step", initial=step - 1, total=steps,

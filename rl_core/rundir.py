@@ -75,6 +75,18 @@ class RunDir:
         with self.metrics_path.open("a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
 
+    def amend_metrics(self, step: int, extra: dict[str, Any]) -> None:
+        """Add ``extra`` to the metrics line of ``step``, the last one (the checkpoint's time,
+        known only after the line was written); the file is replaced whole, never half-written."""
+        lines = self.metrics_path.read_text(encoding="utf-8").splitlines()
+        last = json.loads(lines[-1])
+        if last["step"] != step:
+            raise ValueError(f"{self.metrics_path}: the last line is step {last['step']}, not {step}")
+        lines[-1] = json.dumps({**last, **extra})
+        tmp = self.metrics_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        os.replace(tmp, self.metrics_path)
+
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """The sample ledger: which prompts a step consumed and what each sample scored."""
         with self.ledger_path.open("a", encoding="utf-8") as f:

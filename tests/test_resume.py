@@ -271,6 +271,50 @@ def test_a_lost_trainer_is_rebuilt_from_the_checkpoint(
     assert steps == sorted(set(steps)), f"a step logged twice: {steps}"
 
 
+class _Killed(BaseException):
+    """A SIGKILL at a chosen line of the flow, in this process: nothing after it runs."""
+
+
+@pytest.mark.parametrize("where", [
+    # after the step-2 checkpoint committed, before anything else of step 2 (its MLflow
+    # metrics, the console): the soak once killed a run there and its ledger lost step 4
+    "after-the-commit",
+    # after the step-2 lines reached the run directory, before its checkpoint committed
+    "before-the-commit",
+])
+def test_a_kill_beside_a_checkpoint_loses_and_repeats_no_step(
+    prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, monkeypatch,
+    clean_local: Path, where: str,
+) -> None:
+    """A run stopped next to its step-2 checkpoint, then resumed: the ledger and the metrics
+    hold every step once and equal the uninterrupted run's (checkpoints every 2 steps)."""
+    import flows.run
+    from flows.grpo_train import GRPOPlanes, grpo_train
+
+    real = GRPOPlanes.checkpoint if where == "before-the-commit" else flows.run.log_checkpoint
+    armed = {"on": True}
+
+    def kill_once(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if armed.pop("on", False):
+            raise _Killed
+        return real(*args, **kwargs)
+
+    if where == "before-the-commit":
+        monkeypatch.setattr(GRPOPlanes, "checkpoint", kill_once)
+    else:
+        monkeypatch.setattr(flows.run, "log_checkpoint", kill_once)
+    overrides = _in_process(tmp_path, tiny_cache, "stopped")
+    with pytest.raises(_Killed):
+        grpo_train(config=DEMO, overrides=overrides, show_progress=False)
+    metrics = tmp_path / "stopped" / "metrics.jsonl"
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1, 2]
+    grpo_train(config=DEMO, overrides=overrides, show_progress=False)  # resumes
+    assert _ledger(tmp_path / "stopped") == _ledger(clean_local)
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert "time/checkpoint" in rows[3]  # the checkpoint's time joins its step's line
+
+
 def test_a_step_that_keeps_failing_fails_the_run_naming_task_and_step(
     prefect_harness, demo_model: Path, tiny_cache: Path, tmp_path: Path, monkeypatch
 ) -> None:
