@@ -242,7 +242,8 @@ def rollout_engine_spec(cfg: ExperimentConfig, model_path: str | Path) -> Engine
     return EngineSpec("embedded", str(model_path), r.num_engines, threads=cfg.thread_budget()[0],
                       dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
                       max_running_requests=r.max_running_requests, env=cfg.cluster.env,
-                      device=device, gpus=gpus, prefix_cache_tokens=r.prefix_cache_tokens)
+                      device=device, gpus=gpus, prefix_cache_tokens=r.prefix_cache_tokens,
+                      max_loras_per_batch=r.max_loras_per_batch)
 
 
 def _gpu_count() -> int:

@@ -2,10 +2,13 @@
 ``rl_core.tinker.backend.LoraBackend`` satisfies (LoRA training and sampling of many users'
 adapters on a few base models, in this process).
 
-The service calls a backend from one worker thread per base model (:mod:`.futures`), never
-from two threads for the same base model at once. A method raises
-:class:`rl_core.tinker.TinkerError` for a request the user can fix; the service turns it into
-a failed future of category ``user`` (any other exception: category ``server``).
+The service calls a backend's training and model methods from one worker thread per base
+model (:mod:`.futures`), never from two threads for the same base model at once; ``sample``
+and ``compute_logprobs`` come from the base model's sampling threads, several at once and
+alongside that worker's calls (so that tenants' samples can share the engine's batches). A
+method raises :class:`rl_core.tinker.TinkerError` for a request the user can fix; the service
+turns it into a failed future of category ``user`` (any other exception: category
+``server``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
 """Futures and the work behind them (docs/tinker-protocol.md, sections 6 and 7).
 
 Every asynchronous submission answers ``{"request_id"}`` at once; its work runs later on
-the one worker thread of its base model (:class:`Worker`: a FIFO queue, since a backend is
-single-threaded per base model). A training model's requests carry ``seq_id``: they run in
-``seq_id`` order, a request waiting until every predecessor has been handed to the worker
-(the SDK may post a chunked call's first chunk last), and a repeated ``(model, seq_id)``
-gets the first submission's ``request_id`` instead of running twice (:class:`Scheduler`).
+the one worker thread of its base model (:class:`Worker`: a FIFO queue; training and model
+changes are single-threaded per base model), or, for sampling, on one of the base model's
+``sample_threads`` sampling threads (a :class:`Worker` with several threads), so that several
+tenants' sample requests reach the engine together and share its batches. A training model's
+requests carry ``seq_id``: they run in ``seq_id`` order, a request waiting until every
+predecessor has been handed to the worker (the SDK may post a chunked call's first chunk
+last), and a repeated ``(model, seq_id)`` gets the first submission's ``request_id`` instead
+of running twice (:class:`Scheduler`).
 
 ``retrieve_future`` long-polls (:meth:`FutureStore.wait`): it returns when the result is
 there or after a bound well under the SDK's 45 s read timeout (then: ``try_again``). A result
@@ -184,33 +187,60 @@ Job = Callable[[], Result]
 
 
 class Worker:
-    """One thread running one base model's jobs in the order they were queued."""
+    """``threads`` threads running one base model's jobs, started in the order they were
+    queued (one thread: run in that order). Each job gets a ticket; :meth:`wait_queued_before`
+    waits for the jobs queued before a ticket to finish."""
 
-    def __init__(self, name: str, store: FutureStore) -> None:
+    def __init__(self, name: str, store: FutureStore, threads: int = 1) -> None:
         self.name, self.store = name, store
-        self._queue: queue.SimpleQueue[tuple[str, Job] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"tinker-{name}", daemon=True)
-        self._thread.start()
+        self._queue: queue.SimpleQueue[tuple[str, Job, int] | None] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._tickets = 0
+        self._open: set[int] = set()  # the tickets of jobs queued or running
+        self._threads = [threading.Thread(target=self._run, name=f"tinker-{name}-{i}",
+                                          daemon=True) for i in range(max(1, int(threads)))]
+        for thread in self._threads:
+            thread.start()
 
     def put(self, rid: str, job: Job) -> None:
-        self._queue.put((rid, job))
+        with self._cond:
+            ticket, self._tickets = self._tickets, self._tickets + 1
+            self._open.add(ticket)
+        self._queue.put((rid, job, ticket))
 
     def depth(self) -> int:
         return self._queue.qsize()
 
+    def mark(self) -> int:
+        """The ticket the next job will get."""
+        with self._cond:
+            return self._tickets
+
+    def wait_queued_before(self, ticket: int, timeout: float) -> bool:
+        """Wait until every job queued before ``ticket`` has finished; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._open or min(self._open) >= ticket,
+                                       timeout)
+
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            rid, job = item
+            rid, job, ticket = item
             try:
                 result = job()
             except BaseException as exc:  # noqa: BLE001 - every failure ends the future
                 result = failure(exc)
             self.store.resolve(rid, result)
+            with self._cond:
+                self._open.discard(ticket)
+                self._cond.notify_all()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Finish the queued jobs, then end the thread (waits up to ``timeout``)."""
-        self._queue.put(None)
-        self._thread.join(timeout)
+        """Finish the queued jobs, then end the threads (waits up to ``timeout``)."""
+        for _ in self._threads:
+            self._queue.put(None)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 @dataclass
@@ -225,21 +255,25 @@ class _Order:
 
 
 class Scheduler:
-    """Hands jobs to the base models' workers: unordered (model creation, sampling) or in
-    a training model's ``seq_id`` order (idempotent on ``(model_id, seq_id)``)."""
+    """Hands jobs to the base models' workers: unordered (model creation, cleanup), in a
+    training model's ``seq_id`` order (idempotent on ``(model_id, seq_id)``), or, sampling
+    (``concurrent``), to the base model's ``sample_threads`` sampling threads."""
 
-    def __init__(self, base_models: list[str], store: FutureStore) -> None:
+    def __init__(self, base_models: list[str], store: FutureStore,
+                 sample_threads: int = 16) -> None:
         self.store = store
         self.workers = {name: Worker(name, store) for name in base_models}
+        self.samplers = {name: Worker(f"{name}-sample", store, sample_threads)
+                         for name in base_models}
         self._orders: dict[str, _Order] = {}
         self._keys: dict[tuple[str, Any], str] = {}  # idempotency key -> request_id
         self._lock = threading.Lock()
 
     def submit(self, base_model: str, job: Job, key: tuple[Any, ...] | None = None,
-               owner: str | None = None) -> str:
-        """Queue ``job`` on ``base_model``'s worker, its request id ``owner``'s; a ``key``
-        seen before (of the same owner) returns the first submission's request id without
-        queuing anything."""
+               owner: str | None = None, concurrent: bool = False) -> str:
+        """Queue ``job`` on ``base_model``'s worker (``concurrent``: its sampling threads),
+        its request id ``owner``'s; a ``key`` seen before (of the same owner) returns the
+        first submission's request id without queuing anything."""
         with self._lock:
             if key is not None:
                 key = (owner, *key)
@@ -250,7 +284,7 @@ class Scheduler:
                 if len(self._keys) > 10_000:  # forget the keys of expired requests
                     self._keys = {k: r for k, r in self._keys.items() if self.store.known(r)}
                 self._keys[key] = rid
-            self.workers[base_model].put(rid, job)
+            (self.samplers if concurrent else self.workers)[base_model].put(rid, job)
             return rid
 
     def open_order(self, model_id: str, base_model: str, first_seq: int = 1,
@@ -306,11 +340,12 @@ class Scheduler:
             return sorted(order.held) if order else []
 
     def queue_depth(self, base_model: str) -> int:
-        return self.workers[base_model].depth()
+        """Jobs queued on ``base_model`` and not started (training and sampling)."""
+        return self.workers[base_model].depth() + self.samplers[base_model].depth()
 
     def close(self, timeout: float = 10.0) -> None:
         """Wake the long-polls and stop the workers (each finishes its queue first)."""
         self.store.wake_all()
         deadline = time.monotonic() + timeout
-        for worker in self.workers.values():
+        for worker in [*self.samplers.values(), *self.workers.values()]:
             worker.stop(max(0.1, deadline - time.monotonic()))

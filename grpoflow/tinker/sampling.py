@@ -119,5 +119,7 @@ class SamplingOps:
         key = None if body.seq_id is None else ("sample", body.sampling_session_id or
                                                 f"{owner}:{body.model_path or base}",
                                                 body.seq_id)
-        rid = self.scheduler.submit(base, self._job(run), key=key, owner=owner)
+        # on the sampling threads: other tenants' samples share the engine's batches
+        rid = self.scheduler.submit(base, self._job(run), key=key, owner=owner,
+                                    concurrent=True)
         return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(n)]}

@@ -1,5 +1,6 @@
 """The service's operations, without HTTP: sessions, training models, checkpoints and
-sampling, each submission turned into a job for its base model's worker (:mod:`.futures`).
+sampling, each submission turned into a job for its base model's worker, or for sampling its
+sampling threads, which run several tenants' samples at once (:mod:`.futures`).
 
 A submission that cannot be accepted raises :class:`ApiError` (its HTTP status and message;
 never 402 or 409, which the SDK retries for minutes; 429 for a full queue, which it retries
@@ -64,8 +65,10 @@ class TinkerService(SamplingOps):
     (from the API key): sessions, models, samplers and runs are visible to their owner only."""
 
     def __init__(self, backend: Backend, root: Path, *, tracker: MetricsTracker | None = None,
-                 max_queued: int = 256, session_ttl_s: float = 1800.0) -> None:
+                 max_queued: int = 256, session_ttl_s: float = 1800.0,
+                 sample_threads: int = 16) -> None:
         self.backend, self.tracker, self.max_queued = backend, tracker, max_queued
+        self.cleanup_wait_s = 600.0  # a finished session's cleanup waits for its samples
         self.session_ttl_s = session_ttl_s
         self.reap_every_s = min(60.0, max(0.05, session_ttl_s / 4))
         self.base_models = list(backend.base_model_names())
@@ -74,7 +77,7 @@ class TinkerService(SamplingOps):
         self.store = CheckpointStore(Path(root))
         self.registry = Registry()
         self.futures = FutureStore()
-        self.scheduler = Scheduler(self.base_models, self.futures)
+        self.scheduler = Scheduler(self.base_models, self.futures, sample_threads)
         self._closed = threading.Event()
         threading.Thread(target=self._reap, name="tinker-reaper", daemon=True).start()
 
@@ -140,7 +143,12 @@ class TinkerService(SamplingOps):
             if not (mine or dirs):
                 continue
 
-            def cleanup(mine: list[str] = mine, dirs: list[Path] = dirs) -> Result:
+            mark = self.scheduler.samplers[base].mark()
+
+            def cleanup(mine: list[str] = mine, dirs: list[Path] = dirs,
+                        base: str = base, mark: int = mark) -> Result:
+                # the samples queued before run first (they may read the ephemeral weights)
+                self.scheduler.samplers[base].wait_queued_before(mark, self.cleanup_wait_s)
                 for model_id in mine:  # after the work queued before: the run's last metrics
                     self._lineage("end_run", model_id, "FINISHED")
                 for model_id in mine if callable(delete) else ():

@@ -216,8 +216,8 @@ class RolloutConfig(Section):
         "cache: finished requests' KV, up to this many tokens per engine, reused by prompts that "
         "extend them (an agent's next turn); 0: off (SGLang keeps its own radix cache).")
     max_loras_per_batch: int = Field(1, ge=1, description="LoRA adapters one running batch of "
-        "the local engine serves (SGLang's --max-loras-per-batch; embedded engine processes: "
-        "the same flag, not yet passed by their launcher): 1 merges the batch's adapter into "
+        "the local engine, the embedded engine processes and SGLang serve (passed to those as "
+        "--max-loras-per-batch): 1 merges the batch's adapter into "
         "the weights (no cost per token); N > 1 runs rows of up to N adapters and the base "
         "model together, each adapter applied unmerged to its rows (docs/lora.md).")
     router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random", "manual"] = (

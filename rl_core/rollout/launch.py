@@ -120,9 +120,11 @@ def sglang_env(cfg: SGLangLaunchConfig, base: Mapping[str, str] | None = None,
 def sglang_launch(cfg: Any, model_path: str | Path) -> SGLangLaunchConfig:
     """The SGLang server of ``rollout.engine: sglang`` for a run config."""
     r, lora = cfg.rollout, cfg.train.lora
-    # LoRA (train.lora): adapters are loaded by name at each sync, one per batch
+    # LoRA (train.lora): adapters are loaded by name at each sync; rollout.max_loras_per_batch
+    # of them (per-role adapters, docs/lora.md) share a running batch
+    n = str(r.max_loras_per_batch)
     args = ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules",
-                 *lora.target_modules, "--max-loras-per-batch", "1"] if lora.enabled else []
+            *lora.target_modules, "--max-loras-per-batch", n] if lora.enabled else []
     if cfg.train.moe.routing_replay:  # requests ask for every token's experts (routing replay)
         args.append("--enable-return-routed-experts")
     return SGLangLaunchConfig(
@@ -153,6 +155,7 @@ class EngineSpec:
     device: str = "cpu"  # the embedded engine's: cpu, or cuda (engine i on GPU i mod count)
     gpus: int = 0  # GPUs this process sees, for cuda (0: each engine takes its device 0)
     prefix_cache_tokens: int = 0  # the embedded engine's prefix cache (0: off)
+    max_loras_per_batch: int = 1  # the embedded engine's (rollout.max_loras_per_batch)
 
     def command(self) -> tuple[EngineCommand, dict[str, str]]:
         """``(command(index, port), environment)`` of this spec's engines."""
@@ -164,7 +167,8 @@ class EngineSpec:
             self.model_path, dtype=self.dtype, num_threads=self.threads,
             max_running_requests=self.max_running_requests,
             trust_remote_code=self.trust_remote_code, device=self.device, gpus=self.gpus,
-            prefix_cache_tokens=self.prefix_cache_tokens)
+            prefix_cache_tokens=self.prefix_cache_tokens,
+            max_loras_per_batch=self.max_loras_per_batch)
         return command, {"OMP_NUM_THREADS": str(self.threads), **platform_env("cpu", self.env)}
 
 
@@ -173,9 +177,11 @@ def embedded_engine_command(
     max_running_requests: int = 256, max_total_tokens: int | None = None,
     trust_remote_code: bool = False, weight_sync_timeout_s: float | None = None,
     device: str = "cpu", gpus: int = 0, prefix_cache_tokens: int = 0,
+    max_loras_per_batch: int = 1,
 ) -> EngineCommand:
     """``command(index, port)`` for the embedded engine, tied to this process's life
     (``--parent-pid``); ``weight_sync_timeout_s``: its bound on each weight-update collective;
+    ``max_loras_per_batch``: LoRA adapters one running batch serves (1, the default: merged);
     ``device`` ``cuda``: engine ``index`` on GPU ``index % gpus`` (``gpus`` 0: its device 0,
     e.g. a Ray actor that sees only its own)."""
     if trust_remote_code:
@@ -191,7 +197,9 @@ def embedded_engine_command(
         for flag, value in (("--num-threads", num_threads),
                             ("--max-total-tokens", max_total_tokens),
                             ("--weight-sync-timeout-s", weight_sync_timeout_s),
-                            ("--prefix-cache-tokens", prefix_cache_tokens)):
+                            ("--prefix-cache-tokens", prefix_cache_tokens),
+                            ("--max-loras-per-batch", max_loras_per_batch if
+                             max_loras_per_batch != 1 else None)):
             if value:
                 cmd += [flag, str(value)]
         return cmd
