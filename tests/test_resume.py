@@ -77,6 +77,17 @@ def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout_s: 
     raise AssertionError(f"step {step} not logged within {timeout_s}s")
 
 
+def _wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.is_file():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run exited (rc={proc.returncode}) before {path} existed")
+        time.sleep(0.05)
+    raise AssertionError(f"{path} not written within {timeout_s}s")
+
+
 # The in-process plane on 16 prompts (8 a step: epochs of 2 steps), for the clean run and the
 # runs compared with it.
 _CLEAN = ["rollout.engine=local", "data.max_train_examples=16"]
@@ -142,8 +153,13 @@ def test_sigkill_mid_step_then_resume_is_exact(
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
-        # Step 3 is logged after the step-2 (step-3) checkpoint: step 4 is now in flight.
+        # Step 3 is logged after the step-2 checkpoint committed (S3: step 4 is now in
+        # flight); the step-3 checkpoint commits after step 3's lines, so the local variant
+        # waits for its manifest too (then step 4 is in flight).
         _wait_for_step(killed / "metrics.jsonl", 3, proc, timeout_s=300)
+        if bucket is None:
+            _wait_for_file(killed / "checkpoints" / f"step-{ckpt:06d}" / "MANIFEST.json", proc,
+                           timeout_s=120)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
