@@ -44,6 +44,7 @@ from rl_core.agents.trajectory import Trajectory
 from rl_core.data.records import Record
 from rl_core.engine.sampling import SamplingParams, sample_seed
 from rl_core.interfaces import RolloutPlane
+from rl_core.training.lora import role_adapter_names
 from rl_core.types import Sample
 
 __all__ = ["RoleEpisodeRunner", "RoleStep", "declared_roles", "role_adapters", "role_metrics",
@@ -85,7 +86,7 @@ def role_adapters(cfg: Any) -> dict[str, str]:  # noqa: ANN401 (an ExperimentCon
         raise ValueError(f"train.lora.per_role=true trains an adapter per role, but agent.env="
                          f"{cfg.agent.env!r} declares no roles (a class attribute `roles` of two "
                          "names or more; docs/agents.md)")
-    return {role: f"{lora.name}-{role}" for role in roles}
+    return role_adapter_names(lora, roles)
 
 
 def role_runner(agent: Any, plane: RolloutPlane, chat: ChatTokens,  # noqa: ANN401 (AgentConfig)
